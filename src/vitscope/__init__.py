@@ -1,0 +1,30 @@
+"""vitscope: how Vision Transformers see, whatever taught them.
+
+    import vitscope as vs
+    m = vs.load_model("dino-b16")                      # registry name, timm name, or a local file
+    feats = vs.extract(m, images, taps=["block3.out", "block3.attn"])
+    vs.cka(X, Y)                                       # minibatch CKA, unbiased HSIC_1
+    vs.metrics.attention.attention_distance(attn, m.grid_size, m.num_prefix_tokens)
+"""
+
+from vitscope import metrics
+from vitscope.capture import Capture, extract, stream
+from vitscope.errors import (
+    CheckpointError,
+    ConfigError,
+    InputError,
+    UnknownModelError,
+    UnknownTapError,
+    VitscopeError,
+    WeightsUnavailableError,
+)
+from vitscope.metrics.cka import cka
+from vitscope.models import REGISTRY, ModelSpec, ViTModel, load_model, save_checkpoint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "REGISTRY", "Capture", "CheckpointError", "ConfigError", "InputError", "ModelSpec", "UnknownModelError",
+    "UnknownTapError", "ViTModel", "VitscopeError", "WeightsUnavailableError", "__version__", "cka", "extract",
+    "load_model", "metrics", "save_checkpoint", "stream",
+]

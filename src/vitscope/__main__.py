@@ -1,0 +1,5 @@
+import sys
+
+from vitscope.cli import main
+
+sys.exit(main())

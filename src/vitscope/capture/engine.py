@@ -1,0 +1,221 @@
+"""One forward pass per (model, batch): hooks on the requested taps only, handed to accumulators.
+
+`Capture` is the context manager that owns the hooks (removed on exit, even on error) and switches
+timm's fused attention off only in the blocks whose ``attn`` tap is requested, so plain feature capture
+keeps the fast SDPA path. `extract` gathers taps for small interactive use; `stream` is the streaming
+driver that every study pass goes through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vitscope.capture.taps import check_taps, parse_tap
+from vitscope.capture.views import token_view
+from vitscope.errors import VitscopeError
+
+if TYPE_CHECKING:
+    from vitscope.analyses.base import Analysis
+    from vitscope.data.base import Batch
+    from vitscope.models.adapter import ViTModel
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class _StopForward(Exception):
+    """Raised by the last needed hook: nothing after it is read, so the rest of the pass is skipped."""
+
+
+class Capture:
+    """Hooks for ``taps`` on ``vm``; calling it runs one forward pass and returns ``{tap: tensor}``.
+
+    dtype: 'fp32' (default) or 'bf16'/'fp16' autocast; captured tensors are handed out as float32.
+    stop_early: end the pass after the deepest requested tap (no head, no later blocks).
+    """
+
+    def __init__(self, vm: ViTModel, taps: Sequence[str], dtype: str = "fp32", stop_early: bool = True):
+        check_taps(list(taps), vm.taps)
+        if dtype not in DTYPES:
+            raise VitscopeError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+        self.vm = vm
+        self.taps = list(dict.fromkeys(taps))
+        self.dtype = DTYPES[dtype]
+        self.stop_early = stop_early
+        self._store: dict[str, torch.Tensor] = {}
+        self._handles: list[Any] = []
+        self._unfused: list[tuple[torch.nn.Module, bool]] = []
+        self._active = False
+
+    def _last_block(self) -> int | None:
+        if any(parse_tap(t)[0] is None and t != "embed" for t in self.taps):
+            return None  # final_norm / logits: the whole pass is needed
+        idx = [parse_tap(t)[0] for t in self.taps]
+        return max((i for i in idx if i is not None), default=0)
+
+    def __enter__(self) -> Capture:
+        try:
+            for tap in self.taps:
+                hp = self.vm.hook_point(tap)
+                if hp.needs_unfused is not None and getattr(hp.needs_unfused, "fused_attn", False):
+                    self._unfused.append((hp.needs_unfused, True))
+                    hp.needs_unfused.fused_attn = False
+                self._handles.append(self._register(tap, hp))
+            last = self._last_block() if self.stop_early else None
+            if last is not None:
+                def stop(module: Any, args: Any, out: Any) -> None:
+                    raise _StopForward
+                self._handles.append(self.vm.model.blocks[last].register_forward_hook(stop))
+        except BaseException:
+            self._restore()
+            raise
+        self._active = True
+        return self
+
+    def _register(self, tap: str, hp: Any) -> Any:
+        store, get = self._store, hp.get
+        if hp.when == "pre":
+            return hp.module.register_forward_pre_hook(lambda m, args: store.__setitem__(tap, get(args, None)))
+        return hp.module.register_forward_hook(lambda m, args, out: store.__setitem__(tap, get(args, out)))
+
+    def _restore(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for module, flag in self._unfused:
+            module.fused_attn = flag
+        self._unfused.clear()
+        self._active = False
+
+    def __exit__(self, *exc: Any) -> None:
+        self._restore()
+
+    def __call__(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not self._active:
+            raise VitscopeError("use Capture as a context manager: `with Capture(vm, taps) as cap: cap(x)`")
+        self.vm.check_input(x)
+        self._store.clear()
+        device = next(self.vm.model.parameters()).device
+        x = x.to(device)
+        autocast = (torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32
+                    else contextlib.nullcontext())
+        with torch.inference_mode(), autocast:
+            try:
+                self.vm.model(x)
+            except _StopForward:
+                pass
+        out = dict(self._store)
+        self._store.clear()
+        if self.dtype != torch.float32:
+            out = {k: v.float() for k, v in out.items()}
+        return out
+
+
+def extract(
+    vm: ViTModel,
+    images: Any,
+    taps: Sequence[str] | str,
+    *,
+    view: str | None = None,
+    batch_size: int = 32,
+    dtype: str = "fp32",
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Captured taps for a few images, concatenated on the CPU: ``{tap: (N, ...)}``.
+
+    images: a (N, 3, H, W) tensor already preprocessed for ``vm``, or a list of PIL images / file
+    paths (preprocessed with the model's own transform), or an iterable of such batches.
+    view: apply a token view ('cls', 'gap', 'gap_spatial', 'spatial') to (B, T, D) taps as they arrive.
+    Everything is kept in memory: for many images, use an analysis (`stream`) instead.
+    """
+    if isinstance(taps, str):
+        taps = [taps]
+    parts: dict[str, list[torch.Tensor]] = {t: [] for t in taps}
+    with Capture(vm, taps, dtype=dtype) as cap:
+        for x in _progress(_image_batches(vm, images, batch_size), progress, vm.name):
+            for t, v in cap(x).items():
+                if view is not None and v.ndim == 3:
+                    v = token_view(v, view, vm.num_prefix_tokens, vm.has_cls_token)
+                parts[t].append(v.detach().cpu())
+    if not any(parts.values()):
+        raise VitscopeError("no images were given")
+    return {t: torch.cat(v) for t, v in parts.items()}
+
+
+def stream(
+    vm: ViTModel,
+    batches: Iterable[Batch],
+    analyses: Sequence[Analysis],
+    *,
+    dtype: str = "fp32",
+    progress: bool = True,
+    total: int | None = None,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
+    """The one pass: every batch goes through the model once; each analysis gets the taps it asked for.
+
+    on_batch(i) is called after batch i has been fed to every analysis (the study uses it to save
+    accumulator states for resume). Returns the number of batches processed.
+    """
+    wanted: list[str] = []
+    for a in analyses:
+        for t in a.required_taps():
+            if t not in wanted:
+                wanted.append(t)
+    n = 0
+    with Capture(vm, wanted, dtype=dtype) as cap:
+        for batch in _progress(batches, progress, vm.name, total):
+            feats = cap(batch.images)
+            for a in analyses:
+                a.update(_Subset(feats, a.required_taps()), batch)
+            if on_batch is not None:
+                on_batch(n)
+            n += 1
+    return n
+
+
+class _Subset(Mapping[str, torch.Tensor]):
+    """Read-only view of the captured taps that one analysis asked for."""
+
+    def __init__(self, feats: dict[str, torch.Tensor], keys: Sequence[str]):
+        self._feats, self._keys = feats, list(keys)
+
+    def __getitem__(self, k: str) -> torch.Tensor:
+        if k not in self._keys:
+            raise KeyError(f"tap {k!r} was not declared by this analysis's required_taps()")
+        return self._feats[k]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def _image_batches(vm: ViTModel, images: Any, batch_size: int) -> Iterator[torch.Tensor]:
+    from vitscope.data.preprocess import load_images
+
+    if isinstance(images, torch.Tensor):
+        if images.ndim == 3:
+            images = images[None]
+        for i in range(0, len(images), batch_size):
+            yield images[i:i + batch_size]
+        return
+    if isinstance(images, list | tuple) and images and not isinstance(images[0], torch.Tensor):
+        for i in range(0, len(images), batch_size):
+            yield load_images(images[i:i + batch_size], vm.preprocessing)
+        return
+    for b in images:
+        yield b if isinstance(b, torch.Tensor) else b.images
+
+
+def _progress(it: Iterable[Any], enabled: bool, desc: str, total: int | None = None) -> Iterable[Any]:
+    if not enabled:
+        return it
+    from tqdm.auto import tqdm
+
+    return tqdm(it, desc=desc, total=total, unit="batch", leave=False)

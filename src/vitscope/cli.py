@@ -1,0 +1,113 @@
+"""The `vitscope` command: list models and taps, run a study, rebuild a report."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from vitscope.errors import VitscopeError
+
+EPILOG = """examples:
+  vitscope models                               the model registry
+  vitscope taps dino-b16                        every tap point of a model, with its shape
+  vitscope run                                  the embedded default study (offline)
+  vitscope run study.yaml batch_size=16         a study of your own, with overrides
+  vitscope report vitscope-runs/default         rebuild a run's report.html
+"""
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from vitscope.models import list_specs
+
+    rows = [(s.name, s.timm_name, s.family, s.weights.kind, str(s.preprocessing.input_size), s.citation.split(",")[0])
+            for s in list_specs() if args.family in (None, s.family)]
+    head = ("name", "timm architecture", "family", "weights", "input", "citation")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    print(f"\n{len(rows)} models. Any timm ViT name or a local checkpoint works too; "
+          "`vitscope taps NAME` shows a model's tap points.")
+    return 0
+
+
+def _cmd_taps(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitscope.capture import extract
+    from vitscope.models import load_model
+
+    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None)
+    print(vm)
+    h, w = vm.img_size
+    feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)
+    for tap in vm.taps:
+        print(f"  {tap:<22} {tuple(feats[tap].shape)}")
+    print(f"token views: cls, spatial, gap, gap_spatial (prefix tokens: {vm.num_prefix_tokens})")
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitscope.study import load_config, run_study
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        overrides.insert(0, config)
+        config = None
+    cfg = load_config(config, overrides)
+    out = run_study(cfg)
+    print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from vitscope.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="vitscope", description="How Vision Transformers see, whatever taught them.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log what is loaded and computed")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("models", help="list the model registry")
+    m.add_argument("--family", choices=["explicit", "contrastive", "reconstructive", "hybrid"])
+    m.set_defaults(func=_cmd_models)
+
+    t = sub.add_parser("taps", help="list the tap points of a model, with shapes for one image")
+    t.add_argument("model", help="registry name, timm name, or a vitscope checkpoint file")
+    t.add_argument("--weights", help="checkpoint to load (the architecture alone is enough for shapes)")
+    t.set_defaults(func=_cmd_taps)
+
+    r = sub.add_parser("run", help="run a study (the embedded default if no config is given)",
+                       description="Run a study: each model once over the dataset, every analysis from that "
+                                   "one pass. Overrides are OmegaConf dotlist: key=value, e.g. batch_size=16 "
+                                   "dataset.n_images=512 'analyses.cka.views=[gap]'.")
+    r.add_argument("config", nargs="?", help="study YAML (default: the embedded default study)")
+    r.add_argument("overrides", nargs="*", help="key=value overrides")
+    r.set_defaults(func=_cmd_run)
+
+    rep = sub.add_parser("report", help="rebuild report.html of a run directory")
+    rep.add_argument("run_dir")
+    rep.set_defaults(func=_cmd_report)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except VitscopeError as e:
+        print(f"vitscope: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The errors vitscope raises on bad input. Each message is meant to be read by a person: what went
+wrong, and what to do about it, in one or two sentences."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class VitscopeError(Exception):
+    """Base class of every error vitscope raises on purpose."""
+
+
+class UnknownModelError(VitscopeError, KeyError):
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""
+
+
+class WeightsUnavailableError(VitscopeError, RuntimeError):
+    """Weights could not be fetched (no network to the hub, or a manual download)."""
+
+
+class CheckpointError(VitscopeError, ValueError):
+    """A checkpoint whose keys or shapes do not fit the model."""
+
+
+class UnknownTapError(VitscopeError, KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class InputError(VitscopeError, ValueError):
+    """Images the model cannot take (size, channels, dtype, NaNs)."""
+
+
+class ConfigError(VitscopeError, ValueError):
+    """A study config that does not validate."""
+
+
+def close_matches(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
+    """Closest names first; substring matches count as close too."""
+    candidates = list(candidates)
+    out = difflib.get_close_matches(name, candidates, n=n, cutoff=0.5)
+    low = name.lower()
+    for c in candidates:
+        if len(out) >= n:
+            break
+        if c not in out and (low in c.lower() or c.lower() in low):
+            out.append(c)
+    return out
+
+
+def preview(names: Iterable[str], limit: int = 12) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

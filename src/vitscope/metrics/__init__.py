@@ -1,0 +1,8 @@
+"""Pure functions on arrays and tensors: no I/O, no models.
+
+`vs.metrics.attention` works on attention tensors (B, H, T, T); `vs.metrics.cka` on features.
+"""
+
+from vitscope.metrics import attention, cka
+
+__all__ = ["attention", "cka"]

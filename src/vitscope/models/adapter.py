@@ -1,0 +1,146 @@
+"""`ViTModel`: one timm ViT (or BEiT) with uniform facts and tap points, whatever trained it."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from vitscope.capture import taps as _taps
+from vitscope.errors import InputError, VitscopeError
+from vitscope.models.checkpoints import LoadReport
+from vitscope.models.registry import ModelSpec, Preprocessing
+
+SUPPORTED = "timm VisionTransformer (ViT, DeiT, CLIP, DINO, MAE, DINOv2 with registers) and Beit"
+
+
+def model_family(model: nn.Module) -> str:
+    from timm.models.beit import Beit
+    from timm.models.vision_transformer import VisionTransformer
+
+    if isinstance(model, Beit):
+        return "beit"
+    if isinstance(model, VisionTransformer):
+        return "vit"
+    raise VitscopeError(f"{type(model).__name__} is not supported; vitscope adapts {SUPPORTED}")
+
+
+@dataclass
+class ViTModel:
+    """A loaded model and what vitscope needs to know about it.
+
+    Attributes: ``model`` (the timm module, in eval mode), ``name``, ``spec`` (the registry entry or an
+    ad-hoc one), ``family`` ('vit' or 'beit'), ``load_report`` (key accounting, None for random init).
+    """
+
+    model: nn.Module
+    name: str
+    spec: ModelSpec
+    load_report: LoadReport | None = None
+
+    def __post_init__(self) -> None:
+        self.family = model_family(self.model)
+        self.model.eval()
+
+    # -- architecture facts -------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        return len(self.model.blocks)
+
+    @property
+    def num_heads(self) -> int:
+        return int(self.model.blocks[0].attn.num_heads)
+
+    @property
+    def embed_dim(self) -> int:
+        return int(self.model.embed_dim)
+
+    @property
+    def num_prefix_tokens(self) -> int:
+        """CLS plus register tokens, at the front of the sequence."""
+        if self.family == "beit":
+            return 1
+        return int(self.model.num_prefix_tokens)
+
+    @property
+    def has_cls_token(self) -> bool:
+        return getattr(self.model, "cls_token", None) is not None
+
+    @property
+    def patch_size(self) -> int:
+        p = self.model.patch_embed.patch_size
+        return int(p[0] if isinstance(p, tuple | list) else p)
+
+    @property
+    def grid_size(self) -> tuple[int, int]:
+        g = self.model.patch_embed.grid_size
+        return int(g[0]), int(g[1])
+
+    @property
+    def img_size(self) -> tuple[int, int]:
+        s = self.model.patch_embed.img_size
+        return int(s[0]), int(s[1])
+
+    @property
+    def num_tokens(self) -> int:
+        h, w = self.grid_size
+        return self.num_prefix_tokens + h * w
+
+    @property
+    def preprocessing(self) -> Preprocessing:
+        pre = self.spec.preprocessing
+        if pre.input_size != self.img_size[0]:
+            from dataclasses import replace
+
+            pre = replace(pre, input_size=self.img_size[0])
+        return pre
+
+    @cached_property
+    def taps(self) -> list[str]:
+        """Tap names valid for this model, in forward order."""
+        return _taps.tap_names(self.depth)
+
+    def hook_point(self, tap: str) -> _taps.HookPoint:
+        _taps.check_taps([tap], self.taps)
+        return _taps.hook_point(self.model, self.family, tap)
+
+    @cached_property
+    def weights_digest(self) -> str:
+        """sha256 over parameter names, shapes and bytes: what a cache key needs to know of the weights."""
+        h = hashlib.sha256()
+        for k, v in sorted(self.model.state_dict().items()):
+            h.update(k.encode())
+            h.update(str(tuple(v.shape)).encode())
+            h.update(v.detach().to("cpu").contiguous().numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    def check_input(self, x: torch.Tensor) -> None:
+        """Clear errors for images the model cannot take, before any hook runs."""
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"expected an image tensor (B, 3, H, W), got {type(x).__name__}")
+        if x.ndim != 4 or x.shape[1] != self.model.patch_embed.proj.in_channels:
+            raise InputError(f"expected images of shape (B, {self.model.patch_embed.proj.in_channels}, H, W), "
+                             f"got {tuple(x.shape)}")
+        h, w = x.shape[-2:]
+        dynamic = bool(getattr(self.model.patch_embed, "dynamic_img_size", False))
+        if dynamic:
+            if h % self.patch_size or w % self.patch_size:
+                raise InputError(f"{self.name} takes images whose sides are multiples of the patch size "
+                                 f"{self.patch_size}; got {h}x{w}")
+        elif (h, w) != self.img_size:
+            ih, iw = self.img_size
+            raise InputError(
+                f"{self.name} takes {ih}x{iw} images (patch {self.patch_size}); got {h}x{w}. Resize them "
+                f"(vitscope.data.preprocess does), or load the model with img_size={h} to resample its "
+                "position embedding.")
+        if not torch.isfinite(x).all():
+            bad = int((~torch.isfinite(x)).sum())
+            raise InputError(f"the images hold {bad} NaN or infinite values")
+
+    def __repr__(self) -> str:
+        return (f"ViTModel({self.name!r}, {self.family}, depth={self.depth}, heads={self.num_heads}, "
+                f"dim={self.embed_dim}, patch={self.patch_size}, grid={self.grid_size}, "
+                f"prefix_tokens={self.num_prefix_tokens})")

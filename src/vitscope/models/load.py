@@ -1,0 +1,202 @@
+"""`load_model`: a registry name, any timm ViT name, or a local checkpoint -> `ViTModel`."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import timm
+import torch
+
+from vitscope.errors import UnknownModelError, VitscopeError, WeightsUnavailableError, close_matches
+from vitscope.models import checkpoints as ck
+from vitscope.models.adapter import ViTModel
+from vitscope.models.registry import REGISTRY, ModelSpec, Preprocessing, WeightSource
+
+log = logging.getLogger(__name__)
+
+_LOCAL_HINT = "download the file elsewhere and pass weights='/path/to/file' (or pretrained=False for random init)"
+
+
+def load_model(
+    name_or_path: str | Path,
+    weights: str | Path | None = None,
+    *,
+    pretrained: bool = True,
+    checkpoint_format: str = "auto",
+    checkpoint_key: str = "teacher",
+    strict: bool = True,
+    trust_checkpoint: bool = False,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    **model_kwargs: Any,
+) -> ViTModel:
+    """Build a ViT and load its weights.
+
+    name_or_path: a registry name (``vitscope models``), a timm model name (``vit_small_patch16_224``,
+        optionally with a pretrained tag), or a checkpoint file written by vitscope (its architecture
+        is stored in the file).
+    weights: a local checkpoint (or URL) in any supported layout: timm, MoCo-v3, DINO, MAE, BEiT,
+        SimMIM; auto-detected, or forced with ``checkpoint_format``. Overrides the entry's own source.
+    pretrained: fetch the entry's weights when ``weights`` is not given; False = random init (seeded).
+    checkpoint_key: which network of a DINO training checkpoint to load ('teacher' or 'student').
+    strict: refuse checkpoints that leave any weight at init or bring unknown keys.
+    model_kwargs: passed to ``timm.create_model`` (e.g. ``img_size=448``, ``depth=2`` for tiny tests).
+    """
+    spec = resolve_spec(name_or_path)
+    if Path(str(name_or_path)).is_file() and weights is None:
+        weights = name_or_path
+    kwargs = {**spec.model_kwargs, **model_kwargs}
+    report = None
+    if weights is not None:
+        source = str(weights)
+        ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
+        conv = ck.convert(ckpt, checkpoint_format if checkpoint_format != "auto" else spec.weights.checkpoint_format,
+                          dino_key=checkpoint_key)
+        kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
+        model = _create(spec.arch, kwargs, seed)
+        report = ck.load_into(model, conv, source=Path(source).name, strict=strict)
+        log.info("%s: %s", spec.name, report.summary())
+    elif not pretrained or spec.weights.kind == "none":
+        model = _create(spec.arch, kwargs, seed)
+    elif spec.weights.kind == "timm":
+        model = _create_timm_pretrained(spec, kwargs)
+        report = ck.LoadReport(source=spec.timm_name, format="timm (strict load by timm)")
+        report.loaded = list(model.state_dict())
+    elif spec.weights.kind in ("url", "hf", "file"):
+        path = _fetch(spec.weights.location, spec)
+        conv = ck.convert(ck.read_checkpoint(path, trust=trust_checkpoint), spec.weights.checkpoint_format,
+                          dino_key=checkpoint_key)
+        kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
+        model = _create(spec.arch, kwargs, seed)
+        report = ck.load_into(model, conv, source=Path(path).name, strict=strict)
+    else:  # manual
+        raise WeightsUnavailableError(
+            f"{spec.name} weights have no direct download link: get them from {spec.weights.location}, "
+            f"then pass weights='/path/to/file' (checkpoint_format={spec.weights.checkpoint_format!r}).")
+    model.to(device)
+    return ViTModel(model=model, name=spec.name, spec=replace(spec, model_kwargs=kwargs), load_report=report)
+
+
+def resolve_spec(name_or_path: str | Path) -> ModelSpec:
+    """Registry entry, ad-hoc entry for a timm name, or the entry stored in a vitscope checkpoint."""
+    name = str(name_or_path)
+    if name in REGISTRY:
+        return REGISTRY[name]
+    path = Path(name)
+    if path.is_file():
+        meta = read_vitscope_metadata(path)
+        if meta is None:
+            raise VitscopeError(
+                f"{path.name} does not say which architecture it holds; pass the timm name and the file: "
+                f"load_model('vit_base_patch16_224', weights='{name}')")
+        return meta
+    arch, _, tag = name.partition(".")
+    if timm.is_model(arch):
+        pre = _timm_preprocessing(name)
+        source = WeightSource("timm", tag) if tag else WeightSource("timm", _default_tag(arch))
+        return ModelSpec(name, arch, "none", "unknown", source, pre)
+    if path.suffix in (".pth", ".pt", ".tar", ".safetensors", ".bin") or "/" in name:
+        raise VitscopeError(f"checkpoint file {name!r} does not exist")
+    vit_names = [n for n in timm.list_models() if "vit" in n or "beit" in n]
+    hint = close_matches(name, list(REGISTRY) + vit_names, n=5)
+    raise UnknownModelError(
+        f"unknown model {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else ".")
+        + " `vitscope models` lists the registry; any timm ViT name or a local checkpoint works too.")
+
+
+def _default_tag(arch: str) -> str:
+    tags = timm.list_pretrained(arch)
+    return tags[0].partition(".")[2] if tags else ""
+
+
+def _timm_preprocessing(name: str) -> Preprocessing:
+    try:
+        cfg = timm.get_pretrained_cfg(name if "." in name else (timm.list_pretrained(name) or [name])[0])
+    except Exception:  # noqa: BLE001 - fall back to ImageNet defaults
+        cfg = None
+    if cfg is None:
+        return Preprocessing()
+    c = cfg.to_dict() if hasattr(cfg, "to_dict") else dict(cfg)
+    return Preprocessing(tuple(c.get("mean", Preprocessing.mean)), tuple(c.get("std", Preprocessing.std)),
+                         int(c.get("input_size", (3, 224, 224))[-1]), float(c.get("crop_pct", 0.875)),
+                         str(c.get("interpolation", "bicubic")))
+
+
+def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return timm.create_model(arch, pretrained=False, **kwargs)
+        except TypeError as e:
+            raise VitscopeError(f"timm could not build {arch} with {kwargs}: {e}") from e
+
+
+def _create_timm_pretrained(spec: ModelSpec, kwargs: dict[str, Any]) -> torch.nn.Module:
+    try:
+        return timm.create_model(spec.timm_name, pretrained=True, **kwargs)
+    except Exception as e:  # noqa: BLE001 - no network to the hub shows up as many exception types
+        if isinstance(e, TypeError):  # bad model arguments, not a download problem
+            raise
+        raise WeightsUnavailableError(
+            f"could not fetch {spec.timm_name} weights for {spec.name} from the Hugging Face hub "
+            f"({type(e).__name__}); {_LOCAL_HINT}.") from e
+
+
+def _fetch(location: str, spec: ModelSpec) -> str:
+    """A local path as is; a URL through torch.hub's cache (downloaded once, if the network allows)."""
+    if "://" not in location:
+        return location
+    from torch.hub import download_url_to_file, get_dir
+
+    cached = Path(get_dir()) / "checkpoints" / Path(location.split("?")[0]).name
+    if cached.is_file():
+        return str(cached)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        download_url_to_file(location, str(cached), progress=True)
+    except Exception as e:  # noqa: BLE001
+        cached.unlink(missing_ok=True)
+        raise WeightsUnavailableError(
+            f"could not download {spec.name} weights from {location} ({type(e).__name__}); {_LOCAL_HINT}, "
+            f"or place it at {cached}.") from e
+    return str(cached)
+
+
+# -- vitscope's own checkpoints: safetensors with the spec in the metadata -----------------------------
+
+def save_checkpoint(model: torch.nn.Module, path: str | Path, spec: ModelSpec, half: bool = False) -> Path:
+    """Write a safetensors file that `load_model(path)` can rebuild without being told the architecture."""
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    sd = {k: (v.half() if half and v.is_floating_point() else v).contiguous()
+          for k, v in model.state_dict().items()}
+    meta = {"vitscope.spec": json.dumps(asdict(spec))}
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save_file(sd, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def read_vitscope_metadata(path: Path) -> ModelSpec | None:
+    if path.suffix != ".safetensors":
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+    raw = meta.get("vitscope.spec")
+    if raw is None:
+        return None
+    d = json.loads(raw)
+    pre = d.pop("preprocessing")
+    pre = Preprocessing(tuple(pre["mean"]), tuple(pre["std"]), pre["input_size"], pre["crop_pct"],
+                        pre["interpolation"])
+    d["weights"] = WeightSource("file", str(path), "timm")
+    return ModelSpec(preprocessing=pre, **d)

@@ -1,0 +1,194 @@
+"""Short model names -> everything needed to build, load and feed the model.
+
+One entry per (supervision, size). Like timm's pretrained configs, an entry carries the architecture,
+where its weights live, the preprocessing the weights were trained with, and who to cite. Entries
+whose weights timm hosts name a timm tag; the others name the official file (URL) and the checkpoint
+layout it is in, which `vitscope.models.checkpoints` converts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from vitscope.errors import UnknownModelError, close_matches
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+INCEPTION_MEAN = (0.5, 0.5, 0.5)
+INCEPTION_STD = (0.5, 0.5, 0.5)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+Family = Literal["explicit", "contrastive", "reconstructive", "hybrid", "none"]
+SourceKind = Literal["timm", "hf", "url", "file", "manual", "none"]
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where the weights of an entry come from.
+
+    kind: ``timm`` (``location`` is a pretrained tag timm fetches from the Hugging Face hub),
+    ``hf`` (a hub repo id), ``url`` (an official file), ``file`` (a path, relative to the package for
+    shipped checkpoints), ``manual`` (no stable direct link: ``location`` is the page to download from),
+    ``none`` (random initialisation).
+    """
+
+    kind: SourceKind
+    location: str = ""
+    checkpoint_format: str = "auto"
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.location}" if self.location else self.kind
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    input_size: int = 224
+    crop_pct: float = 0.875
+    interpolation: str = "bicubic"
+
+    @property
+    def resize_size(self) -> int:
+        """Short side before the centre crop (e.g. 256 for 224 at crop_pct 0.875)."""
+        return int(round(self.input_size / self.crop_pct))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    arch: str
+    family: Family
+    supervision: str
+    weights: WeightSource
+    preprocessing: Preprocessing = field(default_factory=Preprocessing)
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+    citation: str = ""
+    notes: str = ""
+
+    @property
+    def timm_name(self) -> str:
+        """``arch.tag`` when timm hosts the weights, else the bare architecture."""
+        if self.weights.kind == "timm" and self.weights.location:
+            return f"{self.arch}.{self.weights.location}"
+        return self.arch
+
+
+REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    if spec.name in REGISTRY:
+        raise ValueError(f"model {spec.name!r} is registered twice")
+    REGISTRY[spec.name] = spec
+    return spec
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        hint = close_matches(name, REGISTRY)
+        msg = f"unknown model {name!r}"
+        msg += f"; did you mean {', '.join(hint)}?" if hint else "."
+        raise UnknownModelError(msg + " `vitscope models` lists the registry; any timm ViT name works too.") from None
+
+
+def list_specs() -> list[ModelSpec]:
+    return list(REGISTRY.values())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Citations
+_AUGREG = "Steiner et al., How to train your ViT? (TMLR 2022)"
+_CLIP = "Radford et al., Learning Transferable Visual Models From Natural Language Supervision (ICML 2021)"
+_DINO = "Caron et al., Emerging Properties in Self-Supervised Vision Transformers (ICCV 2021)"
+_MOCO = "Chen, Xie, He, An Empirical Study of Training Self-Supervised Vision Transformers (ICCV 2021)"
+_MAE = "He et al., Masked Autoencoders Are Scalable Vision Learners (CVPR 2022)"
+_BEIT = "Bao et al., BEiT: BERT Pre-Training of Image Transformers (ICLR 2022)"
+_SIMMIM = "Xie et al., SimMIM: A Simple Framework for Masked Image Modeling (CVPR 2022)"
+_DINOV2 = "Oquab et al., DINOv2: Learning Robust Visual Features without Supervision (TMLR 2024)"
+_REG = "Darcet et al., Vision Transformers Need Registers (ICLR 2024)"
+
+_SUP_PRE = Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 224, 0.9, "bicubic")
+_CLIP_PRE = Preprocessing(CLIP_MEAN, CLIP_STD, 224, 1.0, "bicubic")
+_DINO_PRE = Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 0.9, "bicubic")
+# DINOv2 weights are trained at 518 px; vitscope builds them at 224 (timm resamples the position
+# embedding) so their grid (16x16) is comparable with the /16 models. Pass img_size=518 for the original.
+_DINOV2_PRE = Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 1.0, "bicubic")
+_MOCO_PRE = Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 0.875, "bilinear")
+_BEIT_PRE = Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 224, 0.9, "bicubic")
+_SIMMIM_PRE = Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 0.875, "bicubic")
+
+_BEIT_PRETRAIN_KW = {"use_shared_rel_pos_bias": True, "use_rel_pos_bias": False, "global_pool": "token",
+                     "num_classes": 0}
+
+for _size, _arch in [("s16", "vit_small_patch16_224"), ("b16", "vit_base_patch16_224"),
+                     ("b8", "vit_base_patch8_224"), ("b32", "vit_base_patch32_224"),
+                     ("l16", "vit_large_patch16_224")]:
+    register(ModelSpec(
+        f"sup-{_size}", _arch, "explicit", "supervised",
+        WeightSource("timm", "augreg_in21k_ft_in1k"), _SUP_PRE, citation=_AUGREG,
+        notes="ImageNet-21k pretraining, ImageNet-1k fine-tuning (AugReg)."))
+
+for _size, _arch in [("b16", "vit_base_patch16_clip_quickgelu_224"),
+                     ("b32", "vit_base_patch32_clip_quickgelu_224"),
+                     ("l14", "vit_large_patch14_clip_quickgelu_224")]:
+    register(ModelSpec(
+        f"clip-{_size}", _arch, "explicit", "clip",
+        WeightSource("timm", "openai"), _CLIP_PRE, {"num_classes": 0}, citation=_CLIP,
+        notes="OpenAI image tower with QuickGELU, as trained. Grouped with explicit supervision "
+              "(language labels), as in Walmer et al. 2023."))
+
+for _size, _arch in [("s16", "vit_small_patch16_224"), ("s8", "vit_small_patch8_224"),
+                     ("b16", "vit_base_patch16_224"), ("b8", "vit_base_patch8_224")]:
+    register(ModelSpec(
+        f"dino-{_size}", _arch, "contrastive", "dino",
+        WeightSource("timm", "dino"), _DINO_PRE, {"num_classes": 0}, citation=_DINO,
+        notes="Teacher backbone. Official full checkpoints (teacher/student) load with weights=PATH."))
+
+register(ModelSpec(
+    "mocov3-s16", "vit_small_patch16_224", "contrastive", "mocov3",
+    WeightSource("url", "https://dl.fbaipublicfiles.com/moco-v3/vit-s-300ep/vit-s-300ep.pth.tar", "mocov3"),
+    _MOCO_PRE, {"num_classes": 0, "num_heads": 12}, citation=_MOCO,
+    notes="MoCo-v3's ViT-S has 12 heads (not timm's 6). Base encoder; projector head dropped."))
+register(ModelSpec(
+    "mocov3-b16", "vit_base_patch16_224", "contrastive", "mocov3",
+    WeightSource("url", "https://dl.fbaipublicfiles.com/moco-v3/vit-b-300ep/vit-b-300ep.pth.tar", "mocov3"),
+    _MOCO_PRE, {"num_classes": 0}, citation=_MOCO,
+    notes="300-epoch pretraining; base encoder, projector head dropped."))
+
+for _size, _arch in [("b16", "vit_base_patch16_224"), ("l16", "vit_large_patch16_224"),
+                     ("h14", "vit_huge_patch14_224")]:
+    register(ModelSpec(
+        f"mae-{_size}", _arch, "reconstructive", "mae",
+        WeightSource("timm", "mae"), _DINO_PRE, {"num_classes": 0}, citation=_MAE,
+        notes="Pretrained encoder only (no fine-tuning), final `norm` kept."))
+
+for _size, _arch in [("b16", "beit_base_patch16_224"), ("l16", "beit_large_patch16_224")]:
+    _file = "base" if _size == "b16" else "large"
+    register(ModelSpec(
+        f"beit-{_size}", _arch, "reconstructive", "beit",
+        WeightSource("url", "https://conversationhub.blob.core.windows.net/beit-share-public/beit/"
+                            f"beit_{_file}_patch16_224_pt22k.pth", "beit"),
+        _BEIT_PRE, dict(_BEIT_PRETRAIN_KW), citation=_BEIT,
+        notes="Self-supervised pretraining on ImageNet-22k only (no fine-tuning); shared relative "
+              "position bias."))
+
+register(ModelSpec(
+    "simmim-b16", "beit_base_patch16_224", "reconstructive", "simmim",
+    WeightSource("manual", "https://github.com/microsoft/SimMIM (ViT-B, 800 epochs, pretrain)", "simmim"),
+    _SIMMIM_PRE, dict(_BEIT_PRETRAIN_KW), citation=_SIMMIM,
+    notes="SimMIM's ViT is BEiT-shaped (shared relative position bias, layer scale); the encoder is kept."))
+
+for _size, _arch in [("s14", "vit_small_patch14"), ("b14", "vit_base_patch14"), ("l14", "vit_large_patch14")]:
+    register(ModelSpec(
+        f"dinov2-{_size}", f"{_arch}_dinov2", "hybrid", "dinov2",
+        WeightSource("timm", "lvd142m"), _DINOV2_PRE, {"num_classes": 0, "img_size": 224}, citation=_DINOV2,
+        notes="DINO + iBOT (masked modelling) objective, LVD-142M data; built at 224 px."))
+    register(ModelSpec(
+        f"dinov2-{_size}-reg", f"{_arch}_reg4_dinov2", "hybrid", "dinov2",
+        WeightSource("timm", "lvd142m"), _DINOV2_PRE, {"num_classes": 0, "img_size": 224},
+        citation=f"{_DINOV2}; {_REG}", notes="With 4 register tokens (5 prefix tokens in all)."))

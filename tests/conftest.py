@@ -1,0 +1,36 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub on test machines: fail fast, never retry
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import vitscope as vs  # noqa: E402
+
+TINY = dict(img_size=32, patch_size=8, embed_dim=48, depth=3, num_heads=3)
+
+
+def tiny(kind: str = "vit", **kw) -> vs.ViTModel:
+    """Tiny random models of each supported family (3 blocks, 4x4 grid)."""
+    args = {**TINY, **kw}
+    if kind == "vit":
+        return vs.load_model("vit_small_patch16_224", pretrained=False, **args)
+    if kind == "reg":
+        return vs.load_model("vit_small_patch14_reg4_dinov2", pretrained=False, **{**args, "init_values": 0.1})
+    if kind == "beit":
+        return vs.load_model("beit_base_patch16_224", pretrained=False, **{**args, "init_values": 0.1})
+    if kind == "beit_shared":
+        return vs.load_model("beit_base_patch16_224", pretrained=False, use_shared_rel_pos_bias=True,
+                             use_rel_pos_bias=False, **{**args, "init_values": 0.1})
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=["vit", "reg", "beit"])
+def any_tiny(request):
+    return tiny(request.param)
+
+
+@pytest.fixture
+def images():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(5, 3, 32, 32, generator=g)

@@ -1,0 +1,106 @@
+"""The model registry: every entry builds, matches timm's own configs, and fails clearly offline."""
+
+import re
+
+import pytest
+import timm
+import torch
+
+import vitscope as vs
+from vitscope.models.registry import REGISTRY
+
+SIZES = {"s": (384, 12), "b": (768, 12), "l": (1024, 24), "h": (1280, 32)}
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_entry_builds_with_the_size_its_name_says(name):
+    spec = REGISTRY[name]
+    with torch.device("meta"):
+        model = timm.create_model(spec.arch, pretrained=False, **spec.model_kwargs)
+    size, patch = re.match(r"^[a-z0-9]+-([slbh])(\d+)", name).groups()
+    dim, depth = SIZES[size]
+    assert model.embed_dim == dim and len(model.blocks) == depth
+    assert model.patch_embed.patch_size[0] == int(patch)
+    assert spec.family in {"explicit", "contrastive", "reconstructive", "hybrid"}
+    assert spec.citation
+
+
+# Deliberate departures from timm's configs: OpenAI's CLIP preprocessing resizes to 224 and crops 224
+# (crop_pct 1.0), where timm evaluates at 0.9.
+CROP_AS_TRAINED = {"clip-b16", "clip-b32", "clip-l14"}
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in REGISTRY.items() if s.weights.kind == "timm"))
+def test_timm_hosted_entries_exist_and_match_timm_preprocessing(name):
+    spec = REGISTRY[name]
+    assert spec.timm_name in timm.list_pretrained(spec.arch + "*")
+    cfg = timm.get_pretrained_cfg(spec.timm_name).to_dict()
+    pre = spec.preprocessing
+    assert tuple(cfg["mean"]) == pytest.approx(pre.mean) and tuple(cfg["std"]) == pytest.approx(pre.std)
+    assert cfg["interpolation"] == pre.interpolation
+    if "img_size" not in spec.model_kwargs:  # DINOv2 is deliberately rebuilt at 224
+        assert cfg["input_size"][-1] == pre.input_size
+        expected = 1.0 if name in CROP_AS_TRAINED else cfg["crop_pct"]
+        assert pre.crop_pct == pytest.approx(expected)
+
+
+def test_sources_families_are_all_there():
+    sup = {s.supervision for s in REGISTRY.values()}
+    assert {"supervised", "clip", "dino", "mocov3", "mae", "beit", "simmim", "dinov2"} <= sup
+    for n in ["sup-b16", "clip-b16", "dino-b16", "mocov3-b16", "mae-b16", "beit-b16", "simmim-b16",
+              "dinov2-b14", "dinov2-b14-reg"]:
+        assert n in REGISTRY
+    assert REGISTRY["clip-b16"].arch.endswith("quickgelu_224")
+
+
+def test_beit_entry_is_the_pretrained_not_finetuned_architecture():
+    spec = REGISTRY["beit-b16"]
+    assert spec.weights.kind == "url" and "pt22k" in spec.weights.location and "ft" not in spec.weights.location
+    with torch.device("meta"):
+        m = timm.create_model(spec.arch, **spec.model_kwargs)
+    assert m.rel_pos_bias is not None and m.blocks[0].attn.relative_position_bias_table is None
+
+
+def test_unknown_name_suggests_close_ones():
+    with pytest.raises(vs.UnknownModelError) as e:
+        vs.load_model("dino-b61")
+    assert "dino-b16" in str(e.value) and "vitscope models" in str(e.value)
+    with pytest.raises(vs.UnknownModelError, match="vit_small_patch16_224"):
+        vs.load_model("vit_smal_patch16_224")
+
+
+def test_hub_download_failure_says_how_to_use_a_local_file():
+    with pytest.raises(vs.WeightsUnavailableError, match=r"weights='/path/to/file'"):
+        vs.load_model("dino-s16")  # HF_HUB_OFFLINE=1 in the tests
+
+
+def test_url_download_failure_says_how_to_use_a_local_file(monkeypatch, tmp_path):
+    import torch.hub
+
+    monkeypatch.setattr(torch.hub, "get_dir", lambda: str(tmp_path))
+
+    def no_network(url, dst, progress=True):
+        raise OSError("Name or service not known")
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", no_network)
+    with pytest.raises(vs.WeightsUnavailableError) as e:
+        vs.load_model("mocov3-b16")
+    assert "weights='/path/to/file'" in str(e.value) and "vit-b-300ep.pth.tar" in str(e.value)
+    assert not list(tmp_path.rglob("*.tar"))  # no half-written file left behind
+
+
+def test_manual_entry_points_to_the_download_page():
+    with pytest.raises(vs.WeightsUnavailableError, match="github.com/microsoft/SimMIM"):
+        vs.load_model("simmim-b16")
+
+
+def test_random_init_is_deterministic_and_seeded():
+    a = vs.load_model("vit_small_patch16_224", pretrained=False, depth=2, seed=3)
+    b = vs.load_model("vit_small_patch16_224", pretrained=False, depth=2, seed=3)
+    c = vs.load_model("vit_small_patch16_224", pretrained=False, depth=2, seed=4)
+    assert a.weights_digest == b.weights_digest != c.weights_digest
+
+
+def test_timm_name_gets_timm_preprocessing():
+    vm = vs.load_model("vit_base_patch16_clip_224.openai", pretrained=False, depth=1)
+    assert vm.preprocessing.mean == pytest.approx((0.48145466, 0.4578275, 0.40821073))
