@@ -11,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from vitscope.errors import ConfigError
+from vitscope.errors import ConfigError, VitscopeError
 
 
 @dataclass
@@ -74,7 +74,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if not obj.analyses:
         raise ConfigError(f"the config lists no analyses; available: {', '.join(sorted(ANALYSES))}")
     for name in obj.analyses:
-        get_analysis(name)
+        try:
+            get_analysis(name)
+        except VitscopeError as e:
+            raise ConfigError(f"analyses.{name}: {e}") from None
     return obj
 
 

@@ -1,0 +1,99 @@
+"""The study runner and the command line, end to end on tiny models."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from vitscope.cli import main
+from vitscope.errors import ConfigError
+from vitscope.study import load_config, run_study
+
+TINY_YAML = """
+models:
+  - name: vit_small_patch16_224
+    label: tiny-vit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}
+  - name: beit_base_patch16_224
+    label: tiny-beit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, init_values: 0.1}
+dataset: {name: synthetic-shapes, n_images: 12}
+analyses:
+  attention_distance: {}
+  cka: {batch_size: 6, views: [gap]}
+batch_size: 6
+progress: false
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    p = tmp_path / "study.yaml"
+    p.write_text(TINY_YAML)
+    return p
+
+
+def test_run_writes_tidy_tables_manifest_and_report(config, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["run", str(config), f"output_dir={out}"]) == 0
+    assert "report.html" in capsys.readouterr().out
+    dist = pd.read_parquet(out / "results" / "attention_distance.parquet")
+    assert set(dist.model) == {"tiny-vit", "tiny-beit"}
+    assert len(dist) == 2 * 2 * 3 * 2  # models x layers x heads x (unit, px)
+    cka = pd.read_parquet(out / "results" / "cka.parquet")
+    assert {("tiny-vit", "tiny-beit")} <= set(zip(cka.model, cka.model_b, strict=True))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"]["tiny-vit"]["from_cache"] is False
+    html = (out / "report.html").read_text()
+    assert html.count("<img") >= 2 and "data:image/png;base64," in html and "src='http" not in html
+
+    # a second run of the same study is served from the saved states, with identical results
+    assert main(["run", str(config), f"output_dir={out}"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"]["tiny-vit"]["from_cache"] is True
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "cka.parquet"), cka)
+
+
+def test_changing_a_parameter_recomputes(config, tmp_path):
+    out = tmp_path / "run"
+    run_study(load_config(config, [f"output_dir={out}"]))
+    run_study(load_config(config, [f"output_dir={out}", "analyses.cka.views=[cls]"]))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"]["tiny-vit"]["from_cache"] is False
+    assert set(pd.read_parquet(out / "results" / "cka.parquet").token_view) == {"cls"}
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["batch_size=many"], "batch_size"),
+    (["analyses.ckaa={}"], "cka"),
+    (["dataset.n_images=0"], "n_images"),
+])
+def test_invalid_config_names_the_field(config, override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(config, override)
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["taps", "dino-b61"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: error: unknown model 'dino-b61'") and "dino-b16" in err
+
+
+def test_cli_models_lists_the_registry(capsys):
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    for name in ["sup-b16", "clip-b16", "dino-b16", "mocov3-b16", "mae-b16", "beit-b16", "simmim-b16"]:
+        assert name in out
+
+
+def test_cli_taps_prints_shapes(capsys):
+    assert main(["taps", "vit_small_patch16_224"]) == 0
+    out = capsys.readouterr().out
+    assert "block11.attn" in out and "(1, 6, 197, 197)" in out and "(1, 197, 1152)" in out
+
+
+def test_default_config_is_valid():
+    cfg = load_config()
+    assert cfg.models and cfg.analyses
