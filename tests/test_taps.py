@@ -14,9 +14,9 @@ def test_every_tap_has_the_expected_shape(any_tiny, images):
     T = vm.num_prefix_tokens + 16
     feats = vs.extract(vm, images, vm.taps)
     assert set(feats) == set(vm.taps)
-    expected = {"norm1": (B, T, D), "qkv": (B, T, 3 * D), "attn": (B, H, T, T), "attn_out": (B, T, D),
-                "resid_mid": (B, T, D), "norm2": (B, T, D), "fc1": (B, T, 4 * D), "fc2": (B, T, D),
-                "mlp_out": (B, T, D), "out": (B, T, D)}
+    expected = {"norm1": (B, T, D), "qkv": (B, T, 3 * D), "attn": (B, H, T, T), "heads": (B, T, D),
+                "attn_out": (B, T, D), "resid_mid": (B, T, D), "norm2": (B, T, D), "fc1": (B, T, 4 * D),
+                "fc2": (B, T, D), "mlp_out": (B, T, D), "out": (B, T, D)}
     for i in range(3):
         for k, shape in expected.items():
             assert tuple(feats[f"block{i}.{k}"].shape) == shape, f"block{i}.{k}"

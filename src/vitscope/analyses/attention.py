@@ -1,43 +1,91 @@
-"""Attention analyses, streamed over the ``block{i}.attn`` taps (math in `vitscope.metrics.attention`)."""
+"""Attention analyses, streamed over the ``block{i}.attn`` taps (math in `vitscope.metrics.attention`).
+
+Sources: seed 003 = Walmer et al., "Teaching Matters: Investigating the Role of Supervision in Vision
+Transformers" (CVPR 2023); seed 001 = Park et al., "What do self-supervised ViTs learn?" (ICLR 2023).
+
+Every analysis here keeps state whose size depends on the model only (sums over images, a count, and at
+most ``keep_images`` per-image maps), so memory does not grow with the dataset, and merging two parts
+adds their sums: a merge of two shards equals one pass over all their images (up to float64 rounding).
+
+=========================  ===================================================================================
+analysis                   metrics (extra columns)
+=========================  ===================================================================================
+``attention_distance``     ``distance``, ``distance_px`` per (layer, head) (``n_images``)
+``attention_nmi``          ``nmi`` per (layer, head) (``n_images``)
+``cls_attention_maps``     ``cls_attention`` per (layer, head, grid cell) (``row``, ``col``, ``image``,
+                           ``n_images``); ``image`` is missing for the average, the dataset index otherwise
+``aligned_attention_maps`` ``aaam`` per (layer, head, canvas cell) (``dy``, ``dx``); ``aam_statistic`` per
+                           (layer, head) (``statistic``); ``head_type`` per (layer, head) (``type``,
+                           ``direction``, ``offset``, ``statistic``, ``statistic_value``, ``distance``);
+                           ``head_type_count`` per type (``type``) -- all with ``n_images``
+``saliency_iou``           ``iou`` per (layer, head), ``iou_best_head`` and ``iou_merged`` per layer
+                           (``query``, ``n_images``, ``n_skipped``)
+=========================  ===================================================================================
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.errors import VitscopeError
 from vitscope.metrics import attention as A
 
+HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
+"""Every type :func:`vitscope.metrics.attention.head_types` can return, in the order figures list them."""
 
-@register_analysis
-class AttentionDistance(Analysis):
-    """Average attention distance per layer and head [Walmer et al. 2023 §4.3; Park et al. 2023]:
-    for each spatial query, sum_k A_qk * ||pos_q - pos_k|| over spatial keys (prefix keys dropped,
-    rows renormalised), positions on the unit square; mean over queries and images. Reported in
-    unit-square units (``distance``) and in pixels (``distance_px``)."""
 
-    name = "attention_distance"
-    description = "mean attention distance per layer and head"
+class _LayerAttention(Analysis):
+    """Shared plumbing: the requested blocks, their ``block{i}.attn`` taps, and merge compatibility."""
 
     def __init__(self, vm: Any, layers: Any = None):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
-        self.sums = torch.zeros(len(self.layers), self.num_heads, dtype=torch.float64)
 
     def required_taps(self) -> list[str]:
         return [f"block{i}.attn" for i in self.layers]
 
+    def _settings(self) -> dict[str, Any]:
+        """Everything two parts must share to be merged (the layers, plus parameters of subclasses)."""
+        return {"layers": list(self.layers)}
+
+    def _check_mergeable(self, other: Analysis) -> None:
+        if type(other) is not type(self):
+            raise VitscopeError(f"{self.name}: cannot merge a {type(other).__name__} into a {type(self).__name__}")
+        mine, theirs = self._settings(), cast(_LayerAttention, other)._settings()
+        if mine != theirs:
+            raise VitscopeError(f"{self.name}: cannot merge parts computed with different settings: {mine} vs {theirs}")
+
+    def _frame(self, columns: Mapping[str, Any]) -> pd.DataFrame:
+        """``tidy`` on column arrays (large grids: building a frame from columns, not from row dicts)."""
+        return self.tidy(cast(Any, dict(columns)))
+
+
+class _PerHeadMean(_LayerAttention):
+    """A per-image, per-head statistic ``(B, H)`` of each layer's attention, averaged over images:
+    subclasses define :meth:`per_image`; the state is a float64 ``(layers, heads)`` sum and a count."""
+
+    def __init__(self, vm: Any, layers: Any = None):
+        super().__init__(vm, layers)
+        self.sums = torch.zeros(len(self.layers), self.num_heads, dtype=torch.float64)
+
+    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
+        """``(B, H)`` statistic of one layer's ``(B, H, T, T)`` attention."""
+        raise NotImplementedError
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         for j, i in enumerate(self.layers):
-            d = A.attention_distance(feats[f"block{i}.attn"], self.grid_size, self.num_prefix_tokens)
-            self.sums[j] += d.double().sum(0).cpu()
+            self.sums[j] += self.per_image(feats[f"block{i}.attn"]).double().sum(0).cpu()
         self.n_images += len(batch)
 
     def merge(self, other: Analysis) -> None:
-        assert isinstance(other, AttentionDistance) and other.layers == self.layers
+        self._check_mergeable(other)
+        assert isinstance(other, _PerHeadMean)
         self.sums += other.sums
         self.n_images += other.n_images
 
@@ -47,8 +95,26 @@ class AttentionDistance(Analysis):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.sums, self.n_images = list(state["layers"]), state["sums"].clone(), state["n_images"]
 
+    def mean(self) -> torch.Tensor:
+        """``(layers, heads)`` float64 mean over the images seen (0 before any image)."""
+        return self.sums / max(self.n_images, 1)
+
+
+@register_analysis
+class AttentionDistance(_PerHeadMean):
+    """Average attention distance per layer and head [Walmer et al. 2023 §4.3; Park et al. 2023]:
+    for each spatial query, sum_k A_qk * ||pos_q - pos_k|| over spatial keys (prefix keys dropped,
+    rows renormalised), positions on the unit square; mean over queries and images. Reported in
+    unit-square units (``distance``) and in pixels (``distance_px``)."""
+
+    name = "attention_distance"
+    description = "mean attention distance per layer and head"
+
+    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
+        return A.attention_distance(attn, self.grid_size, self.num_prefix_tokens)
+
     def finalize(self) -> pd.DataFrame:
-        mean = (self.sums / max(self.n_images, 1)).numpy()
+        mean = self.mean().numpy()
         px = A.distance_in_pixels(torch.from_numpy(mean), self.grid_size, self.patch_size).numpy()
         rows = []
         for j, i in enumerate(self.layers):
@@ -57,4 +123,359 @@ class AttentionDistance(Analysis):
                 rows.append({"metric": "distance_px", "layer": i, "head": h, "value": float(px[j, h])})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
+        return df
+
+
+@register_analysis
+class AttentionNMI(_PerHeadMean):
+    """Attention collapse as the normalised mutual information NMI(q, k) between spatial queries and
+    keys, per layer and head [Park et al. 2023 (seed 001), "attention collapse"]: p(q) uniform over the
+    spatial queries, p(k|q) the renormalised spatial attention; NMI = MI / sqrt(H(q) H(k)), computed per
+    image and averaged over images. Near 0: every query attends alike (collapse); 1: one-to-one.
+
+    Table: metric ``nmi`` per (layer, head), extra column ``n_images``."""
+
+    name = "attention_nmi"
+    description = "NMI between spatial queries and keys per layer and head (attention collapse)"
+
+    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
+        return A.attention_nmi(attn, self.num_prefix_tokens)
+
+    def finalize(self) -> pd.DataFrame:
+        mean = self.mean() if self.n_images else torch.full_like(self.sums, float("nan"))
+        rows = [{"metric": "nmi", "layer": i, "head": h, "value": float(mean[j, h])}
+                for j, i in enumerate(self.layers) for h in range(self.num_heads)]
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df
+
+
+def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str, str],
+                  offsets: tuple[int, int] = (0, 0)) -> dict[str, Any]:
+    """Columns layer, head, <names[0]>, <names[1]>, value of a ``(L, H, R, C)`` grid, row-major."""
+    L, H, R, C = values.shape
+    lay = torch.tensor(list(layers), dtype=torch.long)
+    idx = torch.arange(L * H * R * C)
+    return {
+        "layer": lay[idx // (H * R * C)].numpy(),
+        "head": ((idx // (R * C)) % H).numpy(),
+        names[0]: ((idx // C) % R - offsets[0]).numpy(),
+        names[1]: (idx % C - offsets[1]).numpy(),
+        "value": values.reshape(-1).double().numpy(),
+    }
+
+
+@register_analysis
+class CLSAttentionMaps(_LayerAttention):
+    """Average CLS attention map per layer and head [Walmer et al. 2023 (seed 003) §4.1, Fig. 11-13]:
+    the CLS query's row over the spatial keys (CLS and register keys dropped, renormalised), on the patch
+    grid, averaged over all images (a float64 sum and a count). The maps of single images are kept too,
+    for the ``keep_images`` images with the smallest dataset index (bounded memory, independent of the
+    order in which batches or shards arrive).
+
+    Table: metric ``cls_attention``, one row per (layer, head, grid cell), extra columns ``row``, ``col``
+    (patch grid coordinates), ``image`` (missing for the average over images, the dataset index for a
+    single image's map) and ``n_images`` (images in the average). A model without CLS token has no such
+    map: the analysis captures nothing and returns an empty table, with a warning."""
+
+    name = "cls_attention_maps"
+    description = "average (and a few single-image) CLS attention maps per layer and head"
+
+    def __init__(self, vm: Any, layers: Any = None, keep_images: int = 4):
+        super().__init__(vm, layers)
+        if int(keep_images) < 0:
+            raise VitscopeError(f"{self.name}: keep_images must be >= 0, got {keep_images}")
+        self.keep_images = int(keep_images)
+        h, w = self.grid_size
+        L, H = len(self.layers), self.num_heads
+        self.sums = torch.zeros(L, H, h, w, dtype=torch.float64)
+        self.kept_index = torch.zeros(0, dtype=torch.long)
+        self.kept_maps = torch.zeros(0, L, H, h, w, dtype=torch.float32)
+
+    def required_taps(self) -> list[str]:
+        return super().required_taps() if self.has_cls_token else []
+
+    def _settings(self) -> dict[str, Any]:
+        return {**super()._settings(), "keep_images": self.keep_images}
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.n_images += len(batch)
+        if not self.has_cls_token:
+            return
+        maps = torch.stack([A.cls_attention_maps(feats[f"block{i}.attn"], self.grid_size, self.num_prefix_tokens)
+                            for i in self.layers], dim=1)  # (B, L, H, h, w)
+        self.sums += maps.sum(0, dtype=torch.float64).cpu()
+        if self.keep_images:
+            self._keep(batch.index.detach().cpu().long(), maps.detach().float().cpu())
+
+    def _keep(self, index: torch.Tensor, maps: torch.Tensor) -> None:
+        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones."""
+        idx = torch.cat([self.kept_index, index])
+        order = torch.sort(idx, stable=True).indices
+        idx = idx[order]
+        first = torch.ones_like(idx, dtype=torch.bool)
+        first[1:] = idx[1:] != idx[:-1]
+        sel = order[first][: self.keep_images]
+        self.kept_maps = torch.cat([self.kept_maps, maps])[sel].clone()
+        self.kept_index = idx[first][: self.keep_images].clone()
+
+    def merge(self, other: Analysis) -> None:
+        self._check_mergeable(other)
+        assert isinstance(other, CLSAttentionMaps)
+        self.sums += other.sums
+        self.n_images += other.n_images
+        if self.keep_images:
+            self._keep(other.kept_index, other.kept_maps)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "keep_images": self.keep_images, "n_images": self.n_images,
+                "sums": self.sums.clone(), "kept_index": self.kept_index.clone(), "kept_maps": self.kept_maps.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.keep_images = list(state["layers"]), int(state["keep_images"])
+        self.n_images = int(state["n_images"])
+        self.sums, self.kept_index = state["sums"].clone(), state["kept_index"].clone()
+        self.kept_maps = state["kept_maps"].clone()
+
+    def average(self) -> torch.Tensor:
+        """``(layers, heads, h, w)`` float64 average CLS map (zeros before any image)."""
+        return self.sums / max(self.n_images, 1)
+
+    def finalize(self) -> pd.DataFrame:
+        if not self.has_cls_token:
+            warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS attention "
+                          f"map; the table is empty", UserWarning, stacklevel=2)
+            return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
+        parts = [(None, self.average())] if self.n_images else []
+        parts += [(int(i), m) for i, m in zip(self.kept_index.tolist(), self.kept_maps, strict=True)]
+        frames = [pd.DataFrame({**_cell_columns(maps, self.layers, ("row", "col")),
+                                "image": pd.array([image] * maps.numel(), dtype="Int64")})
+                  for image, maps in parts]
+        if not frames:
+            return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
+        df = pd.concat(frames, ignore_index=True)
+        df["metric"] = "cls_attention"
+        df["n_images"] = self.n_images
+        return self.tidy(cast(Any, df))
+
+
+@register_analysis
+class AlignedAttentionMaps(_LayerAttention):
+    """Aligned Aggregated Attention Maps (AAAM) and automatic head types per layer and head [Walmer et al.
+    2023 (seed 003) §4.2, Fig. 5-6; the attention distance of §4.3 / Park et al. 2023 (seed 001) feeds the
+    ``global`` rule].
+
+    Each spatial query's map over the spatial keys (prefix keys dropped, renormalised) is added into a
+    ``(2h-1) x (2w-1)`` canvas with the query at the centre; the state keeps the float64 canvas sums per
+    (layer, head) and the number of maps added (``images x h*w``: every query of every image), and the
+    AAAM is their ratio, so each head's AAAM sums to 1. The mean attention distance per (layer, head) is
+    accumulated in the same pass. At ``finalize`` each head's AAAM is summarised
+    (:func:`~vitscope.metrics.attention.aam_statistics`) and classified
+    (:func:`~vitscope.metrics.attention.head_types`, thresholds overridable with ``thresholds``) as
+    strict_local, soft_local, axial, offset_local, global or mixed. The paper classified by eye.
+
+    Table (all rows carry ``n_images``):
+
+    * ``aaam``: one row per (layer, head, canvas cell); ``dy``, ``dx`` = key position relative to the query
+      (rows down, columns right), value = mean attention.
+    * ``aam_statistic``: one row per (layer, head, statistic); ``statistic`` names it (``offset``,
+      ``spread_norm``, ``entropy_norm``, ``anisotropy``, ``mass_3x3``, ... see ``aam_statistics``).
+    * ``head_type``: one row per (layer, head), value 1; ``type``, ``direction`` (axial: horizontal or
+      vertical; offset_local: one of 8 compass directions; else missing), ``offset`` (centre-of-mass offset,
+      tokens), ``statistic`` / ``statistic_value`` (the statistic that decided), ``distance`` (mean attention
+      distance, unit square).
+    * ``head_type_count``: one row per type (all six, zeros included) with layer and head missing;
+      value = number of the model's analysed heads of that ``type``.
+    """
+
+    name = "aligned_attention_maps"
+    description = "aligned aggregated attention maps (AAAM) and head types per layer and head"
+
+    def __init__(self, vm: Any, layers: Any = None, thresholds: Mapping[str, float] | None = None):
+        super().__init__(vm, layers)
+        self.thresholds = dict(thresholds) if thresholds else {}
+        A.head_types(torch.zeros(1, 1, 1), thresholds=self.thresholds)  # unknown threshold names fail here
+        h, w = self.grid_size
+        L, H = len(self.layers), self.num_heads
+        self.canvas = torch.zeros(L, H, 2 * h - 1, 2 * w - 1, dtype=torch.float64)
+        self.distance = torch.zeros(L, H, dtype=torch.float64)
+        self.n_maps = 0
+
+    def _settings(self) -> dict[str, Any]:
+        return {**super()._settings(), "thresholds": dict(self.thresholds)}
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        n = 0
+        for j, i in enumerate(self.layers):
+            attn = feats[f"block{i}.attn"]
+            canvas, n = A.aligned_maps(attn, self.grid_size, self.num_prefix_tokens, reduce="sum")
+            self.canvas[j] += canvas.cpu()
+            d = A.attention_distance(attn, self.grid_size, self.num_prefix_tokens)
+            self.distance[j] += d.double().sum(0).cpu()
+        self.n_maps += int(n)
+        self.n_images += len(batch)
+
+    def merge(self, other: Analysis) -> None:
+        self._check_mergeable(other)
+        assert isinstance(other, AlignedAttentionMaps)
+        self.canvas += other.canvas
+        self.distance += other.distance
+        self.n_maps += other.n_maps
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "thresholds": dict(self.thresholds), "canvas": self.canvas.clone(),
+                "distance": self.distance.clone(), "n_maps": self.n_maps, "n_images": self.n_images}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.thresholds = list(state["layers"]), dict(state["thresholds"])
+        self.canvas, self.distance = state["canvas"].clone(), state["distance"].clone()
+        self.n_maps, self.n_images = int(state["n_maps"]), int(state["n_images"])
+
+    def aaam(self) -> torch.Tensor:
+        """``(layers, heads, 2h-1, 2w-1)`` float64: canvas sums over the number of maps added."""
+        return self.canvas / max(self.n_maps, 1)
+
+    def finalize(self) -> pd.DataFrame:
+        if self.n_images == 0:
+            return self._frame({"dy": [], "dx": [], "n_images": []})
+        h, w = self.grid_size
+        aaam = self.aaam()
+        dist = self.distance / self.n_images
+        frames = [pd.DataFrame({"metric": "aaam", **_cell_columns(aaam, self.layers, ("dy", "dx"), (h - 1, w - 1))})]
+        rows: list[dict[str, Any]] = []
+        counts = dict.fromkeys(HEAD_TYPES, 0)
+        for j, i in enumerate(self.layers):
+            for stat, v in A.aam_statistics(aaam[j]).items():
+                rows += [{"metric": "aam_statistic", "layer": i, "head": hd, "statistic": stat, "value": float(x)}
+                         for hd, x in enumerate(v.tolist())]
+            for t in A.head_types(aaam[j], distance=dist[j], thresholds=self.thresholds):
+                counts[str(t["type"])] = counts.get(str(t["type"]), 0) + 1
+                rows.append({"metric": "head_type", "layer": i, "head": t["head"], "value": 1.0,
+                             "type": t["type"], "direction": t["direction"], "offset": t["offset"],
+                             "statistic": t["statistic"], "statistic_value": t["value"], "distance": t["distance"]})
+        rows += [{"metric": "head_type_count", "type": k, "value": float(c)} for k, c in counts.items()]
+        frames.append(pd.DataFrame(rows))
+        df = pd.concat(frames, ignore_index=True)
+        df["n_images"] = self.n_images
+        return self.tidy(cast(Any, df))
+
+
+@register_analysis
+class SaliencyIoU(_LayerAttention):
+    """Attention-saliency IoU per layer and head [Walmer et al. 2023 (seed 003) §4.4, Fig. 7]: the smallest
+    set of spatial tokens holding ``mass`` (60 %) of a query's attention, against the ground-truth
+    foreground (``batch.masks``, pixel resolution, area-downsampled to the patch grid), IoU at token
+    resolution. Queries: ``"cls"`` (the CLS row over spatial keys) and ``"mean"`` (the mean of all spatial
+    query rows). Also the heads merged (attention averaged over heads first).
+
+    Per image the IoU is NaN when both sets are empty; such images are left out of that head's mean.
+    Batches without masks (``masks is None``) are skipped and counted. A model without CLS token drops the
+    ``"cls"`` query (with a warning at ``finalize``).
+
+    Table (extra columns ``query``, ``n_images`` = images with a mask, ``n_skipped`` = images without):
+
+    * ``iou``: mean IoU per (layer, head);
+    * ``iou_best_head``: per layer, the head with the highest mean IoU (``head`` = its id, value = its IoU);
+    * ``iou_merged``: per layer, mean IoU of the head-averaged attention (``head`` missing).
+    """
+
+    name = "saliency_iou"
+    description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
+
+    def __init__(self, vm: Any, layers: Any = None, queries: Any = ("cls", "mean"), mass: float = 0.6):
+        super().__init__(vm, layers)
+        queries = [queries] if isinstance(queries, str) else list(queries)
+        bad = [q for q in queries if q not in ("cls", "mean")]
+        if bad or not queries:
+            raise VitscopeError(f"{self.name}: queries must be among 'cls' and 'mean', got {queries!r}")
+        if not 0.0 < float(mass) <= 1.0:
+            raise VitscopeError(f"{self.name}: mass must be in (0, 1], got {mass}")
+        self.requested_queries = list(dict.fromkeys(queries))
+        self.queries = [q for q in self.requested_queries if q != "cls" or self.has_cls_token]
+        self.mass = float(mass)
+        Q, L, H = len(self.queries), len(self.layers), self.num_heads
+        self.iou_sum = torch.zeros(Q, L, H, dtype=torch.float64)
+        self.iou_count = torch.zeros(Q, L, H, dtype=torch.float64)
+        self.merged_sum = torch.zeros(Q, L, dtype=torch.float64)
+        self.merged_count = torch.zeros(Q, L, dtype=torch.float64)
+        self.n_skipped = 0
+
+    def required_taps(self) -> list[str]:
+        return super().required_taps() if self.queries else []
+
+    def _settings(self) -> dict[str, Any]:
+        return {**super()._settings(), "queries": list(self.queries), "mass": self.mass}
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if batch.masks is None:
+            self.n_skipped += len(batch)
+            return
+        if not self.queries:
+            self.n_images += len(batch)
+            return
+        masks = batch.masks
+        g, p = self.grid_size, self.num_prefix_tokens
+        for j, i in enumerate(self.layers):
+            attn = feats[f"block{i}.attn"]
+            for qi, q in enumerate(self.queries):
+                iou = A.saliency_iou(attn, masks, g, p, mass=self.mass, query=q).double().cpu()  # (B, H)
+                ok = ~torch.isnan(iou)
+                self.iou_sum[qi, j] += torch.where(ok, iou, 0.0).sum(0)
+                self.iou_count[qi, j] += ok.sum(0)
+                merged = A.saliency_iou_merged(attn, masks, g, p, mass=self.mass, query=q).double().cpu()  # (B,)
+                ok = ~torch.isnan(merged)
+                self.merged_sum[qi, j] += torch.where(ok, merged, 0.0).sum()
+                self.merged_count[qi, j] += ok.sum()
+        self.n_images += len(batch)
+
+    def merge(self, other: Analysis) -> None:
+        self._check_mergeable(other)
+        assert isinstance(other, SaliencyIoU)
+        for k in ("iou_sum", "iou_count", "merged_sum", "merged_count"):
+            getattr(self, k).add_(getattr(other, k))
+        self.n_images += other.n_images
+        self.n_skipped += other.n_skipped
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "queries": list(self.queries), "mass": self.mass,
+                "requested_queries": list(self.requested_queries), "n_images": self.n_images,
+                "n_skipped": self.n_skipped, "iou_sum": self.iou_sum.clone(), "iou_count": self.iou_count.clone(),
+                "merged_sum": self.merged_sum.clone(), "merged_count": self.merged_count.clone()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.queries = list(state["layers"]), list(state["queries"])
+        self.requested_queries, self.mass = list(state["requested_queries"]), float(state["mass"])
+        self.n_images, self.n_skipped = int(state["n_images"]), int(state["n_skipped"])
+        for k in ("iou_sum", "iou_count", "merged_sum", "merged_count"):
+            setattr(self, k, state[k].clone())
+
+    def finalize(self) -> pd.DataFrame:
+        dropped = [q for q in self.requested_queries if q not in self.queries]
+        if dropped:
+            warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token; query 'cls' is skipped",
+                          UserWarning, stacklevel=2)
+        if self.n_skipped:
+            warnings.warn(f"{self.name}: {self.n_skipped} image(s) had no foreground mask and were skipped "
+                          f"({self.n_images} used)", UserWarning, stacklevel=2)
+        nan = float("nan")
+        per_head = torch.where(self.iou_count > 0, self.iou_sum / self.iou_count.clamp_min(1), nan)
+        merged = torch.where(self.merged_count > 0, self.merged_sum / self.merged_count.clamp_min(1), nan)
+        rows: list[dict[str, Any]] = []
+        for qi, q in enumerate(self.queries):
+            for j, i in enumerate(self.layers):
+                v = per_head[qi, j]
+                rows += [{"metric": "iou", "layer": i, "head": h, "query": q, "value": float(v[h])}
+                         for h in range(self.num_heads)]
+                if torch.isnan(v).all():
+                    rows.append({"metric": "iou_best_head", "layer": i, "head": None, "query": q, "value": nan})
+                else:
+                    best = int(torch.nan_to_num(v, nan=-1.0).argmax())
+                    rows.append({"metric": "iou_best_head", "layer": i, "head": best, "query": q,
+                                 "value": float(v[best])})
+                rows.append({"metric": "iou_merged", "layer": i, "head": None, "query": q,
+                             "value": float(merged[qi, j])})
+        df = self.tidy(rows) if rows else self._frame({"query": []})
+        df["n_images"] = self.n_images
+        df["n_skipped"] = self.n_skipped
         return df

@@ -1,12 +1,21 @@
 """Representation similarity: minibatch CKA from cached Gram matrices (math in `vitscope.metrics.cka`).
 
-Per (tap, token view) only the n x n Gram of each minibatch of n images is kept (n = 32: 8 KB per
-batch), grouped by image id so that two models fed the same images produce aligned Grams. Any pair of
-taps, within a model or across models computed in separate runs, is then a reduction over batches.
+Per feature stream (a tap seen through a token view) only the n x n Gram of each minibatch of n images is
+kept (n = 32: 8 KB per batch), images grouped in arrival order and the groups' image ids recorded, so two
+models fed the same images produce aligned Grams. Any pair of streams, within a model or across models
+computed in separate runs, is then a batched reduction over batches (`cka_from_gram_list`).
+
+Analyses here:
+  cka            every pair of the requested taps per token view, within the model; across models in `cross`
+                 (with `cka_divergence` = 1 - CKA for the same tap in two models, seed 002 eq. 4)
+  residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (seed 003 D.4)
+  diversity      similarity between heads, between spatial tokens, and before/after attention, by minibatch
+                 CKA and by cosine similarity (seed 001; seed 004)
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -20,112 +29,173 @@ from vitscope.capture.views import token_view
 from vitscope.metrics import cka as C
 
 
-@register_analysis
-class CKA(Analysis):
-    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; seed 000 eq. 3-4]
-    between every pair of the requested taps, per token view; across models in `cross`."""
+class GramGroups:
+    """Groups the rows of several feature streams into CKA minibatches of ``n`` images, in arrival order.
 
-    name = "cka"
-    description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
+    ``add`` returns the groups it completed, each as (image ids, {stream: n x n Gram (float64)}). Features are
+    shifted by a fixed reference (each stream's first-batch mean) before the Gram: HSIC_1 is unchanged by a
+    constant shift, and the float32 product keeps its precision. Rows of an open group wait (at most n - 1).
+    """
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", views: Any = ("cls", "gap"), batch_size: int = 32):
-        super().__init__(vm)
-        self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
-        views = [views] if isinstance(views, str) else list(views)
-        if not self.has_cls_token:
-            views = [v for v in views if v != "cls"]
-        self.views = views
-        self.batch_size = int(batch_size)
-        if self.batch_size < C.MIN_HSIC1_EXAMPLES:
-            raise ValueError(f"cka batch_size must be at least {C.MIN_HSIC1_EXAMPLES}")
-        self.grams: dict[str, list[torch.Tensor]] = {v: [] for v in self.views}  # view -> [(A, n, n)]
-        self.gram_ids: list[torch.Tensor] = []  # image ids of each Gram batch, in order
-        # rows of the open (not yet full) group, per view and tap; bounded by batch_size - 1 rows
-        self.pending: dict[str, list[torch.Tensor]] = {}
+    def __init__(self, n: int):
+        if n < C.MIN_HSIC1_EXAMPLES:
+            raise ValueError(f"CKA batch_size must be at least {C.MIN_HSIC1_EXAMPLES}")
+        self.n = n
+        self.pending: dict[str, torch.Tensor] = {}
         self.pending_ids = torch.empty(0, dtype=torch.long)
-        self.ref: dict[str, list[torch.Tensor]] = {}  # view -> per-tap reference mean (first batch)
+        self.ref: dict[str, torch.Tensor] = {}
 
-    def required_taps(self) -> list[str]:
-        return list(self.taps)
+    def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+        for k, x in feats.items():
+            x = x.reshape(x.shape[0], -1).float()
+            if k not in self.ref:
+                self.ref[k] = x.mean(0)
+            self.pending[k] = torch.cat([self.pending[k], x]) if k in self.pending else x
+        self.pending_ids = torch.cat([self.pending_ids, ids.cpu().long()])
+        return self._close(final=False)
 
-    def _pooled(self, feats: Mapping[str, torch.Tensor], view: str) -> list[torch.Tensor]:
+    def flush(self) -> list[tuple[torch.Tensor, dict]]:
+        return self._close(final=True)
+
+    def _close(self, final: bool) -> list[tuple[torch.Tensor, dict]]:
         out = []
-        for t in self.taps:
-            x = feats[t]
-            if x.ndim == 3:
-                x = token_view(x, view, self.num_prefix_tokens, self.has_cls_token)
-            out.append(x.reshape(x.shape[0], -1).float().cpu())
-        return out
-
-    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        for v in self.views:
-            pooled = self._pooled(feats, v)
-            if v not in self.ref:
-                self.ref[v] = [p.mean(0) for p in pooled]
-            old = self.pending.get(v)
-            self.pending[v] = pooled if old is None else [torch.cat([o, p]) for o, p in zip(old, pooled, strict=True)]
-        self.pending_ids = torch.cat([self.pending_ids, batch.index.cpu().long()])
-        self.n_images += len(batch)
-        self._close_groups(final=False)
-
-    def _close_groups(self, final: bool) -> None:
-        """Turn every full group of ``batch_size`` pending rows into Grams (and the rest too if final)."""
-        n = self.batch_size
-        while len(self.pending_ids) >= n or (final and len(self.pending_ids) > 0):
-            take = min(n, len(self.pending_ids))
-            for v in self.views:
-                rows = self.pending[v]
-                self.grams[v].append(torch.stack([C.gram_linear(r[:take], self.ref[v][a])
-                                                  for a, r in enumerate(rows)]))
-                self.pending[v] = [r[take:] for r in rows]
-            self.gram_ids.append(self.pending_ids[:take])
+        while len(self.pending_ids) >= self.n or (final and len(self.pending_ids) > 0):
+            take = min(self.n, len(self.pending_ids))
+            grams = {k: C.gram_linear(x[:take], self.ref[k]) for k, x in self.pending.items()}
+            self.pending = {k: x[take:] for k, x in self.pending.items()}
+            out.append((self.pending_ids[:take], grams))
             self.pending_ids = self.pending_ids[take:]
         if len(self.pending_ids) == 0:
             self.pending = {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "pending": dict(self.pending), "pending_ids": self.pending_ids, "ref": dict(self.ref)}
+
+    def load_state_dict(self, s: Mapping[str, Any]) -> None:
+        self.n, self.pending, self.pending_ids, self.ref = s["n"], dict(s["pending"]), s["pending_ids"], dict(s["ref"])
+
+
+class _GramAnalysis(Analysis):
+    """Shared plumbing: a `GramGroups`, Grams kept per stream and batch, merge by concatenation."""
+
+    def __init__(self, vm: Any, batch_size: int = 32):
+        super().__init__(vm)
+        self.batch_size = int(batch_size)
+        self.groups = GramGroups(self.batch_size)
+        self.grams: dict[str, list[torch.Tensor]] = {}  # stream -> one (n, n) Gram per CKA batch
+        self.gram_ids: list[torch.Tensor] = []
+
+    def _streams(self, feats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self._store(self.groups.add(self._streams(feats), batch.index))
+        self.n_images += len(batch)
+
+    def _store(self, closed: list[tuple[torch.Tensor, dict]]) -> None:
+        for ids, grams in closed:
+            for k, g in grams.items():
+                self.grams.setdefault(k, []).append(g)
+            self.gram_ids.append(ids)
 
     def merge(self, other: Analysis) -> None:
-        """Append another part's Grams (a shard, or a resumed part). Open groups are closed first, so a
-        part's last partial group becomes a smaller CKA batch of its own."""
-        assert isinstance(other, CKA) and other.taps == self.taps and other.views == self.views
+        """Append another part (a shard, a resumed part). Open groups are closed first: a part's last
+        partial group becomes a smaller CKA batch of its own."""
+        assert isinstance(other, type(self))
         other = other._finished()
-        self._close_groups(final=True)
-        for v in self.views:
-            self.grams[v].extend(other.grams[v])
+        self._store(self.groups.flush())
+        for k, gs in other.grams.items():
+            self.grams.setdefault(k, []).extend(gs)
         self.gram_ids.extend(other.gram_ids)
         self.n_images += other.n_images
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"taps": list(self.taps), "views": list(self.views), "batch_size": self.batch_size,
-                "n_images": self.n_images, "grams": {v: list(g) for v, g in self.grams.items()},
-                "gram_ids": list(self.gram_ids), "ref": {v: list(r) for v, r in self.ref.items()},
-                "pending": {v: list(p) for v, p in self.pending.items()}, "pending_ids": self.pending_ids}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.taps, self.views = list(state["taps"]), list(state["views"])
-        self.batch_size, self.n_images = int(state["batch_size"]), int(state["n_images"])
-        self.grams = {v: list(g) for v, g in state["grams"].items()}
-        self.gram_ids = list(state["gram_ids"])
-        self.ref = {v: list(r) for v, r in state["ref"].items()}
-        self.pending = {v: list(p) for v, p in state["pending"].items()}
-        self.pending_ids = state["pending_ids"]
-
-    def _finished(self) -> CKA:
-        done = object.__new__(CKA)
-        done.__dict__.update(self.__dict__)
-        done.load_state_dict(self.state_dict())
-        done._close_groups(final=True)
+    def _finished(self) -> _GramAnalysis:
+        done = copy.copy(self)
+        done.groups = GramGroups(self.batch_size)
+        done.groups.load_state_dict(self.groups.state_dict())
+        done.grams = {k: list(v) for k, v in self.grams.items()}
+        done.gram_ids = list(self.gram_ids)
+        done._store(done.groups.flush())
         return done
 
-    def matrix(self, view: str, other: CKA | None = None) -> torch.Tensor:
-        """(A, A') CKA between this model's taps and ``other``'s (itself if None) for one view."""
+    def state_dict(self) -> dict[str, Any]:
+        return {"batch_size": self.batch_size, "n_images": self.n_images, "groups": self.groups.state_dict(),
+                "grams": {k: list(v) for k, v in self.grams.items()}, "gram_ids": list(self.gram_ids)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.batch_size, self.n_images = int(state["batch_size"]), int(state["n_images"])
+        self.groups = GramGroups(self.batch_size)
+        self.groups.load_state_dict(state["groups"])
+        self.grams = {k: list(v) for k, v in state["grams"].items()}
+        self.gram_ids = list(state["gram_ids"])
+
+    def cka_matrix(self, keys_a: list[str], keys_b: list[str] | None = None,
+                   other: _GramAnalysis | None = None) -> torch.Tensor:
+        """(A, B) minibatch CKA between streams ``keys_a`` of this model and ``keys_b`` of ``other`` (this
+        model if None): one batched reduction for the whole grid, self-HSICs computed once per stream."""
         a = self._finished()
         b = a if other is None else other._finished()
         if other is not None and not _aligned(a.gram_ids, b.gram_ids):
             raise ValueError(f"{self.model_name} and {other.model_name} saw different images or batches; "
                              "cross-model CKA needs the same images in the same CKA batches")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore" if other is not None else "default")
-            return C.cka_from_gram_list(a.grams[view], None if other is None else b.grams[view])
+        list_a = [torch.stack(g) for g in zip(*(a.grams[k] for k in keys_a), strict=True)]
+        list_b = None
+        if keys_b is not None or other is not None:
+            list_b = [torch.stack(g) for g in zip(*(b.grams[k] for k in (keys_b or keys_a)), strict=True)]
+        return C.cka_from_gram_list(list_a, list_b)
+
+
+def _aligned(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> bool:
+    return len(ids_a) == len(ids_b) and all(torch.equal(x, y) for x, y in zip(ids_a, ids_b, strict=True))
+
+
+def _key(view: str, tap: str) -> str:
+    return f"{view}|{tap}"
+
+
+@register_analysis
+class CKA(_GramAnalysis):
+    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; seed 000 eq. 3-4, 003 D.1] between
+    every pair of the requested taps (block outputs by default; any taps, e.g. ``block*.norm1``,
+    ``block*.qkv``, ``block*.fc1`` for the sub-layer grids of seed 000 Fig. 2), per token view ('cls',
+    'gap', 'gap_spatial', 'spatial' or 'all' = tokens flattened, seed 003 Fig. 6, 19). Across models
+    (`cross`): model A x model B grids and, for taps present in both, ``cka_divergence`` = 1 - CKA
+    (seed 002 eq. 4: pretrained vs fine-tuned)."""
+
+    name = "cka"
+    description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
+
+    def __init__(self, vm: Any, taps: Any = "block*.out", views: Any = ("cls", "gap"), batch_size: int = 32):
+        super().__init__(vm, batch_size)
+        self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
+        views = [views] if isinstance(views, str) else list(views)
+        if not self.has_cls_token:
+            views = [v for v in views if v != "cls"]
+        self.views = views
+
+    def required_taps(self) -> list[str]:
+        return list(self.taps)
+
+    def _streams(self, feats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for v in self.views:
+            for t in self.taps:
+                x = feats[t]
+                out[_key(v, t)] = token_view(x, v, self.num_prefix_tokens, self.has_cls_token) if x.ndim == 3 else x
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "taps": list(self.taps), "views": list(self.views)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.taps, self.views = list(state["taps"]), list(state["views"])
+
+    def matrix(self, view: str, other: CKA | None = None) -> torch.Tensor:
+        """(A, A') CKA between this model's taps and ``other``'s (itself if None) for one view."""
+        keys_b = None if other is None else [_key(view, t) for t in other.taps]
+        return self.cka_matrix([_key(view, t) for t in self.taps], keys_b, other)
 
     def finalize(self) -> pd.DataFrame:
         return self._rows(None)
@@ -139,9 +209,11 @@ class CKA(Analysis):
             m = self.matrix(v, other).numpy()
             for i, ta in enumerate(self.taps):
                 for j, tb in enumerate(b.taps):
-                    rows.append({"metric": "cka_minibatch", "layer": parse_tap(ta)[0], "token_view": v,
-                                 "tap": ta, "model_b": b.model_name, "layer_b": parse_tap(tb)[0], "tap_b": tb,
-                                 "value": float(m[i, j])})
+                    row = {"layer": parse_tap(ta)[0], "token_view": v, "tap": ta, "model_b": b.model_name,
+                           "layer_b": parse_tap(tb)[0], "tap_b": tb}
+                    rows.append({**row, "metric": "cka_minibatch", "value": float(m[i, j])})
+                    if other is not None and ta == tb:
+                        rows.append({**row, "metric": "cka_divergence", "value": 1.0 - float(m[i, j])})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         df["batch_size"] = self.batch_size
@@ -160,5 +232,179 @@ class CKA(Analysis):
         return pd.concat(frames, ignore_index=True) if frames else None
 
 
-def _aligned(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> bool:
-    return len(ids_a) == len(ids_b) and all(torch.equal(x, y) for x, y in zip(ids_a, ids_b, strict=True))
+@register_analysis
+class ResidualCKA(_GramAnalysis):
+    """Residual-connection CKA [seed 003 D.4, Fig. 23]: for every pair of blocks (i, j), CKA between the
+    skip path entering block i (``embed`` for block 0, else ``block{i-1}.out``) and the branch outputs of
+    block j as added to the residual stream (``attn_out``, ``mlp_out``), all from the one forward pass.
+    A small diagonal means the branch writes something new; a large one, that it mostly echoes the skip."""
+
+    name = "residual_cka"
+    description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
+
+    def __init__(self, vm: Any, views: Any = ("cls", "gap_spatial"), batch_size: int = 32):
+        super().__init__(vm, batch_size)
+        views = [views] if isinstance(views, str) else list(views)
+        self.views = [v for v in views if v != "cls" or self.has_cls_token]
+
+    def _skip_taps(self) -> list[str]:
+        return ["embed"] + [f"block{i}.out" for i in range(self.depth - 1)]
+
+    def required_taps(self) -> list[str]:
+        return self._skip_taps() + [f"block{i}.{b}" for b in ("attn_out", "mlp_out") for i in range(self.depth)]
+
+    def _streams(self, feats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {_key(v, t): token_view(feats[t], v, self.num_prefix_tokens, self.has_cls_token)
+                for v in self.views for t in self.required_taps()}
+
+    def finalize(self) -> pd.DataFrame:
+        rows = []
+        skips = self._skip_taps()
+        for v in self.views:
+            for branch in ("attn_out", "mlp_out"):
+                branches = [f"block{j}.{branch}" for j in range(self.depth)]
+                m = self.cka_matrix([_key(v, t) for t in skips], [_key(v, t) for t in branches]).numpy()
+                for i, ts in enumerate(skips):
+                    for j, tb in enumerate(branches):
+                        rows.append({"metric": f"skip_vs_{branch}", "layer": i, "layer_b": j, "token_view": v,
+                                     "tap": ts, "tap_b": tb, "model_b": self.model_name, "value": float(m[i, j])})
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df
+
+
+@register_analysis
+class Diversity(Analysis):
+    """Representation diversity inside self-attention [seed 001 "The attention collapse reduces the
+    diversity"; seed 004 Fig. 12], per layer, by minibatch CKA and by cosine similarity:
+
+    heads   between the per-head attention outputs (``block{i}.heads``, attn @ v per head, all tokens
+            flattened for CKA; per token for cosine): mean over head pairs h != h'.
+    tokens  between spatial positions: CKA between position p and p' across images (each position a
+            representation of the images), mean over p != p'; cosine between the spatial tokens of an
+            image, mean over pairs and images.
+    depth   before vs after self-attention: the block input against ``resid_mid`` (input + attention
+            branch), CKA across images (all tokens flattened) and cosine per token.
+    High similarity = low diversity (contrastive models in late layers, per the sources).
+    Only sums are kept (HSIC sums per CKA batch group, cosine sums): memory is constant in the images.
+    """
+
+    name = "diversity"
+    description = "similarity between heads, between spatial tokens, and before/after attention (CKA, cosine)"
+
+    def __init__(self, vm: Any, layers: Any = None, batch_size: int = 32):
+        super().__init__(vm)
+        self.layers = self.layers_param(layers)
+        self.batch_size = int(batch_size)
+        self.groups = GramGroups(self.batch_size)
+        L, H, S = len(self.layers), self.num_heads, self.grid_size[0] * self.grid_size[1]
+        self.hsic_heads = torch.zeros(L, H, H, dtype=torch.float64)
+        self.hsic_tokens = torch.zeros(L, S, S, dtype=torch.float64)
+        self.hsic_depth = torch.zeros(L, 3, dtype=torch.float64)  # (K,L), (K,K), (L,L)
+        self.n_groups = 0
+        self.cos_heads = torch.zeros(L, dtype=torch.float64)
+        self.cos_tokens = torch.zeros(L, dtype=torch.float64)
+        self.cos_depth = torch.zeros(L, dtype=torch.float64)
+
+    def _input_tap(self, i: int) -> str:
+        return "embed" if i == 0 else f"block{i - 1}.out"
+
+    def required_taps(self) -> list[str]:
+        taps = []
+        for i in self.layers:
+            taps += [f"block{i}.heads", self._input_tap(i), f"block{i}.resid_mid", f"block{i}.out"]
+        return list(dict.fromkeys(taps))
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        P, H = self.num_prefix_tokens, self.num_heads
+        streams: dict[str, torch.Tensor] = {}
+        for j, i in enumerate(self.layers):
+            heads = feats[f"block{i}.heads"].float()
+            B, T, D = heads.shape
+            per_head = heads.reshape(B, T, H, D // H)
+            u = torch.nn.functional.normalize(per_head, dim=-1)
+            sim = torch.einsum("bthd,btgd->hg", u.double(), u.double()) / (B * T)
+            self.cos_heads[j] += (sim.sum() - sim.diagonal().sum()) / (H * (H - 1)) * B
+            spatial = feats[f"block{i}.out"][:, P:].float()
+            v = torch.nn.functional.normalize(spatial, dim=-1).double()
+            S = v.shape[1]
+            tot = (v.sum(1).pow(2).sum(-1) - S) / (S * (S - 1))  # mean over pairs p != p' per image
+            self.cos_tokens[j] += tot.sum()
+            x_in, x_mid = feats[self._input_tap(i)].double(), feats[f"block{i}.resid_mid"].double()
+            self.cos_depth[j] += torch.nn.functional.cosine_similarity(x_in, x_mid, dim=-1).mean(1).sum()
+            for h in range(H):
+                streams[f"h{j}.{h}"] = per_head[:, :, h]
+            for p in range(S):
+                streams[f"t{j}.{p}"] = spatial[:, p]
+            streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
+        self._reduce(self.groups.add(streams, batch.index))
+        self.n_images += len(batch)
+
+    def _reduce(self, closed: list[tuple[torch.Tensor, dict]]) -> None:
+        H, S = self.num_heads, self.grid_size[0] * self.grid_size[1]
+        for _ids, grams in closed:
+            if next(iter(grams.values())).shape[0] < C.MIN_HSIC1_EXAMPLES:
+                warnings.warn(f"diversity: a last CKA batch of {next(iter(grams.values())).shape[0]} images "
+                              "is too small for HSIC_1 and was left out of the CKA terms", stacklevel=2)
+                continue
+            self.n_groups += 1
+            for j in range(len(self.layers)):
+                gh = torch.stack([grams[f"h{j}.{h}"] for h in range(H)])
+                self.hsic_heads[j] += C.hsic1(gh[:, None], gh[None, :])
+                gt = torch.stack([grams[f"t{j}.{p}"] for p in range(S)])
+                self.hsic_tokens[j] += C.hsic1_cross(gt[:, None], gt[:, None])[:, :, 0]
+                k, m = grams[f"in{j}"], grams[f"mid{j}"]
+                self.hsic_depth[j] += torch.stack([C.hsic1(k, m), C.hsic1(k, k), C.hsic1(m, m)])
+
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, Diversity) and other.layers == self.layers
+        other = other._finished()
+        self._reduce(self.groups.flush())
+        for name in ("hsic_heads", "hsic_tokens", "hsic_depth", "cos_heads", "cos_tokens", "cos_depth"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.n_groups += other.n_groups
+        self.n_images += other.n_images
+
+    def _finished(self) -> Diversity:
+        done = copy.copy(self)
+        done.load_state_dict(self.state_dict())
+        done._reduce(done.groups.flush())
+        return done
+
+    _TENSORS = ("hsic_heads", "hsic_tokens", "hsic_depth", "cos_heads", "cos_tokens", "cos_depth")
+
+    def state_dict(self) -> dict[str, Any]:
+        s = {k: getattr(self, k).clone() for k in self._TENSORS}
+        return {**s, "layers": list(self.layers), "batch_size": self.batch_size, "n_images": self.n_images,
+                "n_groups": self.n_groups, "groups": self.groups.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for k in self._TENSORS:
+            setattr(self, k, state[k].clone())
+        self.layers, self.batch_size = list(state["layers"]), int(state["batch_size"])
+        self.n_images, self.n_groups = int(state["n_images"]), int(state["n_groups"])
+        self.groups = GramGroups(self.batch_size)
+        self.groups.load_state_dict(state["groups"])
+
+    def finalize(self) -> pd.DataFrame:
+        d = self._finished()
+        n = max(d.n_images, 1)
+        rows = []
+        for j, i in enumerate(d.layers):
+            rows.append({"metric": "cosine_heads", "layer": i, "value": float(d.cos_heads[j] / n)})
+            rows.append({"metric": "cosine_tokens", "layer": i, "value": float(d.cos_tokens[j] / n)})
+            rows.append({"metric": "cosine_depth", "layer": i, "value": float(d.cos_depth[j] / n)})
+            rows.append({"metric": "cka_heads", "layer": i, "value": _mean_offdiag_cka(d.hsic_heads[j])})
+            rows.append({"metric": "cka_tokens", "layer": i, "value": _mean_offdiag_cka(d.hsic_tokens[j])})
+            kl, kk, ll = d.hsic_depth[j]
+            rows.append({"metric": "cka_depth", "layer": i, "value": float(kl / (kk * ll).sqrt())})
+        df = self.tidy(rows)
+        df["n_images"] = d.n_images
+        return df
+
+
+def _mean_offdiag_cka(hsic: torch.Tensor) -> float:
+    d = hsic.diagonal().clamp_min(0).sqrt()
+    cka = hsic / (d[:, None] * d[None, :])
+    n = cka.shape[0]
+    return float((cka.nansum() - cka.diagonal().nansum()) / (n * (n - 1)))

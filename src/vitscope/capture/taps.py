@@ -4,6 +4,8 @@ Per block i (0-based):
   block{i}.norm1      output of the first LayerNorm                            (B, T, D)
   block{i}.qkv        output of the fused q/k/v projection                     (B, T, 3*D)
   block{i}.attn       softmax attention probabilities, the real ones           (B, H, T, T)
+  block{i}.heads      per-head attention outputs (attn @ v), heads concatenated (B, T, D)
+                      before the output projection: head h is [..., h*D/H:(h+1)*D/H]
   block{i}.attn_out   attention branch as added to the residual stream         (B, T, D)
                       (after proj and layer scale, if any)
   block{i}.resid_mid  residual stream between the attention and MLP sub-blocks (B, T, D)
@@ -35,9 +37,9 @@ from torch import nn
 
 from vitscope.errors import UnknownTapError, close_matches, preview
 
-BLOCK_TAPS = ("norm1", "qkv", "attn", "attn_out", "resid_mid", "norm2", "fc1", "fc2", "mlp_out", "out")
+BLOCK_TAPS = ("norm1", "qkv", "attn", "heads", "attn_out", "resid_mid", "norm2", "fc1", "fc2", "mlp_out", "out")
 GLOBAL_TAPS = ("embed", "final_norm", "logits")
-_BLOCK_RX = re.compile(r"^block(\d+)\.(\w+)$")
+_BLOCK_RX = re.compile(r"^block(-?\d+)\.(\w+)$")
 
 Getter = Callable[[tuple, object], torch.Tensor]  # (forward args, output) -> tensor
 
@@ -65,7 +67,8 @@ def parse_tap(name: str) -> tuple[int | None, str]:
 
 
 def expand_taps(patterns: list[str] | str, depth: int) -> list[str]:
-    """Expand ``'*.out'``/``'block*.attn'``-style patterns (fnmatch) to tap names, keeping order."""
+    """Expand ``'*.out'``/``'block*.attn'``-style patterns (fnmatch) to tap names, keeping order.
+    Negative block indices count from the end: ``'block-1.out'`` is the last block's output."""
     import fnmatch
 
     if isinstance(patterns, str):
@@ -78,8 +81,12 @@ def expand_taps(patterns: list[str] | str, depth: int) -> list[str]:
             if not hits:
                 raise UnknownTapError(f"tap pattern {p!r} matches no tap of this model")
             out.extend(h for h in hits if h not in out)
-        elif p not in out:
-            out.append(p)
+        else:
+            idx, kind = parse_tap(p)
+            if idx is not None and idx < 0:
+                p = f"block{idx + depth}.{kind}"
+            if p not in out:
+                out.append(p)
     return out
 
 
@@ -128,6 +135,7 @@ def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
         "qkv": (HookPoint(attn, "pre", _beit_qkv(attn)) if beit and getattr(attn, "q_bias", None) is not None
                 else HookPoint(attn.qkv, "post", _output)),
         "attn": HookPoint(attn.attn_drop, "post", _output, needs_unfused=attn),
+        "heads": HookPoint(attn.proj, "pre", _arg0),
         "attn_out": (HookPoint(attn, "post", _scaled(blk.gamma_1)) if beit
                      else HookPoint(blk.ls1, "post", _output)),
         "resid_mid": HookPoint(blk.norm2, "pre", _arg0),
