@@ -7,27 +7,85 @@ import pandas as pd
 from vitscope.report.figures._common import Figures, plt
 
 
+def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.cm.ScalarMappable:
+    im = ax.imshow(mat.values, origin="lower", vmin=0, vmax=1, cmap="magma")
+    ax.set_xticks(range(mat.shape[1]), [_short(t) for t in mat.columns], rotation=90, fontsize=6)
+    ax.set_yticks(range(mat.shape[0]), [_short(t) for t in mat.index], fontsize=6)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    return im
+
+
 def cka(df: pd.DataFrame) -> Figures:
-    """Layer x layer CKA heatmaps: each model against itself, then each pair of models."""
+    """Tap x tap CKA heatmaps: each model against itself, then each pair of models [seed 003 Fig. 6, 19],
+    and CKA divergence per layer between models [seed 002 eq. 4]."""
     out: Figures = []
-    for (ma, mb, view), g in df.groupby(["model", "model_b", "token_view"], sort=False):
+    grid = df[df.metric == "cka_minibatch"]
+    for (ma, mb, view), g in grid.groupby(["model", "model_b", "token_view"], sort=False):
         taps_a = list(dict.fromkeys(g["tap"]))
         taps_b = list(dict.fromkeys(g["tap_b"]))
         mat = g.pivot_table(index="tap", columns="tap_b", values="value").reindex(index=taps_a, columns=taps_b)
         fig, ax = plt.subplots(figsize=(4.2, 3.6))
-        im = ax.imshow(mat.values, origin="lower", vmin=0, vmax=1, cmap="magma")
-        ax.set_xticks(range(len(taps_b)), [_short(t) for t in taps_b], rotation=90, fontsize=6)
-        ax.set_yticks(range(len(taps_a)), [_short(t) for t in taps_a], fontsize=6)
-        ax.set_xlabel(mb)
-        ax.set_ylabel(ma)
+        im = _heatmap(ax, mat, mb, ma)
         fig.colorbar(im, ax=ax, fraction=0.046)
         fig.tight_layout()
-        out.append((f"CKA {ma} vs {mb} ({view})", fig))
+        out.append((f"CKA {ma} vs {mb} ({view} token view). Bright = similar representations; "
+                    "the diagonal of a model against itself is 1.", fig))
+    div = df[df.metric == "cka_divergence"]
+    if len(div):
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        for (ma, mb, view), g in div.groupby(["model", "model_b", "token_view"], sort=False):
+            g = g.sort_values("layer")
+            ax.plot(g["layer"], g["value"], "-o", ms=3, label=f"{ma} vs {mb} ({view})")
+        ax.set_xlabel("block")
+        ax.set_ylabel("1 - CKA (same layer)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        out.append(("CKA divergence per layer between models (e.g. pretrained vs fine-tuned): "
+                    "higher = the layer changed more", fig))
     return out
+
+
+def residual_cka(df: pd.DataFrame) -> Figures:
+    """Skip path (rows: input of block i) vs branch output (columns: block j) [seed 003 Fig. 23]."""
+    out: Figures = []
+    for (model, view), g in df.groupby(["model", "token_view"], sort=False):
+        fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.4))
+        for ax, branch in zip(axes, ("attn_out", "mlp_out"), strict=True):
+            h = g[g.metric == f"skip_vs_{branch}"]
+            mat = h.pivot_table(index="layer", columns="layer_b", values="value")
+            im = ax.imshow(mat.values, origin="lower", vmin=0, vmax=1, cmap="magma")
+            ax.set_xlabel(f"block j ({branch})", fontsize=8)
+            ax.set_ylabel("skip path into block i", fontsize=8)
+            ax.set_title(branch, fontsize=8)
+        fig.colorbar(im, ax=axes, fraction=0.046)
+        out.append((f"Residual-connection CKA, {model} ({view}): a dark diagonal means each branch adds "
+                    "something the skip path did not carry", fig))
+    return out
+
+
+def diversity(df: pd.DataFrame) -> Figures:
+    """Similarity between heads, between spatial tokens, and before/after attention, per layer [seed 001]."""
+    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), sharey=True)
+    for ax, what in zip(axes, ("heads", "tokens", "depth"), strict=True):
+        for k, (model, g) in enumerate(df.groupby("model", sort=False)):
+            for measure, style in (("cka", "-o"), ("cosine", "--s")):
+                h = g[g.metric == f"{measure}_{what}"].sort_values("layer")
+                ax.plot(h["layer"], h["value"], style, ms=3, color=f"C{k}",
+                        label=f"{model} ({measure})" if what == "heads" else None)
+        ax.set_title(what, fontsize=9)
+        ax.set_xlabel("block")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("similarity")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return [("Representation diversity inside self-attention: high similarity = low diversity "
+             "(solid: minibatch CKA, dashed: cosine)", fig)]
 
 
 def _short(tap: str) -> str:
     return tap.replace("block", "b").replace(".out", "")
 
 
-FIGURES = {"cka": cka}
+FIGURES = {"cka": cka, "residual_cka": residual_cka, "diversity": diversity}
