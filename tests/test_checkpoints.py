@@ -207,3 +207,36 @@ def test_unknown_format_and_missing_file():
 
     with pytest.raises(vs.CheckpointError, match="mocov3"):
         convert({"a": torch.zeros(1)}, "moco")
+
+
+@pytest.mark.parametrize("layout", ["timm", "dino_full", "mae_ft", "reg", "beit_pretrain"])
+def test_bare_checkpoint_file_loads_with_its_architecture_read_off_the_tensors(tmp_path, layout):
+    heads64 = {**TINY, "embed_dim": 128, "num_heads": 2}  # 64-dim heads: what inference assumes
+    ckpt = None
+    if layout == "timm":
+        src = _source(num_classes=7, **heads64)
+    elif layout == "dino_full":
+        src = _source(num_classes=0, **heads64)
+        ckpt = _dino_full(src, src)
+    elif layout == "mae_ft":
+        src = _source(num_classes=10, global_pool="avg", **heads64)
+        ckpt = {"model": src}
+    elif layout == "reg":
+        src = _source("reg", num_classes=0, **heads64)
+    else:
+        src = _source("beit_shared", global_pool="token", num_classes=0, **heads64)
+        ckpt = {"model": {**src, "lm_head.weight": torch.randn(10, 128)}}
+    path = tmp_path / f"{layout}.pth"
+    torch.save(src if ckpt is None else ckpt, path)
+    vm = vs.load_model(path)
+    _assert_loaded(vm, src)
+    assert (vm.depth, vm.num_heads, vm.patch_size, vm.grid_size) == (3, 2, 8, (4, 4))
+    assert vm.name == layout
+
+
+def test_bare_checkpoint_heads_can_be_overridden(tmp_path):
+    src = _source(num_classes=0)  # 48-dim, 3 heads of 16: not the 64-dim convention
+    torch.save(src, tmp_path / "odd.pth")
+    vm = vs.load_model(tmp_path / "odd.pth", num_heads=3)
+    _assert_loaded(vm, src)
+    assert vm.num_heads == 3

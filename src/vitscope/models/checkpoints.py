@@ -116,6 +116,52 @@ def _implied_kwargs(sd: Mapping[str, Tensor]) -> dict[str, Any]:
     return kw
 
 
+def infer_architecture(sd: Mapping[str, Tensor]) -> tuple[str, dict[str, Any], list[str]]:
+    """A timm architecture and its arguments read off a (converted) state dict, for checkpoint files that
+    do not say what they hold. Returns (arch, kwargs, notes). Everything is read from tensor shapes except
+    the number of heads, which weights cannot tell: it is taken as embed_dim / 64 (the ViT convention;
+    MoCo-v3's ViT-S has 12 heads of 32) and said in the notes."""
+    w = sd.get("patch_embed.proj.weight")
+    if w is None or w.ndim != 4:
+        raise CheckpointError("cannot tell the architecture: no patch_embed.proj.weight (is this a ViT?)")
+    dim, chans, patch = int(w.shape[0]), int(w.shape[1]), int(w.shape[-1])
+    blocks = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if not blocks:
+        raise CheckpointError("cannot tell the architecture: no transformer blocks (blocks.N.*) in the checkpoint")
+    beit = any(k.endswith("attn.q_bias") for k in sd) or "rel_pos_bias.relative_position_bias_table" in sd
+    kw: dict[str, Any] = {"embed_dim": dim, "depth": max(blocks) + 1, "num_heads": max(dim // 64, 1),
+                          "patch_size": patch, "in_chans": chans}
+    fc1 = sd.get("blocks.0.mlp.fc1.weight")
+    if fc1 is not None:
+        kw["mlp_ratio"] = fc1.shape[0] / dim
+    prefix = (1 if "cls_token" in sd else 0) + (int(sd["reg_token"].shape[1]) if "reg_token" in sd else 0)
+    pos = sd.get("pos_embed")
+    if pos is not None:
+        n = int(pos.shape[1])
+        side = int(round((n - prefix) ** 0.5))
+        if side * side != n - prefix:  # position embedding without the prefix tokens
+            side, kw["no_embed_class"] = int(round(n ** 0.5)), True
+        kw["img_size"] = side * patch
+    elif beit:
+        table = sd.get("rel_pos_bias.relative_position_bias_table",
+                       sd.get("blocks.0.attn.relative_position_bias_table"))
+        if table is not None:
+            side = (int(round((table.shape[0] - 3) ** 0.5)) + 1) // 2
+            kw["img_size"] = side * patch
+    notes = [f"num_heads={kw['num_heads']} assumed (embed_dim / 64); pass num_heads=... if the model used another"]
+    if beit:
+        return "beit_base_patch16_224", kw, notes
+    kw["class_token"] = "cls_token" in sd
+    kw["qkv_bias"] = "blocks.0.attn.qkv.bias" in sd
+    if "blocks.0.ls1.gamma" in sd:
+        kw["init_values"] = 1e-5  # layer scale present; its values come from the checkpoint
+    if "norm_pre.weight" in sd:
+        kw["pre_norm"] = True
+    if not kw["class_token"]:
+        kw.setdefault("global_pool", "avg")
+    return "vit_base_patch16_224", kw, notes
+
+
 # --------------------------------------------------------------------------------------------------
 # Converters: one per official layout
 

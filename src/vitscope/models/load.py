@@ -37,8 +37,9 @@ def load_model(
     """Build a ViT and load its weights.
 
     name_or_path: a registry name (``vitscope models``), a timm model name (``vit_small_patch16_224``,
-        optionally with a pretrained tag), or a checkpoint file written by vitscope (its architecture
-        is stored in the file).
+        optionally with a pretrained tag), or a checkpoint file: vitscope's own store the architecture;
+        for others it is read off the tensor shapes (heads assumed 64-dimensional; override with
+        ``num_heads=``), or pass the timm name and ``weights=`` to be explicit.
     weights: a local checkpoint (or URL) in any supported layout: timm, MoCo-v3, DINO, MAE, BEiT,
         SimMIM; auto-detected, or forced with ``checkpoint_format``. Overrides the entry's own source.
     pretrained: fetch the entry's weights when ``weights`` is not given; False = random init (seeded).
@@ -54,9 +55,15 @@ def load_model(
     if weights is not None:
         source = str(weights)
         ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
-        conv = ck.convert(ckpt, checkpoint_format if checkpoint_format != "auto" else spec.weights.checkpoint_format,
-                          dino_key=checkpoint_key)
-        kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
+        fmt = checkpoint_format if checkpoint_format != "auto" else spec.weights.checkpoint_format
+        conv = ck.convert(ckpt, fmt, dino_key=checkpoint_key)
+        if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
+            arch, inferred, notes = ck.infer_architecture(conv.state_dict)
+            spec = replace(spec, arch=arch, notes="; ".join(notes))
+            log.warning("%s: architecture inferred from the checkpoint (%s); %s", spec.name, arch, notes[0])
+            kwargs = {**inferred, **conv.model_kwargs, **model_kwargs}
+        else:
+            kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
         model = _create(spec.arch, kwargs, seed)
         report = ck.load_into(model, conv, source=Path(source).name, strict=strict)
         log.info("%s: %s", spec.name, report.summary())
@@ -89,10 +96,8 @@ def resolve_spec(name_or_path: str | Path) -> ModelSpec:
     path = Path(name)
     if path.is_file():
         meta = read_vitscope_metadata(path)
-        if meta is None:
-            raise VitscopeError(
-                f"{path.name} does not say which architecture it holds; pass the timm name and the file: "
-                f"load_model('vit_base_patch16_224', weights='{name}')")
+        if meta is None:  # architecture read off the tensors once the checkpoint is converted
+            return ModelSpec(path.stem, "", "none", "unknown", WeightSource("file", str(path)))
         return meta
     arch, _, tag = name.partition(".")
     if timm.is_model(arch):
