@@ -133,3 +133,15 @@ def test_stream_hands_each_analysis_only_its_taps():
 def test_batch_type_len():
     b = Batch(images=torch.zeros(3, 3, 8, 8), index=torch.arange(3))
     assert len(b) == 3
+
+
+def test_cross_model_cka_pairs_batches_by_image_ids_not_arrival_order():
+    va, vb = tiny("vit"), tiny("beit")
+    va.name, vb.name = "A", "B"
+    batches = _batches(va, n=20, bs=5)
+    a = _run("cka", va, batches, batch_size=5, views=["gap"])
+    b = _run("cka", vb, batches[::-1], batch_size=5, views=["gap"])  # same CKA batches, reversed order
+    b_in_order = _run("cka", vb, batches, batch_size=5, views=["gap"])
+    got, ref = type(a).cross([a, b]), type(a).cross([a, b_in_order])
+    # the reversed run shifts its float32 Grams by another first-batch mean: float32 rounding only
+    assert got.value.to_numpy() == pytest.approx(ref.value.to_numpy(), rel=1e-6, abs=1e-7)

@@ -45,24 +45,76 @@ def test_run_writes_tidy_tables_manifest_and_report(config, tmp_path, capsys):
     cka = pd.read_parquet(out / "results" / "cka.parquet")
     assert {("tiny-vit", "tiny-beit")} <= set(zip(cka.model, cka.model_b, strict=True))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["models"]["tiny-vit"]["from_cache"] is False
+    assert manifest["models"]["tiny-vit"]["analyses_from_cache"] == []
     html = (out / "report.html").read_text()
     assert html.count("<img") >= 2 and "data:image/png;base64," in html and "src='http" not in html
 
     # a second run of the same study is served from the saved states, with identical results
     assert main(["run", str(config), f"output_dir={out}"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["models"]["tiny-vit"]["from_cache"] is True
+    assert manifest["models"]["tiny-vit"]["analyses_from_cache"] == ["attention_distance", "cka"]
     pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "cka.parquet"), cka)
 
 
-def test_changing_a_parameter_recomputes(config, tmp_path):
+def test_changing_a_parameter_recomputes_only_that_analysis(config, tmp_path):
     out = tmp_path / "run"
     run_study(load_config(config, [f"output_dir={out}"]))
     run_study(load_config(config, [f"output_dir={out}", "analyses.cka.views=[cls]"]))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["models"]["tiny-vit"]["from_cache"] is False
+    assert manifest["models"]["tiny-vit"]["analyses_from_cache"] == ["attention_distance"]
     assert set(pd.read_parquet(out / "results" / "cka.parquet").token_view) == {"cls"}
+
+
+def test_cached_rerun_loads_no_model(config, tmp_path, monkeypatch):
+    import vitscope.study.run as run_mod
+
+    out = tmp_path / "run"
+    run_study(load_config(config, [f"output_dir={out}"]))
+    first = pd.read_parquet(out / "results" / "attention_distance.parquet")
+
+    def no_model(*a, **k):
+        raise AssertionError("a finished study must not load any model")
+
+    monkeypatch.setattr(run_mod, "load_model", no_model)
+    run_study(load_config(config, [f"output_dir={out}"]))
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "attention_distance.parquet"), first)
+
+
+def test_adding_an_analysis_runs_only_the_new_one(config, tmp_path):
+    out = tmp_path / "run"
+    run_study(load_config(config, [f"output_dir={out}", "~analyses.cka"]))
+    run_study(load_config(config, [f"output_dir={out}"]))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["models"]["tiny-beit"]["analyses_from_cache"] == ["attention_distance"]
+
+
+def test_killed_run_resumes_and_matches_an_uninterrupted_one(config, tmp_path):
+    ref_dir, out = tmp_path / "ref", tmp_path / "run"
+    run_study(load_config(config, [f"output_dir={ref_dir}", f"cache_dir={tmp_path / 'c1'}"]))
+    seen: list[tuple[str, int]] = []
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_third(model, b):
+        seen.append((model, b))
+        if model == "tiny-beit" and b == 1:
+            raise Killed
+
+    overrides = [f"output_dir={out}", f"cache_dir={tmp_path / 'c2'}", "save_every=1", "dataset.n_images=24",
+                 "batch_size=4"]
+    ref_overrides = [f"output_dir={ref_dir}", f"cache_dir={tmp_path / 'c1'}", "dataset.n_images=24", "batch_size=4"]
+    run_study(load_config(config, ref_overrides))
+    with pytest.raises(Killed):
+        run_study(load_config(config, overrides), on_batch=kill_at_third)
+    seen.clear()
+    run_study(load_config(config, overrides), on_batch=lambda m, b: seen.append((m, b)))
+    # tiny-vit finished before the kill; tiny-beit resumes after its batches 0 and 1 (saved every batch)
+    assert [m for m, _ in seen] == ["tiny-beit"] * 4 and seen[0] == ("tiny-beit", 2)
+    for name in ("attention_distance", "cka"):
+        a = pd.read_parquet(out / "results" / f"{name}.parquet")
+        b = pd.read_parquet(ref_dir / "results" / f"{name}.parquet")
+        assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, nan_ok=True)
 
 
 @pytest.mark.parametrize("override,needle", [

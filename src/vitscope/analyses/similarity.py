@@ -136,18 +136,28 @@ class _GramAnalysis(Analysis):
         model if None): one batched reduction for the whole grid, self-HSICs computed once per stream."""
         a = self._finished()
         b = a if other is None else other._finished()
-        if other is not None and not _aligned(a.gram_ids, b.gram_ids):
-            raise ValueError(f"{self.model_name} and {other.model_name} saw different images or batches; "
-                             "cross-model CKA needs the same images in the same CKA batches")
+        order = list(range(len(a.gram_ids)))
+        if other is not None:
+            order = _alignment(a.gram_ids, b.gram_ids)
+            if order is None:
+                raise ValueError(f"{self.model_name} and {other.model_name} saw different images or batches; "
+                                 "cross-model CKA needs the same images in the same CKA batches")
         list_a = [torch.stack(g) for g in zip(*(a.grams[k] for k in keys_a), strict=True)]
         list_b = None
         if keys_b is not None or other is not None:
-            list_b = [torch.stack(g) for g in zip(*(b.grams[k] for k in (keys_b or keys_a)), strict=True)]
+            per_b = [torch.stack(g) for g in zip(*(b.grams[k] for k in (keys_b or keys_a)), strict=True)]
+            list_b = [per_b[i] for i in order]
         return C.cka_from_gram_list(list_a, list_b)
 
 
-def _aligned(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> bool:
-    return len(ids_a) == len(ids_b) and all(torch.equal(x, y) for x, y in zip(ids_a, ids_b, strict=True))
+def _alignment(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> list[int] | None:
+    """For each CKA batch of A, the index of B's batch with the same image ids (batches may arrive in any
+    order: shards, resumed parts). None if the two did not see the same batches."""
+    where = {tuple(ids.tolist()): i for i, ids in enumerate(ids_b)}
+    order = [where.get(tuple(ids.tolist()), -1) for ids in ids_a]
+    if len(ids_a) != len(ids_b) or -1 in order:
+        return None
+    return order
 
 
 def _key(view: str, tap: str) -> str:

@@ -28,6 +28,21 @@ def model_family(model: nn.Module) -> str:
     raise VitscopeError(f"{type(model).__name__} is not supported; vitscope adapts {SUPPORTED}")
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What an analysis needs to know of a model, without the model: saved with cached states so results
+    can be rebuilt (and compared across models) without loading any weights."""
+
+    name: str
+    depth: int
+    num_heads: int
+    embed_dim: int
+    grid_size: tuple[int, int]
+    patch_size: int
+    num_prefix_tokens: int
+    has_cls_token: bool
+
+
 @dataclass
 class ViTModel:
     """A loaded model and what vitscope needs to know about it.
@@ -97,6 +112,10 @@ class ViTModel:
 
             pre = replace(pre, input_size=self.img_size[0])
         return pre
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.name, self.depth, self.num_heads, self.embed_dim, self.grid_size, self.patch_size,
+                         self.num_prefix_tokens, self.has_cls_token)
 
     @cached_property
     def taps(self) -> list[str]:

@@ -43,6 +43,8 @@ class StudyConfig:
     dtype: str = "fp32"
     seed: int = 0
     output_dir: str = "vitscope-runs/study"
+    cache_dir: str | None = None           # shared across studies; default: <output_dir>/../cache
+    save_every: int = 10                   # save partial states every N batches (resume after a kill)
     progress: bool = True
 
 
@@ -51,13 +53,25 @@ def default_config_path() -> Path:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> StudyConfig:
-    """Merge the YAML file (the embedded default if None) and dotlist overrides into a validated config."""
+    """Merge the YAML file (the embedded default if None) and dotlist overrides into a validated config.
+
+    Overrides are ``key=value`` (OmegaConf dotlist, e.g. ``analyses.cka.views=[gap]``) or ``~key`` to remove
+    an entry (e.g. ``~analyses.cka``)."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:
+        overrides = list(overrides or [])
+        removals = [o[1:] for o in overrides if o.startswith("~")]
         schema = OmegaConf.structured(StudyConfig)
-        cfg = OmegaConf.merge(schema, OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides or [])))
+        cfg = OmegaConf.merge(schema, OmegaConf.load(path),
+                              OmegaConf.from_dotlist([o for o in overrides if not o.startswith("~")]))
+        for key in removals:  # Hydra-style `~analyses.cka` removes an entry
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if node is None or leaf not in node:
+                raise ConfigError(f"cannot remove {key!r}: the config has no such entry")
+            node.pop(leaf)
         obj: StudyConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config {path.name}: {e}".replace("\n", "; ")) from e

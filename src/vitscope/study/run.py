@@ -1,22 +1,26 @@
 """Run a study: every model once over the dataset, every analysis fed from that one pass.
 
-Layout of a run directory:
+For each model the planner looks up every requested analysis in the cache (`study/cache.py`): finished
+ones are read back without loading the model; unfinished ones resume from their last saved batch; new ones
+start at the first. One pass then runs from the earliest batch anyone needs, feeding each analysis only
+the batches it has not seen. Under torchrun the images are split into contiguous shards (aligned to every
+CKA batch size, so shards group images exactly as one process would), and the shards' states are merged
+with the same `merge` that resume uses. A run directory holds:
   results/<analysis>.parquet   tidy tables (model, analysis, metric, layer, head, token_view, value, ...)
-  state/<model>.pt             accumulator states + the key they were computed under (resume/cache)
-  manifest.json                config, versions, model digests, load reports, timings
-  report.html                  self-contained report
+  manifest.json                config, versions, model digests, load reports, timings, skipped images
+  config.yaml, report.html
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import os
+import math
 import platform
 import time
 from collections import defaultdict
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,87 +28,202 @@ import pandas as pd
 import torch
 
 from vitscope.analyses import Analysis, get_analysis
-from vitscope.capture import stream
+from vitscope.capture import Capture
 from vitscope.data import make_dataset
 from vitscope.models import load_model
-from vitscope.study.config import StudyConfig, to_yaml
+from vitscope.models.adapter import ModelInfo
+from vitscope.models.load import resolve_spec
+from vitscope.study.cache import Cache, digest, model_key
+from vitscope.study.config import ModelConfig, StudyConfig, to_yaml
+from vitscope.study.distributed import Dist
 
 log = logging.getLogger(__name__)
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
+@dataclass
+class Job:
+    """One analysis of one model: where its cache entries live and how far it got."""
+
+    name: str
+    params: dict[str, Any]
+    key: str
+    final: Path
+    part: Path
+    analysis: Analysis | None = None
+    done: int = 0  # batches of this shard already fed
+    finished: bool = False
+    frame: pd.DataFrame | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
-def _key(*parts: Any) -> str:
-    from vitscope import __version__
-
-    blob = json.dumps([__version__, *parts], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def run_study(cfg: StudyConfig) -> Path:
+def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None) -> Path:
+    """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
+    after each batch (tests use it to interrupt a run)."""
+    dist = Dist.from_env()
     out = Path(cfg.output_dir)
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    (out / "state").mkdir(exist_ok=True)
-    torch.manual_seed(cfg.seed)
+    cache = Cache(cfg.cache_dir or out.parent / "cache")
     dataset = make_dataset(cfg.dataset)
+    if len(dataset) == 0:
+        raise ValueError(f"dataset {dataset.name!r} has no images")
     frames: dict[str, list[pd.DataFrame]] = defaultdict(list)
     by_analysis: dict[str, list[Analysis]] = defaultdict(list)
     manifest: dict[str, Any] = {
-        "config": asdict(cfg), "versions": _versions(), "dataset": {"name": dataset.name, "n_images": len(dataset)},
-        "models": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": asdict(cfg), "versions": _versions(), "world_size": dist.world,
+        "dataset": {"name": dataset.name, "n_images": len(dataset)}, "models": {},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
+    t_study = time.perf_counter()
     for mc in cfg.models:
         label = mc.label or mc.name
         t0 = time.perf_counter()
-        vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
-                        checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=cfg.device, **mc.kwargs)
-        vm.name = label
-        analyses = [get_analysis(n)(vm, **(p or {})) for n, p in cfg.analyses.items()]
-        key = _key(vm.weights_digest, asdict(cfg.dataset), cfg.batch_size, cfg.dtype,
-                   sorted((n, p) for n, p in cfg.analyses.items()))
-        state_file = out / "state" / f"{label.replace('/', '_')}.pt"
-        cached = False
-        if state_file.is_file():
-            saved = torch.load(state_file, map_location="cpu", weights_only=False)
-            if saved.get("key") == key:
-                for a in analyses:
-                    a.load_state_dict(saved["analyses"][a.name])
-                cached = True
-        if not cached:
-            n_batches = -(-len(dataset) // cfg.batch_size)
-            stream(vm, dataset.batches(cfg.batch_size, vm.preprocessing), analyses, dtype=cfg.dtype,
-                   progress=cfg.progress, total=n_batches)
-            _atomic_save({"key": key, "analyses": {a.name: a.state_dict() for a in analyses}}, state_file)
-        for a in analyses:
-            frames[a.name].append(a.finalize())
-            by_analysis[a.name].append(a)
-        manifest["models"][label] = {
-            "source": mc.name, "weights_digest": vm.weights_digest, "family": vm.family,
-            "depth": vm.depth, "heads": vm.num_heads, "grid": vm.grid_size, "patch": vm.patch_size,
-            "prefix_tokens": vm.num_prefix_tokens, "from_cache": cached,
-            "load_report": vm.load_report.summary() if vm.load_report else "random initialisation",
-            "seconds": round(time.perf_counter() - t0, 2),
-        }
-        del vm
+        info, jobs, mmeta = _run_model(cfg, mc, label, dataset, cache, dist, on_batch)
+        for job in jobs:
+            frames[job.name].append(job.frame)
+            by_analysis[job.name].append(job.analysis)
+        manifest["models"][label] = {**mmeta, "seconds": round(time.perf_counter() - t0, 2),
+                                     "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
+    manifest["seconds"] = round(time.perf_counter() - t_study, 2)
+    manifest["skipped_images"] = [list(map(str, s)) for s in getattr(dataset, "skipped", [])]
+    if not dist.is_main:
+        dist.barrier()
+        return out
     for name, group in by_analysis.items():
         cross = type(group[0]).cross(group)
         if cross is not None and len(cross):
             frames[name].append(cross)
+    (out / "results").mkdir(parents=True, exist_ok=True)
     for name, parts in frames.items():
-        df = pd.concat([p for p in parts if len(p)], ignore_index=True) if any(len(p) for p in parts) \
-            else parts[0]
-        df.to_parquet(out / "results" / f"{name}.parquet", index=False)
+        parts = [p for p in parts if p is not None and len(p)]
+        if parts:
+            pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     (out / "config.yaml").write_text(to_yaml(cfg))
     from vitscope.report import write_report
 
     write_report(out)
+    dist.barrier()
     return out
+
+
+def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cache: Cache, dist: Dist,
+               on_batch: Callable[[str, int], None] | None) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
+    spec = resolve_spec(mc.name)
+    mkey = model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
+    dkey = digest(asdict(cfg.dataset))
+    shard = (dist.rank, dist.world)
+    jobs = []
+    for name, params in cfg.analyses.items():
+        params = dict(params or {})
+        akey = digest(mkey, dkey, name, params, cfg.dtype)
+        jobs.append(Job(name, params, akey, cache.path(mkey, name, akey), cache.path(mkey, name, akey, shard)))
+    info: ModelInfo | None = None
+    mmeta: dict[str, Any] = {"source": mc.name, "model_key": mkey}
+    for job in jobs:  # finished entries: no model needed
+        entry = cache.load(job.final)
+        if entry is not None and entry.get("finished"):
+            info = ModelInfo(**{**entry["info"], "name": label})
+            job.analysis = get_analysis(job.name)(info, **job.params)
+            job.analysis.load_state_dict(entry["state"])
+            job.analysis.model_name = label
+            job.finished, job.meta = True, {"from_cache": True}
+            mmeta.update(entry.get("model_meta", {}))
+    todo = [j for j in jobs if not j.finished]
+    if todo:
+        vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
+                        checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=cfg.device, **mc.kwargs)
+        vm.name = label
+        info = vm.info()
+        mmeta.update({"weights_digest": vm.weights_digest, "family": vm.family, "depth": vm.depth,
+                      "heads": vm.num_heads, "grid": list(vm.grid_size), "patch": vm.patch_size,
+                      "prefix_tokens": vm.num_prefix_tokens,
+                      "load_report": vm.load_report.summary() if vm.load_report else "random initialisation"})
+        for job in todo:
+            job.analysis = get_analysis(job.name)(vm, **job.params)
+            part = cache.load(job.part)
+            if part is not None and part.get("batch_size") == cfg.batch_size:
+                job.analysis.load_state_dict(part["state"])
+                job.done = int(part["done"])
+        _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch)
+        merged = dist.gather_states(todo)
+        if dist.is_main:
+            for job, parts in zip(todo, merged, strict=True):
+                for state in parts[1:]:
+                    other = get_analysis(job.name)(vm, **job.params)
+                    other.load_state_dict(state)
+                    job.analysis.merge(other)
+                with cache.lock(mkey):
+                    cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
+                                           "info": asdict(info), "model_meta": mmeta, "params": job.params})
+        dist.barrier()
+        for job in todo:
+            job.part.unlink(missing_ok=True)
+            job.meta = {"from_cache": False}
+        del vm
+    for job in jobs:
+        job.frame = job.analysis.finalize() if dist.is_main else None
+    return info, jobs, mmeta
+
+
+def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
+    """Contiguous shards whose boundaries are multiples of every batch size in play (forward and CKA), so
+    that sharded runs group images into exactly the same CKA batches as a single process."""
+    align = cfg.batch_size
+    for params in cfg.analyses.values():
+        bs = (params or {}).get("batch_size")
+        if isinstance(bs, int) and bs > 0:
+            align = math.lcm(align, bs)
+    per = math.ceil(math.ceil(n / align) / dist.world) * align
+    return list(range(min(dist.rank * per, n), min((dist.rank + 1) * per, n)))
+
+
+def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache, mkey: str, dist: Dist,
+          on_batch: Callable[[str, int], None] | None) -> None:
+    indices = _shard_indices(len(dataset), cfg, dist)
+    n_batches = math.ceil(len(indices) / cfg.batch_size)
+    start = min(j.done for j in jobs)
+    if start >= n_batches:
+        return
+    taps = list(dict.fromkeys(t for j in jobs for t in j.analysis.required_taps()))
+    progress = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(indices), initial=min(start * cfg.batch_size, len(indices)), unit="img",
+                        desc=f"{vm.name}" + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""),
+                        leave=False, dynamic_ncols=True)
+    last_save = time.monotonic()
+    try:
+        with Capture(vm, taps, dtype=cfg.dtype) as cap:
+            batches = dataset.batches(cfg.batch_size, vm.preprocessing, start=start * cfg.batch_size,
+                                      indices=indices)
+            for b, batch in enumerate(batches, start=start):
+                feats = cap(batch.images)
+                for job in jobs:
+                    if job.done <= b:
+                        job.analysis.update({t: feats[t] for t in job.analysis.required_taps()}, batch)
+                        job.done = b + 1
+                if progress is not None:
+                    progress.update(len(batch))
+                if (b + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
+                    _save_parts(jobs, cache, mkey, cfg.batch_size)
+                    last_save = time.monotonic()
+                if on_batch is not None:
+                    on_batch(vm.name, b)
+    except BaseException:
+        _save_parts(jobs, cache, mkey, cfg.batch_size)  # keep what is done: a rerun resumes from here
+        raise
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _save_parts(jobs: list[Job], cache: Cache, mkey: str, batch_size: int) -> None:
+    with cache.lock(mkey):
+        for job in jobs:
+            if job.done > 0:
+                cache.save(job.part, {"state": job.analysis.state_dict(), "done": job.done,
+                                      "batch_size": batch_size})
 
 
 def _versions() -> dict[str, str]:

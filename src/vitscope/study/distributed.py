@@ -1,0 +1,49 @@
+"""torchrun support: rank/world from the environment, gather of accumulator states to rank 0.
+
+`torchrun --nproc_per_node=N -m vitscope run ...` sets RANK / WORLD_SIZE; the process group uses gloo on
+CPU and nccl on GPU. Without those variables everything here is a no-op for a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as tdist
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+
+    @classmethod
+    def from_env(cls) -> Dist:
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return cls()
+        if not tdist.is_initialized():
+            import torch
+
+            backend = "nccl" if torch.cuda.is_available() and os.environ.get("VITSCOPE_DEVICE", "") != "cpu" \
+                else "gloo"
+            tdist.init_process_group(backend=backend)
+        return cls(tdist.get_rank(), tdist.get_world_size())
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            tdist.barrier()
+
+    def gather_states(self, jobs: list[Any]) -> list[list[dict[str, Any]]]:
+        """Per job, the state of every rank in rank order (rank 0's first). Single process: [[own]]."""
+        own = [j.analysis.state_dict() for j in jobs]
+        if self.world == 1:
+            return [[s] for s in own]
+        gathered: list[Any] = [None] * self.world
+        tdist.all_gather_object(gathered, own)
+        return [[gathered[r][i] for r in range(self.world)] for i in range(len(jobs))]
