@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from vitscope.errors import VitscopeError
+from vitscope.zoo.cli import add_zoo_parser
 
 EPILOG = """examples:
   vitscope models                               the model registry
@@ -14,6 +16,7 @@ EPILOG = """examples:
   vitscope run                                  the embedded default study (offline)
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
   vitscope report vitscope-runs/default         rebuild a run's report.html
+  vitscope zoo train --objective dino --out zoo/dino   train a model of the controlled zoo (docs/ZOO.md)
 """
 
 
@@ -57,8 +60,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     cfg = load_config(config, overrides)
+    if args.quiet:
+        cfg.progress = False
     out = run_study(cfg)
-    print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
+    if os.environ.get("RANK", "0") == "0":
+        print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
     return 0
 
 
@@ -74,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="vitscope", description="How Vision Transformers see, whatever taught them.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what is loaded and computed")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, errors only")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="list the model registry")
@@ -96,12 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="rebuild report.html of a run directory")
     rep.add_argument("run_dir")
     rep.set_defaults(func=_cmd_report)
+
+    add_zoo_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
+    logging.basicConfig(level=level, format="%(message)s")
     try:
         return int(args.func(args) or 0)
     except VitscopeError as e:
