@@ -1,4 +1,6 @@
-"""The self-contained HTML report of a run directory: every figure inline (PNG, base64), key numbers."""
+"""The self-contained HTML report of a run directory: summary, models side by side, then per analysis its
+description, key numbers and figures (PNG inline, with captions). Needs nothing but the run directory:
+`vitscope report RUN_DIR` rebuilds it from the cached tables without touching any model."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import pandas as pd
 
 from vitscope.report.figures import FIGURES
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
-h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-figure{display:inline-block;margin:.5em;vertical-align:top}figcaption{font-size:.85em;color:#555}
-table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
-code{background:#f4f4f4;padding:0 .2em}"""
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
+line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
+figure{display:inline-block;margin:.6em;vertical-align:top;max-width:100%}
+figure img{max-width:100%}figcaption{font-size:.85em;color:#555;max-width:34em}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
+th{background:#f6f6f6}code{background:#f4f4f4;padding:0 .2em}.muted{color:#777;font-size:.9em}
+nav a{margin-right:1em}"""
 
 
 def _png(fig: plt.Figure) -> str:
@@ -27,29 +32,91 @@ def _png(fig: plt.Figure) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def _esc(x: object) -> str:
+    return html.escape(str(x))
+
+
+def key_numbers(df: pd.DataFrame) -> pd.DataFrame:
+    """Per metric and model (pairwise rows left out): the mean over layers/heads, the last layer's mean and
+    the layer where the metric peaks. A compact table; the parquet file has everything."""
+    d = df
+    if "model_b" in d.columns:
+        d = d[d["model_b"].isna() | (d["model_b"] == d["model"])]
+    d = d[pd.to_numeric(d["value"], errors="coerce").notna()]
+    if d.empty:
+        return pd.DataFrame()
+    rows = []
+    for (metric, model), g in d.groupby(["metric", "model"], sort=False):
+        row = {"metric": metric, "model": model, "mean": g["value"].astype(float).mean()}
+        layers = pd.to_numeric(g["layer"], errors="coerce")
+        if layers.notna().any():
+            per_layer = g.assign(layer=layers).groupby("layer")["value"].mean()
+            row["last layer"] = per_layer.iloc[-1]
+            row["peak layer"] = int(per_layer.idxmax())
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    return out.head(60)
+
+
+def _table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return ""
+    cols = list(df.columns)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(r[c])}</td>" for c in cols) + "</tr>" for _, r in df.iterrows())
+    return "<table><tr>" + "".join(f"<th>{_esc(c)}</th>" for c in cols) + f"</tr>{body}</table>"
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return "" if pd.isna(v) else f"{v:.4g}"
+    return _esc(v)
+
+
 def write_report(run_dir: str | Path) -> Path:
+    from vitscope.analyses import ANALYSES
+
     run_dir = Path(run_dir)
-    manifest = json.loads((run_dir / "manifest.json").read_text()) if (run_dir / "manifest.json").is_file() else {}
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>vitscope report</title>"
-             f"<style>{_CSS}</style></head><body><h1>vitscope report: {html.escape(run_dir.name)}</h1>"]
+    mf = run_dir / "manifest.json"
+    manifest = json.loads(mf.read_text()) if mf.is_file() else {}
+    results = sorted((run_dir / "results").glob("*.parquet"))
+    order = {name: i for i, name in enumerate(ANALYSES)}
+    results.sort(key=lambda p: order.get(p.stem, len(order)))
     models = manifest.get("models", {})
+    ds = manifest.get("dataset", {})
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>vitscope report: "
+             f"{_esc(run_dir.name)}</title><style>{_CSS}</style></head><body>",
+             f"<h1>vitscope report: {_esc(run_dir.name)}</h1>",
+             f"<p>{len(models)} model(s) on <b>{_esc(ds.get('name', '?'))}</b> ({ds.get('n_images', '?')} images); "
+             f"{len(results)} analyses; {manifest.get('seconds', '?')} s; "
+             f"vitscope {_esc(manifest.get('versions', {}).get('vitscope', '?'))}, "
+             f"torch {_esc(manifest.get('versions', {}).get('torch', '?'))}, "
+             f"timm {_esc(manifest.get('versions', {}).get('timm', '?'))}.</p>",
+             "<nav>" + "".join(f"<a href='#{p.stem}'>{_esc(p.stem)}</a>" for p in results) + "</nav>"]
     if models:
         parts.append("<h2>Models</h2><table><tr><th>model</th><th>source</th><th>blocks</th><th>heads</th>"
-                     "<th>grid</th><th>patch</th><th>weights</th></tr>")
+                     "<th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
         for label, m in models.items():
-            parts.append(f"<tr><td>{html.escape(label)}</td><td><code>{html.escape(str(m['source']))}</code></td>"
-                         f"<td>{m['depth']}</td><td>{m['heads']}</td><td>{m['grid']}</td><td>{m['patch']}</td>"
-                         f"<td>{html.escape(m['load_report'])}</td></tr>")
+            parts.append(f"<tr><td>{_esc(label)}</td><td><code>{_esc(m.get('source'))}</code></td>"
+                         f"<td>{_esc(m.get('depth', ''))}</td><td>{_esc(m.get('heads', ''))}</td>"
+                         f"<td>{_esc(m.get('grid', ''))}</td><td>{_esc(m.get('patch', ''))}</td>"
+                         f"<td>{_esc(m.get('load_report', ''))}</td>"
+                         f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-        ds = manifest.get("dataset", {})
-        parts.append(f"<p>Dataset: <b>{html.escape(str(ds.get('name')))}</b>, {ds.get('n_images')} images.</p>")
-    for path in sorted((run_dir / "results").glob("*.parquet")):
+    skipped = manifest.get("skipped_images") or []
+    if skipped:
+        parts.append(f"<p class='muted'>{len(skipped)} unreadable images were skipped (see manifest.json).</p>")
+    for path in results:
         name = path.stem
         df = pd.read_parquet(path)
-        parts.append(f"<h2>{html.escape(name)}</h2><p>{len(df)} rows in <code>results/{path.name}</code>.</p>")
+        cls = ANALYSES.get(name)
+        doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
+        parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
+        parts.append(_table(key_numbers(df)))
         for title, fig in FIGURES.get(name, lambda d: [])(df):
-            parts.append(f"<figure><img alt='{html.escape(title)}' src='data:image/png;base64,{_png(fig)}'>"
-                         f"<figcaption>{html.escape(title)}</figcaption></figure>")
+            parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
+                         f"<figcaption>{_esc(title)}</figcaption></figure>")
+        parts.append(f"<p class='muted'>All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(path.name)}')"
+                     "</code>.</p>")
     parts.append("</body></html>")
     out = run_dir / "report.html"
     tmp = out.with_suffix(".html.tmp")
