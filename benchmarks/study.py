@@ -1,0 +1,70 @@
+"""Study overhead: 2 small models x every registered analysis on 512 synthetic images.
+
+Prints, from one run: the wall time of the study (first run, nothing cached), the sum of bare forward
+passes over the same images (fused attention, batches drawn the same way, data generation included in
+both), their ratio (goal <= 1.5x: everything that is not the forward pass), and the time of a fully cached
+rerun relative to the first run (goal < 5%).
+
+    python benchmarks/study.py [--images 512] [--batch 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import vitscope as vs
+from vitscope.analyses import ANALYSES
+from vitscope.data import SyntheticShapes
+from vitscope.study import load_config, run_study
+
+MODELS = [
+    ("vit_tiny_patch16_224", "vit-ti16", {}),
+    ("beit_base_patch16_224", "beit-ti16", {"embed_dim": 192, "num_heads": 3, "init_values": 0.1}),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=32)
+    args = ap.parse_args()
+    vs.capture.engine.tune_allocator()  # the study tunes it too: same conditions for both sides
+
+    bare = 0.0
+    for name, _label, kw in MODELS:
+        vm = vs.load_model(name, pretrained=False, **kw)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for batch in SyntheticShapes(n=args.images).batches(args.batch, vm.preprocessing):
+                vm.model(batch.images)
+        bare += time.perf_counter() - t0
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "study.yaml"
+        models = "\n".join(f"  - {{name: {n}, label: {lab}, pretrained: false, kwargs: {kw or {}}}}"
+                           for n, lab, kw in MODELS)
+        analyses = "\n".join(f"  {a}: {{}}" for a in ANALYSES)
+        cfg.write_text(f"models:\n{models}\ndataset: {{name: synthetic-shapes, n_images: {args.images}}}\n"
+                       f"analyses:\n{analyses}\nbatch_size: {args.batch}\nprogress: false\n")
+        overrides = [f"output_dir={tmp}/run", f"cache_dir={tmp}/cache"]
+        t0 = time.perf_counter()
+        run_study(load_config(cfg, overrides))
+        first = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run_study(load_config(cfg, overrides))
+        cached = time.perf_counter() - t0
+
+    print(f"{len(MODELS)} models x {len(ANALYSES)} analyses ({', '.join(ANALYSES)}), {args.images} images, "
+          f"batch {args.batch}, {torch.get_num_threads()} threads")
+    print(f"  bare forward passes (sum): {bare:7.2f} s")
+    print(f"  study, first run:          {first:7.2f} s = {first / bare:.2f}x the bare forwards (goal <= 1.5x)")
+    print(f"  study, cached rerun:       {cached:7.2f} s = {100 * cached / first:.1f}% of the first run (goal < 5%)")
+
+
+if __name__ == "__main__":
+    main()
