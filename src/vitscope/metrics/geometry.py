@@ -1,0 +1,68 @@
+"""Geometry of representations: covariance spectra ("SVD volume") and Fourier amplitude of token maps.
+
+Pure functions (no I/O) after Park et al., "What do self-supervised ViTs learn?" (ICLR 2023, seed 001) and
+Park & Kim, "How do vision transformers work?" (ICLR 2022).
+"""
+
+from __future__ import annotations
+
+import torch
+
+Tensor = torch.Tensor
+
+#: floor for eigenvalues / amplitudes before taking logs
+EPS = 1e-12
+
+
+def covariance_spectrum(x: Tensor) -> Tensor:
+    """Eigenvalues (= singular values) of the covariance of the rows of ``x``, descending, float64.
+
+    x: (..., n, D) -> (..., min(n, D)). Computed from the singular values of the centred rows:
+    λ_i = σ_i² / (n - 1).
+    """
+    x = x.double()
+    n = x.shape[-2]
+    if n < 2:
+        raise ValueError(f"a covariance needs at least 2 rows, got {n}")
+    xc = x - x.mean(dim=-2, keepdim=True)
+    return torch.linalg.svdvals(xc).pow(2) / (n - 1)
+
+
+def token_log_spectrum(tokens: Tensor) -> Tensor:
+    """Token-level "SVD volume" [seed 001]: per image, log eigenvalues of the covariance of its patch
+    tokens. tokens: (B, S, D) -> (B, min(S, D)) float64, descending."""
+    return covariance_spectrum(tokens).clamp_min(EPS).log()
+
+
+def spectrum_from_moments(sum_x: Tensor, sum_xx: Tensor, n: int) -> Tensor:
+    """Eigenvalues of the covariance from streamed moments: sum_x (D,), sum_xx (D, D) over n rows, float64,
+    descending. Image-level "SVD volume" = log of these for the pooled features of n images [seed 001]."""
+    if n < 2:
+        raise ValueError(f"a covariance needs at least 2 rows, got {n}")
+    mean = sum_x.double() / n
+    cov = (sum_xx.double() - n * torch.outer(mean, mean)) / (n - 1)
+    ev = torch.linalg.eigvalsh((cov + cov.T) / 2)
+    return ev.flip(0).clamp_min(0)
+
+
+def log_amplitude_map(tokens: Tensor, grid_size: tuple[int, int]) -> Tensor:
+    """Mean over channels of the log amplitude of the 2-D FFT of each channel's spatial map, centred with
+    fftshift. tokens: (B, h*w, D) patch tokens -> (B, h, w) float64 [Park & Kim 2022]."""
+    h, w = grid_size
+    B, S, D = tokens.shape
+    if S != h * w:
+        raise ValueError(f"{S} tokens do not fill a {h}x{w} grid")
+    maps = tokens.double().transpose(1, 2).reshape(B, D, h, w)
+    amp = torch.fft.fft2(maps).abs().clamp_min(EPS).log().mean(dim=1)
+    return torch.fft.fftshift(amp, dim=(-2, -1))
+
+
+def diagonal_profile(amp_map: Tensor) -> tuple[Tensor, Tensor]:
+    """Δ log amplitude along the diagonal from the centre (frequency 0) to the corner of a centred map
+    (h, w): returns (frequencies in units of π, log A(f) - log A(0)). Frequency of step j is 2j/max(h, w)."""
+    h, w = amp_map.shape[-2:]
+    ch, cw = h // 2, w // 2
+    steps = min(h - ch, w - cw)
+    j = torch.arange(steps)
+    prof = amp_map[..., ch + j, cw + j]
+    return 2 * j.double() / max(h, w), prof - prof[..., :1]

@@ -1,0 +1,57 @@
+"""Figures of the geometry analyses (`vitscope.analyses.geometry`)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from vitscope.report.figures._common import Figures, plt
+
+
+def svd_volume(df: pd.DataFrame) -> Figures:
+    """Log volume per layer, token level and image level, one line per model [seed 001 "SVD analysis"]."""
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    for ax, level in zip(axes, ("token", "image"), strict=True):
+        for k, (model, g) in enumerate(df[df.metric == f"{level}_log_volume"].groupby("model", sort=False)):
+            g = g.sort_values("layer")
+            ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
+        ax.set_title(f"{level} level", fontsize=9)
+        ax.set_xlabel("block")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("mean log eigenvalue (top k)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    return [("Volume occupied by the tokens of one image (left) and by the images (right), per layer: "
+             "higher = spread over more directions", fig)]
+
+
+def fourier(df: pd.DataFrame) -> Figures:
+    """Δ log amplitude at the highest frequency per layer [seed 001 "Fourier analysis"], and the curves."""
+    out: Figures = []
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    for k, (model, g) in enumerate(df[df.metric == "high_freq_delta_log_amp"].groupby("model", sort=False)):
+        g = g.sort_values("layer")
+        ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
+    ax.set_xlabel("block")
+    ax.set_ylabel("Δ log amplitude (highest freq.)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.append(("High-frequency amplitude of the token maps per layer: closer to 0 = more high-frequency "
+                "(texture-like) content", fig))
+    curves = df[df.metric == "delta_log_amp"]
+    for model, g in curves.groupby("model", sort=False):
+        fig, ax = plt.subplots(figsize=(4.2, 3.2))
+        layers = sorted(g["layer"].dropna().unique())
+        cmap = plt.get_cmap("viridis")
+        for i, layer in enumerate(layers):
+            h = g[g.layer == layer].sort_values("freq")
+            ax.plot(h["freq"], h["value"], color=cmap(i / max(len(layers) - 1, 1)), lw=1)
+        ax.set_xlabel("frequency (× π)")
+        ax.set_ylabel("Δ log amplitude")
+        ax.set_title(f"{model} (dark = early, light = late)", fontsize=8)
+        fig.tight_layout()
+        out.append((f"Relative log amplitude vs frequency for every layer of {model}", fig))
+    return out
+
+
+FIGURES = {"svd_volume": svd_volume, "fourier": fourier}

@@ -1,0 +1,115 @@
+"""SVD volume and Fourier analysis: pure functions against numpy references, analyses end to end."""
+
+import numpy as np
+import pytest
+import torch
+
+import vitscope as vs
+from conftest import tiny
+from vitscope.analyses import get_analysis
+from vitscope.capture import stream
+from vitscope.data import SyntheticShapes
+from vitscope.metrics import geometry as G
+
+
+def test_covariance_spectrum_matches_numpy():
+    x = torch.randn(3, 20, 7, dtype=torch.float64) @ torch.randn(7, 7, dtype=torch.float64)
+    got = G.covariance_spectrum(x)
+    for b in range(3):
+        ref = np.sort(np.linalg.eigvalsh(np.cov(x[b].numpy().T)))[::-1]
+        assert got[b].numpy() == pytest.approx(ref, rel=1e-8, abs=1e-10)
+
+
+def test_streamed_moments_give_the_full_covariance_spectrum():
+    x = torch.randn(50, 6, dtype=torch.float64) * torch.arange(1, 7) + 5.0
+    sx, sxx = torch.zeros(6, dtype=torch.float64), torch.zeros(6, 6, dtype=torch.float64)
+    for chunk in x.split(13):
+        sx += chunk.sum(0)
+        sxx += chunk.T @ chunk
+    ref = np.sort(np.linalg.eigvalsh(np.cov(x.numpy().T)))[::-1]
+    assert G.spectrum_from_moments(sx, sxx, 50).numpy() == pytest.approx(ref, rel=1e-9)
+
+
+def test_isotropic_tokens_occupy_more_volume_than_rank_one_tokens():
+    g = torch.Generator().manual_seed(0)
+    iso = torch.randn(4, 64, 16, generator=g)
+    rank1 = torch.randn(4, 64, 1, generator=g) * torch.randn(1, 1, 16, generator=g)
+    li, l1 = G.token_log_spectrum(iso), G.token_log_spectrum(rank1)
+    # all directions used: Marchenko-Pastur spread for 64 samples in 16 dims is log(2.25 / 0.25) = 2.2
+    assert (li.max(-1).values - li.min(-1).values).max() < 3.0
+    assert ((l1[:, 0] - l1[:, 1]) > 10).all()  # one direction only
+    assert li[:, :8].mean() > l1[:, :8].mean() + 5
+
+
+def _numpy_log_amp(tokens, h, w):
+    B, S, D = tokens.shape
+    out = np.zeros((B, h, w))
+    for b in range(B):
+        for c in range(D):
+            m = tokens[b, :, c].reshape(h, w)
+            out[b] += np.log(np.maximum(np.abs(np.fft.fft2(m)), 1e-12))
+        out[b] = np.fft.fftshift(out[b] / D)
+    return out
+
+
+def test_log_amplitude_map_matches_numpy():
+    t = torch.randn(2, 30, 5, dtype=torch.float64)
+    assert G.log_amplitude_map(t, (5, 6)).numpy() == pytest.approx(_numpy_log_amp(t.numpy(), 5, 6), rel=1e-9)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_a_single_diagonal_frequency_lands_at_that_frequency(k):
+    h = 12
+    r, c = np.meshgrid(np.arange(h), np.arange(h), indexing="ij")
+    phases = np.random.default_rng(k).uniform(0, 2 * np.pi, 4)
+    maps = np.stack([2 + np.cos(2 * np.pi * k * (r + c) / h + p) for p in phases], -1)  # (h, h, 4)
+    tokens = torch.from_numpy(maps.reshape(1, h * h, 4))
+    freq, delta = G.diagonal_profile(G.log_amplitude_map(tokens, (h, h))[0])
+    assert int(delta[1:].argmax()) + 1 == k
+    assert float(freq[k]) == pytest.approx(2 * k / h)
+
+
+def _batches(vm, n=18, bs=6):
+    return list(SyntheticShapes(n=n, seed=3).batches(bs, vm.preprocessing))
+
+
+def test_svd_volume_and_fourier_from_the_pipeline_equal_direct_computation():
+    vm = tiny("reg")
+    batches = _batches(vm)
+    svd = get_analysis("svd_volume")(vm, taps=["block1.out"], k=4)
+    four = get_analysis("fourier")(vm, taps=["block2.out"])
+    stream(vm, batches, [svd, four], progress=False)
+    x = torch.cat([b.images for b in batches])
+    f = vs.extract(vm, x, ["block1.out", "block2.out"])
+    sp1 = f["block1.out"][:, 5:].double().numpy()  # 5 prefix tokens
+    df = svd.finalize()
+    img = np.sort(np.linalg.eigvalsh(np.cov(sp1.mean(1).T)))[::-1]
+    got = df[df.metric == "image_log_eigenvalue"].sort_values("index").value.to_numpy()
+    assert got[:10] == pytest.approx(np.log(np.maximum(img[:10], 1e-12)), rel=1e-6)
+    tok = np.mean([np.log(np.maximum(np.sort(np.linalg.eigvalsh(np.cov(s.T)))[::-1][:16], 1e-12)) for s in sp1], 0)
+    got_tok = df[df.metric == "token_log_eigenvalue"].sort_values("index").value.to_numpy()
+    assert got_tok[:8] == pytest.approx(tok[:8], rel=1e-5)
+    vol = df[df.metric == "token_log_volume"].value.item()
+    assert vol == pytest.approx(tok[:4].mean(), rel=1e-5)
+    sp2 = f["block2.out"][:, 5:].double().numpy()
+    amp = _numpy_log_amp(sp2, 4, 4).mean(0)
+    ref = np.array([amp[2 + j, 2 + j] for j in range(2)])
+    fd = four.finalize()
+    curve = fd[fd.metric == "delta_log_amp"].sort_values("freq").value.to_numpy()
+    assert curve == pytest.approx(ref - ref[0], abs=1e-6)
+    assert fd[fd.metric == "high_freq_delta_log_amp"].value.item() == pytest.approx(ref[-1] - ref[0], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", ["svd_volume", "fourier"])
+def test_merge_equals_one_pass(name):
+    vm = tiny("vit")
+    batches = _batches(vm)
+    whole = get_analysis(name)(vm)
+    stream(vm, batches, [whole], progress=False)
+    a, b = get_analysis(name)(vm), get_analysis(name)(vm)
+    stream(vm, batches[:1], [a], progress=False)
+    stream(vm, batches[1:], [b], progress=False)
+    a.merge(b)
+    c = get_analysis(name)(vm)
+    c.load_state_dict(a.state_dict())
+    assert c.finalize().value.to_numpy() == pytest.approx(whole.finalize().value.to_numpy(), rel=1e-6, abs=1e-9)
