@@ -3,8 +3,8 @@
 import shutil
 
 import pytest
-
 from test_study_cli import TINY_YAML
+
 from vitscope.study import load_config, run_study
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -149,3 +150,23 @@ def test_cli_taps_prints_shapes(capsys):
 def test_default_config_is_valid():
     cfg = load_config()
     assert cfg.models and cfg.analyses
+
+
+def test_imagefolder_dataset_through_a_study(config, tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (root / cls).mkdir(parents=True)
+        for i in range(5):
+            Image.fromarray(rng.integers(0, 255, (40, 36, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    out = tmp_path / "run"
+    run_study(load_config(config, [f"output_dir={out}", "dataset.name=imagefolder", f"dataset.root={root}",
+                                   "dataset.n_images=6", "~analyses.cka"]))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["dataset"]["n_images"] == 10
+    dist = pd.read_parquet(out / "results" / "attention_distance.parquet")
+    assert set(dist.n_images) == {6}  # an even spread of 6 of the 10 images
+    with pytest.raises(ConfigError, match="dataset.root"):
+        run_study(load_config(config, [f"output_dir={out}", "dataset.name=imagefolder"]))

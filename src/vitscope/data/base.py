@@ -1,4 +1,10 @@
-"""The sample and batch types every dataset yields, whatever ground truth it has."""
+"""The sample and batch types every dataset yields, whatever ground truth it has.
+
+Coordinates: keypoints and boxes are continuous pixel coordinates ``(x, y)`` in the image they belong to,
+pixel ``(row i, column j)`` covering ``[j, j + 1) x [i, i + 1)``; so the pixel holding a point is
+``(floor(y), floor(x))`` and a resize by a factor s maps x to ``s * x``. Loaders of formats that give
+integer pixel indices (SPair-71k) add 0.5.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 
@@ -15,7 +22,13 @@ class Batch:
 
     images: (B, 3, H, W) preprocessed for the model; index: (B,) the images' ids in the dataset (so
     shards and resumed runs can be merged and checked); labels: (B,) class ids or None; masks: (B, H, W)
-    foreground masks at pixel resolution or None; extra: anything else a dataset provides.
+    bool foreground masks at pixel resolution or None; extra: anything else a dataset provides.
+    Optional dense / geometric ground truth, all aligned with ``images``:
+    parts: (B, H, W) int64 part ids (0 = background, id k is the dataset's ``part_names[k - 1]``);
+    objects: (B, H, W) int64 object / instance ids (0 = background), for multi-object data;
+    keypoints: (B, K, 3) float32 ``x, y, visible`` in pixels (rows padded with zeros = not visible);
+    boxes: (B, 4) float32 ``x0, y0, x1, y1`` in pixels; frames: (B,) frame index in a sequence;
+    sequences: the sequence (video) name of each image.
     """
 
     images: torch.Tensor
@@ -23,9 +36,45 @@ class Batch:
     labels: torch.Tensor | None = None
     masks: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    parts: torch.Tensor | None = None
+    objects: torch.Tensor | None = None
+    keypoints: torch.Tensor | None = None
+    boxes: torch.Tensor | None = None
+    frames: torch.Tensor | None = None
+    sequences: list[str] | None = None
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
+
+
+@dataclass
+class Sample:
+    """One image with whatever ground truth its dataset has, at the image's own resolution.
+
+    image: (H, W, 3) uint8, or float32 in [0, 1]; label: class id; mask: (H, W) bool foreground;
+    parts: (H, W) integer part ids (0 = background); objects: (H, W) integer object ids (0 = background);
+    keypoints: (K, 3) float32 ``x, y, visible``; bbox: (4,) float32 ``x0, y0, x1, y1``; frame: index in
+    its sequence; sequence: the sequence's name; index: the sample's id in its dataset; geometry: how
+    the image was mapped from the file's pixels (set by `vitscope.data.transforms`); extra: the rest.
+    """
+
+    image: np.ndarray
+    label: int | None = None
+    mask: np.ndarray | None = None
+    parts: np.ndarray | None = None
+    objects: np.ndarray | None = None
+    keypoints: np.ndarray | None = None
+    bbox: np.ndarray | None = None
+    frame: int | None = None
+    sequence: str | None = None
+    index: int = -1
+    geometry: Any = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(height, width)."""
+        return int(self.image.shape[0]), int(self.image.shape[1])
 
 
 class Dataset(Protocol):

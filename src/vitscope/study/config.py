@@ -27,10 +27,13 @@ class ModelConfig:
 
 @dataclass
 class DatasetConfig:
-    name: str = "synthetic-shapes"
-    n_images: int = 256
+    name: str = "synthetic-shapes"         # synthetic-shapes[-textured], synthetic-cue-conflict, imagefolder
+    n_images: int = 256                    # generated images, or at most this many of a real dataset
     seed: int = 0
     size: int | None = None                # None = each model's input size
+    root: str | None = None                # imagefolder: root/<class>/<image>
+    classes: str | None = None             # imagefolder: class-list file (e.g. the ImageNet-50 ids)
+    per_class: int | None = None           # imagefolder: first N sorted files per class
 
 
 @dataclass

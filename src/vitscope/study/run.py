@@ -168,13 +168,18 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
 def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
     """Contiguous shards whose boundaries are multiples of every batch size in play (forward and CKA), so
     that sharded runs group images into exactly the same CKA batches as a single process."""
+    if n > cfg.dataset.n_images:  # a real dataset larger than asked for: an even spread over it
+        ids = [int(i) for i in torch.linspace(0, n - 1, cfg.dataset.n_images).round().long().tolist()]
+    else:
+        ids = list(range(n))
+    n = len(ids)
     align = cfg.batch_size
     for params in cfg.analyses.values():
         bs = (params or {}).get("batch_size")
         if isinstance(bs, int) and bs > 0:
             align = math.lcm(align, bs)
     per = math.ceil(math.ceil(n / align) / dist.world) * align
-    return list(range(min(dist.rank * per, n), min((dist.rank + 1) * per, n)))
+    return ids[min(dist.rank * per, n):min((dist.rank + 1) * per, n)]
 
 
 def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache, mkey: str, dist: Dist,

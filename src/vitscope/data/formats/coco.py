@@ -1,0 +1,136 @@
+"""COCO-style instance annotations (pycocotools): COCO itself, and PartImageNet, whose categories are
+object parts grouped by supercategory. Masks come from polygons, compressed and uncompressed RLE alike
+(``COCO.annToMask``)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vitscope.data.base import Sample
+from vitscope.data.formats.common import FileDataset, Unreadable, read_rgb, require_files
+from vitscope.errors import InputError
+
+
+def load_coco(annotations: str | Path) -> Any:
+    """A pycocotools ``COCO`` index of the json file, quietly."""
+    from pycocotools.coco import COCO
+
+    path = Path(annotations)
+    if not path.is_file():
+        raise InputError(f"annotation file {str(path)!r} does not exist (expected a COCO-format json)")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return COCO(str(path))
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise InputError(f"{str(path)!r} is not a COCO-format annotation file ({type(e).__name__}: {e}); "
+                         "expected 'images', 'annotations' and 'categories'") from e
+
+
+def ann_mask(coco: Any, ann: dict) -> np.ndarray:
+    """(H, W) bool mask of one annotation: polygons, compressed or uncompressed RLE."""
+    with warnings.catch_warnings():  # pycocotools' decoder trips numpy 2's __array__(copy=) deprecation
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return coco.annToMask(ann) > 0
+
+
+class _CocoBase(FileDataset):
+    def __init__(self, images: str | Path, annotations: str | Path, category_ids: Sequence[int] | None,
+                 only_annotated: bool, include_crowd: bool):
+        super().__init__()
+        self.images_dir = Path(images)
+        if not self.images_dir.is_dir():
+            raise InputError(f"image folder {str(self.images_dir)!r} does not exist")
+        self.coco = load_coco(annotations)
+        self.include_crowd = include_crowd
+        cats = sorted(self.coco.getCatIds())
+        self.category_ids = list(category_ids) if category_ids is not None else cats
+        unknown = sorted(set(self.category_ids) - set(cats))
+        if unknown:
+            raise InputError(f"category ids {unknown[:5]} are not in {str(annotations)!r} (it has {cats[:10]}...)")
+        ids = sorted(self.coco.getImgIds())
+        if only_annotated or category_ids is not None:
+            keep = set()
+            for c in self.category_ids:
+                keep.update(self.coco.getImgIds(catIds=[c]))
+            ids = [i for i in ids if i in keep]
+        if not ids:
+            raise InputError(f"{str(annotations)!r} lists no images" + (" with annotations of the chosen "
+                             "categories" if only_annotated or category_ids is not None else ""))
+        self.image_ids = ids
+        self.files = [self.images_dir / self.coco.imgs[i]["file_name"] for i in ids]
+        require_files(self.files, f"{str(annotations)!r} refers to (under {str(self.images_dir)!r})")
+
+    def __len__(self) -> int:
+        return len(self.image_ids)
+
+    def _image_and_anns(self, i: int) -> tuple[np.ndarray, list[dict], dict]:
+        info = self.coco.imgs[self.image_ids[i]]
+        image = read_rgb(self.files[i])
+        if (image.shape[0], image.shape[1]) != (info.get("height", image.shape[0]), info.get("width",
+                                                                                           image.shape[1])):
+            raise Unreadable(self.files[i], f"image is {image.shape[1]}x{image.shape[0]} but the annotation says "
+                                            f"{info['width']}x{info['height']}")
+        anns = self.coco.loadAnns(self.coco.getAnnIds(imgIds=[self.image_ids[i]], catIds=self.category_ids,
+                                                      iscrowd=None))
+        if not self.include_crowd:
+            anns = [a for a in anns if not a.get("iscrowd", 0)]
+        anns = sorted(anns, key=lambda a: -float(a.get("area", 0)))  # large first: small ones stay visible
+        return image, anns, info
+
+
+class CocoInstances(_CocoBase):
+    """Images of a COCO instances json: ``objects`` (H, W) instance ids 1..n (in order of decreasing area;
+    ``extra['categories'][k-1]`` is instance k's category id), ``mask`` = any instance. No class label
+    (an image holds several); ``classes`` are the category names in id order."""
+
+    def __init__(self, images: str | Path, annotations: str | Path, category_ids: Sequence[int] | None = None,
+                 only_annotated: bool = False, include_crowd: bool = True, name: str = "coco"):
+        super().__init__(images, annotations, category_ids, only_annotated, include_crowd)
+        self.name = name
+        self.classes = [self.coco.cats[c]["name"] for c in self.category_ids]
+
+    def load(self, i: int) -> Sample:
+        image, anns, info = self._image_and_anns(i)
+        objects = np.zeros(image.shape[:2], np.int64)
+        for k, a in enumerate(anns):
+            objects[ann_mask(self.coco, a)] = k + 1
+        return Sample(image=image, mask=objects > 0, objects=objects, index=i,
+                      extra={"path": str(self.files[i]), "image_id": info["id"],
+                             "categories": [int(a["category_id"]) for a in anns]})
+
+
+class PartImageNet(_CocoBase):
+    """PartImageNet (COCO-style json whose categories are parts, e.g. 'Quadruped Head' with supercategory
+    'Quadruped'). ``parts`` (H, W): index + 1 into ``parts_names`` (category order), ``mask`` = any part,
+    label = index into ``classes`` (the supercategories) of the image's dominant supercategory, -1 when
+    the image has no part annotation."""
+
+    def __init__(self, images: str | Path, annotations: str | Path, only_annotated: bool = False,
+                 name: str = "partimagenet"):
+        super().__init__(images, annotations, None, only_annotated, True)
+        self.name = name
+        cats = [self.coco.cats[c] for c in self.category_ids]
+        self.part_names: list[str] = [c["name"] for c in cats]
+        self.classes = list(dict.fromkeys(c.get("supercategory") or c["name"] for c in cats))
+        self._part_index = {c["id"]: k + 1 for k, c in enumerate(cats)}
+        self._class_of = {c["id"]: self.classes.index(c.get("supercategory") or c["name"]) for c in cats}
+
+    def load(self, i: int) -> Sample:
+        image, anns, info = self._image_and_anns(i)
+        parts = np.zeros(image.shape[:2], np.int64)
+        votes: Counter[int] = Counter()
+        for a in anns:
+            m = ann_mask(self.coco, a)
+            parts[m] = self._part_index[a["category_id"]]
+            votes[self._class_of[a["category_id"]]] += int(m.sum())
+        label = votes.most_common(1)[0][0] if votes else -1
+        return Sample(image=image, label=label, mask=parts > 0, parts=parts, index=i,
+                      extra={"path": str(self.files[i]), "image_id": info["id"]})

@@ -1,0 +1,177 @@
+"""What every file-backed dataset shares: robust image reading, skip accounting, model-ready batches.
+
+Reading is robust in one precise sense: an image (or its annotation file) that cannot be decoded -
+truncated, corrupt, not an image - is skipped, recorded in ``dataset.skipped`` as ``(path, reason)``
+and reported by one warning when the pass ends; a pass in which nothing could be read raises. Layout
+problems (a missing folder, no images, annotations naming files that are not there) are found when the
+dataset is built and raise `vitscope.errors.InputError` saying what was expected.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vitscope.data.base import Batch, Sample
+from vitscope.data.transforms import collate, for_model
+from vitscope.errors import InputError
+from vitscope.models.registry import Preprocessing
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
+
+
+class SkippedImagesWarning(UserWarning):
+    """Some images of a pass could not be read and were left out (listed in ``dataset.skipped``)."""
+
+
+class Unreadable(Exception):
+    """A file that could not be decoded; ``path`` and ``reason`` go into ``dataset.skipped``."""
+
+    def __init__(self, path: str | Path, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path, self.reason = str(path), reason
+
+
+def open_image(path: str | Path) -> Any:
+    """A fully decoded PIL image (decoding errors surface here, not later)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except FileNotFoundError as e:
+        raise Unreadable(path, "file not found") from e
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
+        raise Unreadable(path, f"{type(e).__name__}: {e}") from e
+
+
+def read_rgb(path: str | Path) -> np.ndarray:
+    """(H, W, 3) uint8."""
+    return np.asarray(open_image(path).convert("RGB"))
+
+
+def read_label_png(path: str | Path) -> np.ndarray:
+    """(H, W) integer labels of a palette / greyscale PNG (palette indices, not colours)."""
+    im = open_image(path)
+    if im.mode in ("P", "L", "I", "I;16", "1"):
+        return np.asarray(im).astype(np.int64)
+    raise Unreadable(path, f"expected a palette or greyscale label PNG, got mode {im.mode}")
+
+
+def image_files(folder: Path, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> list[Path]:
+    """Image files directly in ``folder``, sorted by name."""
+    ext = tuple(e.lower() for e in extensions)
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in ext)
+
+
+def missing_files(paths: Iterable[Path]) -> list[Path]:
+    """The paths that do not exist (one directory listing per folder, not one stat per file)."""
+    listing: dict[Path, set[str]] = {}
+    out = []
+    for p in paths:
+        d = p.parent
+        if d not in listing:
+            listing[d] = {q.name for q in d.iterdir()} if d.is_dir() else set()
+        if p.name not in listing[d]:
+            out.append(p)
+    return out
+
+
+def require_files(paths: Sequence[Path], what: str) -> None:
+    """InputError naming the first few of ``paths`` that are missing."""
+    miss = missing_files(paths)
+    if miss:
+        shown = ", ".join(str(m) for m in miss[:5]) + (f", ... ({len(miss) - 5} more)" if len(miss) > 5 else "")
+        raise InputError(f"{len(miss)} of {len(paths)} files that {what} are missing: {shown}")
+
+
+class FileDataset:
+    """Base of the file-format loaders: subclasses set ``name``, ``classes`` and implement ``__len__`` and
+    ``load(i) -> Sample`` (raising `Unreadable` for a file that cannot be decoded)."""
+
+    name: str = "files"
+    classes: list[str]
+
+    def __init__(self) -> None:
+        self.skipped: list[tuple[str, str]] = []
+        self._skipped_paths: set[str] = set()
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def load(self, i: int) -> Sample:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> Sample:
+        """Sample ``i`` at the file's resolution; an unreadable file raises InputError."""
+        if not 0 <= i < len(self):
+            raise IndexError(f"{self.name} has {len(self)} items; got index {i}")
+        try:
+            return self.load(i)
+        except Unreadable as e:
+            raise InputError(f"could not read {e.path}: {e.reason}") from e
+
+    def _skip(self, e: Unreadable, new: list[tuple[str, str]]) -> None:
+        new.append((e.path, e.reason))
+        if e.path not in self._skipped_paths:
+            self._skipped_paths.add(e.path)
+            self.skipped.append((e.path, e.reason))
+
+    def _report(self, new: list[tuple[str, str]], tried: int, read: int, finished: bool) -> None:
+        if new:
+            shown = "; ".join(f"{p} ({r})" for p, r in new[:3]) + (f"; ... ({len(new) - 3} more)"
+                                                                    if len(new) > 3 else "")
+            warnings.warn(f"{self.name}: {len(new)} of {tried} images could not be read and were skipped: {shown}. "
+                          "The full list is in .skipped", SkippedImagesWarning, stacklevel=3)
+        if finished and tried and not read:
+            raise InputError(f"{self.name}: none of the {tried} images could be read (first: {new[0][0]}: "
+                             f"{new[0][1]})")
+
+    def items(self, indices: Iterable[int]) -> Iterator[Any]:
+        """``load(i)`` for each index, unreadable ones skipped, recorded and reported once at the end."""
+        new: list[tuple[str, str]] = []
+        tried = read = 0
+        finished = False
+        try:
+            for i in indices:
+                tried += 1
+                try:
+                    item = self.load(i)
+                except Unreadable as e:
+                    self._skip(e, new)
+                    continue
+                read += 1
+                yield item
+            finished = True
+        finally:
+            self._report(new, tried, read, finished)
+
+    def samples(self, indices: Iterable[int] | None = None) -> Iterator[Sample]:
+        """Readable samples at their own resolution."""
+        yield from self.items(range(len(self)) if indices is None else indices)
+
+    def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
+                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch]:
+        """Model-ready batches (short side resize, centre crop, optional flip; annotations follow);
+        ``index`` holds the dataset ids of the images actually read."""
+        ids = list(range(len(self))) if indices is None else list(indices)
+        chunk: list[Sample] = []
+        for s in self.items(ids[start:]):
+            chunk.append(for_model(s, preprocessing, flip))
+            if len(chunk) == batch_size:
+                yield self._collate(chunk, preprocessing)
+                chunk = []
+        if chunk:
+            yield self._collate(chunk, preprocessing)
+
+    def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
+        b = collate(chunk, pre)
+        b.extra["geometry"] = [s.geometry for s in chunk]
+        if all("path" in s.extra for s in chunk):
+            b.extra["paths"] = [s.extra["path"] for s in chunk]
+        return b

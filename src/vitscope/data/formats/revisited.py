@@ -1,0 +1,81 @@
+"""Revisited Oxford / Paris (roxford5k, rparis6k): ``gnd_<name>.pkl`` holding ``imlist`` (database
+names), ``qimlist`` (query names) and ``gnd`` (per query: 'easy', 'hard', 'junk' database indices and
+'bbx' = [x0, y0, x1, y1], the query's region); images in ``jpg/<name>.jpg``."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+
+from vitscope.data.base import Sample
+from vitscope.data.formats.common import FileDataset, read_rgb, require_files
+from vitscope.data.synthetic_tasks import medium_hard
+from vitscope.data.transforms import crop
+from vitscope.errors import InputError
+
+
+class RevisitedRetrieval(FileDataset):
+    """Items 0..n_queries-1 are the queries (cropped to their box when ``crop_queries``, as the revisited
+    protocol does), then the database. ``gnd`` is the file's; ``protocols`` the Medium / Hard positives
+    and junk (`vitscope.data.synthetic_tasks.medium_hard`). ``root``: the folder holding the pkl, or its
+    parent."""
+
+    def __init__(self, root: str | Path, dataset: str = "roxford5k", crop_queries: bool = True,
+                 name: str | None = None):
+        super().__init__()
+        root = Path(root)
+        if not (root / f"gnd_{dataset}.pkl").is_file() and (root / dataset / f"gnd_{dataset}.pkl").is_file():
+            root = root / dataset
+        self.root, self.name, self.crop_queries = root, name or dataset, crop_queries
+        gnd_file = root / f"gnd_{dataset}.pkl"
+        if not gnd_file.is_file():
+            raise InputError(f"expected the revisited ground truth {str(gnd_file)!r}")
+        try:
+            with open(gnd_file, "rb") as f:
+                cfg = pickle.load(f)
+            self.imlist, self.qimlist, self.gnd = list(cfg["imlist"]), list(cfg["qimlist"]), list(cfg["gnd"])
+        except (pickle.UnpicklingError, KeyError, TypeError, EOFError) as e:
+            raise InputError(f"{str(gnd_file)!r} is not a revisited ground truth (expected a dict with imlist, "
+                             f"qimlist, gnd): {type(e).__name__}: {e}") from e
+        if not self.imlist or not self.qimlist:
+            raise InputError(f"{str(gnd_file)!r} lists {len(self.qimlist)} queries and {len(self.imlist)} images")
+        if len(self.gnd) != len(self.qimlist):
+            raise InputError(f"{str(gnd_file)!r}: {len(self.qimlist)} queries but {len(self.gnd)} gnd entries")
+        n = len(self.imlist)
+        for q, g in enumerate(self.gnd):
+            bad = [j for k in ("easy", "hard", "junk") for j in g.get(k, []) if not 0 <= j < n]
+            if bad or "bbx" not in g:
+                raise InputError(f"{str(gnd_file)!r}: query {q} " + (f"refers to database images {bad[:5]} of {n}"
+                                                                       if bad else "has no 'bbx'"))
+        self.classes: list[str] = []
+        self.files = [root / "jpg" / f"{x}.jpg" for x in self.qimlist + self.imlist]
+        require_files(self.files, f"{str(gnd_file)!r} refers to")
+        self.protocols = medium_hard([{k: list(g.get(k, [])) for k in ("easy", "hard", "junk")} for g in self.gnd])
+
+    @property
+    def n_queries(self) -> int:
+        return len(self.qimlist)
+
+    @property
+    def queries(self) -> list[int]:
+        return list(range(self.n_queries))
+
+    @property
+    def database(self) -> list[int]:
+        return list(range(self.n_queries, len(self)))
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, i: int) -> Sample:
+        s = Sample(image=read_rgb(self.files[i]), index=i,
+                   extra={"path": str(self.files[i]), "role": "query" if i < self.n_queries else "database"})
+        if i < self.n_queries:
+            x0, y0, x1, y1 = (float(v) for v in self.gnd[i]["bbx"])
+            s.bbox = np.array([x0, y0, x1, y1], np.float32)
+            if self.crop_queries:
+                top, left = int(np.floor(y0)), int(np.floor(x0))
+                s = crop(s, max(top, 0), max(left, 0), int(np.ceil(y1)) - max(top, 0), int(np.ceil(x1)) - max(left, 0))
+        return s

@@ -1,0 +1,180 @@
+"""Dense features of a whole image from a fixed-input ViT, by tiling (the downstream protocol of
+ANALYSES.md): resize the short side to 2x the model input and the long side to a multiple of the patch
+size, cut non-overlapping tiles of the input size, cover the leftover strip at the right / bottom with an
+extra tile aligned to the image edge, and drop that tile's tokens that overlap tokens already covered.
+Every token of the resulting (H_tok, W_tok, D) grid comes from exactly one tile.
+
+Pure parts (no model): `tiling_size`, `plan_tiles`, `cut_tiles`, `assemble`. With a model:
+`dense_features`, which returns the grid with its pixel geometry back to the original image.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from vitscope.errors import InputError
+
+if TYPE_CHECKING:
+    from vitscope.data.transforms import Geometry
+    from vitscope.models.adapter import ViTModel
+
+
+@dataclass(frozen=True)
+class Tile:
+    """A tile at pixel (y, x) of the resized image; its token rows [rows[0], rows[1]) and columns
+    [cols[0], cols[1]) are kept and go to token (dst_y, dst_x) onwards in the grid."""
+
+    y: int
+    x: int
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    dst_y: int
+    dst_x: int
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Tiles covering a (height, width) image whose sides are multiples of ``patch``."""
+
+    height: int
+    width: int
+    tile: int
+    patch: int
+    tiles: tuple[Tile, ...]
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """(H_tok, W_tok) of the assembled token grid."""
+        return self.height // self.patch, self.width // self.patch
+
+
+def tiling_size(height: int, width: int, tile: int, patch: int, scale: int = 2) -> tuple[int, int]:
+    """(height, width) to resize an image to: short side ``scale * tile``, long side in proportion,
+    rounded to a multiple of ``patch`` (and never below the short side)."""
+    if tile % patch:
+        raise InputError(f"tile {tile} is not a multiple of the patch size {patch}")
+    short = scale * tile
+    if height <= width:
+        long = max(short, int(round(width * short / height / patch)) * patch)
+        return short, long
+    long = max(short, int(round(height * short / width / patch)) * patch)
+    return long, short
+
+
+def _axis(length: int, tile: int, patch: int) -> list[tuple[int, tuple[int, int], int]]:
+    """(start pixel, kept token range within the tile, first grid token) along one side."""
+    t = tile // patch
+    out = [(k * tile, (0, t), k * t) for k in range(length // tile)]
+    rest = length - (length // tile) * tile
+    if rest:
+        out.append((length - tile, (t - rest // patch, t), (length - rest) // patch))
+    return out
+
+
+def plan_tiles(height: int, width: int, tile: int, patch: int) -> TilePlan:
+    """Non-overlapping ``tile`` x ``tile`` tiles from the top-left, plus edge-aligned tiles for the
+    leftovers whose already-covered tokens are dropped. Sides must be multiples of ``patch``, >= ``tile``."""
+    if tile % patch:
+        raise InputError(f"tile {tile} is not a multiple of the patch size {patch}")
+    if height % patch or width % patch:
+        raise InputError(f"image sides must be multiples of the patch size {patch}; got {height}x{width} "
+                         "(resize with tiling_size first)")
+    if height < tile or width < tile:
+        raise InputError(f"image {height}x{width} is smaller than one {tile}x{tile} tile")
+    tiles = tuple(Tile(y, x, rows, cols, dy, dx)
+                  for y, rows, dy in _axis(height, tile, patch) for x, cols, dx in _axis(width, tile, patch))
+    return TilePlan(height, width, tile, patch, tiles)
+
+
+def cut_tiles(image: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+    """(C, H, W) -> (N, C, tile, tile) in plan order."""
+    if tuple(image.shape[-2:]) != (plan.height, plan.width):
+        raise InputError(f"image is {tuple(image.shape[-2:])}, the plan is for {(plan.height, plan.width)}")
+    s = plan.tile
+    return torch.stack([image[:, t.y:t.y + s, t.x:t.x + s] for t in plan.tiles])
+
+
+def assemble(plan: TilePlan, features: torch.Tensor) -> torch.Tensor:
+    """(N, t, t, D) token features of the tiles, in plan order -> (H_tok, W_tok, D)."""
+    t = plan.tile // plan.patch
+    if features.ndim != 4 or tuple(features.shape[:3]) != (len(plan.tiles), t, t):
+        raise InputError(f"expected tile features of shape ({len(plan.tiles)}, {t}, {t}, D); "
+                         f"got {tuple(features.shape)}")
+    gh, gw = plan.grid
+    out = features.new_zeros((gh, gw, features.shape[-1]))
+    for f, tl in zip(features, plan.tiles, strict=True):
+        (r0, r1), (c0, c1) = tl.rows, tl.cols
+        out[tl.dst_y:tl.dst_y + r1 - r0, tl.dst_x:tl.dst_x + c1 - c0] = f[r0:r1, c0:c1]
+    return out
+
+
+@dataclass
+class DenseFeatures:
+    """A dense token grid: ``features`` (H_tok, W_tok, D); token (i, j) covers pixels
+    [i p, (i+1) p) x [j p, (j+1) p) of the resized image (p = ``patch``); ``geometry`` maps the original
+    image's pixels to the resized one's."""
+
+    features: torch.Tensor
+    patch: int
+    plan: TilePlan
+    geometry: Geometry
+
+    def token_centres(self) -> np.ndarray:
+        """(H_tok, W_tok, 2) ``x, y`` centre of each token in the original image's pixels."""
+        gh, gw = self.plan.grid
+        ys, xs = np.meshgrid((np.arange(gh) + 0.5) * self.patch, (np.arange(gw) + 0.5) * self.patch, indexing="ij")
+        return self.geometry.invert(np.stack([xs, ys], axis=-1))
+
+    def token_at(self, xy: np.ndarray) -> np.ndarray:
+        """(N, 2) points in the original image -> (N, 2) token (row, col), clipped to the grid."""
+        p = self.geometry.apply(np.asarray(xy, dtype=np.float64).reshape(-1, 2))
+        gh, gw = self.plan.grid
+        return np.stack([np.clip(np.floor(p[:, 1] / self.patch), 0, gh - 1),
+                         np.clip(np.floor(p[:, 0] / self.patch), 0, gw - 1)], axis=1).astype(np.int64)
+
+
+def _as_sample(image: Any) -> Any:
+    from vitscope.data.base import Sample
+
+    if isinstance(image, Sample):
+        return image
+    if isinstance(image, torch.Tensor):
+        if image.ndim != 3 or image.shape[0] != 3:
+            raise InputError(f"expected a (3, H, W) image tensor in [0, 1]; got {tuple(image.shape)}")
+        return Sample(image=image.permute(1, 2, 0).float().numpy())
+    if hasattr(image, "convert"):
+        return Sample(image=np.asarray(image.convert("RGB")))
+    arr = np.asarray(image)
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise InputError(f"expected an (H, W, 3) image; got shape {arr.shape}")
+    return Sample(image=arr)
+
+
+def dense_features(vm: ViTModel, image: Any, tap: str | None = None, scale: int = 2, batch_size: int = 16,
+                   dtype: str = "fp32") -> DenseFeatures:
+    """Dense features of one image of any size: resized (`tiling_size`), tiled, one forward per tile
+    (`vitscope.capture.extract`, ``view='spatial'``), assembled. ``image``: a `Sample`, PIL image,
+    (H, W, 3) array (uint8 or float in [0, 1]) or (3, H, W) tensor in [0, 1]; ``tap``: default the last
+    block's output."""
+    from vitscope.capture import extract
+    from vitscope.data.transforms import as_float, normalize, resize
+
+    tile, patch = vm.img_size[0], vm.patch_size
+    if vm.img_size[0] != vm.img_size[1]:
+        raise InputError(f"tiling needs a square model input; {vm.name} takes {vm.img_size}")
+    tap = tap or f"block{vm.depth - 1}.out"
+    s = _as_sample(image)
+    h, w = tiling_size(*s.size, tile, patch, scale)
+    s = resize(s, h, w, vm.preprocessing.interpolation)
+    x = normalize(torch.from_numpy(np.ascontiguousarray(as_float(s.image))).permute(2, 0, 1)[None],
+                  vm.preprocessing)[0]
+    plan = plan_tiles(h, w, tile, patch)
+    tokens = extract(vm, cut_tiles(x, plan), [tap], view="spatial", batch_size=batch_size, dtype=dtype)[tap]
+    gh, gw = vm.grid_size
+    if tokens.ndim != 3 or tokens.shape[1] != gh * gw:
+        raise InputError(f"tap {tap!r} does not give one token per patch (shape {tuple(tokens.shape)})")
+    return DenseFeatures(assemble(plan, tokens.reshape(len(plan.tiles), gh, gw, -1)), patch, plan, s.geometry)

@@ -1,0 +1,227 @@
+"""Geometric transforms on `Sample`s that keep every annotation aligned with the pixels.
+
+Each operation maps the image and, identically, its masks (nearest neighbour, pixel-centre aligned:
+the same rule as PIL's NEAREST), keypoints (coordinates transformed; points that leave the image are
+marked not visible) and box, and composes the mapping into ``sample.geometry`` (a `Geometry`), so a
+point in the file's pixels can always be found in the model's input and back.
+
+`for_model` is a model's eval preprocessing: resize the short side to ``pre.resize_size``, centre crop
+``pre.input_size``, optional horizontal flip. `collate` turns transformed samples into a normalised `Batch`.
+Coordinates follow `vitscope.data.base`: continuous, pixel (i, j) covers [j, j+1) x [i, i+1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from vitscope.data.base import Batch, Sample
+from vitscope.models.registry import Preprocessing
+
+_MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest-exact", "area": "area"}
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Axis-aligned map from source pixels to output pixels: ``x' = sx * x + tx``, ``y' = sy * y + ty``.
+
+    sx < 0 is a horizontal flip. height, width: the output's size; src_height, src_width: the source's.
+    """
+
+    sx: float
+    tx: float
+    sy: float
+    ty: float
+    height: int
+    width: int
+    src_height: int
+    src_width: int
+
+    @classmethod
+    def identity(cls, height: int, width: int) -> Geometry:
+        return cls(1.0, 0.0, 1.0, 0.0, height, width, height, width)
+
+    def then(self, sx: float, tx: float, sy: float, ty: float, height: int, width: int) -> Geometry:
+        """This map followed by another one onto an image of (height, width)."""
+        return Geometry(sx * self.sx, sx * self.tx + tx, sy * self.sy, sy * self.ty + ty, height, width,
+                        self.src_height, self.src_width)
+
+    def apply(self, xy: np.ndarray) -> np.ndarray:
+        """(N, 2) source points -> output points."""
+        xy = np.asarray(xy, dtype=np.float64)
+        return np.stack([xy[..., 0] * self.sx + self.tx, xy[..., 1] * self.sy + self.ty], axis=-1)
+
+    def invert(self, xy: np.ndarray) -> np.ndarray:
+        """(N, 2) output points -> source points."""
+        xy = np.asarray(xy, dtype=np.float64)
+        return np.stack([(xy[..., 0] - self.tx) / self.sx, (xy[..., 1] - self.ty) / self.sy], axis=-1)
+
+
+def as_float(image: np.ndarray) -> np.ndarray:
+    """(H, W, 3) uint8 or float -> float32 in [0, 1]."""
+    if image.dtype == np.uint8:
+        return image.astype(np.float32) / 255.0
+    return image.astype(np.float32, copy=False)
+
+
+def _geometry(s: Sample) -> Geometry:
+    if s.geometry is not None:
+        return s.geometry
+    h, w = s.size
+    return Geometry.identity(h, w)
+
+
+def _nearest(a: np.ndarray | None, height: int, width: int) -> np.ndarray | None:
+    """Nearest-neighbour resize of a label map: output pixel centre (i + .5) reads source floor((i + .5) h / H)."""
+    if a is None:
+        return None
+    h, w = a.shape[:2]
+    rows = np.minimum(((np.arange(height) + 0.5) * h / height).astype(np.int64), h - 1)
+    cols = np.minimum(((np.arange(width) + 0.5) * w / width).astype(np.int64), w - 1)
+    return a[rows][:, cols]
+
+
+def _points(s: Sample, sx: float, tx: float, sy: float, ty: float, height: int, width: int
+            ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    kp = s.keypoints
+    if kp is not None:
+        kp = np.array(kp, dtype=np.float32, copy=True).reshape(-1, 3)
+        kp[:, 0] = kp[:, 0] * sx + tx
+        kp[:, 1] = kp[:, 1] * sy + ty
+        inside = (kp[:, 0] >= 0) & (kp[:, 0] < width) & (kp[:, 1] >= 0) & (kp[:, 1] < height)
+        kp[:, 2] = np.where(inside, kp[:, 2], 0.0)
+    box = s.bbox
+    if box is not None:
+        b = np.asarray(box, dtype=np.float64)
+        xs = np.sort([b[0] * sx + tx, b[2] * sx + tx])
+        ys = np.sort([b[1] * sy + ty, b[3] * sy + ty])
+        box = np.array([np.clip(xs[0], 0, width), np.clip(ys[0], 0, height),
+                        np.clip(xs[1], 0, width), np.clip(ys[1], 0, height)], dtype=np.float32)
+    return kp, box
+
+
+def resize(s: Sample, height: int, width: int, interpolation: str = "bicubic") -> Sample:
+    """Resize to (height, width): image interpolated (antialiased when shrinking), label maps nearest."""
+    h, w = s.size
+    if (h, w) == (height, width):
+        return replace(s, geometry=_geometry(s))
+    mode = _MODES.get(interpolation, "bicubic")
+    x = torch.from_numpy(np.ascontiguousarray(as_float(s.image))).permute(2, 0, 1)[None]
+    kw = {"align_corners": False, "antialias": True} if mode in ("bicubic", "bilinear") else {}
+    img = F.interpolate(x, size=(height, width), mode=mode, **kw).clamp_(0, 1)[0].permute(1, 2, 0).numpy()
+    sx, sy = width / w, height / h
+    kp, box = _points(s, sx, 0.0, sy, 0.0, height, width)
+    return replace(s, image=img, mask=_nearest(s.mask, height, width), parts=_nearest(s.parts, height, width),
+                   objects=_nearest(s.objects, height, width), keypoints=kp, bbox=box,
+                   geometry=_geometry(s).then(sx, 0.0, sy, 0.0, height, width))
+
+
+def short_side_size(height: int, width: int, size: int) -> tuple[int, int]:
+    """(height, width) after resizing the short side to ``size`` (long side truncated, as torchvision)."""
+    if height <= width:
+        return size, max(1, int(size * width / height))
+    return max(1, int(size * height / width)), size
+
+
+def resize_short(s: Sample, size: int, interpolation: str = "bicubic") -> Sample:
+    """Resize so that the short side is ``size``, keeping the aspect ratio."""
+    return resize(s, *short_side_size(*s.size, size), interpolation=interpolation)
+
+
+def _crop_map(a: np.ndarray | None, top: int, left: int, height: int, width: int) -> np.ndarray | None:
+    if a is None:
+        return None
+    h, w = a.shape[:2]
+    out = np.zeros((height, width, *a.shape[2:]), dtype=a.dtype)
+    y0, x0 = max(top, 0), max(left, 0)
+    y1, x1 = min(top + height, h), min(left + width, w)
+    if y1 > y0 and x1 > x0:
+        out[y0 - top:y1 - top, x0 - left:x1 - left] = a[y0:y1, x0:x1]
+    return out
+
+
+def crop(s: Sample, top: int, left: int, height: int, width: int) -> Sample:
+    """The window [top, top + height) x [left, left + width); parts outside the image are zero."""
+    kp, box = _points(s, 1.0, -float(left), 1.0, -float(top), height, width)
+    return replace(s, image=_crop_map(s.image, top, left, height, width),
+                   mask=_crop_map(s.mask, top, left, height, width),
+                   parts=_crop_map(s.parts, top, left, height, width),
+                   objects=_crop_map(s.objects, top, left, height, width), keypoints=kp, bbox=box,
+                   geometry=_geometry(s).then(1.0, -float(left), 1.0, -float(top), height, width))
+
+
+def center_crop(s: Sample, size: int | tuple[int, int]) -> Sample:
+    """Centre crop to ``size`` (int = square), offsets rounded as torchvision's CenterCrop."""
+    th, tw = (size, size) if isinstance(size, int) else size
+    h, w = s.size
+    return crop(s, int(round((h - th) / 2.0)), int(round((w - tw) / 2.0)), th, tw)
+
+
+def hflip(s: Sample) -> Sample:
+    """Mirror left-right. Keypoint ids are kept (a dataset with left/right names must swap them itself)."""
+    h, w = s.size
+
+    def flip(a: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None else np.ascontiguousarray(a[:, ::-1])
+
+    kp, box = _points(s, -1.0, float(w), 1.0, 0.0, h, w)
+    return replace(s, image=flip(s.image), mask=flip(s.mask), parts=flip(s.parts), objects=flip(s.objects),
+                   keypoints=kp, bbox=box, geometry=_geometry(s).then(-1.0, float(w), 1.0, 0.0, h, w))
+
+
+def for_model(s: Sample, pre: Preprocessing, flip: bool = False) -> Sample:
+    """A model's eval view of a sample: short side to ``pre.resize_size``, centre crop, optional flip."""
+    out = center_crop(resize_short(s, pre.resize_size, pre.interpolation), pre.input_size)
+    return hflip(out) if flip else out
+
+
+def normalize(images: torch.Tensor, pre: Preprocessing) -> torch.Tensor:
+    """(B, 3, H, W) in [0, 1] -> normalised with the model's mean and std (no resizing)."""
+    mean = torch.tensor(pre.mean, dtype=images.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(pre.std, dtype=images.dtype).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def _stack_maps(maps: Sequence[np.ndarray | None], dtype: torch.dtype) -> torch.Tensor | None:
+    if not maps or any(m is None for m in maps):
+        return None
+    return torch.from_numpy(np.stack(maps)).to(dtype)
+
+
+def collate(samples: Sequence[Sample], pre: Preprocessing) -> Batch:
+    """Samples of one size -> a `Batch` with images normalised for ``pre``; a field is set only when every
+    sample has it (keypoints: padded to the largest K with invisible rows)."""
+    x = torch.from_numpy(np.stack([as_float(s.image) for s in samples])).permute(0, 3, 1, 2).contiguous()
+    labels = None
+    if samples and all(s.label is not None for s in samples):
+        labels = torch.tensor([int(s.label) for s in samples], dtype=torch.long)
+    keypoints = None
+    if samples and all(s.keypoints is not None for s in samples):
+        k = max(len(s.keypoints) for s in samples)
+        kp = np.zeros((len(samples), k, 3), dtype=np.float32)
+        for i, s in enumerate(samples):
+            kp[i, :len(s.keypoints)] = s.keypoints
+        keypoints = torch.from_numpy(kp)
+    boxes = None
+    if samples and all(s.bbox is not None for s in samples):
+        boxes = torch.from_numpy(np.stack([np.asarray(s.bbox, dtype=np.float32) for s in samples]))
+    frames = None
+    if samples and all(s.frame is not None for s in samples):
+        frames = torch.tensor([int(s.frame) for s in samples], dtype=torch.long)
+    sequences = [s.sequence for s in samples] if samples and all(s.sequence is not None for s in samples) else None
+    return Batch(
+        images=normalize(x, pre),
+        index=torch.tensor([s.index for s in samples], dtype=torch.long),
+        labels=labels,
+        masks=_stack_maps([s.mask for s in samples], torch.bool),
+        parts=_stack_maps([s.parts for s in samples], torch.long),
+        objects=_stack_maps([s.objects for s in samples], torch.long),
+        keypoints=keypoints,
+        boxes=boxes,
+        frames=frames,
+        sequences=sequences,
+    )
