@@ -1,0 +1,107 @@
+"""Which layer knows what: k-NN, linear probes, clustering scores, prediction agreement (pure functions).
+
+Protocols follow the sources: DINO's weighted k-NN (Caron et al. 2021; seed 003 §6.1, seed 000 §2.3),
+k-means purity / NMI / ARI (seed 003 §5.2), Kendall's tau of class rankings and top-1 F1 (seed 000 §2.4).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from scipy.stats import kendalltau
+from sklearn.cluster import KMeans
+from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_info_score
+from sklearn.metrics.cluster import contingency_matrix
+
+Tensor = torch.Tensor
+
+
+def knn_classify(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor,
+                 ks: tuple[int, ...] = (10, 20, 100, 200), temperature: float = 0.07, num_classes: int | None = None,
+                 chunk: int = 1024) -> dict[int, tuple[float, float]]:
+    """DINO's weighted k-NN: cosine similarity of L2-normalised features, the k nearest training images
+    vote for their class with weight exp(sim / T). Returns {k: (top-1, top-5)} accuracies in [0, 1];
+    k larger than the training set is clipped to it."""
+    train = torch.nn.functional.normalize(train.float(), dim=1)
+    test = torch.nn.functional.normalize(test.float(), dim=1)
+    c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
+    kmax = min(max(ks), len(train))
+    hits = {k: [0, 0] for k in ks}
+    for s in range(0, len(test), chunk):
+        sim, idx = (test[s:s + chunk] @ train.T).topk(kmax, dim=1)
+        votes_lbl = train_labels[idx]
+        w = (sim / temperature).exp()
+        y = test_labels[s:s + chunk, None]
+        for k in ks:
+            kk = min(k, kmax)
+            scores = torch.zeros(len(y), c).scatter_add_(1, votes_lbl[:, :kk], w[:, :kk])
+            top = scores.topk(min(5, c), dim=1).indices
+            hits[k][0] += int((top[:, :1] == y).any(1).sum())
+            hits[k][1] += int((top == y).any(1).sum())
+    n = max(len(test), 1)
+    return {k: (h[0] / n, h[1] / n) for k, h in hits.items()}
+
+
+def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
+                 standardize: bool = True, weight_decay: float = 1e-4, max_iter: int = 100,
+                 num_classes: int | None = None) -> tuple[float, Tensor]:
+    """Multinomial logistic regression fitted with L-BFGS on the full training set (a fixed budget of
+    ``max_iter`` iterations, deterministic). ``standardize``: features normalised with the training mean
+    and std first (what a BatchNorm without affine parameters does at convergence). Returns (top-1
+    accuracy on the test set, test logits)."""
+    c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
+    x, xt = train.double(), test.double()
+    if standardize:
+        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+        x, xt = (x - mu) / sd, (xt - mu) / sd
+    w = torch.zeros(x.shape[1], c, dtype=torch.float64, requires_grad=True)
+    b = torch.zeros(c, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(x @ w + b, train_labels) + weight_decay * (w * w).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        opt.step(closure)
+    logits = (xt @ w + b).detach()
+    return float((logits.argmax(1) == test_labels).double().mean()), logits
+
+
+def purity(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:
+    """Fraction of samples whose cluster's majority class is their own class."""
+    m = contingency_matrix(labels_true, labels_pred)
+    return float(m.max(axis=0).sum() / m.sum())
+
+
+def kmeans_scores(feats: np.ndarray, labels: np.ndarray, k: int, seed: int = 0, n_init: int = 3) -> dict[str, float]:
+    """k-means (scikit-learn, fixed seed and n_init) on the features; purity, NMI and ARI against labels."""
+    pred = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(np.asarray(feats, dtype=np.float64))
+    return {"purity": purity(labels, pred), "nmi": float(normalized_mutual_info_score(labels, pred)),
+            "ari": float(adjusted_rand_score(labels, pred))}
+
+
+def prediction_agreement(logits_a: Tensor, logits_b: Tensor, labels: Tensor,
+                         ks: tuple[int, ...] = (5, 10, 100)) -> dict[str, float]:
+    """Seed 000 §2.4: for each image, Kendall's tau between the two models' scores on model A's top-k
+    classes, averaged over all, correctly (both right) and incorrectly (both wrong) classified images;
+    and the macro F1 of model B's top-1 predictions against model A's."""
+    pa, pb = logits_a.argmax(1), logits_b.argmax(1)
+    groups = {"all": torch.ones_like(labels, dtype=torch.bool), "correct": (pa == labels) & (pb == labels),
+              "incorrect": (pa != labels) & (pb != labels)}
+    out: dict[str, float] = {}
+    for k in ks:
+        kk = min(k, logits_a.shape[1])
+        top = logits_a.topk(kk, dim=1).indices
+        taus = []
+        for i in range(len(labels)):
+            t = kendalltau(logits_a[i, top[i]].numpy(), logits_b[i, top[i]].numpy()).statistic
+            taus.append(np.nan if t is None else t)
+        taus_t = torch.tensor(taus, dtype=torch.float64)
+        for g, mask in groups.items():
+            sel = taus_t[mask]
+            out[f"kendall_tau_top{k}_{g}"] = float(np.nanmean(sel.numpy())) if len(sel) else float("nan")
+    out["top1_f1"] = float(f1_score(pa.numpy(), pb.numpy(), average="macro"))
+    return out

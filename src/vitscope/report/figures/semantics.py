@@ -1,0 +1,41 @@
+"""Figures of the semantics analysis (`vitscope.analyses.semantics`)."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from vitscope.report.figures._common import Figures, plt
+
+PANELS = [("knn20_top1", "20-NN top-1"), ("probe_top1", "linear probe top-1"), ("kmeans_purity", "k-means purity")]
+
+
+def semantics(df: pd.DataFrame) -> Figures:
+    """Per-layer curves per model and token view, best layer marked, chance as a dashed line
+    [seed 003 Fig. 7, 9; seed 000 Fig. 3]."""
+    panels = [(m, t) for m, t in PANELS if (df.metric == m).any()]
+    if not panels:
+        return []
+    views = list(dict.fromkeys(df["token_view"].dropna()))
+    fig, axes = plt.subplots(len(views), len(panels), figsize=(3.6 * len(panels), 2.8 * len(views)), squeeze=False)
+    for r, view in enumerate(views):
+        for c, (metric, title) in enumerate(panels):
+            ax = axes[r][c]
+            for k, (model, g) in enumerate(df[(df.token_view == view) & (df.metric == metric)].groupby("model",
+                                                                                                       sort=False)):
+                g = g.sort_values("layer")
+                ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
+                best = g.loc[g["value"].idxmax()]
+                ax.plot([best["layer"]], [best["value"]], "*", ms=10, color=f"C{k}")
+                chance = df[(df.model == model) & (df.token_view == view) & (df.metric == f"{metric}_chance")]
+                if len(chance):
+                    ax.axhline(float(chance["value"].iloc[0]), ls="--", lw=1, color=f"C{k}", alpha=0.6)
+            ax.set_title(f"{title} ({view})", fontsize=8)
+            ax.set_xlabel("block", fontsize=8)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    return [("Which layer knows the class: k-NN, linear probe and k-means purity per layer (star = best layer, "
+             "dashed = the same metric on Gaussian features of the same shape)", fig)]
+
+
+FIGURES = {"semantics": semantics}
