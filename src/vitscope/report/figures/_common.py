@@ -6,5 +6,24 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 Figures = list[tuple[str, plt.Figure]]
+
+
+def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", label_suffix: str = "",
+                title: str | None = None, mark_best: bool = False) -> None:
+    """One line per model of ``metric`` against the block index (mean over any other rows of a layer),
+    same colour per model across panels; optionally a star on the best layer."""
+    d = df[df.metric == metric]
+    for k, (model, g) in enumerate(d.groupby("model", sort=False)):
+        per_layer = g.groupby("layer")["value"].mean().sort_index()
+        ax.plot(per_layer.index, per_layer.values, style, ms=3, color=f"C{k}", label=f"{model}{label_suffix}")
+        if mark_best and len(per_layer):
+            ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=f"C{k}")
+    if title:
+        ax.set_title(title, fontsize=9)
+    ax.set_xlabel("block")
+    ax.grid(alpha=0.3)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))

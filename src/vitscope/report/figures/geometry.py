@@ -4,19 +4,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, plt
+from vitscope.report.figures._common import Figures, layer_lines, plt
 
 
 def svd_volume(df: pd.DataFrame) -> Figures:
     """Log volume per layer, token level and image level, one line per model [seed 001 "SVD analysis"]."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     for ax, level in zip(axes, ("token", "image"), strict=True):
-        for k, (model, g) in enumerate(df[df.metric == f"{level}_log_volume"].groupby("model", sort=False)):
-            g = g.sort_values("layer")
-            ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
-        ax.set_title(f"{level} level", fontsize=9)
-        ax.set_xlabel("block")
-        ax.grid(alpha=0.3)
+        layer_lines(ax, df, f"{level}_log_volume", title=f"{level} level")
     axes[0].set_ylabel("mean log eigenvalue (top k)")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
@@ -28,13 +23,9 @@ def fourier(df: pd.DataFrame) -> Figures:
     """Δ log amplitude at the highest frequency per layer [seed 001 "Fourier analysis"], and the curves."""
     out: Figures = []
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    for k, (model, g) in enumerate(df[df.metric == "high_freq_delta_log_amp"].groupby("model", sort=False)):
-        g = g.sort_values("layer")
-        ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
-    ax.set_xlabel("block")
+    layer_lines(ax, df, "high_freq_delta_log_amp")
     ax.set_ylabel("Δ log amplitude (highest freq.)")
     ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
     fig.tight_layout()
     out.append(("High-frequency amplitude of the token maps per layer: closer to 0 = more high-frequency "
                 "(texture-like) content", fig))

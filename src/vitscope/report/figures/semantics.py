@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, plt
+from vitscope.report.figures._common import Figures, layer_lines, plt
 
 PANELS = [("knn20_top1", "20-NN top-1"), ("probe_top1", "linear probe top-1"), ("kmeans_purity", "k-means purity")]
 
@@ -20,18 +20,11 @@ def semantics(df: pd.DataFrame) -> Figures:
     for r, view in enumerate(views):
         for c, (metric, title) in enumerate(panels):
             ax = axes[r][c]
-            for k, (model, g) in enumerate(df[(df.token_view == view) & (df.metric == metric)].groupby("model",
-                                                                                                       sort=False)):
-                g = g.sort_values("layer")
-                ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=model)
-                best = g.loc[g["value"].idxmax()]
-                ax.plot([best["layer"]], [best["value"]], "*", ms=10, color=f"C{k}")
+            layer_lines(ax, df[df.token_view == view], metric, title=f"{title} ({view})", mark_best=True)
+            for k, model in enumerate(dict.fromkeys(df[df.metric == metric]["model"])):
                 chance = df[(df.model == model) & (df.token_view == view) & (df.metric == f"{metric}_chance")]
                 if len(chance):
                     ax.axhline(float(chance["value"].iloc[0]), ls="--", lw=1, color=f"C{k}", alpha=0.6)
-            ax.set_title(f"{title} ({view})", fontsize=8)
-            ax.set_xlabel("block", fontsize=8)
-            ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return [("Which layer knows the class: k-NN, linear probe and k-means purity per layer (star = best layer, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, plt
+from vitscope.report.figures._common import Figures, layer_lines, plt
 
 
 def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.cm.ScalarMappable:
@@ -34,13 +34,10 @@ def cka(df: pd.DataFrame) -> Figures:
     div = df[df.metric == "cka_divergence"]
     if len(div):
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
-        for (ma, mb, view), g in div.groupby(["model", "model_b", "token_view"], sort=False):
-            g = g.sort_values("layer")
-            ax.plot(g["layer"], g["value"], "-o", ms=3, label=f"{ma} vs {mb} ({view})")
-        ax.set_xlabel("block")
+        pairs = div.assign(model=div["model"] + " vs " + div["model_b"] + " (" + div["token_view"] + ")")
+        layer_lines(ax, pairs, "cka_divergence")
         ax.set_ylabel("1 - CKA (same layer)")
         ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
         fig.tight_layout()
         out.append(("CKA divergence per layer between models (e.g. pretrained vs fine-tuned): "
                     "higher = the layer changed more", fig))
@@ -69,14 +66,8 @@ def diversity(df: pd.DataFrame) -> Figures:
     """Similarity between heads, between spatial tokens, and before/after attention, per layer [seed 001]."""
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), sharey=True)
     for ax, what in zip(axes, ("heads", "tokens", "depth"), strict=True):
-        for k, (model, g) in enumerate(df.groupby("model", sort=False)):
-            for measure, style in (("cka", "-o"), ("cosine", "--s")):
-                h = g[g.metric == f"{measure}_{what}"].sort_values("layer")
-                ax.plot(h["layer"], h["value"], style, ms=3, color=f"C{k}",
-                        label=f"{model} ({measure})" if what == "heads" else None)
-        ax.set_title(what, fontsize=9)
-        ax.set_xlabel("block")
-        ax.grid(alpha=0.3)
+        for measure, style in (("cka", "-o"), ("cosine", "--s")):
+            layer_lines(ax, df, f"{measure}_{what}", style, label_suffix=f" ({measure})", title=what)
     axes[0].set_ylabel("similarity")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
