@@ -1,0 +1,115 @@
+"""Throughput of one zoo training step per objective, and the budget it allows.
+
+For each objective: the zoo architecture (or --arch overrides), batches from the real data pipeline
+(random uint8 images standing in for CIFAR-10: the augmentations cost the same), the real training step
+(`vitscope.zoo.train.train_step`: forward, backward, clipping, AdamW, schedule, EMA teacher). After
+--warmup steps, --steps steps are timed, round-robin over the objectives (a burst of load elsewhere
+slows all alike); the median step time is reported (and the minimum), the augmentation share
+separately. Prints, per objective, images/s (source images) and image-views/s (the budget's unit),
+then the common budget: the slowest objective's image-views/s x --minutes.
+
+    python benchmarks/zoo_throughput.py [--steps 12] [--warmup 3] [--minutes 45] [--batch 128]
+    python benchmarks/zoo_throughput.py --arch embed_dim=192 depth=6 num_heads=3    # another size
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from vitscope.zoo import ZOO_ARCH, ZooArch, build_objective
+from vitscope.zoo.data import Augment, ImageSet, ViewStream
+from vitscope.zoo.train import TrainConfig, make_optimizer, train_step
+
+
+def _arch(overrides: list[str]) -> ZooArch:
+    kw = asdict(ZOO_ARCH)
+    for o in overrides:
+        k, _, v = o.partition("=")
+        kw[k] = type(kw[k])(v)
+    return ZooArch(**kw)
+
+
+def _finetune_init(arch: ZooArch, tmp: Path) -> str:
+    from vitscope.models import save_checkpoint
+    from vitscope.models.registry import ModelSpec, WeightSource
+    from vitscope.zoo.arch import TIMM_ARCH, build_encoder, zoo_preprocessing
+
+    spec = ModelSpec("zoo-bench", TIMM_ARCH, "none", "none", WeightSource("none"), zoo_preprocessing(arch.img_size),
+                     arch.kwargs(0))
+    return str(save_checkpoint(build_encoder(arch, 0), tmp / "init.safetensors", spec))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--minutes", type=float, default=45.0)
+    ap.add_argument("--objectives", nargs="*",
+                    default=["supervised", "dino", "mocov3", "mae", "simmim", "hybrid", "finetune"])
+    ap.add_argument("--arch", nargs="*", default=[], help="ZooArch overrides, key=value")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, 2 here)")
+    ap.add_argument("--stat", choices=["median", "min"], default="median",
+                    help="step time the budget is computed from (min = least disturbed by other load)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    arch = _arch(args.arch)
+    print(f"arch: {arch}  batch {args.batch}  torch threads {torch.get_num_threads()}  "
+          f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    g = torch.Generator().manual_seed(0)
+    n = max(1024, 2 * args.batch)
+    data = ImageSet(torch.randint(0, 256, (n, 3, arch.img_size, arch.img_size), dtype=torch.uint8, generator=g),
+                    torch.randint(0, 10, (n,), generator=g), [str(i) for i in range(10)], "random")
+    rates: dict[str, float] = {}
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.objectives:
+            kw = {"init": _finetune_init(arch, Path(tmp))} if name == "finetune" else {}
+            obj = build_objective(name, arch, 10, 0, **kw)
+            pre = obj.preprocessing
+            stream = ViewStream(data, obj.views, args.batch, 0, Augment(obj.views, obj.img_size, pre.mean, pre.std,
+                                                                        obj.patch_size))
+            opt, sched = make_optimizer(obj, TrainConfig(name, tmp), 1000)
+            obj.train()
+            runs[name] = {"obj": obj, "stream": stream, "opt": opt, "sched": sched, "aug": [], "step": [], "cpu": []}
+        # round-robin: one step of each objective per round, so a burst of load elsewhere hits all alike
+        for s in range(args.warmup + args.steps):
+            for r in runs.values():
+                c0, t0 = time.process_time(), time.perf_counter()
+                batch = r["stream"].batch(s)
+                t1 = time.perf_counter()
+                train_step(r["obj"], r["opt"], r["sched"], batch, s, 1000, 3.0)
+                t2, c2 = time.perf_counter(), time.process_time()
+                if s >= args.warmup:
+                    r["aug"].append(t1 - t0)
+                    r["step"].append(t2 - t1)
+                    r["cpu"].append(c2 - c0)
+    for name, r in runs.items():
+        tot = [a + b for a, b in zip(r["aug"], r["step"], strict=True)]
+        med, best = statistics.median(tot), min(tot)
+        vpi = r["obj"].views.views_per_image()
+        img_s = args.batch / (med if args.stat == "median" else best)
+        rates[name] = img_s * vpi
+        print(f"{name:<11} views/image {vpi:4.2f}  step median {med:5.2f} s, min {best:5.2f} s, "
+              f"cpu {statistics.median(r['cpu']):5.2f} s (augment {100 * sum(r['aug']) / sum(tot):4.1f}%)  "
+              f"images/s {img_s:6.1f}  "
+              f"image-views/s {img_s * vpi:6.1f}  -> {img_s * vpi * args.minutes * 60 / 1e3:5.0f}k views "
+              f"in {args.minutes:g} min")
+    slow = min(rates, key=rates.get)
+    budget = rates[slow] * args.minutes * 60
+    print(f"slowest: {slow} at {rates[slow]:.1f} image-views/s ({args.stat} step) -> common budget {rates[slow]:.1f} x "
+          f"{args.minutes * 60:.0f} s = {budget / 1e3:.0f}k image-views "
+          f"(= {budget / 50_000:.1f} passes of CIFAR-10 train at 1 view per image); "
+          f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""``vitscope zoo``: train a model of the controlled zoo, list the objectives."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from vitscope.errors import VitscopeError
+
+OBJECTIVE_NAMES = ("supervised", "dino", "mocov3", "mae", "simmim", "hybrid", "finetune")
+
+ZOO_EPILOG = """examples:
+  vitscope zoo list
+  vitscope zoo train --objective dino --out zoo/dino                  CIFAR-10 found in ../shared/data
+  vitscope zoo train --objective dino --out zoo/dino --resume         continue an interrupted run
+  vitscope zoo train --objective hybrid --lam 0.5 --out zoo/hybrid
+  vitscope zoo train --objective finetune --init zoo/mae/encoder.safetensors --task reconstruction \\
+      --epochs 10 --out zoo/mae-ft-rec                                saves the encoder at every epoch
+"""
+
+
+def _arch_overrides(items: list[str]) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from vitscope.zoo.arch import ZOO_ARCH
+
+    kw = asdict(ZOO_ARCH)
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or k not in kw:
+            raise VitscopeError(f"--arch takes key=value with key in {', '.join(kw)}; got {item!r}")
+        kw[k] = type(kw[k])(v)
+    return kw
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitscope.zoo.train import TrainConfig, train
+
+    if args.threads:
+        torch.set_num_threads(args.threads)  # the user's explicit choice for this process
+    okw: dict[str, Any] = {}
+    for key, objectives in (("lam", ("hybrid",)), ("init", ("finetune",)), ("task", ("finetune",)),
+                            ("n_local", ("dino",)), ("mask_ratio", ("mae", "simmim", "hybrid"))):
+        value = getattr(args, key)
+        if value is None:
+            continue
+        if args.objective not in objectives:
+            raise VitscopeError(f"--{key.replace('_', '-')} applies to {', '.join(objectives)}, not {args.objective}")
+        okw[key] = value
+    if args.objective == "finetune" and "init" not in okw:
+        raise VitscopeError("finetune needs --init: a zoo checkpoint (encoder.safetensors) or a model name")
+    cfg = TrainConfig(
+        objective=args.objective, out=args.out, data=args.data, budget_views=args.budget_views, epochs=args.epochs,
+        epoch_views=args.epoch_views, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+        arch=_arch_overrides(args.arch), objective_kwargs=okw, knn_every=args.knn_every, knn_train=args.knn_train,
+        knn_test=args.knn_test, ckpt_minutes=args.ckpt_minutes, save_epochs=args.save_epochs,
+        synthetic_n=tuple(args.synthetic_n), progress=not args.no_progress)
+    try:
+        card = train(cfg, resume=args.resume)
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        raise VitscopeError(str(e)) from e
+    if card.get("status") == "stopped":
+        print(json.dumps(card))
+        return 0
+    print(f"{card['name']}: {card['image_views']} image-views in {card['wall_time_s'] / 60:.1f} min, "
+          f"20-NN (CLS) {card['final_knn']['cls']:.3f}\nweights: {card['weights']}\nlog:     {card['log']}")
+    return 0
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    from vitscope.zoo.arch import ZOO_ARCH
+    from vitscope.zoo.objectives import OBJECTIVES
+    from vitscope.zoo.train import ZOO_BATCH_SIZE, ZOO_BUDGET_VIEWS
+
+    print(f"architecture: {ZOO_ARCH}\nbudget: {ZOO_BUDGET_VIEWS:,} image-views per objective, batch {ZOO_BATCH_SIZE}\n")
+    rows = []
+    for name, cls in OBJECTIVES.items():
+        if name == "finetune":  # needs a checkpoint; the exported model keeps its source's family
+            rows.append((name, "(source's)", "1", cls.summary))
+        else:
+            rows.append((name, cls.family, f"{cls().views.views_per_image():g}", cls.summary))
+    head = ("objective", "family", "views/img", "what it does")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    return 0
+
+
+def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add ``zoo train`` and ``zoo list`` to the ``vitscope`` command's subparsers."""
+    z = subparsers.add_parser("zoo", help="train the controlled zoo: one small ViT per objective, one budget",
+                              epilog=ZOO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    zsub = z.add_subparsers(dest="zoo_command", required=True, metavar="ZOO_COMMAND")
+
+    t = zsub.add_parser("train", help="train (or resume) one zoo model", epilog=ZOO_EPILOG,
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--objective", required=True, choices=OBJECTIVE_NAMES)
+    t.add_argument("--out", required=True, help="output directory (weights, card.json, log.csv, training state)")
+    t.add_argument("--data", default=None,
+                   help="CIFAR-10 ImageFolder root with train/ and test/ (default: ../shared/data/cifar10 or "
+                        "/work/shared/data/cifar10 if present, else generated shapes); 'synthetic' forces shapes")
+    budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--budget-views", type=int, default=None,
+                        help="image-views to train on (default: the zoo budget, `vitscope zoo list`)")
+    budget.add_argument("--epochs", type=float, default=None, help="budget in epochs of --epoch-views image-views")
+    t.add_argument("--epoch-views", type=int, default=None,
+                   help="image-views per logged epoch (default: the number of training images)")
+    t.add_argument("--batch-size", type=int, default=128)
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    t.add_argument("--lam", type=float, default=None, help="hybrid: weight of the contrastive loss (default 0.5)")
+    t.add_argument("--init", default=None, help="finetune: checkpoint or model name to start from")
+    t.add_argument("--task", choices=["classification", "reconstruction"], default=None,
+                   help="finetune: the task (default classification)")
+    t.add_argument("--n-local", type=int, default=None, help="dino: number of 16-px local crops (default 6)")
+    t.add_argument("--mask-ratio", type=float, default=None, help="mae / simmim / hybrid: fraction masked")
+    t.add_argument("--save-epochs", default="auto",
+                   help="epochs whose encoder is kept under OUT/checkpoints: 'all', 'none', or e.g. 0,1,2,5 "
+                        "(default: all for finetune, none otherwise)")
+    t.add_argument("--knn-every", type=int, default=1, help="20-NN evaluation every K epochs (and at the end)")
+    t.add_argument("--knn-train", type=int, default=5000, help="train images of the 20-NN monitor")
+    t.add_argument("--knn-test", type=int, default=2000, help="test images of the 20-NN monitor")
+    t.add_argument("--ckpt-minutes", type=float, default=10.0, help="also save the training state every N minutes")
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run (default: torch's)")
+    t.add_argument("--arch", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="architecture overrides for experiments (e.g. depth=2 embed_dim=32); not the zoo's")
+    t.add_argument("--synthetic-n", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"),
+                   help="sizes of the generated set when no CIFAR-10 is used")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_train)
+
+    ls = zsub.add_parser("list", help="the objectives, the architecture and the budget")
+    ls.set_defaults(func=_cmd_list)
+    return z

@@ -1,0 +1,70 @@
+"""The training monitor: weighted k-NN accuracy on CLS (and GAP) features, DINO's protocol.
+
+Caron et al. 2021 (``dino/eval_knn.py``): L2-normalised features, cosine similarity to every train
+feature, the k nearest vote with weights exp(sim / 0.07), the class with the largest vote wins. Run on a
+fixed class-balanced subset (the first n/C images of each class of each split, the same for every
+objective and seed), so it costs a few seconds per evaluation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitscope.zoo.arch import encode
+from vitscope.zoo.data import Augment, DataSource
+
+
+@torch.no_grad()
+def knn_accuracy(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
+                 k: int = 20, temperature: float = 0.07, num_classes: int | None = None,
+                 chunk: int = 1024) -> float:
+    """Fraction of test features whose weighted k-NN vote among the train features is their label."""
+    c = int(num_classes if num_classes is not None else int(max(train_y.max(), test_y.max())) + 1)
+    train_f = F.normalize(train_f.float(), dim=1)
+    test_f = F.normalize(test_f.float(), dim=1)
+    k = min(k, train_f.shape[0])
+    correct = 0
+    for i in range(0, test_f.shape[0], chunk):
+        sim = test_f[i:i + chunk] @ train_f.t()
+        top, idx = sim.topk(k, dim=1)
+        votes = torch.zeros(sim.shape[0], c).scatter_add_(1, train_y[idx], (top / temperature).exp())
+        correct += int((votes.argmax(1) == test_y[i:i + chunk]).sum())
+    return correct / test_f.shape[0]
+
+
+class KNNMonitor:
+    """k-NN accuracy of a network's CLS and GAP (mean of patch tokens) features, train subset vs test subset."""
+
+    def __init__(self, data: DataSource, augment: Augment, n_train: int = 5000, n_test: int = 2000, k: int = 20,
+                 temperature: float = 0.07, batch_size: int = 256):
+        self.train_idx = data.train.balanced_subset(n_train)
+        self.test_idx = data.test.balanced_subset(n_test)
+        self.data, self.augment = data, augment
+        self.k, self.temperature, self.batch_size = k, temperature, batch_size
+        self.num_classes = len(data.train.classes)
+
+    @torch.no_grad()
+    def features(self, net: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cls, gap = [], []
+        npt = int(getattr(net, "num_prefix_tokens", 1))
+        for i in range(0, images.shape[0], self.batch_size):
+            t = encode(net, self.augment.plain(images[i:i + self.batch_size]))
+            cls.append(t[:, 0])
+            gap.append(t[:, npt:].mean(1))
+        return torch.cat(cls), torch.cat(gap)
+
+    @torch.no_grad()
+    def __call__(self, net: nn.Module) -> dict[str, float]:
+        was_training = net.training
+        net.eval()
+        try:
+            tr_c, tr_g = self.features(net, self.data.train.images[self.train_idx])
+            te_c, te_g = self.features(net, self.data.test.images[self.test_idx])
+        finally:
+            net.train(was_training)
+        ytr, yte = self.data.train.labels[self.train_idx], self.data.test.labels[self.test_idx]
+        args = {"k": self.k, "temperature": self.temperature, "num_classes": self.num_classes}
+        return {"knn_cls": knn_accuracy(tr_c, ytr, te_c, yte, **args),
+                "knn_gap": knn_accuracy(tr_g, ytr, te_g, yte, **args)}

@@ -1,0 +1,398 @@
+"""One training loop for every objective of the zoo: same optimiser, same schedule, same budget.
+
+  * budget: a number of image-views (`ZOO_BUDGET_VIEWS`; a view weighs its pixels relative to a full
+    32-px view, see `vitscope.zoo.data`); steps = ceil(budget / (batch size x views per image));
+    an "epoch" is ``epoch_views`` image-views (default: one per training image, i.e. 50,000 on
+    CIFAR-10), so every objective is logged and checkpointed at the same numbers of views;
+  * optimiser: AdamW (lr 5e-4 at batch 128, betas 0.9/0.95, weight decay 0.05 on weights only, not on
+    biases, norms, tokens and position embeddings), gradient clipping at norm 3, linear warmup over the
+    first 10% of the steps then cosine to 1e-6 (the recipe of DeiT / MAE / MoCo v3 / DINO, one setting
+    for all);
+  * determinism: network init from ``seed``; step s reads only (seed, s) (`vitscope.zoo.data.ViewStream`);
+    the same seed gives the same weights, bit for bit, on the same machine and thread count;
+  * resume: ``train_state.pt`` (objective incl. teachers and centres, optimiser, scheduler, RNG states,
+    step, running epoch sums, log rows, wall time) is written atomically at every epoch end and every
+    ``ckpt_minutes``; ``resume=True`` continues from it bit-identically;
+  * log: ``log.csv`` beside the weights, one row per epoch (epoch 0 = the initialisation): mean loss,
+    objective metrics, lr, views/s, and weighted 20-NN accuracy (`vitscope.zoo.knn`) on CLS and GAP;
+  * export: ``encoder.safetensors`` via `vitscope.models.save_checkpoint(half=True)` (so
+    ``vitscope.load_model(path)`` rebuilds it) and ``card.json``; optionally the encoder at chosen
+    epochs under ``checkpoints/`` (fine-tuning dynamics).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vitscope.errors import VitscopeError
+from vitscope.zoo.arch import ZOO_ARCH, ZooArch
+from vitscope.zoo.base import Objective
+from vitscope.zoo.data import Augment, DataSource, ViewBatch, ViewStream, load_data
+from vitscope.zoo.knn import KNNMonitor
+from vitscope.zoo.objectives import build_objective
+
+log = logging.getLogger(__name__)
+
+ZOO_BATCH_SIZE = 128
+# The common budget (docs/ZOO.md has the arithmetic): the slowest objectives (hybrid, MoCo v3, DINO) run at
+# about 180 image-views/s at best on the 2-core machine (benchmarks/zoo_throughput.py), 180 x 2700 s = 486k,
+# and at 130-145 with another job on the machine; 7 epochs of 50,000 views keep the slowest run, with its
+# k-NN evaluations, at about 35 min on an idle machine and under 50 min on a busy one.
+ZOO_BUDGET_VIEWS = 350_000
+
+STATE_FILE = "train_state.pt"
+WEIGHTS_FILE = "encoder.safetensors"
+CARD_FILE = "card.json"
+LOG_FILE = "log.csv"
+
+# Settings that determine the weights: a resumed run must match them.
+_IDENTITY = ("objective", "objective_kwargs", "arch", "budget_views", "epochs", "epoch_views", "batch_size", "lr",
+             "min_lr", "weight_decay", "betas", "warmup_frac", "clip_grad", "seed", "synthetic_n")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a zoo run needs. ``data``: CIFAR-10 ImageFolder root, 'synthetic', or None (auto)."""
+
+    objective: str
+    out: str | Path
+    data: str | None = None
+    budget_views: int | None = None
+    epochs: float | None = None
+    epoch_views: int | None = None
+    batch_size: int = ZOO_BATCH_SIZE
+    lr: float = 5e-4
+    min_lr: float = 1e-6
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_frac: float = 0.1
+    clip_grad: float | None = 3.0
+    seed: int = 0
+    arch: dict[str, Any] = field(default_factory=lambda: asdict(ZOO_ARCH))
+    objective_kwargs: dict[str, Any] = field(default_factory=dict)
+    knn_every: int = 1
+    knn_train: int = 5000
+    knn_test: int = 2000
+    knn_k: int = 20
+    ckpt_minutes: float = 10.0
+    save_epochs: str | list[int] = "auto"
+    synthetic_n: tuple[int, int] = (5000, 1000)
+    progress: bool = True
+
+    def identity(self) -> dict[str, Any]:
+        d = asdict(self)
+        return json.loads(json.dumps({k: d[k] for k in _IDENTITY}, default=str))
+
+
+@dataclass
+class Plan:
+    """Steps and epochs of a run, from the budget."""
+
+    budget_views: int
+    views_per_image: float
+    views_per_step: float
+    total_steps: int
+    epoch_views: int
+    epoch_end: dict[int, int]  # last step (exclusive) -> epoch number
+
+    @property
+    def n_epochs(self) -> int:
+        return max(self.epoch_end.values())
+
+
+def make_plan(cfg: TrainConfig, views_per_image: float, n_train: int) -> Plan:
+    if cfg.budget_views is not None and cfg.epochs is not None:
+        raise VitscopeError("give the budget either as image-views (budget_views) or as epochs, not both")
+    epoch_views = int(cfg.epoch_views or n_train)
+    if cfg.budget_views is not None:
+        budget = int(cfg.budget_views)
+    elif cfg.epochs is not None:
+        budget = int(round(cfg.epochs * epoch_views))
+    else:
+        budget = ZOO_BUDGET_VIEWS
+    vps = cfg.batch_size * views_per_image
+    if budget < vps:
+        raise VitscopeError(f"the budget ({budget} image-views) is less than one step ({vps:g} views)")
+    total = int(math.ceil(budget / vps))
+    n_epochs = int(math.ceil(budget / epoch_views))
+    ends: dict[int, int] = {}
+    for e in range(1, n_epochs + 1):
+        ends[min(total, max(1, int(math.ceil(e * epoch_views / vps))))] = e
+    return Plan(budget, views_per_image, vps, total, epoch_views, ends)
+
+
+def lr_factor(step: int, total: int, warmup: int, floor: float) -> float:
+    """Linear warmup over ``warmup`` steps, then half a cosine from 1 to ``floor``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, total - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(t, 1.0)))
+
+
+def param_groups(obj: Objective, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on weight matrices only (not biases, norms, tokens, position embeddings)."""
+    decay, no_decay = [], []
+    for name, p in obj.trainable_named_parameters():
+        if p.ndim <= 1 or name.endswith(".bias") or "token" in name or "pos_embed" in name:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(obj: Objective, cfg: TrainConfig, total_steps: int
+                   ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW and its warmup + cosine schedule (stepped once per training step)."""
+    opt = torch.optim.AdamW(param_groups(obj, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+    warmup = max(1, int(round(cfg.warmup_frac * total_steps)))
+    floor = cfg.min_lr / cfg.lr
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, warmup, floor))
+
+
+def train_step(obj: Objective, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
+               batch: ViewBatch, step: int, total: int, clip_grad: float | None
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """One optimisation step of any objective: forward, backward, clip, AdamW, schedule, EMA."""
+    obj.set_progress(step, total)
+    loss, metrics = obj(batch)
+    if not torch.isfinite(loss):
+        raise VitscopeError(f"{obj.name}: the loss is {loss.item()} at step {step}; lower the learning rate")
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    obj.before_optimizer_step(step, total)
+    if clip_grad:
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], clip_grad)
+    opt.step()
+    sched.step()
+    obj.after_optimizer_step(step, total)
+    return loss.detach(), metrics
+
+
+def _save_epochs(cfg: TrainConfig, n_epochs: int) -> set[int]:
+    s = cfg.save_epochs
+    if s == "auto":
+        return set(range(n_epochs + 1)) if cfg.objective == "finetune" else set()
+    if s == "all":
+        return set(range(n_epochs + 1))
+    if s in ("none", "", None):
+        return set()
+    if isinstance(s, str):
+        s = [int(x) for x in s.split(",") if x.strip()]
+    return {int(x) for x in s}
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def _set_rng_state(s: dict[str, Any]) -> None:
+    torch.set_rng_state(s["torch"])
+    np.random.set_state(s["numpy"])
+    random.setstate(s["python"])
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_log(rows: list[dict[str, Any]], path: Path) -> None:
+    import pandas as pd
+
+    tmp = path.with_name(path.name + ".tmp")
+    pd.DataFrame(rows).to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def export_spec(obj: Objective, cfg: TrainConfig, data: DataSource, views: float):  # noqa: ANN201 - ModelSpec
+    from vitscope.models.registry import ModelSpec, WeightSource
+
+    f = obj.export_fields()
+    hp = obj.hparams()
+    label = "-".join([cfg.objective] + [f"{k}{hp[k]}" for k in ("lam", "task") if k in hp])
+    return ModelSpec(
+        name=f"zoo-{label}-s{cfg.seed}", arch=f["arch"], family=f["family"], supervision=f["supervision"],
+        weights=WeightSource("none"), preprocessing=obj.preprocessing, model_kwargs=obj.export_kwargs(),
+        citation=f["citation"],
+        notes=f"vitscope controlled zoo: {cfg.objective}, {int(views)} image-views of {data.description['name']}, "
+              f"seed {cfg.seed}")
+
+
+def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None = None) -> dict[str, Any]:
+    """Train (or continue) one zoo model; returns the card (also written to ``out/card.json``).
+
+    stop_after_steps: stop after that many steps in all (writing the training state, no export), as an
+        interruption would; used to test resuming.
+    """
+    t0 = time.monotonic()  # wall time counts everything: data decoding, evaluations, checkpoints
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    state_path = out / STATE_FILE
+    if state_path.exists() and not resume:
+        raise VitscopeError(f"{out} already holds a training state; pass resume=True (--resume) to continue "
+                            "it, or choose another output directory")
+    if resume and state_path.exists() and (out / CARD_FILE).exists():  # finished already: nothing to load
+        card = json.loads((out / CARD_FILE).read_text())
+        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        if st["config"] == cfg.identity() and st["step"] >= card["budget"]["steps"]:
+            return card
+    arch = ZooArch(**cfg.arch)
+    data = load_data(cfg.data, size=arch.img_size, synthetic_n=tuple(cfg.synthetic_n), seed=cfg.seed)
+    obj = build_objective(cfg.objective, arch, num_classes=len(data.train.classes), seed=cfg.seed,
+                          **cfg.objective_kwargs)
+    pre = obj.preprocessing
+    augment = Augment(obj.views, obj.img_size, pre.mean, pre.std, obj.patch_size)
+    stream = ViewStream(data.train, obj.views, cfg.batch_size, cfg.seed, augment)
+    plan = make_plan(cfg, obj.views.views_per_image(), len(data.train))
+    monitor = KNNMonitor(data, augment, cfg.knn_train, cfg.knn_test, cfg.knn_k)
+    save_epochs = _save_epochs(cfg, plan.n_epochs)
+
+    opt, sched = make_optimizer(obj, cfg, plan.total_steps)
+
+    step, elapsed, rows = 0, 0.0, []
+    sums: dict[str, float] = {}
+    count = 0
+    if resume and state_path.exists():
+        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        if st["config"] != cfg.identity():
+            diff = sorted(k for k in st["config"] if st["config"][k] != cfg.identity().get(k))
+            raise VitscopeError(f"cannot resume {out}: the run was started with other settings ({', '.join(diff)})")
+        same_data = ("name", "n_train", "n_test")
+        if any(st["data"].get(k) != data.description.get(k) for k in same_data):
+            raise VitscopeError(f"cannot resume {out}: it was trained on {st['data']}, not {data.description}")
+        obj.load_state_dict(st["objective"])
+        opt.load_state_dict(st["optimizer"])
+        sched.load_state_dict(st["scheduler"])
+        _set_rng_state(st["rng"])
+        step, elapsed, rows, sums, count = st["step"], st["elapsed"], st["rows"], st["sums"], st["count"]
+        log.info("resuming %s at step %d of %d", out, step, plan.total_steps)
+        if step >= plan.total_steps and (out / CARD_FILE).exists():
+            return json.loads((out / CARD_FILE).read_text())
+
+    last_ckpt = time.monotonic()
+
+    def wall() -> float:
+        return elapsed + time.monotonic() - t0
+
+    def save_state() -> None:
+        nonlocal last_ckpt
+        _atomic_torch_save({
+            "config": cfg.identity(), "data": data.description, "objective": obj.state_dict(),
+            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(), "step": step,
+            "elapsed": wall(), "rows": rows, "sums": sums, "count": count}, state_path)
+        last_ckpt = time.monotonic()
+
+    def export_epoch(e: int) -> None:
+        from vitscope.models import save_checkpoint
+
+        ck = out / "checkpoints"
+        ck.mkdir(exist_ok=True)
+        save_checkpoint(obj.export(), ck / f"encoder_epoch{e:03d}.safetensors",
+                        export_spec(obj, cfg, data, step * plan.views_per_step), half=True)
+
+    if step == 0 and not rows:
+        rows.append({"epoch": 0, "step": 0, "image_views": 0, "wall_s": round(wall(), 1), **monitor(obj.export())})
+        _write_log(rows, out / LOG_FILE)
+        if 0 in save_epochs:
+            export_epoch(0)
+
+    bar = None
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=plan.total_steps, initial=step, desc=f"zoo {cfg.objective}", unit="step", dynamic_ncols=True)
+    epoch_t, epoch_step0 = time.monotonic(), step
+    rate_t, rate_step = time.monotonic(), step
+    obj.train()
+    while step < plan.total_steps:
+        if stop_after_steps is not None and step >= stop_after_steps:
+            break
+        loss, metrics = train_step(obj, opt, sched, stream.batch(step), step, plan.total_steps, cfg.clip_grad)
+        step += 1
+        count += 1
+        for k, v in {"loss": loss.item(), **metrics}.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+        if bar is not None:
+            bar.update(1)
+            now = time.monotonic()
+            if now - rate_t > 2.0 or step == plan.total_steps:
+                img_s = (step - rate_step) * cfg.batch_size / max(now - rate_t, 1e-9)
+                bar.set_postfix_str(f"loss {loss.item():.4f}, {img_s:.0f} img/s, "
+                                    f"{img_s * plan.views_per_image:.0f} views/s")
+                rate_t, rate_step = now, step
+        if step in plan.epoch_end:
+            e = plan.epoch_end[step]
+            speed = (step - epoch_step0) * plan.views_per_step / max(time.monotonic() - epoch_t, 1e-9)
+            row: dict[str, Any] = {"epoch": e, "step": step, "image_views": int(round(step * plan.views_per_step)),
+                                   **{k: v / max(count, 1) for k, v in sums.items()},
+                                   "lr": opt.param_groups[0]["lr"],
+                                   "views_per_s": round(speed, 1)}
+            if e % max(1, cfg.knn_every) == 0 or step == plan.total_steps:
+                row.update(monitor(obj.export()))
+            row["wall_s"] = round(wall(), 1)
+            rows.append(row)
+            sums, count = {}, 0
+            _write_log(rows, out / LOG_FILE)
+            if e in save_epochs:
+                export_epoch(e)
+            save_state()
+            epoch_t, epoch_step0 = time.monotonic(), step
+        elif time.monotonic() - last_ckpt > cfg.ckpt_minutes * 60:
+            save_state()
+    if bar is not None:
+        bar.close()
+    if step < plan.total_steps:
+        save_state()
+        return {"status": "stopped", "step": step, "total_steps": plan.total_steps, "out": str(out)}
+    return _finish(obj, cfg, data, plan, monitor, rows, wall(), out)
+
+
+def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, monitor: KNNMonitor,
+            rows: list[dict[str, Any]], wall_s: float, out: Path) -> dict[str, Any]:
+    from vitscope.models import save_checkpoint
+
+    views = plan.total_steps * plan.views_per_step
+    spec = export_spec(obj, cfg, data, views)
+    weights = save_checkpoint(obj.export(), out / WEIGHTS_FILE, spec, half=True)
+    last = rows[-1] if rows else {}
+    card = {
+        "name": spec.name, "objective": cfg.objective, "family": spec.family, "supervision": spec.supervision,
+        "citation": spec.citation, "hparams": obj.hparams(), "seed": cfg.seed,
+        "arch": {"timm": spec.arch, **spec.model_kwargs},
+        "data": data.description,
+        "budget": {"image_views": plan.budget_views, "views_per_image": plan.views_per_image,
+                   "batch_size": cfg.batch_size, "steps": plan.total_steps, "epochs": plan.n_epochs,
+                   "epoch_views": plan.epoch_views},
+        "image_views": int(round(views)),
+        "optimizer": {"name": "AdamW", "lr": cfg.lr, "min_lr": cfg.min_lr, "betas": list(cfg.betas),
+                      "weight_decay": cfg.weight_decay, "warmup_frac": cfg.warmup_frac, "clip_grad": cfg.clip_grad,
+                      "schedule": "linear warmup + cosine"},
+        "final_knn": {"k": cfg.knn_k, "cls": last.get("knn_cls"), "gap": last.get("knn_gap"),
+                      "n_train": len(monitor.train_idx), "n_test": len(monitor.test_idx)},
+        "wall_time_s": round(wall_s, 1),
+        "log": str((out / LOG_FILE).resolve()),
+        "weights": str(Path(weights).resolve()),
+        "versions": {"torch": torch.__version__, "timm": _timm_version(), "threads": torch.get_num_threads()},
+    }
+    tmp = out / (CARD_FILE + ".tmp")
+    tmp.write_text(json.dumps(card, indent=2, default=str))
+    os.replace(tmp, out / CARD_FILE)
+    return card
+
+
+def _timm_version() -> str:
+    import timm
+
+    return timm.__version__

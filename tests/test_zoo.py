@@ -1,0 +1,303 @@
+"""The controlled zoo's trainers, on a tiny ViT (16 px, 4 px patches, 2 blocks, dim 32) and generated shapes."""
+
+import json
+from dataclasses import asdict
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import vitscope as vs
+from vitscope.cli import main
+from vitscope.errors import VitscopeError
+from vitscope.zoo import ZooArch, build_objective, encode
+from vitscope.zoo.arch import CIFAR_MEAN, patchify, unpatchify
+from vitscope.zoo.base import block_mask, random_keep
+from vitscope.zoo.data import Augment, ViewBatch, ViewSpec, ViewStream, synthetic_set
+from vitscope.zoo.knn import knn_accuracy
+from vitscope.zoo.train import STATE_FILE, TrainConfig, make_optimizer, make_plan, train, train_step
+
+TINY = ZooArch(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
+SMALL_HEADS = {
+    "dino": {"out_dim": 256, "hidden": 64, "bottleneck": 32},
+    "mocov3": {"hidden": 64, "out_dim": 32},
+    "hybrid": {"hidden": 64, "out_dim": 32},
+    "mae": {"decoder_dim": 32, "decoder_depth": 1, "decoder_heads": 2},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: one thread is faster, and steadier on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def shapes():
+    return synthetic_set(64, 0, TINY.img_size)
+
+
+def _stream(obj, data, batch_size=32, seed=0):
+    pre = obj.preprocessing
+    return ViewStream(data, obj.views, batch_size, seed, Augment(obj.views, obj.img_size, pre.mean, pre.std,
+                                                                 obj.patch_size))
+
+
+def _tiny_cfg(tmp_path, objective, **kw):
+    base = dict(objective=objective, out=tmp_path / objective, data="synthetic", arch=asdict(TINY),
+                synthetic_n=(96, 48), batch_size=16, knn_train=48, knn_test=24, progress=False,
+                objective_kwargs=dict(SMALL_HEADS.get(objective, {})))
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_init(tmp_path_factory):
+    """A zoo checkpoint of the tiny architecture (random init), for fine-tuning."""
+    from vitscope.models import save_checkpoint
+    from vitscope.models.registry import ModelSpec, WeightSource
+    from vitscope.zoo.arch import TIMM_ARCH, build_encoder, zoo_preprocessing
+
+    torch.manual_seed(0)
+    spec = ModelSpec("tiny", TIMM_ARCH, "none", "none", WeightSource("none"), zoo_preprocessing(16), TINY.kwargs(0))
+    return save_checkpoint(build_encoder(TINY, 0), tmp_path_factory.mktemp("init") / "init.safetensors", spec,
+                           half=True)
+
+
+# -- the architecture -----------------------------------------------------------------------------------
+
+def test_encode_is_forward_features_without_masks():
+    obj = build_objective("supervised", TINY, 10, seed=0)
+    x = torch.randn(3, 3, 16, 16)
+    torch.testing.assert_close(encode(obj.encoder, x), obj.encoder.forward_features(x), rtol=0, atol=1e-6)
+
+
+def test_patchify_roundtrip_and_layout():
+    x = torch.arange(2 * 3 * 8 * 8, dtype=torch.float32).reshape(2, 3, 8, 8)
+    p = patchify(x, 4)
+    assert p.shape == (2, 4, 48)
+    # patch 1 is the top-right 4x4 square; pixel (0, 0) channel 0 of it is x[:, 0, 0, 4]
+    assert torch.equal(p[:, 1, 0], x[:, 0, 0, 4])
+    assert torch.equal(unpatchify(p, 4), x)
+
+
+# -- data -------------------------------------------------------------------------------------------------
+
+def test_views_are_deterministic_per_step_and_sized(shapes):
+    obj = build_objective("dino", TINY, 12, seed=0, **SMALL_HEADS["dino"])
+    s1, s2 = _stream(obj, shapes), _stream(obj, shapes)
+    a, b, c = s1.batch(3), s2.batch(3), s1.batch(4)
+    assert all(torch.equal(x, y) for x, y in zip(a.global_views + a.local_views, b.global_views + b.local_views,
+                                                  strict=True))
+    assert not torch.equal(a.global_views[0], c.global_views[0])
+    assert [v.shape[-1] for v in a.global_views] == [16, 16]
+    assert [v.shape[-1] for v in a.local_views] == [8] * obj.n_local
+    assert not torch.equal(a.global_views[0], a.global_views[1])  # two different crops of the same images
+    # each pass over the data visits every image once
+    seen = torch.cat([s1.batch(i).index for i in range(s1.steps_per_pass)])
+    assert len(set(seen.tolist())) == len(seen) == s1.steps_per_pass * 32
+
+
+def test_view_accounting_weighs_pixels():
+    assert ViewSpec(n_global=2, n_local=6, local_ratio=0.5).views_per_image() == 2 + 6 * 0.25
+    assert ViewSpec(n_global=1).views_per_image() == 1
+    cfg = TrainConfig("dino", "unused", budget_views=1000, batch_size=10)
+    plan = make_plan(cfg, 3.5, n_train=200)
+    assert plan.total_steps == 29  # ceil(1000 / 35)
+    assert plan.n_epochs == 5 and plan.epoch_end[29] == 5 and plan.epoch_end[6] == 1  # ceil(200 / 35) = 6
+    with pytest.raises(VitscopeError):
+        make_plan(TrainConfig("dino", "unused", budget_views=10, epochs=1), 1, 100)
+
+
+def test_knn_weighted_vote():
+    train_f = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0], [0.1, 0.9]])
+    train_y = torch.tensor([0, 0, 1, 1])
+    test_f = torch.tensor([[1.0, 0.05], [0.05, 1.0]])
+    assert knn_accuracy(train_f, train_y, test_f, torch.tensor([0, 1]), k=4) == 1.0
+    assert knn_accuracy(train_f, train_y, test_f, torch.tensor([1, 0]), k=4) == 0.0
+
+
+# -- each objective learns ----------------------------------------------------------------------------------
+
+LEARNERS = ["supervised", "dino", "mocov3", "mae", "simmim", "hybrid", "finetune-classification",
+            "finetune-reconstruction"]
+
+
+@pytest.mark.parametrize("name", LEARNERS)
+def test_loss_decreases_on_a_fixed_batch(name, shapes, tiny_init):
+    objective, _, task = name.partition("-")
+    kw = {"init": tiny_init, "task": task} if objective == "finetune" else SMALL_HEADS.get(objective, {})
+    obj = build_objective(objective, TINY, len(shapes.classes), seed=0, **kw)
+    stream = _stream(obj, shapes)
+    n = 30
+    opt, sched = make_optimizer(obj, TrainConfig(objective, "unused", lr=1e-3, warmup_frac=0.05), n)
+    obj.train()
+    curve = []
+    for s in range(n):
+        loss, metrics = train_step(obj, opt, sched, stream.batch(0), s, n, 3.0)  # the same views and masks
+        # DINO's cross-entropy also holds the teacher's entropy, which centring raises on purpose at the
+        # start; what the student minimises is the KL divergence to the teacher.
+        curve.append(metrics["kl"] if objective == "dino" else float(loss))
+    first, last = sum(curve[:5]) / 5, sum(curve[-5:]) / 5
+    assert last < 0.9 * first, curve
+
+
+def test_mae_encoder_never_sees_masked_patches(shapes):
+    obj = build_objective("mae", TINY, 12, seed=0, **SMALL_HEADS["mae"]).eval()
+    x = _stream(obj, shapes).batch(0).global_views[0][:8]
+    n = TINY.num_patches
+    _, mask = random_keep(8, n, 0.75, torch.Generator().manual_seed(5))  # what MAE.forward will draw first
+    assert int((~mask).sum(1)[0]) == round(n * 0.25)
+    noise = torch.randn(8, n, 48) * 3
+    x_hidden = unpatchify(torch.where(mask.unsqueeze(-1), noise, patchify(x, 4)), 4)  # masked patches changed
+    x_visible = unpatchify(torch.where(~mask.unsqueeze(-1), noise, patchify(x, 4)), 4)  # visible ones changed
+
+    seen = []
+    hook = obj.encoder.norm.register_forward_hook(lambda m, i, o: seen.append((i[0].shape[1], o.detach())))
+
+    def run(img):
+        batch = ViewBatch([img], [], torch.zeros(8, dtype=torch.long), torch.arange(8),
+                          torch.Generator().manual_seed(5), 8.0)
+        return obj(batch)[0]
+
+    with torch.no_grad():
+        loss_x, loss_hidden, _ = run(x), run(x_hidden), run(x_visible)
+    hook.remove()
+    assert seen[0][0] == 1 + round(n * 0.25)  # CLS + the visible tokens only
+    assert torch.equal(seen[0][1], seen[1][1])  # masked pixels changed: encoder output identical
+    assert not torch.allclose(seen[0][1], seen[2][1])  # visible pixels changed: it is not
+    assert not torch.isclose(loss_x, loss_hidden)  # the masked pixels are the decoder's targets
+
+
+def test_simmim_replaces_masked_patches_by_the_mask_token(shapes):
+    obj = build_objective("simmim", TINY, 12, seed=0).eval()
+    x = torch.randn(4, 3, 16, 16)
+    mask = block_mask(4, TINY.grid, 0.6, 2, torch.Generator().manual_seed(1))
+    assert int(mask[0].sum()) == 12  # ceil(0.6 * 4) blocks of 2x2 patches on the 4x4 grid
+    x2 = unpatchify(torch.where(mask.unsqueeze(-1), torch.randn(4, 16, 48), patchify(x, 4)), 4)
+    with torch.no_grad():
+        a = encode(obj.encoder, x, mask=mask, mask_token=obj.mim.mask_token)
+        b = encode(obj.encoder, x2, mask=mask, mask_token=obj.mim.mask_token)
+        c = encode(obj.encoder, x2)
+    assert a.shape[1] == 1 + TINY.num_patches  # every token goes through the encoder
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert not torch.allclose(b, c)
+
+
+@pytest.mark.parametrize("name", ["dino", "mocov3", "hybrid"])
+def test_ema_teacher_moves_and_gets_no_gradients(name, shapes):
+    obj = build_objective(name, TINY, 12, seed=0, **SMALL_HEADS[name])
+    teacher = obj.teacher if name == "dino" else obj.moco.momentum_encoder
+    t0 = {k: v.clone() for k, v in teacher.state_dict().items()}
+    assert all(torch.equal(t0[k], v) for k, v in obj.encoder.state_dict().items())  # starts as the student
+    stream = _stream(obj, shapes)
+    opt, sched = make_optimizer(obj, TrainConfig(name, "unused", lr=1e-3), 10)
+    teacher_ids = {id(p) for p in teacher.parameters()}
+    assert not teacher_ids & {id(p) for g in opt.param_groups for p in g["params"]}
+    for s in range(3):
+        train_step(obj, opt, sched, stream.batch(s), s, 10, 3.0)
+    assert all(p.grad is None and not p.requires_grad for p in teacher.parameters())
+    moved = [k for k, v in teacher.state_dict().items() if not torch.equal(v, t0[k])]
+    assert "blocks.0.attn.qkv.weight" in moved
+    student = obj.encoder.state_dict()
+    assert not torch.equal(teacher.state_dict()["blocks.0.attn.qkv.weight"], student["blocks.0.attn.qkv.weight"])
+    # the teacher sits between its start and the student: an average, not a copy
+    k = "blocks.0.attn.qkv.weight"
+    assert (teacher.state_dict()[k] - t0[k]).norm() < (student[k] - t0[k]).norm()
+    assert obj.export() is (teacher if name == "dino" else obj.encoder)  # DINO ships its teacher
+
+
+def test_same_seed_same_init_other_seed_other_init():
+    a = build_objective("hybrid", TINY, 12, seed=3, **SMALL_HEADS["hybrid"]).state_dict()
+    b = build_objective("hybrid", TINY, 12, seed=3, **SMALL_HEADS["hybrid"]).state_dict()
+    c = build_objective("hybrid", TINY, 12, seed=4, **SMALL_HEADS["hybrid"]).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["encoder.blocks.0.mlp.fc1.weight"], c["encoder.blocks.0.mlp.fc1.weight"])
+
+
+# -- the training loop -------------------------------------------------------------------------------------
+
+def _final_state(out):
+    return torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
+
+
+@pytest.mark.parametrize("name", ["dino", "hybrid"])
+def test_resume_continues_bit_identically_and_seed_reproduces(name, tmp_path):
+    # 96 images, batch 16: an epoch (96 views) ends every 96 / (16 x views per image) steps
+    budget = dict(budget_views=int(16 * 14 * build_objective(name, TINY, 12, **SMALL_HEADS[name])
+                                   .views.views_per_image()))  # 14 steps
+    straight = train(_tiny_cfg(tmp_path, name, **budget, out=tmp_path / "a"))
+    train(_tiny_cfg(tmp_path, name, **budget, out=tmp_path / "c"))  # same seed, from scratch
+    cfg_b = _tiny_cfg(tmp_path, name, **budget, out=tmp_path / "b")
+    stopped = train(cfg_b, stop_after_steps=8)  # mid-epoch for both (epochs end at steps 7, 9 / 6, 9)
+    assert stopped["status"] == "stopped" and stopped["step"] == 8
+    with pytest.raises(VitscopeError, match="resume"):
+        train(cfg_b)  # an existing state is never overwritten silently
+    resumed = train(cfg_b, resume=True)
+    assert straight["budget"]["steps"] == resumed["budget"]["steps"] == 14
+    assert train(cfg_b, resume=True) == resumed  # a finished run is not trained again
+
+    sa, sb, sc = (_final_state(tmp_path / d) for d in "abc")
+    assert sa["step"] == sb["step"] == 14
+    for k, v in sa["objective"].items():  # every weight, teacher, centre and BN statistic
+        assert torch.equal(v, sb["objective"][k]), k
+        assert torch.equal(v, sc["objective"][k]), k
+    ea, eb = load_file(tmp_path / "a" / "encoder.safetensors"), load_file(tmp_path / "b" / "encoder.safetensors")
+    assert all(torch.equal(ea[k], eb[k]) for k in ea)
+    la, lb = pd.read_csv(tmp_path / "a" / "log.csv"), pd.read_csv(tmp_path / "b" / "log.csv")
+    pd.testing.assert_series_equal(la["loss"], lb["loss"])
+    # a resumed run refuses other settings
+    with pytest.raises(VitscopeError, match="seed"):
+        train(_tiny_cfg(tmp_path, name, **budget, out=tmp_path / "b", seed=1), resume=True)
+
+
+def test_export_loads_with_load_model_and_extract_works(tmp_path):
+    card = train(_tiny_cfg(tmp_path, "simmim", epochs=2))
+    out = tmp_path / "simmim"
+    assert json.loads((out / "card.json").read_text()) == card
+    assert card["image_views"] == card["budget"]["steps"] * 16 and card["budget"]["image_views"] == 2 * 96
+    assert card["data"]["name"] == "synthetic-shapes" and card["objective"] == "simmim"
+    log = pd.read_csv(card["log"])
+    assert log["epoch"].tolist() == [0, 1, 2]  # epoch 0: the initialisation
+    assert log["knn_cls"].between(0, 1).all() and log["loss"].iloc[1:].notna().all()
+    assert card["final_knn"]["cls"] == log["knn_cls"].iloc[-1]
+
+    vm = vs.load_model(out / "encoder.safetensors")
+    assert (vm.depth, vm.embed_dim, vm.patch_size, vm.img_size) == (2, 32, 4, (16, 16))
+    assert vm.spec.family == "reconstructive" and vm.preprocessing.mean == CIFAR_MEAN
+    x = torch.randn(3, 3, 16, 16)
+    feats = vs.extract(vm, x, ["block1.out", "block0.attn"])
+    assert feats["block1.out"].shape == (3, 17, 32) and feats["block0.attn"].shape == (3, 2, 17, 17)
+    # the weights are the trained encoder's, rounded to half precision
+    state = _final_state(out)["objective"]
+    enc = {k[len("encoder."):]: v for k, v in state.items() if k.startswith("encoder.")}
+    torch.testing.assert_close(vm.model.state_dict()["blocks.1.mlp.fc2.weight"],
+                               enc["blocks.1.mlp.fc2.weight"].half().float(), rtol=0, atol=0)
+
+
+def test_cli_zoo_list_and_finetune_saves_chosen_epochs(tmp_path, tiny_init, capsys):
+    assert main(["zoo", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(o in listing for o in ("supervised", "dino", "mocov3", "mae", "simmim", "hybrid", "finetune"))
+
+    out = tmp_path / "ft"
+    args = ["zoo", "train", "--objective", "finetune", "--init", str(tiny_init), "--task", "reconstruction",
+            "--data", "synthetic", "--synthetic-n", "64", "32", "--epochs", "2", "--batch-size", "16",
+            "--knn-train", "24", "--knn-test", "12", "--out", str(out), "--no-progress"]
+    assert main(args) == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        f"encoder_epoch{e:03d}.safetensors" for e in range(3)]
+    init, ep0 = load_file(tiny_init), load_file(out / "checkpoints" / "encoder_epoch000.safetensors")
+    assert all(torch.equal(init[k], ep0[k]) for k in init)  # epoch 0 is the checkpoint fine-tuned from
+    ep2 = load_file(out / "checkpoints" / "encoder_epoch002.safetensors")
+    assert not torch.equal(ep0["blocks.1.attn.proj.weight"], ep2["blocks.1.attn.proj.weight"])
+    card = json.loads((out / "card.json").read_text())
+    assert card["hparams"]["task"] == "reconstruction" and card["supervision"].endswith("ft-reconstruction")
+
+    # options that do not apply to the objective are refused, not ignored
+    assert main(["zoo", "train", "--objective", "mae", "--lam", "0.3", "--out", str(tmp_path / "x")]) == 2
+    assert "--lam applies to hybrid" in capsys.readouterr().err
