@@ -1,24 +1,13 @@
 """Tests for vitscope.metrics.cka against independent, slow loop references written in this file."""
 
-import importlib.util
 import math
 import statistics
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-try:
-    from vitscope.metrics import cka as C
-except ImportError:  # sibling modules of the package may not exist yet: load this module on its own
-    _path = Path(__file__).resolve().parents[1] / "src" / "vitscope" / "metrics" / "cka.py"
-    _spec = importlib.util.spec_from_file_location("vitscope_metrics_cka_standalone", _path)
-    assert _spec is not None and _spec.loader is not None
-    C = importlib.util.module_from_spec(_spec)
-    sys.modules[_spec.name] = C
-    _spec.loader.exec_module(C)
+from vitscope.metrics import cka as C
 
 ESTIMATORS = ("minibatch", "linear", "rbf")
 
@@ -501,7 +490,7 @@ def test_input_validation_errors() -> None:
     bad[2, 2] = np.inf
     with pytest.raises(ValueError, match="3 NaN and 1 inf"):
         C.cka(x, bad)
-    with pytest.raises(ValueError, match="'minibatch', 'linear', 'rbf'"):
+    with pytest.raises(ValueError, match="'minibatch', 'full', 'linear', 'rbf'"):
         C.cka(x, x, estimator="kernel")
     with pytest.raises(ValueError, match=r"\(N, D\) or \(N, T, D\)"):
         C.cka(x[:, 0], x[:, 0])
@@ -534,3 +523,15 @@ def test_cosine_similarity_matrix_matches_loops() -> None:
     assert float(got[0, 2]) == pytest.approx(-1.0, abs=1e-6)
     with pytest.raises(ValueError, match=r"\(M, N, D\)"):
         C.cosine_similarity_matrix(torch.zeros(3, 4))
+
+
+def test_full_is_the_biased_full_batch_estimator():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 6, generator=g, dtype=torch.float64)
+    y = x @ torch.randn(6, 5, generator=g, dtype=torch.float64) + torch.randn(40, 5, generator=g, dtype=torch.float64)
+    n = 40
+    H = torch.eye(n, dtype=torch.float64) - torch.ones(n, n, dtype=torch.float64) / n
+    K, L = x @ x.T, y @ y.T
+    ref = float(torch.trace(K @ H @ L @ H) / torch.sqrt(torch.trace(K @ H @ K @ H) * torch.trace(L @ H @ L @ H)))
+    assert C.cka(x, y, estimator="full") == pytest.approx(ref, rel=1e-10)
+    assert C.cka(x, y, estimator="full") == C.cka(x, y, estimator="linear")

@@ -14,7 +14,7 @@ Three estimators are provided:
 
   which needs ``n >= 4`` examples per minibatch. Batches are averaged with equal weight per batch by
   default (see :func:`minibatch_cka`).
-* ``"linear"`` -- biased full-batch linear CKA (Kornblith et al. 2019).
+* ``"full"`` (alias ``"linear"``) -- biased full-batch linear CKA (Kornblith et al. 2019).
 * ``"rbf"`` -- biased full-batch RBF-kernel CKA with a median-distance bandwidth (Kornblith et al. 2019).
 
 Features may be ``(N, D)`` or ``(N, T, D)``; a token axis is flattened into ``T * D`` features.
@@ -46,7 +46,7 @@ __all__ = [
 ArrayLike = torch.Tensor | np.ndarray
 
 #: Names accepted by :func:`cka` for ``estimator``.
-ESTIMATORS: tuple[str, ...] = ("minibatch", "linear", "rbf")
+ESTIMATORS: tuple[str, ...] = ("minibatch", "full", "linear", "rbf")  # "full" and "linear": the same estimator
 
 #: The unbiased HSIC_1 estimator divides by n(n-3)(n-2)(n-1): it needs at least this many examples.
 MIN_HSIC1_EXAMPLES = 4
@@ -562,8 +562,8 @@ def cka(x: ArrayLike, y: ArrayLike, estimator: str = "minibatch", batch_size: in
     Args:
         x: ``(N, D)`` or ``(N, T, D)`` features, numpy array or torch tensor.
         y: features of the same examples in the same order (its ``D``/``T`` may differ from ``x``'s).
-        estimator: ``"minibatch"`` (:func:`minibatch_cka`), ``"linear"`` (:func:`linear_cka`) or
-            ``"rbf"`` (:func:`rbf_cka`).
+        estimator: ``"minibatch"`` (:func:`minibatch_cka`), ``"full"`` or its alias ``"linear"``
+            (:func:`linear_cka`, biased full-batch) or ``"rbf"`` (:func:`rbf_cka`).
         batch_size: minibatch size, used only by the ``"minibatch"`` estimator.
 
     Returns:
@@ -579,7 +579,7 @@ def cka(x: ArrayLike, y: ArrayLike, estimator: str = "minibatch", batch_size: in
     fx, fy = _prepare_pair(x, y, min_n=MIN_HSIC1_EXAMPLES)
     if estimator == "minibatch":
         return _minibatch_cka(fx, fy, batch_size)
-    if estimator == "linear":
+    if estimator in ("full", "linear"):
         return _linear_cka(fx, fy)
     return _rbf_cka(fx, fy, 0.8)
 
