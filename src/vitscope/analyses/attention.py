@@ -7,6 +7,15 @@ Every analysis here keeps state whose size depends on the model only (sums over 
 most ``keep_images`` per-image maps), so memory does not grow with the dataset, and merging two parts
 adds their sums: a merge of two shards equals one pass over all their images (up to float64 rounding).
 
+Speed (all layers of ViT-S/16 at batch 32 must cost well under a third of the forward pass; see
+benchmarks/attention.py): nothing of the size of the attention is formed beyond one temporary. The
+renormalised spatial attention stays implicit (a view and per-row inverse masses, `_Spatial`); metrics
+that are linear in it (AAAM, distance) are the `vitscope.metrics.attention` functions applied to its sum
+over the batch's images; NMI is rearranged to a single ``R log R`` pass; the IoU of every layer, query
+and merged head runs as one call per batch; and the analyses of one pass share row sums, image sums and
+query means of the same captured tensor (`_SHARED`). tests/test_analyses_attention.py checks each
+analysis against slow loops, and the hot path against the metric functions.
+
 =========================  ===================================================================================
 analysis                   metrics (extra columns)
 =========================  ===================================================================================
@@ -25,12 +34,15 @@ analysis                   metrics (extra columns)
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.errors import VitscopeError
@@ -38,6 +50,176 @@ from vitscope.metrics import attention as A
 
 HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
 """Every type :func:`vitscope.metrics.attention.head_types` can return, in the order figures list them."""
+
+
+# ----------------------------------------------------------------------------------------------------
+# hot path: per-layer reductions that never materialise another (B, H, S, S) tensor
+# ----------------------------------------------------------------------------------------------------
+
+
+_SHARED: dict[int, tuple[weakref.ref[torch.Tensor], int, dict[tuple[int, str], torch.Tensor]]] = {}
+"""Small reductions of captured attention tensors, by tensor identity, shared by the analyses of one pass.
+
+Every analysis reads the same ``block{i}.attn`` tensor of a batch, and several need the same row sums,
+image sum or query mean of it: the first computes them, the others reuse them. Only results that are new
+tensors (never views of the attention) are kept, so the entry does not keep the attention alive; it is
+dropped when the tensor is freed (weakref callback). A tensor modified in place is recomputed (version
+counter; captured inference tensors have none and are read-only by the analysis protocol)."""
+
+
+def _shared_results(attn: torch.Tensor) -> dict[tuple[int, str], torch.Tensor]:
+    key = id(attn)
+    try:
+        version = attn._version
+    except RuntimeError:  # inference tensors do not track a version counter
+        version = -1
+    entry = _SHARED.get(key)
+    if entry is None or entry[0]() is not attn or entry[1] != version:
+
+        def forget(ref: weakref.ref[torch.Tensor], key: int = key) -> None:
+            if key in _SHARED and _SHARED[key][0] is ref:
+                del _SHARED[key]
+
+        entry = (weakref.ref(attn, forget), version, {})
+        _SHARED[key] = entry
+    return entry[2]
+
+
+class _Spatial:
+    """One layer's attention as the streaming analyses read it, without copies.
+
+    ``R = attn[..., p:, p:]`` is a view of the spatial block and ``inv`` the inverse of each spatial row's
+    mass (floored at ``A.EPS`` as in :func:`~vitscope.metrics.attention.spatial_attention`), so the spatial
+    attention ``A.spatial_attention(attn, p)`` is ``R * inv[..., None]``; it is never formed. Element-wise
+    work is in the input dtype; the callers accumulate the small results in float64. Reductions are
+    computed once per captured tensor and shared between analyses (:data:`_SHARED`).
+    """
+
+    def __init__(self, attn: torch.Tensor, num_prefix_tokens: int):
+        self.attn = attn
+        self.p = num_prefix_tokens
+        self.R = attn[..., num_prefix_tokens:, num_prefix_tokens:]
+        self._memo = _shared_results(attn)
+
+    def _get(self, name: str, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        key = (self.p, name)
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
+
+    @property
+    def s(self) -> torch.Tensor:
+        """``(B, H, S)`` spatial mass of each query row."""
+        return self._get("s", lambda: self.R.sum(-1))
+
+    @property
+    def inv(self) -> torch.Tensor:
+        """``(B, H, S)`` ``1 / max(s, EPS)``."""
+        return self._get("inv", lambda: 1.0 / self.s.clamp_min(A.EPS))
+
+    @property
+    def rows_have_mass(self) -> bool:
+        """Every spatial row is renormalised to sum 1 (no row with mass below EPS): the condition under which
+        metrics that are linear in the spatial attention may be evaluated on its sum over images."""
+        return bool(self._get("rows_have_mass", lambda: (self.s >= A.EPS).all()))
+
+    def image_sum(self, max_elements: int = 1 << 21) -> torch.Tensor:
+        """``(H, S, S)`` sum over images of the spatial attention, a few images at a time so that the scaled
+        temporary (at most ``max_elements``) stays in cache: measured faster than a per-head batched matmul
+        or an einsum, which copy the strided attention."""
+
+        def compute() -> torch.Tensor:
+            R, inv = self.R, self.inv.to(self.R.dtype)
+            chunk = max(1, max_elements // max(R[0].numel(), 1))
+            acc = (R[:chunk] * inv[:chunk].unsqueeze(-1)).sum(0)
+            for b in range(chunk, R.shape[0], chunk):
+                acc += (R[b:b + chunk] * inv[b:b + chunk].unsqueeze(-1)).sum(0)
+            return acc
+
+        return self._get("image_sum", compute)
+
+    def query_mean(self, inv: torch.Tensor | None = None) -> torch.Tensor:
+        """``(B, H, S)``: mean over the spatial queries of the rows ``R_q * inv_q`` (``inv`` defaults to the
+        per-row renormalisation, giving the mean of the spatial attention rows), as one batched matmul."""
+        B, H, S, _ = self.R.shape
+
+        def compute(inv: torch.Tensor) -> torch.Tensor:
+            w = inv.reshape(B * H, 1, S).to(self.R.dtype)
+            return torch.bmm(w, self.R.reshape(B * H, S, S)).reshape(B, H, S) / S
+
+        if inv is None:
+            return self._get("query_mean", lambda: compute(self.inv))
+        return compute(inv)
+
+    def row_xlogx(self, max_elements: int = 1 << 24) -> torch.Tensor:
+        """``(B, H, S)``: ``sum_k R_qk log R_qk``, in as few chunks of images as keep the one temporary under
+        ``max_elements`` (few large ops: on a shared machine every op's thread barrier costs, see
+        benchmarks/attention.py). ``0 log 0 = 0``: ``log 0 = -inf`` times 0 is NaN, which ``nansum`` skips (one
+        pass fewer than clamping first); a NaN in the attention still reaches the result through ``s``."""
+        out = torch.empty(self.R.shape[:-1], dtype=self.R.dtype, device=self.R.device)
+        chunk = max(1, max_elements // max(self.R[0].numel(), 1))
+        for b in range(0, self.R.shape[0], chunk):
+            r = self.R[b:b + chunk]
+            torch.nansum(r.log().mul_(r), dim=-1, out=out[b:b + chunk])
+        return out
+
+
+def _canvas_and_distance(sps: Sequence[_Spatial], grid: tuple[int, int], with_canvas: bool = True
+                         ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """For each layer's attention, the sum over the batch of the AAAM canvas (``(L, H, 2h-1, 2w-1)``, None
+    unless ``with_canvas``) and of the mean attention distance (``(L, H)``), float64 on the CPU.
+
+    Both metrics are linear in the spatial attention, so when every row was renormalised to sum 1 they are
+    :func:`~vitscope.metrics.attention.aligned_maps` and :func:`~vitscope.metrics.attention.attention_distance`
+    of the attention summed over the ``B`` images (rows summing to ``B``, renormalised by those functions),
+    times ``B``: one read of the attention instead of several float64 passes, and one call for all layers
+    (their ``L x H`` image sums passed as heads). A layer with a row without spatial mass runs the functions
+    on its full tensor instead."""
+    L, (B, H) = len(sps), sps[0].attn.shape[:2]
+    h, w = grid
+    canvas = torch.zeros(L, H, 2 * h - 1, 2 * w - 1, dtype=torch.float64) if with_canvas else None
+    dist = torch.zeros(L, H, dtype=torch.float64)
+    fast = [j for j, sp in enumerate(sps) if sp.rows_have_mass]
+    if fast:
+        M = torch.stack([sps[j].image_sum() for j in fast]).flatten(0, 1).unsqueeze(0)  # (1, len(fast) * H, S, S)
+        dist[fast] = (A.attention_distance(M, grid, 0)[0].double() * B).reshape(len(fast), H).cpu()
+        if canvas is not None:
+            c, _ = A.aligned_maps(M, grid, 0, reduce="sum")
+            canvas[fast] = (c * B).reshape(len(fast), H, 2 * h - 1, 2 * w - 1).cpu()
+    for j in sorted(set(range(L)) - set(fast)):
+        sp = sps[j]
+        dist[j] = A.attention_distance(sp.attn, grid, sp.p).double().sum(0).cpu()
+        if canvas is not None:
+            canvas[j] = A.aligned_maps(sp.attn, grid, sp.p, reduce="sum")[0].cpu()
+    return canvas, dist
+
+
+def _nmi(sps: Sequence[_Spatial]) -> torch.Tensor:
+    """``(L, B, H)`` float64: :func:`~vitscope.metrics.attention.attention_nmi` of each layer (Park et al. 2023).
+
+    Rearranged so that the only pass over the full attention is one ``R log R``: with ``A = R * inv`` and
+    ``p(k) = mean_q A_qk``, ``MI = mean_q sum_k A_qk log A_qk + H(k)`` (because ``sum_q p(q) A_qk = p(k)``),
+    and ``sum_k A_qk log A_qk = inv_q sum_k R_qk log R_qk + (inv_q s_q) log inv_q`` (0 for an empty row).
+    The small float64 part runs once on all layers stacked."""
+    S = sps[0].s.shape[-1]
+    pk = torch.stack([sp.query_mean() for sp in sps]).double()
+    xlogx = torch.stack([sp.row_xlogx() for sp in sps]).double()
+    inv = torch.stack([sp.inv for sp in sps]).double()
+    w = inv * torch.stack([sp.s for sp in sps]).double()
+    h_k = -torch.xlogy(pk, pk).sum(-1)
+    mi = (inv * xlogx + torch.log(inv) * w).mean(-1) + h_k
+    denom = torch.sqrt(h_k * math.log(S))
+    return torch.where(denom > A.EPS, mi / denom.clamp_min(A.EPS), torch.zeros_like(mi))
+
+
+def _saliency_iou_of(weights: torch.Tensor, grid_masks: torch.Tensor, grid: tuple[int, int], mass: float
+                     ) -> torch.Tensor:
+    """:func:`~vitscope.metrics.attention.saliency_iou` of given attention weights over the spatial tokens,
+    ``(B, H', S) -> (B, H')``: its CLS query is row 0 of the attention it is given, so it gets a broadcast
+    view (no copy) in which every row is ``[0, weights]`` (one prefix token with no mass)."""
+    B, Hh, S = weights.shape
+    rows = F.pad(weights, (1, 0)).unsqueeze(2).expand(B, Hh, S + 1, S + 1)
+    return A.saliency_iou(rows, grid_masks, grid, 1, mass=mass, query="cls")
 
 
 class _LayerAttention(Analysis):
@@ -67,20 +249,21 @@ class _LayerAttention(Analysis):
 
 
 class _PerHeadMean(_LayerAttention):
-    """A per-image, per-head statistic ``(B, H)`` of each layer's attention, averaged over images:
-    subclasses define :meth:`per_image`; the state is a float64 ``(layers, heads)`` sum and a count."""
+    """A per-image, per-head statistic of each layer's attention, averaged over images: subclasses define
+    :meth:`batch_sum` (the statistic summed over a batch's images); the state is a float64 ``(layers, heads)``
+    sum and a count."""
 
     def __init__(self, vm: Any, layers: Any = None):
         super().__init__(vm, layers)
         self.sums = torch.zeros(len(self.layers), self.num_heads, dtype=torch.float64)
 
-    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
-        """``(B, H)`` statistic of one layer's ``(B, H, T, T)`` attention."""
+    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
+        """``(layers, H)`` float64: the statistic of each layer's attention, summed over the batch's images."""
         raise NotImplementedError
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        for j, i in enumerate(self.layers):
-            self.sums[j] += self.per_image(feats[f"block{i}.attn"]).double().sum(0).cpu()
+        sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
+        self.sums += self.batch_sums(sps).cpu()
         self.n_images += len(batch)
 
     def merge(self, other: Analysis) -> None:
@@ -90,7 +273,7 @@ class _PerHeadMean(_LayerAttention):
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "sums": self.sums.clone(), "n_images": self.n_images}
+        return {"layers": list(self.layers), "sums": self.sums.clone(), "n_images": self.n_images}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.sums, self.n_images = list(state["layers"]), state["sums"].clone(), state["n_images"]
@@ -110,8 +293,8 @@ class AttentionDistance(_PerHeadMean):
     name = "attention_distance"
     description = "mean attention distance per layer and head"
 
-    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
-        return A.attention_distance(attn, self.grid_size, self.num_prefix_tokens)
+    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
+        return _canvas_and_distance(sps, self.grid_size, with_canvas=False)[1]
 
     def finalize(self) -> pd.DataFrame:
         mean = self.mean().numpy()
@@ -138,8 +321,8 @@ class AttentionNMI(_PerHeadMean):
     name = "attention_nmi"
     description = "NMI between spatial queries and keys per layer and head (attention collapse)"
 
-    def per_image(self, attn: torch.Tensor) -> torch.Tensor:
-        return A.attention_nmi(attn, self.num_prefix_tokens)
+    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
+        return _nmi(sps).sum(1)
 
     def finalize(self) -> pd.DataFrame:
         mean = self.mean() if self.n_images else torch.full_like(self.sums, float("nan"))
@@ -216,8 +399,8 @@ class CLSAttentionMaps(_LayerAttention):
         first = torch.ones_like(idx, dtype=torch.bool)
         first[1:] = idx[1:] != idx[:-1]
         sel = order[first][: self.keep_images]
-        self.kept_maps = torch.cat([self.kept_maps, maps])[sel].clone()
-        self.kept_index = idx[first][: self.keep_images].clone()
+        self.kept_maps = torch.cat([self.kept_maps, maps])[sel]  # advanced indexing: a copy, not a view
+        self.kept_index = idx[first][: self.keep_images]
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
@@ -305,14 +488,11 @@ class AlignedAttentionMaps(_LayerAttention):
         return {**super()._settings(), "thresholds": dict(self.thresholds)}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        n = 0
-        for j, i in enumerate(self.layers):
-            attn = feats[f"block{i}.attn"]
-            canvas, n = A.aligned_maps(attn, self.grid_size, self.num_prefix_tokens, reduce="sum")
-            self.canvas[j] += canvas.cpu()
-            d = A.attention_distance(attn, self.grid_size, self.num_prefix_tokens)
-            self.distance[j] += d.double().sum(0).cpu()
-        self.n_maps += int(n)
+        sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
+        canvas, dist = _canvas_and_distance(sps, self.grid_size)
+        self.canvas += cast(torch.Tensor, canvas)
+        self.distance += dist
+        self.n_maps += len(batch) * self.grid_size[0] * self.grid_size[1]
         self.n_images += len(batch)
 
     def merge(self, other: Analysis) -> None:
@@ -414,20 +594,35 @@ class SaliencyIoU(_LayerAttention):
         if not self.queries:
             self.n_images += len(batch)
             return
-        masks = batch.masks
-        g, p = self.grid_size, self.num_prefix_tokens
-        for j, i in enumerate(self.layers):
+        g, p, B, H = self.grid_size, self.num_prefix_tokens, len(batch), self.num_heads
+        # the attention weights of every (layer, query) and of the heads merged, gathered so that the IoU
+        # (top-mass sets, mask downsampling) runs once per batch on a small (B, N, S) tensor
+        weights = []
+        for i in self.layers:
             attn = feats[f"block{i}.attn"]
-            for qi, q in enumerate(self.queries):
-                iou = A.saliency_iou(attn, masks, g, p, mass=self.mass, query=q).double().cpu()  # (B, H)
-                ok = ~torch.isnan(iou)
-                self.iou_sum[qi, j] += torch.where(ok, iou, 0.0).sum(0)
-                self.iou_count[qi, j] += ok.sum(0)
-                merged = A.saliency_iou_merged(attn, masks, g, p, mass=self.mass, query=q).double().cpu()  # (B,)
-                ok = ~torch.isnan(merged)
-                self.merged_sum[qi, j] += torch.where(ok, merged, 0.0).sum()
-                self.merged_count[qi, j] += ok.sum()
-        self.n_images += len(batch)
+            sp = _Spatial(attn, p) if "mean" in self.queries else None
+            for q in self.queries:
+                if q == "cls":
+                    per_head = A.cls_attention_maps(attn, g, p).flatten(-2)
+                    # heads merged = attention averaged over heads first: its CLS row is the mean CLS row
+                    merged = attn[:, :, 0, p:].mean(1, keepdim=True)
+                else:
+                    sp = cast(_Spatial, sp)
+                    per_head = sp.query_mean()
+                    # the head-averaged attention's spatial rows have mass s.mean(heads): renormalise by that
+                    inv = 1.0 / sp.s.sum(1, keepdim=True).clamp_min(H * A.EPS)
+                    merged = sp.query_mean(inv.expand_as(sp.s)).sum(1, keepdim=True)
+                weights += [per_head, merged]
+        W = torch.cat(weights, dim=1)  # (B, layers * queries * (H + 1), S)
+        iou = _saliency_iou_of(W, batch.masks.to(W.device), g, self.mass).double().cpu()
+        iou = iou.reshape(B, len(self.layers), len(self.queries), H + 1)
+        ok = ~torch.isnan(iou)
+        sums, counts = torch.where(ok, iou, 0.0).sum(0).transpose(0, 1), ok.sum(0).transpose(0, 1)  # (Q, L, H+1)
+        self.iou_sum += sums[..., :H]
+        self.iou_count += counts[..., :H]
+        self.merged_sum += sums[..., H]
+        self.merged_count += counts[..., H]
+        self.n_images += B
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
