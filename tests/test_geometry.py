@@ -54,7 +54,8 @@ def _numpy_log_amp(tokens, h, w):
 
 def test_log_amplitude_map_matches_numpy():
     t = torch.randn(2, 30, 5, dtype=torch.float64)
-    assert G.log_amplitude_map(t, (5, 6)).numpy() == pytest.approx(_numpy_log_amp(t.numpy(), 5, 6), rel=1e-9)
+    # the FFT runs in float32: agreement to float32 precision
+    assert G.log_amplitude_map(t, (5, 6)).numpy() == pytest.approx(_numpy_log_amp(t.numpy(), 5, 6), rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])

@@ -35,6 +35,8 @@ class GramGroups:
     ``add`` returns the groups it completed, each as (image ids, {stream: n x n Gram (float64)}). Features are
     shifted by a fixed reference (each stream's first-batch mean) before the Gram: HSIC_1 is unchanged by a
     constant shift, and the float32 product keeps its precision. Rows of an open group wait (at most n - 1).
+    A stream whose key starts with ``*`` is a group of G streams given as (B, G, F): its Grams come out
+    stacked (G, n, n), computed in one batched product (e.g. one stream per head or per token position).
     """
 
     def __init__(self, n: int):
@@ -47,7 +49,8 @@ class GramGroups:
 
     def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
         for k, x in feats.items():
-            x = x.reshape(x.shape[0], -1).float()
+            shape = (x.shape[0], x.shape[1], -1) if k.startswith("*") else (x.shape[0], -1)
+            x = x.reshape(shape).float()
             if k not in self.ref:
                 self.ref[k] = x.mean(0)
             self.pending[k] = torch.cat([self.pending[k], x]) if k in self.pending else x
@@ -61,7 +64,8 @@ class GramGroups:
         out = []
         while len(self.pending_ids) >= self.n or (final and len(self.pending_ids) > 0):
             take = min(self.n, len(self.pending_ids))
-            grams = {k: C.gram_linear(x[:take], self.ref[k]) for k, x in self.pending.items()}
+            grams = {k: (_grouped_gram if k.startswith("*") else C.gram_linear)(x[:take], self.ref[k])
+                     for k, x in self.pending.items()}
             self.pending = {k: x[take:] for k, x in self.pending.items()}
             out.append((self.pending_ids[:take], grams))
             self.pending_ids = self.pending_ids[take:]
@@ -74,6 +78,12 @@ class GramGroups:
 
     def load_state_dict(self, s: Mapping[str, Any]) -> None:
         self.n, self.pending, self.pending_ids, self.ref = s["n"], dict(s["pending"]), s["pending_ids"], dict(s["ref"])
+
+
+def _grouped_gram(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """(n, G, F) rows of G streams -> (G, n, n) float64 Grams, after subtracting the (G, F) reference."""
+    xc = (x - ref).transpose(0, 1)  # (G, n, F)
+    return torch.bmm(xc, xc.transpose(1, 2)).double()
 
 
 class _GramAnalysis(Analysis):
@@ -342,27 +352,24 @@ class Diversity(Analysis):
             self.cos_tokens[j] += tot.sum()
             x_in, x_mid = feats[self._input_tap(i)].double(), feats[f"block{i}.resid_mid"].double()
             self.cos_depth[j] += torch.nn.functional.cosine_similarity(x_in, x_mid, dim=-1).mean(1).sum()
-            for h in range(H):
-                streams[f"h{j}.{h}"] = per_head[:, :, h]
-            for p in range(S):
-                streams[f"t{j}.{p}"] = spatial[:, p]
+            streams[f"*h{j}"] = per_head.permute(0, 2, 1, 3)  # (B, H, T, hd): one stream per head
+            streams[f"*t{j}"] = spatial  # (B, S, D): one stream per spatial position
             streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
         self._reduce(self.groups.add(streams, batch.index))
         self.n_images += len(batch)
 
     def _reduce(self, closed: list[tuple[torch.Tensor, dict]]) -> None:
-        H, S = self.num_heads, self.grid_size[0] * self.grid_size[1]
         for _ids, grams in closed:
-            if next(iter(grams.values())).shape[0] < C.MIN_HSIC1_EXAMPLES:
-                warnings.warn(f"diversity: a last CKA batch of {next(iter(grams.values())).shape[0]} images "
+            if len(_ids) < C.MIN_HSIC1_EXAMPLES:
+                warnings.warn(f"diversity: a last CKA batch of {len(_ids)} images "
                               "is too small for HSIC_1 and was left out of the CKA terms", stacklevel=2)
                 continue
             self.n_groups += 1
             for j in range(len(self.layers)):
-                gh = torch.stack([grams[f"h{j}.{h}"] for h in range(H)])
-                self.hsic_heads[j] += C.hsic1(gh[:, None], gh[None, :])
-                gt = torch.stack([grams[f"t{j}.{p}"] for p in range(S)])
-                self.hsic_tokens[j] += C.hsic1_cross(gt[:, None], gt[:, None])[:, :, 0]
+                gh = grams[f"*h{j}"][:, None]  # (H, 1, n, n)
+                self.hsic_heads[j] += C.hsic1_cross(gh, gh)[:, :, 0]
+                gt = grams[f"*t{j}"][:, None]  # (S, 1, n, n)
+                self.hsic_tokens[j] += C.hsic1_cross(gt, gt)[:, :, 0]
                 k, m = grams[f"in{j}"], grams[f"mid{j}"]
                 self.hsic_depth[j] += torch.stack([C.hsic1(k, m), C.hsic1(k, k), C.hsic1(m, m)])
 

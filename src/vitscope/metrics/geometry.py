@@ -18,14 +18,16 @@ def covariance_spectrum(x: Tensor) -> Tensor:
     """Eigenvalues (= singular values) of the covariance of the rows of ``x``, descending, float64.
 
     x: (..., n, D) -> (..., min(n, D)). Computed from the singular values of the centred rows:
-    λ_i = σ_i² / (n - 1).
+    λ_i = σ_i² / (n - 1), taken as the eigenvalues of the smaller Gram form.
     """
     x = x.double()
-    n = x.shape[-2]
+    n, d = x.shape[-2:]
     if n < 2:
         raise ValueError(f"a covariance needs at least 2 rows, got {n}")
     xc = x - x.mean(dim=-2, keepdim=True)
-    return torch.linalg.svdvals(xc).pow(2) / (n - 1)
+    # eigenvalues of the smaller of the two Gram forms (same non-zero spectrum, much cheaper than an SVD)
+    g = xc @ xc.transpose(-1, -2) if n <= d else xc.transpose(-1, -2) @ xc
+    return torch.linalg.eigvalsh(g).flip(-1).clamp_min(0) / (n - 1)
 
 
 def token_log_spectrum(tokens: Tensor) -> Tensor:
@@ -47,13 +49,14 @@ def spectrum_from_moments(sum_x: Tensor, sum_xx: Tensor, n: int) -> Tensor:
 
 def log_amplitude_map(tokens: Tensor, grid_size: tuple[int, int]) -> Tensor:
     """Mean over channels of the log amplitude of the 2-D FFT of each channel's spatial map, centred with
-    fftshift. tokens: (B, h*w, D) patch tokens -> (B, h, w) float64 [Park & Kim 2022]."""
+    fftshift. tokens: (B, h*w, D) patch tokens -> (B, h, w) float64 [Park & Kim 2022]. Amplitudes below 1e-12
+    are floored there (log ~ -27.6)."""
     h, w = grid_size
     B, S, D = tokens.shape
     if S != h * w:
         raise ValueError(f"{S} tokens do not fill a {h}x{w} grid")
-    maps = tokens.double().transpose(1, 2).reshape(B, D, h, w)
-    amp = torch.fft.fft2(maps).abs().clamp_min(EPS).log().mean(dim=1)
+    maps = tokens.float().transpose(1, 2).reshape(B, D, h, w)  # FFT in float32; the channel mean in float64
+    amp = torch.fft.fft2(maps).abs().clamp_min(EPS).log().double().mean(dim=1)
     return torch.fft.fftshift(amp, dim=(-2, -1))
 
 
