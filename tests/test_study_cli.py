@@ -170,3 +170,18 @@ def test_imagefolder_dataset_through_a_study(config, tmp_path):
     assert set(dist.n_images) == {6}  # an even spread of 6 of the 10 images
     with pytest.raises(ConfigError, match="dataset.root"):
         run_study(load_config(config, [f"output_dir={out}", "dataset.name=imagefolder"]))
+
+
+def test_every_registered_analysis_has_a_figure_and_a_description():
+    from vitscope.analyses import ANALYSES
+    from vitscope.report.figures import FIGURES
+
+    assert set(ANALYSES) <= set(FIGURES), f"no figure for {set(ANALYSES) - set(FIGURES)}"
+    for name, cls in ANALYSES.items():
+        assert cls.description and (cls.__doc__ or "").strip(), name
+
+
+def test_default_study_lists_every_analysis():
+    from vitscope.analyses import ANALYSES
+
+    assert set(load_config().analyses) == set(ANALYSES)
