@@ -87,21 +87,29 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     if not dist.is_main:
         dist.barrier()
         return out
-    for name, group in by_analysis.items():
-        cross = type(group[0]).cross(group)
-        if cross is not None and len(cross):
-            frames[name].append(cross)
     (out / "results").mkdir(parents=True, exist_ok=True)
-    for name, parts in frames.items():
-        parts = [p for p in parts if p is not None and len(p)]
-        if parts:
-            pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
+    all_cached = all(m["analyses_from_cache"] == list(cfg.analyses) for m in manifest["models"].values())
+    results_key = digest(asdict(cfg), sorted(m["model_key"] for m in manifest["models"].values()))
+    previous = out / "manifest.json"
+    unchanged = all_cached and previous.is_file() and (out / "report.html").is_file() and \
+        json.loads(previous.read_text()).get("results_key") == results_key
+    if not unchanged:
+        for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
+            cross = type(group[0]).cross(group)
+            if cross is not None and len(cross):
+                frames[name].append(cross)
+        for name, parts in frames.items():
+            parts = [p for p in parts if p is not None and len(p)]
+            if parts:
+                pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
+    manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     (out / "config.yaml").write_text(to_yaml(cfg))
-    from vitscope.report import write_report
+    if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
+        from vitscope.report import write_report
 
-    write_report(out)
+        write_report(out)
     dist.barrier()
     return out
 
@@ -127,6 +135,7 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
             job.analysis.load_state_dict(entry["state"])
             job.analysis.model_name = label
             job.finished, job.meta = True, {"from_cache": True}
+            job.frame = _relabel(entry.get("frame"), entry.get("label"), label)
             mmeta.update(entry.get("model_meta", {}))
     todo = [j for j in jobs if not j.finished]
     if todo:
@@ -152,17 +161,31 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
                     other = get_analysis(job.name)(vm, **job.params)
                     other.load_state_dict(state)
                     job.analysis.merge(other)
+                job.frame = job.analysis.finalize()  # once: a cached rerun reads the table back
                 with cache.lock(mkey):
                     cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
-                                           "info": asdict(info), "model_meta": mmeta, "params": job.params})
+                                           "info": asdict(info), "model_meta": mmeta, "params": job.params,
+                                           "frame": job.frame, "label": label})
         dist.barrier()
         for job in todo:
             job.part.unlink(missing_ok=True)
             job.meta = {"from_cache": False}
         del vm
     for job in jobs:
-        job.frame = job.analysis.finalize() if dist.is_main else None
+        if job.frame is None and dist.is_main:
+            job.frame = job.analysis.finalize()
     return info, jobs, mmeta
+
+
+def _relabel(frame: pd.DataFrame | None, old: str | None, new: str) -> pd.DataFrame | None:
+    """A cached table under the label the model has in this study (labels are not part of the key)."""
+    if frame is None or old is None:
+        return None
+    frame = frame.copy()
+    for col in ("model", "model_b"):
+        if col in frame.columns:
+            frame.loc[frame[col] == old, col] = new
+    return frame
 
 
 def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
