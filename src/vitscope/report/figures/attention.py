@@ -103,27 +103,28 @@ def _grid_array(d: pd.DataFrame, a: str, b: str) -> tuple[np.ndarray, list[int],
 
 def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
               labels: dict[tuple[int, int], str] | None = None) -> plt.Figure:
-    """Small multiples: one row per layer, one column per head, each map on its own colour scale."""
-    L, H = arr.shape[:2]
-    cell = min(0.75, 8.0 / max(H, 1), 9.0 / max(L, 1))
-    fig, axes = plt.subplots(L, H, figsize=(H * cell + 0.5, L * cell + 0.4), squeeze=False)
+    """Small multiples: one row per layer, one column per head, each map on its own colour scale (divided by
+    its own maximum), tiled into one image with a 1-cell gap, drawn with a single imshow (fast to render)."""
+    L, H, R, C = arr.shape
+    mx = np.nanmax(np.where(np.isfinite(arr), arr, np.nan), axis=(2, 3), keepdims=True)
+    norm = arr / np.where(np.isfinite(mx) & (mx > 0), mx, 1.0)
+    mosaic = np.full((L * (R + 1) - 1, H * (C + 1) - 1), np.nan)
     for i in range(L):
         for j in range(H):
-            ax = axes[i, j]
-            m = arr[i, j]
-            ax.imshow(m, cmap=cmap, vmin=0, vmax=np.nanmax(m) if np.isfinite(m).any() else 1,
-                      interpolation="nearest")
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if labels and (i, j) in labels:
-                ax.text(0.03, 0.97, labels[(i, j)], transform=ax.transAxes, fontsize=5, va="top", color="white",
-                        bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.5, "linewidth": 0})
-            if j == 0:
-                ax.set_ylabel(f"b{layers[i]}", fontsize=6)
-            if i == 0:
-                ax.set_title(f"h{heads[j]}", fontsize=6)
-    fig.subplots_adjust(left=0.4 / (H * cell + 0.5), right=0.99, bottom=0.02, top=1 - 0.3 / (L * cell + 0.4),
-                        wspace=0.05, hspace=0.05)
+            mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = norm[i, j]
+    cell = min(0.75, 8.0 / max(H, 1), 9.0 / max(L, 1))
+    fig, ax = plt.subplots(figsize=(H * cell + 0.6, L * cell + 0.5))
+    cm = plt.get_cmap(cmap).with_extremes(bad="white")
+    ax.imshow(mosaic, cmap=cm, vmin=0, vmax=1, interpolation="nearest")
+    ax.set_xticks([j * (C + 1) + (C - 1) / 2 for j in range(H)], [f"h{h}" for h in heads], fontsize=6)
+    ax.set_yticks([i * (R + 1) + (R - 1) / 2 for i in range(L)], [f"b{b}" for b in layers], fontsize=6)
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    for (i, j), text in (labels or {}).items():
+        ax.text(j * (C + 1), i * (R + 1), text, fontsize=4.5, va="top", ha="left", color="white",
+                bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.3, "linewidth": 0})
+    fig.tight_layout(pad=0.3)
     return fig
 
 
