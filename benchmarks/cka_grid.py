@@ -163,13 +163,20 @@ def peers(pa, pb, n_images, view):
     return out
 
 
+def _peak_mb() -> float:
+    """This process's peak RSS (VmHWM; ru_maxrss would carry the forking parent's peak across exec)."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def memory_child(n_images: int) -> None:
     pa, pb = make_pools()
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _peak_mb()
     _, acc = vitscope_path(pa, pb, n_images, "all")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     gram_bytes = sum(g.numel() * g.element_size() for a in acc for gs in a.grams.values() for g in gs)
-    print(json.dumps({"base_mb": base / 1024, "peak_mb": peak / 1024, "gram_mb": gram_bytes / 2**20}))
+    print(json.dumps({"base_mb": base, "peak_mb": _peak_mb(), "gram_mb": gram_bytes / 2**20}))
 
 
 def main() -> None:
@@ -177,6 +184,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=1024)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", action="store_true")
     ap.add_argument("--memory-child", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.memory_child:
@@ -185,7 +193,7 @@ def main() -> None:
     n = args.images
     print(f"{L}x{L} grid, two streams of {T}x{D} tokens, {n} images, CKA batch {BS}, "
           f"{torch.get_num_threads()} threads")
-    for offset in (0.0, 10.0):
+    for offset in () if args.memory_only else (0.0, 10.0):
         pa, pb = make_pools(offset)
         for view in ("cls", "all"):
             t0 = time.perf_counter()
