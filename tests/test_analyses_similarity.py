@@ -140,3 +140,23 @@ def test_merge_equals_one_pass(name):
     for df in (first.finalize(), resumed.finalize()):
         # the CLS token entering block 0 is the same for every image: its CKA is NaN in both
         assert df.value.to_numpy() == pytest.approx(whole.value.to_numpy(), rel=1e-6, abs=1e-9, nan_ok=True)
+
+
+def test_gram_groups_shift_only_when_the_mean_matters_and_stay_precise():
+    from vitscope.analyses.similarity import GramGroups
+    from vitscope.metrics import cka as C
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 50, generator=g, dtype=torch.float64)
+    other = base @ torch.randn(50, 40, generator=g, dtype=torch.float64) + torch.randn(64, 40, generator=g,
+                                                                                      dtype=torch.float64)
+    for offset, shifted in ((0.0, False), (1e3, True)):
+        groups = GramGroups(16)
+        closed = []
+        for s in range(0, 64, 16):
+            closed += groups.add({"x": (base[s:s + 16] + offset).float(), "y": (other[s:s + 16] + offset).float()},
+                                 torch.arange(s, s + 16))
+        assert (groups.ref["x"] is not None) == shifted
+        got = C.cka_from_gram_list([c[1]["x"][None] for c in closed], [c[1]["y"][None] for c in closed]).item()
+        ref = C.minibatch_cka(base, other, batch_size=16)  # float64, no offset: HSIC_1 is shift-invariant
+        assert got == pytest.approx(ref, rel=1e-5)
