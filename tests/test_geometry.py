@@ -114,3 +114,30 @@ def test_merge_equals_one_pass(name):
     c = get_analysis(name)(vm)
     c.load_state_dict(a.state_dict())
     assert c.finalize().value.to_numpy() == pytest.approx(whole.finalize().value.to_numpy(), rel=1e-6, abs=1e-9)
+
+
+def test_tsne_separates_images_whose_tokens_are_distinct_and_keeps_the_smallest_ids():
+    from vitscope.data import Batch
+
+    vm = tiny("vit")  # 4x4 grid: 16 tokens per image, 48-d
+    g = torch.Generator().manual_seed(0)
+    centres = 10 * torch.randn(6, 48, generator=g)
+    tokens = centres[:, None] + 0.1 * torch.randn(6, 16, 48, generator=g)  # image i: a tight blob at centre i
+    feats = torch.cat([torch.zeros(6, 1, 48), tokens], 1)  # prefix (CLS) token first
+    a = get_analysis("tsne")(vm, layers=[0], n_images=4, perplexity=5)
+    b = get_analysis("tsne")(vm, layers=[0], n_images=4, perplexity=5)
+    order = [5, 2, 0, 4, 1, 3]
+    for part, idx in ((a, order[:3]), (b, order[3:])):
+        part.update({"block0.out": feats[idx]}, Batch(images=torch.zeros(3), index=torch.tensor(idx),
+                                                       labels=torch.tensor(idx)))
+    a.merge(b)
+    df = a.finalize()
+    assert sorted(df.image.unique()) == [0, 1, 2, 3] and len(df) == 4 * 16
+    xy = torch.tensor(df[["x", "y"]].to_numpy())
+    d = torch.cdist(xy, xy)
+    d.fill_diagonal_(float("inf"))
+    same = (torch.tensor(df.image.to_numpy())[d.argmin(1)] == torch.tensor(df.image.to_numpy())).float().mean()
+    assert same > 0.95
+    again = get_analysis("tsne")(vm, layers=[0], n_images=4, perplexity=5)
+    again.load_state_dict(a.state_dict())
+    assert again.finalize()[["x", "y"]].to_numpy() == pytest.approx(df[["x", "y"]].to_numpy())

@@ -132,3 +132,66 @@ class Fourier(_PerTap):
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
+
+
+@register_analysis
+class TSNE(Analysis):
+    """Token-level t-SNE [seed 001 "Token-level t-SNE visualization"]: the patch tokens of the first
+    ``n_images`` images (by dataset index) at the chosen layers, embedded in 2-D with scikit-learn's t-SNE
+    (fixed seed). Rows: one per token with ``x``, ``y``, ``image`` (dataset index) and ``token`` (patch index);
+    value = the image's label (or -1). Tokens of one image that stay together = the model does not tell its
+    tokens apart (contrastive models, per the source); mixed across images = tokens carry local content."""
+
+    name = "tsne"
+    description = "2-D t-SNE of the patch tokens of a few images at chosen layers"
+
+    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 8, perplexity: float = 30.0, seed: int = 0):
+        super().__init__(vm)
+        self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
+        self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)
+        self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # image id -> ((L, S, D) float16, label)
+
+    def required_taps(self) -> list[str]:
+        return [f"block{i}.out" for i in self.layers]
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        tokens = torch.stack([token_view(feats[f"block{i}.out"], "spatial", self.num_prefix_tokens,
+                                         self.has_cls_token) for i in self.layers], 1)  # (B, L, S, D)
+        for b, idx in enumerate(batch.index.tolist()):
+            label = int(batch.labels[b]) if batch.labels is not None else -1
+            self.kept[idx] = (tokens[b].half().cpu(), label)
+        for idx in sorted(self.kept)[self.max_images:]:  # keep the smallest ids: order-independent
+            del self.kept[idx]
+        self.n_images += len(batch)
+
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, TSNE) and other.layers == self.layers
+        self.kept.update(other.kept)
+        for idx in sorted(self.kept)[self.max_images:]:
+            del self.kept[idx]
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "n_images": self.n_images, "kept": dict(self.kept)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.n_images, self.kept = list(state["layers"]), int(state["n_images"]), dict(state["kept"])
+
+    def finalize(self) -> pd.DataFrame:
+        from sklearn.manifold import TSNE as SkTSNE
+
+        rows: list[dict[str, Any]] = []
+        ids = sorted(self.kept)
+        if ids:
+            S = self.kept[ids[0]][0].shape[1]
+            for j, layer in enumerate(self.layers):
+                x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
+                perplexity = min(self.perplexity, (len(x) - 1) / 3)
+                emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed).fit_transform(x)
+                for r, (ex, ey) in enumerate(emb):
+                    img = ids[r // S]
+                    rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
+                                 "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df

@@ -46,3 +46,24 @@ def fourier(df: pd.DataFrame) -> Figures:
 
 
 FIGURES = {"svd_volume": svd_volume, "fourier": fourier}
+
+
+def tsne(df: pd.DataFrame) -> Figures:
+    """Token t-SNE per model and layer, tokens coloured by image [seed 001]."""
+    out: Figures = []
+    for (model, layer), g in df[df.metric == "tsne"].groupby(["model", "layer"], sort=False):
+        fig, ax = plt.subplots(figsize=(3.6, 3.4))
+        images = list(dict.fromkeys(g["image"]))
+        for k, img in enumerate(images):
+            h = g[g.image == img]
+            ax.scatter(h["x"], h["y"], s=4, color=plt.get_cmap("tab10")(k % 10), alpha=0.8)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_title(f"{model}, block {int(layer)}", fontsize=8)
+        fig.tight_layout()
+        out.append((f"t-SNE of the patch tokens of {len(images)} images ({model}, block {int(layer)}), one colour per "
+                    "image: separate blobs = each image's tokens look alike", fig))
+    return out
+
+
+FIGURES["tsne"] = tsne
