@@ -188,26 +188,47 @@ def stream(
     progress: bool = True,
     total: int | None = None,
     on_batch: Callable[[int], None] | None = None,
+    first: int = 0,
+    seen: list[int] | None = None,
+    desc: str | None = None,
 ) -> int:
     """The one pass: every batch goes through the model once; each analysis gets the taps it asked for.
 
-    on_batch(i) is called after batch i has been fed to every analysis (the study uses it to save
-    accumulator states for resume). Returns the number of batches processed.
+    first: the number of the first batch of ``batches`` (a resumed pass starts past 0).
+    seen: per analysis, how many leading batches it has already been fed; batch b goes to analysis k only if
+        seen[k] <= b. The list is updated in place right after each update, so a caller that catches an
+        exception knows exactly which batches each analysis has seen (the study saves that for resume).
+    on_batch(b) is called after batch b has been fed to every analysis. total: the number of images, for the
+    progress bar (in images/s, with ETA). Returns the number of batches processed.
     """
     wanted: list[str] = []
     for a in analyses:
         for t in a.required_taps():
             if t not in wanted:
                 wanted.append(t)
+    seen = seen if seen is not None else [first] * len(analyses)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, unit="img", desc=desc or vm.name, leave=False, dynamic_ncols=True)
     n = 0
-    with Capture(vm, wanted, dtype=dtype) as cap:
-        for batch in _progress(batches, progress, vm.name, total):
-            feats = cap(batch.images)
-            for a in analyses:
-                a.update(_Subset(feats, a.required_taps()), batch)
-            if on_batch is not None:
-                on_batch(n)
-            n += 1
+    try:
+        with Capture(vm, wanted, dtype=dtype) as cap:
+            for b, batch in enumerate(batches, start=first):
+                feats = cap(batch.images)
+                for k, a in enumerate(analyses):
+                    if seen[k] <= b:
+                        a.update(_Subset(feats, a.required_taps()), batch)
+                        seen[k] = b + 1
+                if bar is not None:
+                    bar.update(len(batch))
+                if on_batch is not None:
+                    on_batch(b)
+                n += 1
+    finally:
+        if bar is not None:
+            bar.close()
     return n
 
 
@@ -246,9 +267,9 @@ def _image_batches(vm: ViTModel, images: Any, batch_size: int) -> Iterator[torch
         yield b if isinstance(b, torch.Tensor) else b.images
 
 
-def _progress(it: Iterable[Any], enabled: bool, desc: str, total: int | None = None) -> Iterable[Any]:
+def _progress(it: Iterable[Any], enabled: bool, desc: str) -> Iterable[Any]:
     if not enabled:
         return it
     from tqdm.auto import tqdm
 
-    return tqdm(it, desc=desc, total=total, unit="batch", leave=False)
+    return tqdm(it, desc=desc, unit="batch", leave=False)

@@ -28,7 +28,7 @@ import pandas as pd
 import torch
 
 from vitscope.analyses import Analysis, get_analysis
-from vitscope.capture import Capture
+from vitscope.capture import stream
 from vitscope.data import make_dataset
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
@@ -207,43 +207,38 @@ def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
 
 def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache, mkey: str, dist: Dist,
           on_batch: Callable[[str, int], None] | None) -> None:
+    """`stream` from the earliest batch any job still needs, feeding each job only what it has not seen;
+    partial states saved every ``save_every`` batches (or 2 minutes) and when the pass dies."""
     indices = _shard_indices(len(dataset), cfg, dist)
-    n_batches = math.ceil(len(indices) / cfg.batch_size)
     start = min(j.done for j in jobs)
-    if start >= n_batches:
+    if start >= math.ceil(len(indices) / cfg.batch_size):
         return
-    taps = list(dict.fromkeys(t for j in jobs for t in j.analysis.required_taps()))
-    progress = None
-    if cfg.progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(indices), initial=min(start * cfg.batch_size, len(indices)), unit="img",
-                        desc=f"{vm.name}" + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""),
-                        leave=False, dynamic_ncols=True)
+    seen = [j.done for j in jobs]
     last_save = time.monotonic()
+
+    def save() -> None:
+        for job, k in zip(jobs, seen, strict=True):
+            job.done = k
+        _save_parts(jobs, cache, mkey, cfg.batch_size)
+
+    def after(b: int) -> None:
+        nonlocal last_save
+        if (b + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
+            save()
+            last_save = time.monotonic()
+        if on_batch is not None:
+            on_batch(vm.name, b)
+
+    batches = dataset.batches(cfg.batch_size, vm.preprocessing, start=start * cfg.batch_size, indices=indices)
     try:
-        with Capture(vm, taps, dtype=cfg.dtype) as cap:
-            batches = dataset.batches(cfg.batch_size, vm.preprocessing, start=start * cfg.batch_size,
-                                      indices=indices)
-            for b, batch in enumerate(batches, start=start):
-                feats = cap(batch.images)
-                for job in jobs:
-                    if job.done <= b:
-                        job.analysis.update({t: feats[t] for t in job.analysis.required_taps()}, batch)
-                        job.done = b + 1
-                if progress is not None:
-                    progress.update(len(batch))
-                if (b + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
-                    _save_parts(jobs, cache, mkey, cfg.batch_size)
-                    last_save = time.monotonic()
-                if on_batch is not None:
-                    on_batch(vm.name, b)
+        stream(vm, batches, [j.analysis for j in jobs], dtype=cfg.dtype, progress=cfg.progress,
+               total=len(indices) - min(start * cfg.batch_size, len(indices)), on_batch=after, first=start,
+               seen=seen, desc=vm.name + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""))
     except BaseException:
-        _save_parts(jobs, cache, mkey, cfg.batch_size)  # keep what is done: a rerun resumes from here
+        save()  # keep what is done: a rerun resumes from here
         raise
-    finally:
-        if progress is not None:
-            progress.close()
+    for job, k in zip(jobs, seen, strict=True):
+        job.done = k
 
 
 def _save_parts(jobs: list[Job], cache: Cache, mkey: str, batch_size: int) -> None:
