@@ -70,11 +70,9 @@ class Semantics(Analysis):
         self.unlabelled += other.unlabelled
 
     def state_dict(self) -> dict[str, Any]:
-        cat = {v: torch.cat(f, 1) if f else torch.empty(0) for v, f in self.feats.items()}
-        return {"layers": self.layers, "views": self.views, "feats": cat, "n_images": self.n_images,
-                "labels": torch.cat(self.labels) if self.labels else torch.empty(0, dtype=torch.long),
-                "ids": torch.cat(self.ids) if self.ids else torch.empty(0, dtype=torch.long),
-                "unlabelled": self.unlabelled}
+        return {"layers": self.layers, "views": self.views, "feats": {v: _cat(f, 1) for v, f in self.feats.items()},
+                "n_images": self.n_images, "labels": _cat(self.labels, 0, torch.long),
+                "ids": _cat(self.ids, 0, torch.long), "unlabelled": self.unlabelled}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.views = list(state["layers"]), list(state["views"])
@@ -84,7 +82,9 @@ class Semantics(Analysis):
         self.n_images, self.unlabelled = int(state["n_images"]), int(state["unlabelled"])
 
     def _data(self) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """Features, labels and ids, each concatenated once and kept so (finalize and every cross pair reuse it)."""
         s = self.state_dict()
+        self.load_state_dict(s)
         return s["feats"], s["labels"], s["ids"]
 
     def _split(self, ids: torch.Tensor) -> torch.Tensor:
@@ -152,3 +152,10 @@ class Semantics(Analysis):
                          "model_b": b.model_name, "value": v} for k, v in agree.items()]
                 frames.append(a.tidy(rows))
         return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _cat(parts: list[torch.Tensor], dim: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Concatenate per-batch parts; a single part is returned as is (no copy)."""
+    if not parts:
+        return torch.empty(0, dtype=dtype) if dtype is not None else torch.empty(0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)

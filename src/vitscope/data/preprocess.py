@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
@@ -46,13 +45,3 @@ def load_images(items: Sequence[Any], pre: Preprocessing) -> torch.Tensor:
             raise InputError(f"expected PIL images or paths, got {type(item).__name__}")
         out.append(tf(img))
     return torch.stack(out)
-
-
-def normalize_tensor(x: torch.Tensor, pre: Preprocessing) -> torch.Tensor:
-    """(B, 3, H, W) images in [0, 1] -> resized to the model's input size (if needed) and normalised."""
-    size = pre.input_size
-    if x.shape[-2:] != (size, size):
-        x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
-    mean = torch.tensor(pre.mean, dtype=x.dtype).view(1, 3, 1, 1)
-    std = torch.tensor(pre.std, dtype=x.dtype).view(1, 3, 1, 1)
-    return (x - mean) / std
