@@ -87,3 +87,18 @@ class Dataset(Protocol):
 
     def batches(self, batch_size: int, preprocessing: Any, start: int = 0,
                 indices: list[int] | None = None) -> Iterator[Batch]: ...
+
+
+class RetrievalSplit:
+    """Index layout shared by retrieval datasets: the first ``n_queries`` items are the queries, the rest the
+    database. Subclasses provide ``n_queries`` and ``__len__``."""
+
+    n_queries: int
+
+    @property
+    def queries(self) -> list[int]:
+        return list(range(self.n_queries))
+
+    @property
+    def database(self) -> list[int]:
+        return list(range(self.n_queries, len(self)))

@@ -15,7 +15,7 @@ from functools import cached_property
 
 import numpy as np
 
-from vitscope.data.base import Batch, Sample
+from vitscope.data.base import Batch, RetrievalSplit, Sample
 from vitscope.data.synthetic import (
     SHAPE_CLASSES,
     SHAPES,
@@ -227,7 +227,7 @@ def difficulty(angle: float, log_scale: float, log_aspect: float, occluded: floa
 
 
 @dataclass
-class SyntheticRetrieval:
+class SyntheticRetrieval(RetrievalSplit):
     """Instance retrieval: ``n_queries`` query images, one per instance (shape + colours + texture), and a
     database of ``views`` other views of each (new background, clutter; the first half small changes,
     the rest large rotation / scale / aspect changes and occlusion) plus ``n_distractors`` images of
@@ -256,14 +256,6 @@ class SyntheticRetrieval:
 
     def __len__(self) -> int:
         return self.n_queries + self.n_database
-
-    @property
-    def queries(self) -> list[int]:
-        return list(range(self.n_queries))
-
-    @property
-    def database(self) -> list[int]:
-        return list(range(self.n_queries, len(self)))
 
     def _instance(self, inst: int) -> tuple[int, object, float]:
         g = np.random.default_rng([self.seed, inst, 31])

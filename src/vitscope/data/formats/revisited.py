@@ -9,14 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
-from vitscope.data.base import Sample
+from vitscope.data.base import RetrievalSplit, Sample
 from vitscope.data.formats.common import FileDataset, read_rgb, require_files
 from vitscope.data.synthetic_tasks import medium_hard
 from vitscope.data.transforms import crop
 from vitscope.errors import InputError
 
 
-class RevisitedRetrieval(FileDataset):
+class RevisitedRetrieval(RetrievalSplit, FileDataset):
     """Items 0..n_queries-1 are the queries (cropped to their box when ``crop_queries``, as the revisited
     protocol does), then the database. ``gnd`` is the file's; ``protocols`` the Medium / Hard positives
     and junk (`vitscope.data.synthetic_tasks.medium_hard`). ``root``: the folder holding the pkl, or its
@@ -57,14 +57,6 @@ class RevisitedRetrieval(FileDataset):
     @property
     def n_queries(self) -> int:
         return len(self.qimlist)
-
-    @property
-    def queries(self) -> list[int]:
-        return list(range(self.n_queries))
-
-    @property
-    def database(self) -> list[int]:
-        return list(range(self.n_queries, len(self)))
 
     def __len__(self) -> int:
         return len(self.files)
