@@ -122,4 +122,144 @@ def test_semantics_merge_and_cap():
     assert a.finalize().value.to_numpy() == pytest.approx(whole.finalize().value.to_numpy())
     capped = get_analysis("semantics")(vm, max_images=12, kmeans=False, probe=False)
     stream(vm, batches, [capped], progress=False)
-    assert capped.n_images == 12 and capped.state_dict()["feats"]["cls"].shape[1] == 12
+    assert capped.n_images == len(capped.tables["cls"]) == len(capped.state_dict()["tables"]["cls"]["ids"]) == 12
+
+
+# --- pooled-feature store, region pooling, dataset split, a trained model beats chance -------------------------------
+
+
+def test_pooled_table_grows_round_trips_through_a_mapped_file_and_stores_exactly_its_rows(tmp_path):
+    from vitscope.analyses.pooled import PooledTable
+
+    g = torch.Generator().manual_seed(0)
+    t = PooledTable(2)
+    chunks = [(torch.randn(n, 24, generator=g), torch.randn(n, 24, generator=g)) for n in (700, 900, 3)]
+    for k, (a, b) in enumerate(chunks):  # 1603 rows: past the first capacity (1024) once
+        ids = torch.arange(len(a)) + 10_000 * k
+        t.append([a, b], ids, ids % 7, ids % 3 == 0)
+    assert len(t) == 1603
+    for j in range(2):
+        assert torch.equal(t.layer(j), torch.cat([c[j] for c in chunks]).half())
+    state = t.state_dict()
+    assert all(x.untyped_storage().nbytes() == 1603 * 24 * 2 for x in state["layers"])  # no spare capacity saved
+    torch.save(state, tmp_path / "s.pt")
+    back = PooledTable.from_state(torch.load(tmp_path / "s.pt", mmap=True))
+    assert torch.equal(back.layer(1), t.layer(1)) and torch.equal(back.column("is_test"), t.column("is_test"))
+    assert torch.equal(back.column("labels"), torch.cat([(torch.arange(len(c[0])) + 10_000 * k) % 7
+                                                         for k, c in enumerate(chunks)]))
+
+
+def _region_reference(spatial, maps, grid, min_tokens):
+    """Loops: each region's share of each token's pixels, weighted mean of the tokens."""
+    h, w = grid
+    B, H, W = maps.shape
+    ph, pw = H // h, W // w
+    out = []
+    for b in range(B):
+        for r in sorted(set(maps[b].unique().tolist()) - {0}):
+            wts = torch.zeros(h * w, dtype=torch.float64)
+            for i in range(h):
+                for j in range(w):
+                    wts[i * w + j] = (maps[b, i * ph:(i + 1) * ph, j * pw:(j + 1) * pw] == r).double().mean()
+            if wts.sum() < min_tokens:
+                continue
+            out.append((b, r, (wts[:, None] * spatial[b].double()).sum(0) / wts.sum()))
+    return out
+
+
+@pytest.mark.parametrize("min_tokens", [0.5, 2.0])
+def test_region_pool_equals_a_loop_over_pixels(min_tokens):
+    from vitscope.capture.views import region_pool, region_weights
+
+    g = torch.Generator().manual_seed(1)
+    grid, B = (3, 4), 4
+    maps = torch.randint(0, 5, (B, 3 * 6, 4 * 6), generator=g)
+    maps[1] = 0  # an image without regions
+    maps[2, :6, :6] = 9  # one region exactly one token
+    spatial = torch.randn(B, 12, 8, generator=g)
+    vecs, rows, ids = region_pool(spatial, *region_weights(maps, grid, min_tokens))
+    ref = _region_reference(spatial, maps, grid, min_tokens)
+    assert [(int(b), int(r)) for b, r in zip(rows, ids, strict=True)] == [(b, r) for b, r, _ in ref]
+    for v, (_, _, rv) in zip(vecs, ref, strict=True):
+        assert torch.allclose(v.double(), rv, atol=1e-5)
+
+
+def test_object_and_part_views_pool_masks_and_label_parts_by_their_id():
+    from vitscope.capture.views import region_pool, region_weights
+    from vitscope.data.synthetic import PART_NAMES
+
+    vm = tiny("vit")
+    batches = _batches(vm, n=20)
+    a = get_analysis("semantics")(vm, layers=[1], views=["object", "part"], ks=(5,), kmeans=False, probe=False)
+    stream(vm, batches, [a], progress=False)
+    x = torch.cat([b.images for b in batches])
+    f = vs.extract(vm, x, ["block1.out"], view="spatial")["block1.out"]
+    masks, parts = torch.cat([b.masks for b in batches]), torch.cat([b.parts for b in batches])
+    obj = _region_reference(f, masks.long(), vm.grid_size, 0.5)
+    assert torch.allclose(a.tables["object"].layer(0).double(), torch.stack([v for *_, v in obj]).half().double())
+    labels = torch.cat([b.labels for b in batches])
+    assert torch.equal(a.tables["object"].column("labels"), labels[[b for b, *_ in obj]])
+    prt = _region_reference(f, parts, vm.grid_size, 0.5)
+    assert len(prt) > len(obj)  # several parts per object
+    assert a.tables["part"].column("labels").tolist() == [r for _, r, _ in prt]
+    assert 0 < a.tables["part"].column("labels").max() <= len(PART_NAMES)
+    v, _, _ = region_pool(f, *region_weights(parts, vm.grid_size))
+    assert torch.allclose(a.tables["part"].layer(0).float(), v.half().float())
+    df = a.finalize()
+    assert set(df.token_view) == {"object", "part"} and (df.metric == "knn5_top1_chance").sum() == 2
+
+
+def test_the_datasets_own_split_is_the_test_split(tmp_path):
+    from PIL import Image
+
+    from vitscope.data.loaders import ImageFolder
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 6), ("test", 2)):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(n):
+                img = rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)
+                Image.fromarray(img).save(tmp_path / split / c / f"{i}.png")
+    ds = ImageFolder(tmp_path)
+    assert len(ds) == 16 and ds.is_test == [False] * 12 + [True] * 4 and ds.classes == ["a", "b"]
+    vm = tiny("vit")
+    a = get_analysis("semantics")(vm, layers=[0], views=["gap"], ks=(3,), kmeans=False, probe=False)
+    stream(vm, ds.batches(5, vm.preprocessing), [a], progress=False)
+    assert a.tables["gap"].column("is_test").tolist() == ds.is_test
+    assert a.finalize().n_test.unique().tolist() == [4]
+
+
+def _knn10_cls(vm, data):
+    a = get_analysis("semantics")(vm, views=["cls"], ks=(10,), kmeans=False)
+    stream(vm, data.batches(50, vm.preprocessing), [a], progress=False)
+    df = a.finalize()
+    return df[df.metric == "knn10_top1"].set_index("layer").value, df
+
+
+def test_a_briefly_trained_model_beats_chance_at_every_layer():
+    """200 supervised steps on the texture-bound synthetic classes: every layer's k-NN leaves the Gaussian
+    chance row behind, and the untrained network (whose features are at chance) does not."""
+    torch.manual_seed(0)
+    vm = tiny("vit", num_classes=12)
+    held_out = SyntheticShapes(n=600, seed=12, variant="texture-bound")  # 120 test images
+    before, _ = _knn10_cls(vm, held_out)
+    train = SyntheticShapes(n=384, seed=11, variant="texture-bound")
+    batches = list(train.batches(128, vm.preprocessing))
+    x, y = torch.cat([b.images for b in batches]), torch.cat([b.labels for b in batches])
+    opt = torch.optim.AdamW(vm.model.parameters(), lr=3e-3)
+    vm.model.train()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        i = torch.randint(0, len(x), (64,), generator=g)
+        loss = torch.nn.functional.cross_entropy(vm.model(x[i]), y[i])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    vm.model.eval()
+    after, df = _knn10_cls(vm, held_out)
+    chance = max(df[df.metric == "knn10_top1_chance"].value.item(), 1 / 12)
+    assert len(after) == vm.depth and (after > chance + 0.08).all(), (chance, after)  # 3 standard errors at 120
+    assert (after > before + 0.08).all(), (before, after)
+    assert df[(df.metric == "probe_top1") & (df.layer == vm.depth - 1)].value.item() > \
+        df[df.metric == "probe_top1_chance"].value.item() + 0.1

@@ -27,5 +27,6 @@ def make_dataset(cfg):  # noqa: ANN001, ANN201 - DatasetConfig -> Dataset
 
         if not getattr(cfg, "root", None):
             raise ConfigError("dataset.root: the imagefolder dataset needs the folder of class folders")
-        return ImageFolder(cfg.root, classes=getattr(cfg, "classes", None), per_class=getattr(cfg, "per_class", None))
+        return ImageFolder(cfg.root, classes=getattr(cfg, "classes", None), per_class=getattr(cfg, "per_class", None),
+                           test_root=getattr(cfg, "test_root", None))
     raise ConfigError(f"unknown dataset {cfg.name!r}; available: {', '.join([*DATASETS, 'imagefolder'])}")

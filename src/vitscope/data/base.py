@@ -28,7 +28,8 @@ class Batch:
     objects: (B, H, W) int64 object / instance ids (0 = background), for multi-object data;
     keypoints: (B, K, 3) float32 ``x, y, visible`` in pixels (rows padded with zeros = not visible);
     boxes: (B, 4) float32 ``x0, y0, x1, y1`` in pixels; frames: (B,) frame index in a sequence;
-    sequences: the sequence (video) name of each image.
+    sequences: the sequence (video) name of each image; is_test: (B,) bool, the dataset's own train / test
+    split (None when it has none: analyses that need a split then hold out a fixed share of the ids).
     """
 
     images: torch.Tensor
@@ -42,6 +43,7 @@ class Batch:
     boxes: torch.Tensor | None = None
     frames: torch.Tensor | None = None
     sequences: list[str] | None = None
+    is_test: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.images.shape[0])
@@ -54,7 +56,8 @@ class Sample:
     image: (H, W, 3) uint8, or float32 in [0, 1]; label: class id; mask: (H, W) bool foreground;
     parts: (H, W) integer part ids (0 = background); objects: (H, W) integer object ids (0 = background);
     keypoints: (K, 3) float32 ``x, y, visible``; bbox: (4,) float32 ``x0, y0, x1, y1``; frame: index in
-    its sequence; sequence: the sequence's name; index: the sample's id in its dataset; geometry: how
+    its sequence; sequence: the sequence's name; is_test: whether it belongs to the dataset's test split
+    (None: the dataset has no split); index: the sample's id in its dataset; geometry: how
     the image was mapped from the file's pixels (set by `vitscope.data.transforms`); extra: the rest.
     """
 
@@ -67,6 +70,7 @@ class Sample:
     bbox: np.ndarray | None = None
     frame: int | None = None
     sequence: str | None = None
+    is_test: bool | None = None
     index: int = -1
     geometry: Any = None
     extra: dict[str, Any] = field(default_factory=dict)

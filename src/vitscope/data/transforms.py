@@ -213,6 +213,9 @@ def collate(samples: Sequence[Sample], pre: Preprocessing) -> Batch:
     if samples and all(s.frame is not None for s in samples):
         frames = torch.tensor([int(s.frame) for s in samples], dtype=torch.long)
     sequences = [s.sequence for s in samples] if samples and all(s.sequence is not None for s in samples) else None
+    is_test = None
+    if samples and all(s.is_test is not None for s in samples):
+        is_test = torch.tensor([bool(s.is_test) for s in samples], dtype=torch.bool)
     return Batch(
         images=normalize(x, pre),
         index=torch.tensor([s.index for s in samples], dtype=torch.long),
@@ -224,4 +227,5 @@ def collate(samples: Sequence[Sample], pre: Preprocessing) -> Batch:
         boxes=boxes,
         frames=frames,
         sequences=sequences,
+        is_test=is_test,
     )

@@ -62,7 +62,7 @@ class Cache:
         if not path.is_file():
             return None
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
         except Exception:  # noqa: BLE001 - an unreadable entry is recomputed, never trusted
             return None
 

@@ -34,6 +34,7 @@ class DatasetConfig:
     root: str | None = None                # imagefolder: root/<class>/<image>
     classes: str | None = None             # imagefolder: class-list file (e.g. the ImageNet-50 ids)
     per_class: int | None = None           # imagefolder: first N sorted files per class
+    test_root: str | None = None           # imagefolder: same classes, the test split (default root/test|val)
 
 
 @dataclass

@@ -42,14 +42,29 @@ class ImageFolder(FileDataset):
     per_class: keep the first N files of each class in sorted file-name order (the ImageNet-50 subset:
     ``ImageFolder(train_dir, 'imagenet50_classes.txt', per_class=100)``); a class with fewer raises
     unless ``strict=False``.
+    test_root: a second folder of the same classes whose images form the test split (``sample.is_test``;
+    k-NN and probes train on the rest). When ``root`` itself holds ``train/`` and ``test/`` (or ``val/``)
+    folders and no ``test_root`` is given, those are used (CIFAR-10 as an ImageFolder, ImageNet layouts).
     """
 
     def __init__(self, root: str | Path, classes: str | Path | Sequence[str] | None = None,
                  per_class: int | None = None, extensions: Sequence[str] = IMAGE_EXTENSIONS,
-                 name: str | None = None, strict: bool = True):
+                 name: str | None = None, strict: bool = True, test_root: str | Path | None = None):
         super().__init__()
         self.root = Path(root)
         self.name = name or f"imagefolder:{self.root.name}"
+        if test_root is None and (self.root / "train").is_dir():
+            test_root = next((self.root / t for t in ("test", "val") if (self.root / t).is_dir()), None)
+            if test_root is not None:
+                self.root = self.root / "train"
+        self.is_test: list[bool] | None = None
+        if test_root is not None:
+            train = ImageFolder(self.root, classes, per_class, extensions, name, strict)
+            test = ImageFolder(test_root, train.classes, per_class, extensions, name, strict)
+            self.classes, self.class_names = train.classes, train.class_names
+            self.files, self.labels = train.files + test.files, train.labels + test.labels
+            self.is_test = [False] * len(train.files) + [True] * len(test.files)
+            return
         if not self.root.is_dir():
             raise InputError(f"expected a folder of class folders (root/<class>/<images>) at {str(self.root)!r}; "
                              "it does not exist")
@@ -89,4 +104,4 @@ class ImageFolder(FileDataset):
 
     def load(self, i: int) -> Sample:
         return Sample(image=read_rgb(self.files[i]), label=self.labels[i], index=i,
-                      extra={"path": str(self.files[i])})
+                      is_test=None if self.is_test is None else self.is_test[i], extra={"path": str(self.files[i])})

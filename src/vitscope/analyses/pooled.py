@@ -1,0 +1,107 @@
+"""The pooled-feature store: one float16 vector per row (image, object or part) and layer, on disk.
+
+A `PooledTable` keeps, per layer, a ``(rows, D)`` float16 matrix in an anonymous memory-mapped file
+(created in ``$VITSCOPE_TMPDIR`` or the system temp folder and unlinked at once, so nothing is left behind),
+plus small per-row columns in RAM: image id, label, test-split flag. Resident memory stays bounded by
+what the OS keeps in its page cache, not by the number of images, so k-NN, probes and k-means on tens of
+thousands of images need a few GB at most. `state_dict` hands out tensors over exactly the filled rows
+(no copy); the study cache writes them with `torch.save` and maps them back with ``torch.load(mmap=True)``.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+_COLUMNS = ("ids", "labels", "is_test")
+
+
+class _Matrix:
+    """A growable (rows, D) float16 matrix in an unlinked temporary file."""
+
+    def __init__(self, dim: int, capacity: int = 1024):
+        self.dim, self.n = int(dim), 0
+        self.mm = self._alloc(max(int(capacity), 1))
+
+    def _alloc(self, capacity: int) -> np.memmap:
+        fd, path = tempfile.mkstemp(prefix="vitscope-pooled-", dir=os.environ.get("VITSCOPE_TMPDIR"))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.truncate(capacity * self.dim * 2)  # sparse: disk is used only as rows are written
+            return np.memmap(path, dtype=np.float16, mode="r+", shape=(capacity, self.dim))
+        finally:
+            try:
+                os.unlink(path)  # the mapping keeps the file alive until it is dropped
+            except OSError:  # pragma: no cover - platforms that cannot unlink an open file
+                pass
+
+    def append(self, rows: torch.Tensor | np.ndarray) -> None:
+        rows = rows.detach().to(torch.float16).cpu().numpy() if isinstance(rows, torch.Tensor) else rows
+        need = self.n + len(rows)
+        if need > len(self.mm):
+            bigger = self._alloc(max(need, 2 * len(self.mm)))
+            bigger[:self.n] = self.mm[:self.n]
+            self.mm = bigger
+        self.mm[self.n:need] = rows
+        self.n = need
+
+    def tensor(self) -> torch.Tensor:
+        """The filled rows as a float16 tensor sharing the file (exactly ``n`` rows of storage)."""
+        return torch.from_numpy(self.mm[:self.n]) if self.n else torch.empty(0, self.dim, dtype=torch.float16)
+
+
+class PooledTable:
+    """Rows of pooled features for ``num_layers`` layers, with their image ids, labels and split flags."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = int(num_layers)
+        self.mats: list[_Matrix] | None = None  # created at the first append, when D is known
+        self.cols: dict[str, list[torch.Tensor]] = {c: [] for c in _COLUMNS}
+
+    def __len__(self) -> int:
+        return self.mats[0].n if self.mats else 0
+
+    def append(self, feats: list[torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
+               is_test: torch.Tensor) -> None:
+        """``feats``: one (rows, D) tensor per layer; the columns: (rows,) each."""
+        if len(feats) != self.num_layers:
+            raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
+        if not len(ids):
+            return
+        if self.mats is None:
+            self.mats = [_Matrix(f.shape[-1]) for f in feats]
+        for m, f in zip(self.mats, feats, strict=True):
+            m.append(f)
+        for c, v in zip(_COLUMNS, (ids, labels, is_test), strict=True):
+            self.cols[c].append(v.detach().cpu().to(torch.bool if c == "is_test" else torch.long))
+
+    def layer(self, j: int) -> torch.Tensor:
+        """(rows, D) float16 features of the j-th layer (a view of the file)."""
+        return self.mats[j].tensor() if self.mats else torch.empty(0, 0, dtype=torch.float16)
+
+    def column(self, name: str) -> torch.Tensor:
+        parts = self.cols[name]
+        if len(parts) > 1:  # concatenate once; later calls reuse it
+            self.cols[name] = parts = [torch.cat(parts)]
+        return parts[0] if parts else torch.empty(0, dtype=torch.bool if name == "is_test" else torch.long)
+
+    def extend(self, other: PooledTable) -> None:
+        if other.mats:
+            self.append([other.layer(j) for j in range(other.num_layers)],
+                        *(other.column(c) for c in _COLUMNS))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": [self.layer(j) for j in range(self.num_layers)],
+                **{c: self.column(c) for c in _COLUMNS}}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> PooledTable:
+        t = cls(len(state["layers"]))
+        if len(state["ids"]):
+            t.append(list(state["layers"]), *(state[c] for c in _COLUMNS))
+        return t
