@@ -141,3 +141,41 @@ def test_tsne_separates_images_whose_tokens_are_distinct_and_keeps_the_smallest_
     again = get_analysis("tsne")(vm, layers=[0], n_images=4, perplexity=5)
     again.load_state_dict(a.state_dict())
     assert again.finalize()[["x", "y"]].to_numpy() == pytest.approx(df[["x", "y"]].to_numpy())
+
+
+def _feed(analysis, tokens, tap="block0.out", bs=16):
+    """Feed (N, 1 + S, D) features straight to an analysis, as the capture engine would."""
+    from vitscope.data.base import Batch
+
+    for s in range(0, len(tokens), bs):
+        idx = torch.arange(s, min(s + bs, len(tokens)))
+        analysis.update({tap: tokens[idx]}, Batch(images=tokens[idx], index=idx))
+
+
+def test_chance_rows_match_gaussian_features_and_sit_above_low_rank_ones():
+    vm = tiny("vit")  # 4x4 grid, 48-d, one prefix token
+    g = torch.Generator().manual_seed(3)
+    gauss = 2.5 * torch.randn(96, 17, 48, generator=g)  # isotropic, variance 6.25
+    low = torch.randn(96, 17, 2, generator=g) @ torch.randn(2, 48, generator=g)  # rank 2 per image and overall
+    for feats, same in ((gauss, True), (low, False)):
+        svd = get_analysis("svd_volume")(vm, taps=["block0.out"], k=8, seed=1)
+        four = get_analysis("fourier")(vm, taps=["block0.out"])
+        _feed(svd, feats)
+        _feed(four, feats)
+        df, fd = svd.finalize(), four.finalize()
+        for level in ("token", "image"):
+            vol, chance = (df[df.metric == f"{level}_log_volume{c}"].value.item() for c in ("", "_chance"))
+            if same:  # another draw of the same distribution: close (sampling error of a mean of 8 log eigenvalues)
+                assert vol == pytest.approx(chance, abs=0.25), level
+            else:
+                assert vol < chance - 3, level
+        hf, hf_chance = (fd[fd.metric == f"high_freq_delta_log_amp{c}"].value.item() for c in ("", "_chance"))
+        if same:
+            assert hf == pytest.approx(hf_chance, abs=0.15)
+    ramp = torch.linspace(1, 2, 16)[None, :, None]  # every channel a smooth ramp over the tokens
+    smooth = torch.randn(96, 1, 48, generator=g) * ramp
+    four = get_analysis("fourier")(vm, taps=["block0.out"])
+    _feed(four, torch.cat([torch.zeros(96, 1, 48), smooth], 1))
+    fd = four.finalize()
+    assert fd[fd.metric == "high_freq_delta_log_amp"].value.item() < \
+        fd[fd.metric == "high_freq_delta_log_amp_chance"].value.item() - 1

@@ -3,6 +3,7 @@ images occupy, and how much high-frequency amplitude the token maps carry [seed 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,16 +51,19 @@ class SVDVolume(_PerTap):
     eigenvalues of the covariance of each image's patch tokens, averaged over images; image level, the log
     eigenvalues of the covariance of the images' pooled patch tokens (GAP without prefix), from streamed
     moments. Rows: the spectra (``index`` = rank of the eigenvalue) and ``*_log_volume`` = their mean over
-    the top ``k`` eigenvalues (a larger volume = representations spread over more directions)."""
+    the top ``k`` eigenvalues (a larger volume = representations spread over more directions), and per layer
+    ``*_log_volume_chance``: the same for Gaussian features of the same shape and the same mean variance
+    (isotropic: the most volume that much variance can fill)."""
 
     name = "svd_volume"
     description = "token- and image-level covariance spectra (log eigenvalues) per layer"
-    _sums = ("tok", "sx", "sxx")
+    _sums = ("tok", "tvar", "sx", "sxx")
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32):
+    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32, seed: int = 0):
         super().__init__(vm, taps)
-        self.k = int(k)
+        self.k, self.seed = int(k), int(seed)
         self.tok: dict[str, torch.Tensor] = {}
+        self.tvar: dict[str, torch.Tensor] = {}  # sum over images of the mean variance of their tokens
         self.sx: dict[str, torch.Tensor] = {}
         self.sxx: dict[str, torch.Tensor] = {}
 
@@ -67,32 +71,50 @@ class SVDVolume(_PerTap):
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
             tok = G.token_log_spectrum(spatial).sum(0)
+            tvar = spatial.double().var(1).mean(1).sum()
             pooled = spatial.double().mean(1)
             self.tok[t] = self.tok[t] + tok if t in self.tok else tok
+            self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
             self.sx[t] = self.sx[t] + pooled.sum(0) if t in self.sx else pooled.sum(0)
             self.sxx[t] = self.sxx[t] + pooled.T @ pooled if t in self.sxx else pooled.T @ pooled
         self.n_images += len(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "k": self.k}
+        return {**super().state_dict(), "k": self.k, "seed": self.seed}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.k = int(state["k"])
+        self.k, self.seed = int(state["k"]), int(state["seed"])
+
+    def _chance_volumes(self, tokens_shape: tuple[int, int]) -> tuple[float, float]:
+        """Mean top-k log eigenvalue of unit-variance Gaussian tokens (up to 64 images of ``tokens_shape``)
+        and of unit-variance Gaussian pooled features of ``n_images`` images."""
+        g = torch.Generator().manual_seed(self.seed)
+        tok = G.token_log_spectrum(torch.randn(min(self.n_images, 64), *tokens_shape, generator=g)).mean(0)
+        img = G.covariance_spectrum(torch.randn(self.n_images, tokens_shape[1], generator=g)).clamp_min(G.EPS).log()
+        return float(tok[: self.k].mean()), float(img[: self.k].mean())
 
     def finalize(self) -> pd.DataFrame:
         rows = []
+        n_tokens = self.grid_size[0] * self.grid_size[1]
+        chance = None
         for t in self.taps:
             layer = parse_tap(t)[0]
             tok = (self.tok[t] / self.n_images).tolist()
-            img = G.spectrum_from_moments(self.sx[t], self.sxx[t], self.n_images).clamp_min(G.EPS).log().tolist()
-            for level, spec in (("token", tok), ("image", img)):
+            ev = G.spectrum_from_moments(self.sx[t], self.sxx[t], self.n_images)
+            img = ev.clamp_min(G.EPS).log().tolist()
+            if chance is None:
+                chance = self._chance_volumes((n_tokens, len(ev)))
+            var = {"token": float(self.tvar[t]) / self.n_images, "image": float(ev.sum()) / len(ev)}
+            for (level, spec), base in zip((("token", tok), ("image", img)), chance, strict=True):
                 for i, v in enumerate(spec):
                     rows.append({"metric": f"{level}_log_eigenvalue", "layer": layer, "tap": t, "index": i,
                                  "value": v})
                 top = spec[: self.k]
                 rows.append({"metric": f"{level}_log_volume", "layer": layer, "tap": t, "index": None,
                              "value": sum(top) / len(top)})
+                rows.append({"metric": f"{level}_log_volume_chance", "layer": layer, "tap": t, "index": None,
+                             "value": base + math.log(max(var[level], G.EPS))})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
@@ -103,7 +125,8 @@ class Fourier(_PerTap):
     """Fourier analysis of token maps per layer [seed 001; Park & Kim 2022]: patch tokens as (D, h, w)
     maps, 2-D FFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
     - log A(0) along the diagonal from the centre. Rows: the whole curve (``freq`` in units of π) and
-    ``high_freq_delta_log_amp`` at the highest frequency (closer to 0 = more high-frequency content)."""
+    ``high_freq_delta_log_amp`` at the highest frequency (closer to 0 = more high-frequency content); the
+    same for Gaussian white-noise tokens of the same shape as ``*_chance`` rows (no layer)."""
 
     name = "fourier"
     description = "relative log amplitude of token maps vs spatial frequency, per layer"
@@ -129,6 +152,15 @@ class Fourier(_PerTap):
                 rows.append({"metric": "delta_log_amp", "layer": layer, "tap": t, "freq": f, "value": d})
             rows.append({"metric": "high_freq_delta_log_amp", "layer": layer, "tap": t, "freq": float(freq[-1]),
                          "value": float(delta[-1])})
+        if self.taps and self.n_images:
+            g = torch.Generator().manual_seed(0)
+            d = self.amp[self.taps[0]]
+            noise = torch.randn(min(self.n_images, 64), d.shape[-2] * d.shape[-1], 64, generator=g)
+            freq, delta = G.diagonal_profile(G.log_amplitude_map(noise, tuple(d.shape[-2:])).mean(0))
+            for f, v in zip(freq.tolist(), delta.tolist(), strict=True):
+                rows.append({"metric": "delta_log_amp_chance", "layer": None, "tap": None, "freq": f, "value": v})
+            rows.append({"metric": "high_freq_delta_log_amp_chance", "layer": None, "tap": None,
+                         "freq": float(freq[-1]), "value": float(delta[-1])})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df

@@ -15,13 +15,21 @@ Figures = list[tuple[str, plt.Figure]]
 def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", label_suffix: str = "",
                 title: str | None = None, mark_best: bool = False) -> None:
     """One line per model of ``metric`` against the block index (mean over any other rows of a layer),
-    same colour per model across panels; optionally a star on the best layer."""
+    same colour per model across panels; optionally a star on the best layer. The model's random-chance
+    rows (``<metric>_chance``) are drawn dashed in its colour: a horizontal line when they have no layer,
+    else a line over the layers."""
     d = df[df.metric == metric]
     for k, (model, g) in enumerate(d.groupby("model", sort=False)):
         per_layer = g.groupby("layer")["value"].mean().sort_index()
         ax.plot(per_layer.index, per_layer.values, style, ms=3, color=f"C{k}", label=f"{model}{label_suffix}")
         if mark_best and len(per_layer):
             ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=f"C{k}")
+        chance = df[(df.metric == f"{metric}_chance") & (df.model == model)]
+        if chance["layer"].notna().any():
+            c = chance.groupby("layer")["value"].mean().sort_index()
+            ax.plot(c.index, c.values, "--", lw=1, color=f"C{k}", alpha=0.6)
+        elif len(chance):
+            ax.axhline(float(chance["value"].mean()), ls="--", lw=1, color=f"C{k}", alpha=0.6)
     if title:
         ax.set_title(title, fontsize=9)
     ax.set_xlabel("block")

@@ -21,10 +21,6 @@ def semantics(df: pd.DataFrame) -> Figures:
         for c, (metric, title) in enumerate(panels):
             ax = axes[r][c]
             layer_lines(ax, df[df.token_view == view], metric, title=f"{title} ({view})", mark_best=True)
-            for k, model in enumerate(dict.fromkeys(df[df.metric == metric]["model"])):
-                chance = df[(df.model == model) & (df.token_view == view) & (df.metric == f"{metric}_chance")]
-                if len(chance):
-                    ax.axhline(float(chance["value"].iloc[0]), ls="--", lw=1, color=f"C{k}", alpha=0.6)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     return [("Which layer knows the class: k-NN, linear probe and k-means purity per layer (star = best layer, "
