@@ -12,7 +12,11 @@ from vitscope.models.registry import REGISTRY
 SIZES = {"s": (384, 12), "b": (768, 12), "l": (1024, 24), "h": (1280, 32)}
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+OFFICIAL = sorted(n for n in REGISTRY if not n.startswith("zoo-"))
+ZOO = sorted(n for n in REGISTRY if n.startswith("zoo-"))
+
+
+@pytest.mark.parametrize("name", OFFICIAL)
 def test_entry_builds_with_the_size_its_name_says(name):
     spec = REGISTRY[name]
     with torch.device("meta"):
@@ -104,3 +108,40 @@ def test_random_init_is_deterministic_and_seeded():
 def test_timm_name_gets_timm_preprocessing():
     vm = vs.load_model("vit_base_patch16_clip_224.openai", pretrained=False, depth=1)
     assert vm.preprocessing.mean == pytest.approx((0.48145466, 0.4578275, 0.40821073))
+
+
+def test_zoo_entries_are_the_zoo_architecture_and_every_objective_is_there():
+    from vitscope.zoo import OBJECTIVES, ZOO_ARCH
+
+    assert set(ZOO) == {"zoo-sup", "zoo-dino", "zoo-mocov3", "zoo-mae", "zoo-simmim", "zoo-hybrid", "zoo-random"}
+    assert {REGISTRY[n].supervision for n in ZOO} - {"random init"} <= set(OBJECTIVES)
+    for n in ZOO:
+        vm = vs.load_model(n, pretrained=False)
+        assert (vm.depth, vm.embed_dim, vm.patch_size, vm.grid_size) == (ZOO_ARCH.depth, ZOO_ARCH.embed_dim,
+                                                                         ZOO_ARCH.patch_size, (ZOO_ARCH.grid,) * 2)
+
+
+@pytest.mark.parametrize("name", [n for n in ZOO if REGISTRY[n].weights.kind == "file"])
+def test_shipped_zoo_weights_load_strictly_and_were_trained_as_their_entry_says(name):
+    from vitscope.models.load import package_file, read_vitscope_metadata
+
+    f = package_file(REGISTRY[name].weights.location)
+    if not f.is_file():
+        pytest.skip(f"{name} is not trained yet")
+    vm = vs.load_model(name)
+    assert not vm.load_report.missing and not vm.load_report.unexpected
+    trained = read_vitscope_metadata(f)  # the spec the trainer wrote into the file
+    assert trained.preprocessing == REGISTRY[name].preprocessing
+    assert trained.model_kwargs == REGISTRY[name].model_kwargs and trained.arch == REGISTRY[name].arch
+    assert trained.family == REGISTRY[name].family
+
+
+def test_a_missing_shipped_file_says_how_to_point_at_one(monkeypatch):
+    from dataclasses import replace
+
+    from vitscope.models.registry import WeightSource
+
+    spec = replace(REGISTRY["zoo-mae"], name="zoo-gone", weights=WeightSource("file", "zoo/weights/gone/x.safetensors"))
+    monkeypatch.setitem(REGISTRY, "zoo-gone", spec)
+    with pytest.raises(vs.errors.WeightsUnavailableError, match=r"weights='/path/to/encoder.safetensors'"):
+        vs.load_model("zoo-gone")

@@ -263,3 +263,19 @@ def test_a_briefly_trained_model_beats_chance_at_every_layer():
     assert (after > before + 0.08).all(), (before, after)
     assert df[(df.metric == "probe_top1") & (df.layer == vm.depth - 1)].value.item() > \
         df[df.metric == "probe_top1_chance"].value.item() + 0.1
+
+
+@pytest.mark.parametrize("n", [120, 3000])  # one shared L-BFGS run / one run per set
+def test_probes_of_many_layers_at_once_equal_one_at_a_time(n):
+    g = torch.Generator().manual_seed(5)
+    y = torch.randint(0, 4, (n,), generator=g)
+    centres = torch.randn(4, 80, generator=g)
+    sets = torch.stack([s * centres[y] + torch.randn(n, 80, generator=g) for s in (0.0, 0.3, 1.0)])
+    test = torch.arange(n) % 4 == 0
+    accs, logits = S.linear_probes(sets[:, ~test], y[~test], sets[:, test], y[test], max_iter=300)
+    assert logits.shape == (3, int(test.sum()), 4)
+    for i in range(3):
+        acc, lg = S.linear_probe(sets[i, ~test], y[~test], sets[i, test], y[test], max_iter=300)
+        assert accs[i] == pytest.approx(acc, abs=2 / test.sum().item())  # converged to the same optimum
+        assert torch.corrcoef(torch.stack([lg.flatten(), logits[i].flatten()]))[0, 1] > 0.99
+    assert accs[0] < 0.4 < 0.9 < accs[2]

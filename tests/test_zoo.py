@@ -301,3 +301,78 @@ def test_cli_zoo_list_and_finetune_saves_chosen_epochs(tmp_path, tiny_init, caps
     # options that do not apply to the objective are refused, not ignored
     assert main(["zoo", "train", "--objective", "mae", "--lam", "0.3", "--out", str(tmp_path / "x")]) == 2
     assert "--lam applies to hybrid" in capsys.readouterr().err
+
+
+def test_evaluate_writes_knn_and_probe_to_the_card_and_they_match_a_direct_computation(tmp_path, tiny_init, capsys):
+    from vitscope.zoo.data import load_data
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "encoder.safetensors").write_bytes(tiny_init.read_bytes())
+    (run / "card.json").write_text(json.dumps({"name": "tiny", "final_knn": {}}))
+    assert main(["zoo", "evaluate", str(run), "--data", "synthetic", "--synthetic-n", "240", "120"]) == 0
+    e = json.loads((run / "card.json").read_text())["eval"]
+    assert e["data"] == "synthetic-shapes" and "20-NN CLS" in capsys.readouterr().out
+    # independently: the model's final-norm CLS tokens of the same generated train / test images, k-NN by hand
+    vm = vs.load_model(run / "encoder.safetensors")
+    ds = load_data("synthetic", size=vm.preprocessing.input_size, synthetic_n=(240, 120))
+    assert (e["n_train"], e["n_test"]) == (len(ds.train), len(ds.test))
+
+    def cls(images):
+        x = (images.float() / 255 - torch.tensor(vm.preprocessing.mean)[:, None, None]) \
+            / torch.tensor(vm.preprocessing.std)[:, None, None]
+        t = vs.extract(vm, x, ["final_norm"], batch_size=500)["final_norm"]
+        return torch.nn.functional.normalize(t[:, 0], dim=1)
+
+    tr, te = cls(ds.train.images), cls(ds.test.images)
+    sim = te @ tr.T
+    top, idx = sim.topk(20, dim=1)
+    rows = torch.arange(len(te))[:, None].expand_as(idx)
+    votes = torch.zeros(len(te), 12).index_put_((rows, ds.train.labels[idx]), (top / 0.07).exp(), accumulate=True)
+    assert e["knn20_cls"] == pytest.approx(float((votes.argmax(1) == ds.test.labels).double().mean()), abs=1e-9)
+    assert 0 <= e["probe_cls"] <= 1 and 0 <= e["probe_gap"] <= 1
+
+
+def _balanced_cifar(root, split, per_class):
+    """The first ``per_class`` files of each class in sorted order (the training monitor's subset), decoded."""
+    import numpy as np
+    from PIL import Image
+
+    images, labels = [], []
+    for c, d in enumerate(sorted(p for p in (root / split).iterdir() if p.is_dir())):
+        for f in sorted(d.iterdir())[:per_class]:
+            with Image.open(f) as im:
+                images.append(np.asarray(im.convert("RGB")))
+            labels.append(c)
+    return torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2), torch.tensor(labels)
+
+
+SHIPPED = [n for n, s in vs.models.registry.REGISTRY.items() if n.startswith("zoo-") and s.weights.kind == "file"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_zoo_models_give_the_accuracy_their_card_states(name):
+    """Through the registry, on the card's small fixed class-balanced CIFAR-10 subset (500 train / 200 test):
+    the 20-NN accuracy of the final CLS token equals the one `vitscope zoo evaluate` wrote into the card."""
+    from vitscope.models.load import package_file
+    from vitscope.zoo.data import find_cifar
+
+    weights = package_file(vs.models.registry.REGISTRY[name].weights.location)
+    root = find_cifar(None)
+    if not weights.is_file() or root is None:
+        pytest.skip("not trained yet" if not weights.is_file() else "no CIFAR-10 in ../shared/data")
+    card = json.loads((weights.parent / "card.json").read_text())
+    knn = {**card["eval"]["subset"], "k": card["eval"]["k"]}
+    vm = vs.load_model(name)
+    feats = []
+    for split, n in (("train", knn["n_train"]), ("test", knn["n_test"])):
+        x, y = _balanced_cifar(root, split, n // 10)
+        x = (x.float() / 255 - torch.tensor(vm.preprocessing.mean)[:, None, None]) \
+            / torch.tensor(vm.preprocessing.std)[:, None, None]
+        t = vs.extract(vm, x, ["final_norm"], batch_size=500)["final_norm"][:, 0]
+        feats.append((torch.nn.functional.normalize(t, dim=1), y))
+    (tr, ytr), (te, yte) = feats
+    top, idx = (te @ tr.T).topk(knn["k"], dim=1)
+    rows = torch.arange(len(te))[:, None].expand_as(idx)
+    votes = torch.zeros(len(te), 10).index_put_((rows, ytr[idx]), (top / 0.07).exp(), accumulate=True)
+    assert float((votes.argmax(1) == yte).double().mean()) == pytest.approx(knn[f"knn{knn['k']}_cls"], abs=0.011)

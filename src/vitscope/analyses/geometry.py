@@ -177,7 +177,7 @@ class TSNE(Analysis):
     name = "tsne"
     description = "2-D t-SNE of the patch tokens of a few images at chosen layers"
 
-    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 8, perplexity: float = 30.0, seed: int = 0):
+    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 4, perplexity: float = 30.0, seed: int = 0):
         super().__init__(vm)
         self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
         self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)

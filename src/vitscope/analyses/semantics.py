@@ -94,19 +94,26 @@ class Semantics(Analysis):
         self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
         self.n_images, self.unlabelled = int(state["n_images"]), int(state["unlabelled"])
 
-    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
+    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: float | None) -> dict[str, float]:
         out: dict[str, float] = {}
         c = int(y.max()) + 1
         if test.any() and (~test).any():
             for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c).items():
                 out[f"knn{k}_top1"], out[f"knn{k}_top5"] = t1, t5
-            if self.probe:
-                out["probe_top1"] = S.linear_probe(x[~test], y[~test], x[test], y[test], num_classes=c)[0]
+        if probe is not None:
+            out["probe_top1"] = probe
         k = len(torch.unique(y))
         if self.kmeans and len(x) > k > 1:
             for m, v in S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed).items():
                 out[f"kmeans_{m}"] = v
         return out
+
+    def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor) -> list[float | None]:
+        """Probe top-1 of each (n, D) feature set (all layers in one call)."""
+        if not self.probe or not test.any() or not (~test).any():
+            return [None] * len(feats)
+        return S.linear_probes([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
+                               num_classes=int(y.max()) + 1)[0]
 
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
@@ -118,12 +125,13 @@ class Semantics(Analysis):
                 continue
             y, test = t.column("labels"), t.column("is_test")
             n_test[v] = int(test.sum())
-            for j, layer in enumerate(self.layers):
-                for metric, val in self._scores(t.layer(j).float(), y, test).items():
-                    rows.append({"metric": metric, "layer": layer, "token_view": v, "value": val})
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
-            for metric, val in self._scores(noise, y, test).items():
-                rows.append({"metric": f"{metric}_chance", "layer": None, "token_view": v, "value": val})
+            feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
+            probes = self._probes(feats, y, test)
+            for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
+                suffix = "" if layer is not None else "_chance"
+                for metric, val in self._scores(x.float(), y, test, probe).items():
+                    rows.append({"metric": metric + suffix, "layer": layer, "token_view": v, "value": val})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         df["n_test"] = df["token_view"].map(n_test)

@@ -6,6 +6,8 @@ k-means purity / NMI / ARI (seed 003 §5.2), Kendall's tau of class rankings and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 from scipy.stats import kendalltau
@@ -48,26 +50,55 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     """Multinomial logistic regression fitted with L-BFGS on the full training set (a fixed budget of
     ``max_iter`` iterations, deterministic). ``standardize``: features normalised with the training mean
     and std first (what a BatchNorm without affine parameters does at convergence). Returns (top-1
-    accuracy on the test set, test logits)."""
+    accuracy on the test set, test logits). For many layers at once, `linear_probes`."""
+    accs, logits = linear_probes(train[None], train_labels, test[None], test_labels, standardize=standardize,
+                                 weight_decay=weight_decay, max_iter=max_iter, num_classes=num_classes)
+    return accs[0], logits[0]
+
+
+JOINT_MAX = 200_000  # n x D below which the probes of several layers share one L-BFGS run
+
+
+def linear_probes(train: Tensor | Sequence[Tensor], train_labels: Tensor, test: Tensor | Sequence[Tensor],
+                  test_labels: Tensor, *, standardize: bool = True, weight_decay: float = 1e-4, max_iter: int = 100,
+                  num_classes: int | None = None) -> tuple[list[float], Tensor]:
+    """`linear_probe` of L feature sets of the same images: train (L, n, D), test (L, m, D) (tensors or
+    sequences of L (n, D) / (m, D) tensors, any float dtype) -> (L top-1 accuracies, (L, m, C) test
+    logits). Small problems (n x D up to ``JOINT_MAX``), where L-BFGS's per-iteration Python overhead
+    dominates, are solved in one L-BFGS run whose loss is the sum of the L independent losses (each set has
+    its own weights; measured 2x faster for 12 layers of 400 x 192); larger ones one after the other, so
+    each stops as soon as it has converged."""
     c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
-    x, xt = train.float(), test.float()  # standardised features are well conditioned: float32 suffices
+    kw = {"standardize": standardize, "weight_decay": weight_decay, "max_iter": max_iter, "num_classes": c}
+    if len(train) > 1 and train[0].numel() > JOINT_MAX:
+        parts = [linear_probes(train[i][None], train_labels, test[i][None], test_labels, **kw)
+                 for i in range(len(train))]
+        return [p[0][0] for p in parts], torch.cat([p[1] for p in parts])
+    # standardised features are well conditioned: float32 suffices
+    x = train.float() if isinstance(train, Tensor) else torch.stack([t.float() for t in train])
+    xt = test.float() if isinstance(test, Tensor) else torch.stack([t.float() for t in test])
     if standardize:
-        mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
+        mu, sd = x.mean(1, keepdim=True), x.std(1, keepdim=True).clamp_min(1e-6)
         x, xt = (x - mu) / sd, (xt - mu) / sd
-    w = torch.zeros(x.shape[1], c, requires_grad=True)
-    b = torch.zeros(c, requires_grad=True)
+    n_sets = x.shape[0]
+    w = torch.zeros(n_sets, x.shape[2], c, requires_grad=True)
+    b = torch.zeros(n_sets, 1, c, requires_grad=True)
     opt = torch.optim.LBFGS([w, b], max_iter=max_iter, history_size=20, line_search_fn="strong_wolfe")
+    y = train_labels.repeat(n_sets)
 
     def closure() -> Tensor:
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(x @ w + b, train_labels) + weight_decay * (w * w).sum()
+        logits = torch.baddbmm(b, x, w).reshape(-1, c)
+        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum") / len(train_labels) \
+            + weight_decay * (w * w).sum()
         loss.backward()
         return loss
 
     with torch.enable_grad():
         opt.step(closure)
-    logits = (xt @ w + b).detach()
-    return float((logits.argmax(1) == test_labels).double().mean()), logits
+    logits = torch.baddbmm(b, xt, w).detach()
+    accs = (logits.argmax(2) == test_labels).double().mean(1)
+    return [float(a) for a in accs], logits
 
 
 def purity(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:

@@ -75,6 +75,12 @@ def load_model(
         report.loaded = list(model.state_dict())
     elif spec.weights.kind in ("url", "hf", "file"):
         path = _fetch(spec.weights.location, spec)
+        if spec.weights.kind == "file":
+            path = str(package_file(path))
+            if not Path(path).is_file():
+                raise WeightsUnavailableError(
+                    f"{spec.name}: its weights file {path} is not in this installation; pass "
+                    f"weights='/path/to/encoder.safetensors' ({spec.notes})")
         conv = ck.convert(ck.read_checkpoint(path, trust=trust_checkpoint), spec.weights.checkpoint_format,
                           dino_key=checkpoint_key)
         kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
@@ -149,6 +155,12 @@ def _create_timm_pretrained(spec: ModelSpec, kwargs: dict[str, Any]) -> torch.nn
         raise WeightsUnavailableError(
             f"could not fetch {spec.timm_name} weights for {spec.name} from the Hugging Face hub "
             f"({type(e).__name__}); {_LOCAL_HINT}.") from e
+
+
+def package_file(location: str) -> Path:
+    """A registry entry's ``file`` location: absolute as is, else relative to the vitscope package."""
+    p = Path(location)
+    return p if p.is_absolute() else Path(__file__).resolve().parents[1] / p
 
 
 def _fetch(location: str, spec: ModelSpec) -> str:

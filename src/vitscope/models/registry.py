@@ -19,6 +19,14 @@ INCEPTION_MEAN = (0.5, 0.5, 0.5)
 INCEPTION_STD = (0.5, 0.5, 0.5)
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)  # train split; the normalisation of every zoo model
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+
+# The controlled zoo's ViT (`vitscope.zoo`): 32 px input, 4 px patches (8x8 grid + CLS), 8 blocks of width
+# 96, 3 heads; built as timm's vit_small_patch16_224 with these sizes. Chosen by measurement: docs/ZOO.md.
+ZOO_TIMM_ARCH = "vit_small_patch16_224"
+ZOO_ARCH_KWARGS = {"img_size": 32, "patch_size": 4, "embed_dim": 96, "depth": 8, "num_heads": 3}
+ZOO_PREPROCESSING_ARGS = (CIFAR10_MEAN, CIFAR10_STD, 32, 1.0, "bilinear")  # no resize or crop at 32 px
 
 Family = Literal["explicit", "contrastive", "reconstructive", "hybrid", "none"]
 SourceKind = Literal["timm", "hf", "url", "file", "manual", "none"]
@@ -192,3 +200,22 @@ for _size, _arch in [("s14", "vit_small_patch14"), ("b14", "vit_base_patch14"), 
         f"dinov2-{_size}-reg", f"{_arch}_reg4_dinov2", "hybrid", "dinov2",
         WeightSource("timm", "lvd142m"), _DINOV2_PRE, {"num_classes": 0, "img_size": 224},
         citation=f"{_DINOV2}; {_REG}", notes="With 4 register tokens (5 prefix tokens in all)."))
+
+# The controlled zoo (`vitscope zoo`, docs/ZOO.md): one small ViT per objective, same data (CIFAR-10) and
+# budget; the weights ship with the package (float16 safetensors), paths relative to the package.
+_ZOO_PRE = Preprocessing(*ZOO_PREPROCESSING_ARGS)
+for _name, _objective, _family, _citation in [
+        ("zoo-sup", "supervised", "explicit", "Dosovitskiy et al., An Image is Worth 16x16 Words (ICLR 2021)"),
+        ("zoo-dino", "dino", "contrastive", _DINO), ("zoo-mocov3", "mocov3", "contrastive", _MOCO),
+        ("zoo-mae", "mae", "reconstructive", _MAE), ("zoo-simmim", "simmim", "reconstructive", _SIMMIM),
+        ("zoo-hybrid", "hybrid", "hybrid", "Park et al., What do self-supervised ViTs learn? (ICLR 2023)")]:
+    register(ModelSpec(
+        _name, ZOO_TIMM_ARCH, _family, _objective,
+        WeightSource("file", f"zoo/weights/{_objective}/encoder.safetensors", "timm"), _ZOO_PRE,
+        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _objective == "supervised" else 0}, citation=_citation,
+        notes=f"vitscope controlled zoo, trained on CIFAR-10 (card: zoo/weights/{_objective}/card.json); "
+              f"retrain: vitscope zoo train --objective {_objective} --out DIR"))
+register(ModelSpec(
+    "zoo-random", ZOO_TIMM_ARCH, "none", "random init", WeightSource("none"), _ZOO_PRE,
+    {**ZOO_ARCH_KWARGS, "num_classes": 0}, citation="",
+    notes="the zoo's architecture, randomly initialised (seeded): what the architecture gives for free"))

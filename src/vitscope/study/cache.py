@@ -38,6 +38,11 @@ def model_key(spec: ModelSpec, weights: str | None, pretrained: bool, checkpoint
     if weights and "://" not in weights and Path(weights).is_file():
         st = Path(weights).stat()
         src = [str(Path(weights).resolve()), st.st_size, st.st_mtime_ns]
+    elif not weights and pretrained and spec.weights.kind == "file":  # shipped weights: their content decides
+        from vitscope.models.load import package_file
+
+        f = package_file(spec.weights.location)
+        src = hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
     return digest(asdict(spec), src, pretrained, checkpoint_format, seed if (not pretrained and not weights) else None,
                   kwargs)
 

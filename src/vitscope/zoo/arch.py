@@ -22,13 +22,17 @@ import torch
 from timm.layers import resample_abs_pos_embed
 from timm.models.vision_transformer import VisionTransformer
 
-from vitscope.models.registry import Preprocessing
+from vitscope.models.registry import (
+    CIFAR10_MEAN,
+    CIFAR10_STD,
+    ZOO_ARCH_KWARGS,
+    ZOO_PREPROCESSING_ARGS,
+    ZOO_TIMM_ARCH,
+    Preprocessing,
+)
 
-TIMM_ARCH = "vit_small_patch16_224"  # the timm entry point; every size argument is overridden below
-
-# CIFAR-10 channel statistics (train split), the normalisation of every zoo model.
-CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR_STD = (0.2470, 0.2435, 0.2616)
+TIMM_ARCH = ZOO_TIMM_ARCH  # the timm entry point; every size argument is overridden below
+CIFAR_MEAN, CIFAR_STD = CIFAR10_MEAN, CIFAR10_STD  # the normalisation of every zoo model
 
 
 @dataclass(frozen=True)
@@ -68,12 +72,14 @@ class ZooArch:
 # width 96 with 3 heads of 32 dims (0.91 M parameters). Measured on 1 core (CPU time per training step,
 # interleaved): as fast as depth 6 x width 128 x 4 heads (128 vs 115 images/s supervised, 103 vs 93 image-
 # views/s DINO) with two more layers; depth 8 x 128 costs 1.3-1.4x, depth 6 x 192 1.7-1.9x (docs/ZOO.md).
-ZOO_ARCH = ZooArch(img_size=32, patch_size=4, embed_dim=96, depth=8, num_heads=3)
+# (The numbers live with the zoo's registry entries, `vitscope.models.registry.ZOO_ARCH_KWARGS`.)
+ZOO_ARCH = ZooArch(**ZOO_ARCH_KWARGS)
 
 
 def zoo_preprocessing(img_size: int = 32) -> Preprocessing:
     """How the zoo's images are fed: CIFAR statistics, no resize or crop at evaluation."""
-    return Preprocessing(CIFAR_MEAN, CIFAR_STD, img_size, 1.0, "bilinear")
+    mean, std, _, crop, interp = ZOO_PREPROCESSING_ARGS
+    return Preprocessing(mean, std, img_size, crop, interp)
 
 
 def build_encoder(arch: ZooArch = ZOO_ARCH, num_classes: int = 0) -> VisionTransformer:

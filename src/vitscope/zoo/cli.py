@@ -1,4 +1,4 @@
-"""``vitscope zoo``: train a model of the controlled zoo, list the objectives."""
+"""``vitscope zoo``: train a model of the controlled zoo, evaluate it, list the objectives and shipped models."""
 
 from __future__ import annotations
 
@@ -70,6 +70,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    import torch
+
+    from vitscope.zoo.evaluate import add_to_card
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n))
+    e = card["eval"]
+    print(f"{card['name']} on {e['data']} ({e['n_train']} train / {e['n_test']} test images): "
+          f"20-NN CLS {e['knn20_cls']:.3f} GAP {e['knn20_gap']:.3f}, linear probe CLS {e['probe_cls']:.3f} "
+          f"GAP {e['probe_gap']:.3f} -> {args.run_dir}/card.json")
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from vitscope.zoo.arch import ZOO_ARCH
     from vitscope.zoo.objectives import OBJECTIVES
@@ -86,11 +101,27 @@ def _cmd_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     for r in [head, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
+    print("\nshipped (load with vitscope.load_model(name)):")
+    from vitscope.models.load import package_file
+    from vitscope.models.registry import REGISTRY
+
+    for name, spec in REGISTRY.items():
+        if not name.startswith("zoo-") or spec.weights.kind != "file":
+            continue
+        card = package_file(spec.weights.location).parent / "card.json"
+        if not card.is_file():
+            print(f"  {name:11s} not trained yet")
+            continue
+        c = json.loads(card.read_text())
+        e = c.get("eval") or {}
+        acc = f"20-NN CLS {e['knn20_cls']:.3f}, probe CLS {e['probe_cls']:.3f}" if e else \
+            f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)"
+        print(f"  {name:11s} {c['image_views']:,} image-views of {c['data']['name']}: {acc}")
     return 0
 
 
 def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """Add ``zoo train`` and ``zoo list`` to the ``vitscope`` command's subparsers."""
+    """Add ``zoo train``, ``zoo evaluate`` and ``zoo list`` to the ``vitscope`` command's subparsers."""
     z = subparsers.add_parser("zoo", help="train the controlled zoo: one small ViT per objective, one budget",
                               epilog=ZOO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     zsub = z.add_subparsers(dest="zoo_command", required=True, metavar="ZOO_COMMAND")
@@ -133,6 +164,14 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     t.set_defaults(func=_cmd_train)
 
-    ls = zsub.add_parser("list", help="the objectives, the architecture and the budget")
+    ev = zsub.add_parser("evaluate", help="20-NN and linear-probe accuracy of a trained run, written to its card")
+    ev.add_argument("run_dir", help="a `zoo train` output directory (encoder.safetensors + card.json)")
+    ev.add_argument("--data", default=None, help="as for `zoo train` (default: the CIFAR-10 it finds)")
+    ev.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ev.add_argument("--synthetic-n", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"),
+                    help="sizes of the generated set when no CIFAR-10 is used")
+    ev.set_defaults(func=_cmd_evaluate)
+
+    ls = zsub.add_parser("list", help="the objectives, the architecture, the budget and the shipped models")
     ls.set_defaults(func=_cmd_list)
     return z
