@@ -376,3 +376,41 @@ def test_shipped_zoo_models_give_the_accuracy_their_card_states(name):
     rows = torch.arange(len(te))[:, None].expand_as(idx)
     votes = torch.zeros(len(te), 10).index_put_((rows, ytr[idx]), (top / 0.07).exp(), accumulate=True)
     assert float((votes.argmax(1) == yte).double().mean()) == pytest.approx(knn[f"knn{knn['k']}_cls"], abs=0.011)
+
+
+def test_findings_compare_the_groups_means_and_say_whether_each_holds(tmp_path, capsys):
+    from vitscope.zoo.findings import check
+
+    fam = {"c1": "contrastive", "c2": "contrastive", "m1": "reconstructive", "m2": "reconstructive", "r": "none"}
+    (tmp_path / "results").mkdir()
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"models": {m: {"objective_family": f, "depth": 6} for m, f in fam.items()}}))
+    rng = torch.Generator().manual_seed(0)
+    rows, expected = [], {}
+    for m in fam:  # attention distance: layers 0..5, 2 heads; late layers = 4, 5
+        vals = torch.rand(6, 2, generator=rng) * 10
+        expected[m] = vals[4:].mean().item()
+        rows += [{"model": m, "metric": "distance_px", "layer": layer, "head": h, "value": vals[layer, h].item()}
+                 for layer in range(6) for h in range(2)]
+    pd.DataFrame(rows).to_parquet(tmp_path / "results" / "attention_distance.parquet")
+    knn = {"c1": [.2, .3, .5, .6, .7, .8], "c2": [.2, .3, .4, .5, .6, .9], "m1": [.3, .6, .5, .4, .4, .3],
+           "m2": [.3, .5, .7, .5, .4, .4], "r": [.1] * 6}
+    sem = [{"model": m, "metric": "knn20_top1", "layer": i, "token_view": "cls", "value": v}
+           for m, vs_ in knn.items() for i, v in enumerate(vs_)]
+    pd.DataFrame(sem).to_parquet(tmp_path / "results" / "semantics.parquet")
+    cka = {("c1", "c2"): 0.9, ("c1", "m1"): 0.2, ("c1", "m2"): 0.4, ("c2", "m1"): 0.3, ("m2", "c2"): 0.5}
+    pd.DataFrame([{"model": a, "model_b": b, "metric": "cka_minibatch", "token_view": "cls", "layer": 5, "layer_b": 5,
+                   "value": v} for (a, b), v in cka.items()]).to_parquet(tmp_path / "results" / "cka.parquet")
+    t = check(tmp_path).set_index("measure")
+    dist = t.loc["mean attention distance (px), late layers"]
+    assert dist.contrastive == pytest.approx((expected["c1"] + expected["c2"]) / 2)
+    assert dist.mim == pytest.approx((expected["m1"] + expected["m2"]) / 2)
+    assert dist.holds == (dist.contrastive > dist.mim)
+    last = t.loc["20-NN top-1 (CLS), last block"]
+    assert (last.contrastive, last.mim, last.holds) == (pytest.approx(.85), pytest.approx(.35), True)
+    peak = t.loc["block of the best 20-NN top-1 (CLS)"]
+    assert (peak.contrastive, peak.mim, peak.holds) == (5, 1.5, True)
+    sim = t.iloc[-1]
+    assert (sim.contrastive, sim.mim, sim.holds) == (pytest.approx(.9), pytest.approx(.35), True)
+    assert main(["zoo", "findings", str(tmp_path)]) == 0
+    assert "| contrastive models have the better last-layer k-NN [003]" in capsys.readouterr().out

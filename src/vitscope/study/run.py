@@ -126,7 +126,10 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
         akey = digest(mkey, dkey, name, params, cfg.dtype)
         jobs.append(Job(name, params, akey, cache.path(mkey, name, akey), cache.path(mkey, name, akey, shard)))
     info: ModelInfo | None = None
-    mmeta: dict[str, Any] = {"source": mc.name, "model_key": mkey}
+    trained = bool(mc.weights) or (mc.pretrained and spec.weights.kind != "none")
+    mmeta: dict[str, Any] = {"source": mc.name, "model_key": mkey,
+                             "supervision": spec.supervision if trained else "random init",
+                             "objective_family": spec.family if trained else "none"}
     for job in jobs:  # finished entries: no model needed
         entry = cache.load(job.final)
         if entry is not None and entry.get("finished"):

@@ -85,6 +85,17 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_findings(args: argparse.Namespace) -> int:
+    from vitscope.zoo.findings import check, to_markdown
+
+    table = check(args.run_dir)
+    if table.empty:
+        raise VitscopeError(f"{args.run_dir}: no finding could be checked (the study needs contrastive and "
+                            "reconstructive models and the attention / semantics / fourier / cka analyses)")
+    print(to_markdown(table))
+    return 0
+
+
 def _cmd_list(args: argparse.Namespace) -> int:
     from vitscope.zoo.arch import ZOO_ARCH
     from vitscope.zoo.objectives import OBJECTIVES
@@ -171,6 +182,10 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     ev.add_argument("--synthetic-n", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"),
                     help="sizes of the generated set when no CIFAR-10 is used")
     ev.set_defaults(func=_cmd_evaluate)
+
+    fi = zsub.add_parser("findings", help="which of the sources' findings (contrastive vs MIM) hold in a study")
+    fi.add_argument("run_dir", help="a finished `vitscope run` output directory")
+    fi.set_defaults(func=_cmd_findings)
 
     ls = zsub.add_parser("list", help="the objectives, the architecture, the budget and the shipped models")
     ls.set_defaults(func=_cmd_list)
