@@ -50,47 +50,54 @@ class SVDVolume(_PerTap):
     """Volume occupied by tokens and images, per layer [seed 001 "SVD analysis"]: token level, the log
     eigenvalues of the covariance of each image's patch tokens, averaged over images; image level, the log
     eigenvalues of the covariance of the images' pooled patch tokens (GAP without prefix), from streamed
-    moments. Rows: the spectra (``index`` = rank of the eigenvalue) and ``*_log_volume`` = their mean over
-    the top ``k`` eigenvalues (a larger volume = representations spread over more directions), and per layer
+    moments. The token level uses the images whose id is a multiple of ``token_every`` (an eigendecomposition
+    per image and layer, as costly as a small ViT's forward at ``token_every=1``). Rows: the spectra
+    (``index`` = rank of the eigenvalue) and ``*_log_volume`` = their mean over the top ``k`` eigenvalues
+    (a larger volume = representations spread over more directions), and per layer
     ``*_log_volume_chance``: the same for Gaussian features of the same shape and the same mean variance
     (isotropic: the most volume that much variance can fill)."""
 
     name = "svd_volume"
     description = "token- and image-level covariance spectra (log eigenvalues) per layer"
-    _sums = ("tok", "tvar", "sx", "sxx")
+    _sums = ("tok", "tvar", "ntok", "sx", "sxx")
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32, seed: int = 0):
+    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32, seed: int = 0, token_every: int = 4):
         super().__init__(vm, taps)
-        self.k, self.seed = int(k), int(seed)
-        self.tok: dict[str, torch.Tensor] = {}
-        self.tvar: dict[str, torch.Tensor] = {}  # sum over images of the mean variance of their tokens
+        self.k, self.seed, self.token_every = int(k), int(seed), max(1, int(token_every))
+        self.tok: dict[str, torch.Tensor] = {}  # sums over the token-level images (id % token_every == 0)
+        self.tvar: dict[str, torch.Tensor] = {}  # ... of the mean variance of their tokens
+        self.ntok: dict[str, torch.Tensor] = {}  # ... and their number
         self.sx: dict[str, torch.Tensor] = {}
         self.sxx: dict[str, torch.Tensor] = {}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        sel = (batch.index % self.token_every == 0).to(feats[self.taps[0]].device)
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
-            tok = G.token_log_spectrum(spatial).sum(0)
-            tvar = spatial.double().var(1).mean(1).sum()
+            some = spatial[sel]
+            tok = G.token_log_spectrum(some).sum(0) if len(some) else 0.0
+            tvar = some.double().var(1).mean(1).sum()
             pooled = spatial.double().mean(1)
-            self.tok[t] = self.tok[t] + tok if t in self.tok else tok
+            self.tok[t] = self.tok[t] + tok if t in self.tok else torch.as_tensor(tok, dtype=torch.float64)
             self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
+            self.ntok[t] = self.ntok[t] + len(some) if t in self.ntok else torch.tensor(len(some))
             self.sx[t] = self.sx[t] + pooled.sum(0) if t in self.sx else pooled.sum(0)
             self.sxx[t] = self.sxx[t] + pooled.T @ pooled if t in self.sxx else pooled.T @ pooled
         self.n_images += len(batch)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "k": self.k, "seed": self.seed}
+        return {**super().state_dict(), "k": self.k, "seed": self.seed, "token_every": self.token_every}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
-        self.k, self.seed = int(state["k"]), int(state["seed"])
+        self.k, self.seed, self.token_every = int(state["k"]), int(state["seed"]), int(state["token_every"])
 
     def _chance_volumes(self, tokens_shape: tuple[int, int]) -> tuple[float, float]:
         """Mean top-k log eigenvalue of unit-variance Gaussian tokens (up to 64 images of ``tokens_shape``)
         and of unit-variance Gaussian pooled features of ``n_images`` images."""
         g = torch.Generator().manual_seed(self.seed)
-        tok = G.token_log_spectrum(torch.randn(min(self.n_images, 64), *tokens_shape, generator=g)).mean(0)
+        n_tok = max(1, min(int(next(iter(self.ntok.values()))), 64))
+        tok = G.token_log_spectrum(torch.randn(n_tok, *tokens_shape, generator=g)).mean(0)
         img = G.covariance_spectrum(torch.randn(self.n_images, tokens_shape[1], generator=g)).clamp_min(G.EPS).log()
         return float(tok[: self.k].mean()), float(img[: self.k].mean())
 
@@ -100,12 +107,13 @@ class SVDVolume(_PerTap):
         chance = None
         for t in self.taps:
             layer = parse_tap(t)[0]
-            tok = (self.tok[t] / self.n_images).tolist()
+            ntok = max(int(self.ntok[t]), 1)
+            tok = (self.tok[t] / ntok).tolist()
             ev = G.spectrum_from_moments(self.sx[t], self.sxx[t], self.n_images)
             img = ev.clamp_min(G.EPS).log().tolist()
             if chance is None:
                 chance = self._chance_volumes((n_tokens, len(ev)))
-            var = {"token": float(self.tvar[t]) / self.n_images, "image": float(ev.sum()) / len(ev)}
+            var = {"token": float(self.tvar[t]) / ntok, "image": float(ev.sum()) / len(ev)}
             for (level, spec), base in zip((("token", tok), ("image", img)), chance, strict=True):
                 for i, v in enumerate(spec):
                     rows.append({"metric": f"{level}_log_eigenvalue", "layer": layer, "tap": t, "index": i,
