@@ -185,3 +185,14 @@ def test_default_study_lists_every_analysis():
     from vitscope.analyses import ANALYSES
 
     assert set(load_config().analyses) == set(ANALYSES)
+
+
+def test_the_default_study_needs_nothing_from_the_network():
+    """Every model of `vitscope run`'s default is untrained or has its weights in the package."""
+    from vitscope.models.load import package_file, resolve_spec
+
+    for m in load_config().models:
+        spec = resolve_spec(m.name)
+        if m.pretrained and not m.weights and spec.weights.kind != "none":
+            assert spec.weights.kind == "file" and package_file(spec.weights.location).is_file(), m.name
+    assert load_config().dataset.name.startswith("synthetic")
