@@ -11,6 +11,7 @@ rerun relative to the first run (goal < 5%).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -53,8 +54,9 @@ def main() -> None:
                        f"analyses:\n{analyses}\nbatch_size: {args.batch}\nprogress: false\n")
         overrides = [f"output_dir={tmp}/run", f"cache_dir={tmp}/cache"]
         t0 = time.perf_counter()
-        run_study(load_config(cfg, overrides))
+        run_dir = run_study(load_config(cfg, overrides))
         first = time.perf_counter() - t0
+        manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
         t0 = time.perf_counter()
         run_study(load_config(cfg, overrides))
         cached = time.perf_counter() - t0
@@ -64,6 +66,18 @@ def main() -> None:
     print(f"  bare forward passes (sum): {bare:7.2f} s")
     print(f"  study, first run:          {first:7.2f} s = {first / bare:.2f}x the bare forwards (goal <= 1.5x)")
     print(f"  study, cached rerun:       {cached:7.2f} s = {100 * cached / first:.1f}% of the first run (goal < 5%)")
+    print("  where the first run's time went (manifest timings):")
+    fin: dict[str, float] = {}
+    for label, m in manifest["models"].items():
+        t = m.get("timings", {})
+        print(f"    {label}: load {t.get('load', 0):.1f} s, pass {t.get('pass', 0):.1f} s, "
+              f"finalize {sum(t.get('finalize', {}).values()):.1f} s")
+        for k, v in t.get("finalize", {}).items():
+            fin[k] = fin.get(k, 0.0) + v
+    print("    finalize by analysis (both models): " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                                           sorted(fin.items(), key=lambda kv: -kv[1])))
+    t = manifest.get("timings", {})
+    print(f"    cross-model stage and tables {t.get('cross_and_tables', 0):.1f} s, report {t.get('report', 0):.1f} s")
 
 
 if __name__ == "__main__":

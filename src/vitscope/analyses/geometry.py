@@ -178,17 +178,20 @@ class Fourier(_PerTap):
 class TSNE(Analysis):
     """Token-level t-SNE [seed 001 "Token-level t-SNE visualization"]: the patch tokens of the first
     ``n_images`` images (by dataset index) at the chosen layers, embedded in 2-D with scikit-learn's t-SNE
-    (fixed seed). Rows: one per token with ``x``, ``y``, ``image`` (dataset index) and ``token`` (patch index);
-    value = the image's label (or -1). Tokens of one image that stay together = the model does not tell its
-    tokens apart (contrastive models, per the source); mixed across images = tokens carry local content."""
+    (fixed seed, ``max_iter`` iterations of which the first 250 exaggerate). Rows: one per token with ``x``,
+    ``y``, ``image`` (dataset index) and ``token`` (patch index); value = the image's label (or -1). Tokens
+    of one image that stay together = the model does not tell its tokens apart (contrastive models, per the
+    source); mixed across images = tokens carry local content."""
 
     name = "tsne"
     description = "2-D t-SNE of the patch tokens of a few images at chosen layers"
 
-    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 4, perplexity: float = 30.0, seed: int = 0):
+    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 4, perplexity: float = 30.0, seed: int = 0,
+                 max_iter: int = 500):
         super().__init__(vm)
         self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
         self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)
+        self.max_iter = max(250, int(max_iter))  # scikit-learn's minimum; cost is linear in it
         self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # image id -> ((L, S, D) float16, label)
 
     def required_taps(self) -> list[str]:
@@ -227,7 +230,8 @@ class TSNE(Analysis):
             for j, layer in enumerate(self.layers):
                 x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
                 perplexity = min(self.perplexity, (len(x) - 1) / 3)
-                emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed).fit_transform(x)
+                emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
+                             max_iter=self.max_iter).fit_transform(x)
                 for r, (ex, ey) in enumerate(emb):
                     img = ids[r // S]
                     rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,

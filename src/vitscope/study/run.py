@@ -93,7 +93,9 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     previous = out / "manifest.json"
     unchanged = all_cached and previous.is_file() and (out / "report.html").is_file() and \
         json.loads(previous.read_text()).get("results_key") == results_key
+    timings: dict[str, Any] = {}
     if not unchanged:
+        t0 = time.perf_counter()
         for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
             cross = type(group[0]).cross(group)
             if cross is not None and len(cross):
@@ -102,6 +104,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
             parts = [p for p in parts if p is not None and len(p)]
             if parts:
                 pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
+        timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
@@ -109,7 +112,11 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
 
+        t0 = time.perf_counter()
         write_report(out)
+        timings["report"] = round(time.perf_counter() - t0, 2)
+        manifest["timings"] = timings
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     dist.barrier()
     return out
 
@@ -141,7 +148,9 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
             job.frame = _relabel(entry.get("frame"), entry.get("label"), label)
             mmeta.update(entry.get("model_meta", {}))
     todo = [j for j in jobs if not j.finished]
+    timings: dict[str, Any] = {}
     if todo:
+        t0 = time.perf_counter()
         vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
                         checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=cfg.device, **mc.kwargs)
         vm.name = label
@@ -156,7 +165,10 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
             if part is not None and part.get("batch_size") == cfg.batch_size:
                 job.analysis.load_state_dict(part["state"])
                 job.done = int(part["done"])
+        timings["load"] = round(time.perf_counter() - t0, 2)
+        t0 = time.perf_counter()
         _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch)
+        timings["pass"] = round(time.perf_counter() - t0, 2)
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
@@ -164,7 +176,9 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
                     other = get_analysis(job.name)(vm, **job.params)
                     other.load_state_dict(state)
                     job.analysis.merge(other)
+                t0 = time.perf_counter()
                 job.frame = job.analysis.finalize()  # once: a cached rerun reads the table back
+                timings.setdefault("finalize", {})[job.name] = round(time.perf_counter() - t0, 2)
                 with cache.lock(mkey):
                     cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
                                            "info": asdict(info), "model_meta": mmeta, "params": job.params,
@@ -177,6 +191,8 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
     for job in jobs:
         if job.frame is None and dist.is_main:
             job.frame = job.analysis.finalize()
+    if timings:
+        mmeta = {**mmeta, "timings": timings}
     return info, jobs, mmeta
 
 
