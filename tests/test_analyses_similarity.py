@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -160,3 +161,114 @@ def test_gram_groups_shift_only_when_the_mean_matters_and_stay_precise():
         got = C.cka_from_gram_list([c[1]["x"][None] for c in closed], [c[1]["y"][None] for c in closed]).item()
         ref = C.minibatch_cka(base, other, batch_size=16)  # float64, no offset: HSIC_1 is shift-invariant
         assert got == pytest.approx(ref, rel=1e-5)
+
+
+def _fake_vm(name="m", depth=3):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, depth=depth, num_heads=1, grid_size=(2, 2), patch_size=16, num_prefix_tokens=1,
+                           has_cls_token=True)
+
+
+def _layer_feats(n, tokens, dim, depth=3, offset=0.0, seed=0):
+    """(N, T, D) float32 features per layer: a random walk over layers, plus a common offset."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, tokens, dim, generator=g, dtype=torch.float64)
+    out = []
+    for _ in range(depth):
+        x = x + 0.7 * torch.randn(n, tokens, dim, generator=g, dtype=torch.float64)
+        out.append((x + offset).float())
+    return out
+
+
+def _feed(analysis, feats, order, fwd):
+    """Forward batches of `fwd` images, in the order of the image ids `order`."""
+    from vitscope.data.base import Batch
+
+    for s in range(0, len(order), fwd):
+        idx = torch.as_tensor(order[s:s + fwd])
+        analysis.update({f"block{i}.out": f[idx] for i, f in enumerate(feats)}, Batch(images=idx, index=idx))
+    return analysis
+
+
+def _ref_minibatch_cka_f64(xs, ys, bs):
+    """Independent float64 minibatch CKA (numpy): literal HSIC_1 on consecutive batches of `bs` (the last kept
+    if it has >= 4 examples), equal weight per batch; xs, ys: lists of (N, F) arrays."""
+    import numpy as np
+
+    def hsic(K, L):
+        n = len(K)
+        K, L = K - np.diag(np.diag(K)), L - np.diag(np.diag(L))
+        one = np.ones(n)
+        return (np.trace(K @ L) + (one @ K @ one) * (one @ L @ one) / ((n - 1) * (n - 2))
+                - 2 / (n - 2) * (one @ K @ L @ one)) / (n * (n - 3))
+
+    N = len(xs[0])
+    bounds = [(s, min(s + bs, N)) for s in range(0, N, bs) if min(s + bs, N) - s >= 4]
+    out = np.empty((len(xs), len(ys)))
+    for a, x in enumerate(xs):
+        for c, y in enumerate(ys):
+            kl = kk = ll = 0.0
+            for s, e in bounds:
+                K, L = x[s:e] @ x[s:e].T, y[s:e] @ y[s:e].T
+                kl, kk, ll = kl + hsic(K, L), kk + hsic(K, K), ll + hsic(L, L)
+            out[a, c] = kl / np.sqrt(kk * ll)
+    return out
+
+
+@pytest.mark.parametrize("offset", [0.0, 10.0])
+def test_cka_gram_cache_all_tokens_with_large_mean_matches_float64_reference(offset):
+    from vitscope.analyses.similarity import CKA
+    from vitscope.metrics import cka as C
+
+    n, tokens, dim = 44, 9, C.CHUNKED_GRAM_MIN_FEATURES // 9 + 11  # all-token view goes through the chunked kernel
+    feats = _layer_feats(n, tokens, dim, offset=offset)
+    ref_all = _ref_minibatch_cka_f64([f.double().reshape(n, -1).numpy() for f in feats],
+                                     [f.double().reshape(n, -1).numpy() for f in feats], 16)
+    ref_cls = _ref_minibatch_cka_f64([f[:, 0].double().numpy() for f in feats],
+                                     [f[:, 0].double().numpy() for f in feats], 16)
+    errs = []
+    for fwd in (16, 7):  # whole CKA batches used in place / rows waiting for their group
+        a = _feed(CKA(_fake_vm(), taps="block*.out", views=["all", "cls"], batch_size=16), feats, list(range(n)), fwd)
+        assert all(g.dtype == torch.float32 for gs in a.grams.values() for g in gs)
+        assert (a.groups.ref["all|block2.out"] is not None) == (offset > 0)  # shift only when the mean matters
+        got_all, got_cls = a.matrix("all").numpy(), a.matrix("cls").numpy()
+        errs += [np.abs(got_all - ref_all).max(), np.abs(got_cls - ref_cls).max()]
+        np.testing.assert_array_equal(got_all, got_all.T)
+    assert max(errs) < 1e-6
+    if offset:  # the same float32 Grams without the shift lose digits: the reference can tell the difference
+        naive = [[C.gram_matrix(f.reshape(n, -1)[s:s + 16]) for s in (0, 16, 32)] for f in feats]
+        assert np.abs(C.cka_from_gram_streams(naive).numpy() - ref_all).max() > 10 * max(errs)
+
+
+def test_cka_independent_of_arrival_order_shards_and_resume():
+    from vitscope.analyses.similarity import CKA
+
+    n = 48
+    feats = _layer_feats(n, 5, 24, offset=3.0, seed=1)
+    other = _layer_feats(n, 5, 24, offset=-2.0, seed=2)
+
+    def make(name):
+        return CKA(_fake_vm(name), taps="block*.out", views=["gap", "all"], batch_size=8)
+
+    whole = _feed(make("a"), feats, list(range(n)), 8)
+    perm = [int(i) for i in torch.randperm(n // 8, generator=torch.Generator().manual_seed(3))]
+    shuffled = _feed(make("a"), feats, [b * 8 + j for b in perm for j in range(8)], 8)  # same batches, other order
+    first = _feed(make("a"), feats, list(range(24)), 8)
+    first.merge(_feed(make("a"), feats, list(range(24, n)), 8))
+    resumed = make("a")
+    resumed.load_state_dict(first.state_dict())
+    b_whole = _feed(make("b"), other, list(range(n)), 8)
+    b_shuffled = _feed(make("b"), other, [b * 8 + j for b in perm for j in range(8)], 8)
+    for view in ("gap", "all"):
+        ref = whole.matrix(view).numpy()
+        for got in (shuffled, first, resumed):
+            np.testing.assert_allclose(got.matrix(view).numpy(), ref, rtol=0, atol=2e-7)
+        cross = whole.matrix(view, b_whole).numpy()
+        np.testing.assert_allclose(whole.matrix(view, b_shuffled).numpy(), cross, rtol=0, atol=2e-7)
+        np.testing.assert_allclose(cross, _ref_minibatch_cka_f64(_f64(feats, view), _f64(other, view), 8), atol=1e-6)
+
+
+def _f64(feats, view):
+    """float64 (N, F) features of a token view ('gap' or 'all')."""
+    return [(f.double().mean(1) if view == "gap" else f.double()).reshape(len(f), -1).numpy() for f in feats]

@@ -291,6 +291,108 @@ def test_gram_list_validation() -> None:
         C.cka_from_gram_list([torch.eye(3)[None]])
 
 
+def _ref_cka_loops(Ks: list[list[np.ndarray]], Ls: list[list[np.ndarray]], w: list[float]) -> np.ndarray:
+    """CKA matrix from per-tap lists of per-minibatch matrices, by the loop HSIC_1 (NaN for a non-positive
+    denominator)."""
+    out = np.empty((len(Ks), len(Ls)))
+    for a, ks in enumerate(Ks):
+        for c, ls in enumerate(Ls):
+            num = sum(wb * ref_hsic1(k, l) for wb, k, l in zip(w, ks, ls, strict=True))
+            den = sum(wb * ref_hsic1(k, k) for wb, k in zip(w, ks, strict=True)) * sum(
+                wb * ref_hsic1(l, l) for wb, l in zip(w, ls, strict=True))
+            out[a, c] = num / math.sqrt(den) if den > 0 else math.nan
+    return out
+
+
+def test_cka_from_grams_is_exact_for_non_symmetric_matrices() -> None:
+    rng = np.random.default_rng(22)
+    sym = _random_gram_stack(rng, 3, 4, 7)
+    skew = rng.standard_normal(sym.shape)
+    ga = sym + 0.3 * (skew - np.swapaxes(skew, -1, -2))  # K != Kᵀ: tr(K̃L̃) and 1ᵀK̃L̃1 depend on the order
+    gb = _random_gram_stack(rng, 2, 4, 7) + 0.2 * rng.standard_normal((2, 4, 7, 7))
+    w = [1.0, 2.0, 0.5, 3.0]
+    got = C.cka_from_grams(torch.from_numpy(ga), torch.from_numpy(gb), weights=w).numpy()
+    expected = _ref_cka_loops([list(k) for k in ga], [list(k) for k in gb], w)
+    np.testing.assert_allclose(got, expected, rtol=1e-9)
+    self_got = C.cka_from_grams(torch.from_numpy(ga)).numpy()
+    np.testing.assert_allclose(self_got, _ref_cka_loops([list(k) for k in ga], [list(k) for k in ga], [1.0] * 4),
+                               rtol=1e-9)
+    assert not np.allclose(self_got, self_got.T, rtol=1e-6)  # not symmetrised: HSIC_1(K, L) != HSIC_1(L, K) here
+
+
+def test_gram_streams_match_loop_reference_and_gram_list() -> None:
+    rng = np.random.default_rng(23)
+    x, y = correlated_pair(rng, 51, 9, 6, 0.8)  # minibatches of 16, 16, 16 and 3 (left out, with a warning)
+    taps_a = [x, np.tanh(x @ rng.standard_normal((9, 5)))]
+    taps_b = [y, y[:, :3] + 0.5 * rng.standard_normal((51, 3)), x[:, :4] ** 2]
+    bounds = [(0, 16), (16, 32), (32, 48), (48, 51)]
+    streams_a = [[torch.from_numpy(ref_gram(t[s:e])).float() for s, e in bounds] for t in taps_a]
+    streams_b = [[torch.from_numpy(ref_gram(t[s:e])).float() for s, e in bounds] for t in taps_b]
+    exact_a = [[g.double().numpy() for g in st[:3]] for st in streams_a]  # the float32 Grams' exact values
+    exact_b = [[g.double().numpy() for g in st[:3]] for st in streams_b]
+    with pytest.warns(UserWarning, match=r"3 of 51 examples"):
+        got = C.cka_from_gram_streams(streams_a, streams_b)
+    assert got.shape == (2, 3) and got.dtype == torch.float64
+    np.testing.assert_allclose(got.numpy(), _ref_cka_loops(exact_a, exact_b, [1.0] * 3), rtol=1e-10)
+    per_batch_a = [torch.stack(g) for g in zip(*streams_a, strict=True)]
+    per_batch_b = [torch.stack(g) for g in zip(*streams_b, strict=True)]
+    with pytest.warns(UserWarning):
+        np.testing.assert_allclose(got.numpy(), C.cka_from_gram_list(per_batch_a, per_batch_b).numpy(), rtol=1e-12)
+    # weights, one per minibatch (the skipped one's is ignored), and a tap set against itself
+    w = [1.0, 3.0, 2.0, 5.0]
+    with pytest.warns(UserWarning):
+        got_w = C.cka_from_gram_streams(streams_a, streams_b, weights=w).numpy()
+    np.testing.assert_allclose(got_w, _ref_cka_loops(exact_a, exact_b, w[:3]), rtol=1e-10)
+    with pytest.warns(UserWarning):
+        self_cka = C.cka_from_gram_streams(streams_b).numpy()
+    np.testing.assert_allclose(self_cka, _ref_cka_loops(exact_b, exact_b, [1.0] * 3), rtol=1e-10)
+    np.testing.assert_array_equal(self_cka, self_cka.T)
+
+
+def test_gram_streams_validation() -> None:
+    g4, g5 = torch.eye(4), torch.eye(5)
+    with pytest.raises(ValueError, match="empty"):
+        C.cka_from_gram_streams([])
+    with pytest.raises(ValueError, match="minibatches"):
+        C.cka_from_gram_streams([[g4, g4]], [[g4]])
+    with pytest.raises(ValueError, match="shapes"):
+        C.cka_from_gram_streams([[g4, g5], [g4, g4]])
+    with pytest.raises(ValueError, match="square"):
+        C.cka_from_gram_streams([[torch.zeros(4, 5)]])
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_gram_matrix_kernels_match_float64_product(shift: bool) -> None:
+    rng = np.random.default_rng(24)
+    n, t = 40, 3
+    d = C.CHUNKED_GRAM_MIN_FEATURES // t + 7  # several chunks, the last one partial
+    x32 = torch.from_numpy(rng.standard_normal((2 * n, t, d)) + 10.0).float()[::2]  # rows not contiguous
+    feats = x32.reshape(n, -1)
+    assert not feats.is_contiguous() and feats.shape[1] >= C.CHUNKED_GRAM_MIN_FEATURES
+    ref = x32[:8].double().mean(0).reshape(-1).float() if shift else None
+    centred = feats.double().numpy() - (ref.double().numpy() if shift else 0.0)  # exact values of the inputs
+    expected = centred @ centred.T
+    got = C.gram_matrix(feats, ref)
+    assert got.dtype == torch.float32 and got.shape == (n, n)
+    scale = np.abs(expected).max()
+    assert np.abs(got.double().numpy() - expected).max() / scale < 2e-6
+    # half-precision input is converted chunk by chunk; float64 stays float64
+    half = feats.bfloat16()
+    hc = half.double().numpy() - (ref.double().numpy() if shift else 0.0)
+    got_h = C.gram_matrix(half, ref, torch.float32)
+    assert got_h.dtype == torch.float32
+    assert np.abs(got_h.double().numpy() - hc @ hc.T).max() / np.abs(hc @ hc.T).max() < 2e-6
+    got_64 = C.gram_matrix(feats.double(), None if ref is None else ref.double())
+    assert got_64.dtype == torch.float64
+    np.testing.assert_allclose(got_64.numpy(), expected, rtol=1e-12, atol=1e-12 * scale)
+    # the chunk buffer is reused, not allocated per call: per-call 1 MB buffers interleaved with the small
+    # Grams a cache keeps fragment the heap (~1 MB lost per kept Gram)
+    before = C._chunk_buffer(1, torch.float32).data_ptr()
+    kept = [C.gram_matrix(feats, ref) for _ in range(3)]
+    assert C._chunk_buffer(1, torch.float32).data_ptr() == before
+    assert all(torch.equal(k, got) for k in kept)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # minibatch_cka: partial batches, full batch, precision trick
 # ----------------------------------------------------------------------------------------------------------

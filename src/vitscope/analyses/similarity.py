@@ -1,9 +1,9 @@
 """Representation similarity: minibatch CKA from cached Gram matrices (math in `vitscope.metrics.cka`).
 
 Per feature stream (a tap seen through a token view) only the n x n Gram of each minibatch of n images is
-kept (n = 32: 8 KB per batch), images grouped in arrival order and the groups' image ids recorded, so two
-models fed the same images produce aligned Grams. Any pair of streams, within a model or across models
-computed in separate runs, is then a batched reduction over batches (`cka_from_gram_list`).
+kept (n = 32: 4 KB per batch in float32), images grouped in arrival order and the groups' image ids recorded,
+so two models fed the same images produce aligned Grams. Any pair of streams, within a model or across
+models computed in separate runs, is then a batched reduction over batches (`cka_from_gram_streams`).
 
 Analyses here:
   cka            every pair of the requested taps per token view, within the model; across models in `cross`
@@ -32,11 +32,14 @@ from vitscope.metrics import cka as C
 class GramGroups:
     """Groups the rows of several feature streams into CKA minibatches of ``n`` images, in arrival order.
 
-    ``add`` returns the groups it completed, each as (image ids, {stream: n x n Gram (float64)}). Features are
-    shifted by a fixed reference (each stream's first-batch mean) before the Gram: HSIC_1 is unchanged by a
-    constant shift, and the float32 product keeps its precision. Rows of an open group wait (at most n - 1).
-    A stream whose key starts with ``*`` is a group of G streams given as (B, G, F): its Grams come out
-    stacked (G, n, n), computed in one batched product (e.g. one stream per head or per token position).
+    ``add`` returns the groups it completed, each as (image ids, {stream: n x n float32 Gram}). A stream is
+    shifted by a fixed reference (its first group's mean) before the Gram when that mean carries a good part
+    of the features' energy (see `_needs_shift`): HSIC_1 is unchanged by a constant shift, and the float32
+    product keeps its precision. The Grams are exact products of the float32 features: the float64 reduction
+    loses nothing by their being kept in float32. Rows of an open group wait (at most n - 1); a batch that
+    fills whole groups is used in place, without a copy. A stream whose key starts with ``*`` is a group of
+    G streams given as (B, G, F): its Grams come out stacked (G, n, n), computed in one batched product
+    (e.g. one stream per head or per token position).
     """
 
     def __init__(self, n: int):
@@ -48,30 +51,39 @@ class GramGroups:
         self.ref: dict[str, torch.Tensor | None] = {}
 
     def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
-        for k, x in feats.items():
-            shape = (x.shape[0], x.shape[1], -1) if k.startswith("*") else (x.shape[0], -1)
-            x = x.reshape(shape).float()
-            if k not in self.ref:
-                self.ref[k] = _reference(x)
-            self.pending[k] = torch.cat([self.pending[k], x]) if k in self.pending else x
-        self.pending_ids = torch.cat([self.pending_ids, ids.cpu().long()])
-        return self._close(final=False)
+        rows = {k: x.reshape(x.shape[0], x.shape[1], -1) if k.startswith("*") else x.reshape(x.shape[0], -1)
+                for k, x in feats.items()}
+        ids = ids.cpu().long()
+        if len(self.pending_ids):
+            rows = {k: torch.cat([self.pending[k], x]) for k, x in rows.items()}
+            ids = torch.cat([self.pending_ids, ids])
+        return self._close(rows, ids, final=False)
 
     def flush(self) -> list[tuple[torch.Tensor, dict]]:
-        return self._close(final=True)
+        return self._close(self.pending, self.pending_ids, final=True)
 
-    def _close(self, final: bool) -> list[tuple[torch.Tensor, dict]]:
+    def _close(self, rows: dict[str, torch.Tensor], ids: torch.Tensor, final: bool) -> list[tuple[torch.Tensor, dict]]:
         out = []
-        while len(self.pending_ids) >= self.n or (final and len(self.pending_ids) > 0):
-            take = min(self.n, len(self.pending_ids))
-            grams = {k: (_grouped_gram if k.startswith("*") else C.gram_linear)(x[:take], self.ref[k])
-                     for k, x in self.pending.items()}
-            self.pending = {k: x[take:] for k, x in self.pending.items()}
-            out.append((self.pending_ids[:take], grams))
-            self.pending_ids = self.pending_ids[take:]
-        if len(self.pending_ids) == 0:
-            self.pending = {}
+        start = 0
+        while len(ids) - start >= self.n or (final and len(ids) > start):
+            stop = min(start + self.n, len(ids))
+            out.append((ids[start:stop], self._grams({k: x[start:stop] for k, x in rows.items()})))
+            start = stop
+        self.pending = {k: x[start:] for k, x in rows.items()} if start < len(ids) else {}
+        self.pending_ids = ids[start:]
         return out
+
+    def _grams(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        grams = {}
+        for k, x in rows.items():
+            gram = _grouped_gram if k.startswith("*") else _gram
+            if k not in self.ref:  # first group: shift only if the mean matters, judged from the plain Gram
+                g = gram(x, None)
+                self.ref[k] = _reference(x) if _needs_shift(g) else None
+                grams[k] = g if self.ref[k] is None else gram(x, self.ref[k])
+            else:
+                grams[k] = gram(x, self.ref[k])
+        return grams
 
     def state_dict(self) -> dict[str, Any]:
         return {"n": self.n, "pending": dict(self.pending), "pending_ids": self.pending_ids, "ref": dict(self.ref)}
@@ -83,22 +95,35 @@ class GramGroups:
 SHIFT_MIN_ENERGY = 0.1
 
 
-def _reference(x: torch.Tensor) -> torch.Tensor | None:
-    """The first batch's mean, if it carries at least SHIFT_MIN_ENERGY of the features' energy; else None.
+def _needs_shift(g: torch.Tensor) -> bool:
+    """Whether the first group's mean carries at least SHIFT_MIN_ENERGY of the features' energy, read off its
+    plain Gram(s) (n, n) or (G, n, n): |mean|^2 = 1ᵀK1 / n^2 and mean |x|^2 = tr(K) / n.
 
     The shift exists for precision only (HSIC_1 is shift-invariant): a float32 Gram loses digits in proportion
     to mean energy / centred energy. Below 10% of the energy in the mean that loss is at most ~1.1x that of
-    centred features, and skipping the shift saves a pass over the features (which costs about as much as the
-    Gram product itself)."""
-    mean = x.mean(0)
-    energy = x.pow(2).sum(-1).mean(0)  # per group for (B, G, F), scalar for (B, F)
-    return mean if bool((mean.pow(2).sum(-1) >= SHIFT_MIN_ENERGY * energy).any()) else None
+    centred features, and skipping the shift saves a subtraction per Gram. Reading the ratio off the Gram
+    costs nothing more; when the shift is needed, the first group's Gram is computed once more, shifted."""
+    n = g.shape[-1]
+    mean_energy = g.sum(dim=(-2, -1)) / (n * n)
+    energy = g.diagonal(dim1=-2, dim2=-1).sum(dim=-1) / n
+    return bool((mean_energy >= SHIFT_MIN_ENERGY * energy).any())
+
+
+def _reference(x: torch.Tensor) -> torch.Tensor:
+    """The mean of the rows, (F,) or (G, F), in float32."""
+    return x.float().mean(0)
+
+
+def _gram(x: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
+    """(n, F) rows -> (n, n) float32 Gram after subtracting the (F,) reference (`metrics.cka.gram_matrix`)."""
+    return C.gram_matrix(x, ref, torch.float32)
 
 
 def _grouped_gram(x: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
-    """(n, G, F) rows of G streams -> (G, n, n) float64 Grams, after subtracting the (G, F) reference."""
+    """(n, G, F) rows of G streams -> (G, n, n) float32 Grams, after subtracting the (G, F) reference."""
+    x = x.float()
     xc = (x if ref is None else x - ref).transpose(0, 1)  # (G, n, F)
-    return torch.bmm(xc, xc.transpose(1, 2)).double()
+    return torch.bmm(xc, xc.transpose(1, 2))
 
 
 class _GramAnalysis(Analysis):
@@ -167,12 +192,10 @@ class _GramAnalysis(Analysis):
             if order is None:
                 raise ValueError(f"{self.model_name} and {other.model_name} saw different images or batches; "
                                  "cross-model CKA needs the same images in the same CKA batches")
-        list_a = [torch.stack(g) for g in zip(*(a.grams[k] for k in keys_a), strict=True)]
-        list_b = None
+        streams_b = None
         if keys_b is not None or other is not None:
-            per_b = [torch.stack(g) for g in zip(*(b.grams[k] for k in (keys_b or keys_a)), strict=True)]
-            list_b = [per_b[i] for i in order]
-        return C.cka_from_gram_list(list_a, list_b)
+            streams_b = [[b.grams[k][i] for i in order] for k in (keys_b or keys_a)]
+        return C.cka_from_gram_streams([a.grams[k] for k in keys_a], streams_b)
 
 
 def _alignment(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> list[int] | None:
