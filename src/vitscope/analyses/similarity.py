@@ -380,16 +380,18 @@ class Diversity(Analysis):
             heads = feats[f"block{i}.heads"].float()
             B, T, D = heads.shape
             per_head = heads.reshape(B, T, H, D // H)
+            # cosines of unit vectors in float32 (bounded terms), summed in float64
             u = torch.nn.functional.normalize(per_head, dim=-1)
-            sim = torch.einsum("bthd,btgd->hg", u.double(), u.double()) / (B * T)
+            sim = torch.einsum("bthd,btgd->hg", u, u).double() / (B * T)
             self.cos_heads[j] += (sim.sum() - sim.diagonal().sum()) / (H * (H - 1)) * B
             spatial = feats[f"block{i}.out"][:, P:].float()
-            v = torch.nn.functional.normalize(spatial, dim=-1).double()
+            v = torch.nn.functional.normalize(spatial, dim=-1)
             S = v.shape[1]
-            tot = (v.sum(1).pow(2).sum(-1) - S) / (S * (S - 1))  # mean over pairs p != p' per image
+            tot = (v.sum(1).double().pow(2).sum(-1) - S) / (S * (S - 1))  # mean over pairs p != p' per image
             self.cos_tokens[j] += tot.sum()
-            x_in, x_mid = feats[self._input_tap(i)].double(), feats[f"block{i}.resid_mid"].double()
-            self.cos_depth[j] += torch.nn.functional.cosine_similarity(x_in, x_mid, dim=-1).mean(1).sum()
+            x_in, x_mid = feats[self._input_tap(i)].float(), feats[f"block{i}.resid_mid"].float()
+            cos = torch.nn.functional.cosine_similarity(x_in, x_mid, dim=-1)
+            self.cos_depth[j] += cos.double().mean(1).sum()
             streams[f"*h{j}"] = per_head.permute(0, 2, 1, 3)  # (B, H, T, hd): one stream per head
             streams[f"*t{j}"] = spatial  # (B, S, D): one stream per spatial position
             streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
