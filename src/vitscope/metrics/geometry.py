@@ -56,7 +56,7 @@ def log_amplitude_map(tokens: Tensor, grid_size: tuple[int, int]) -> Tensor:
     if S != h * w:
         raise ValueError(f"{S} tokens do not fill a {h}x{w} grid")
     maps = tokens.float().transpose(1, 2).reshape(B, D, h, w)  # FFT in float32; the channel mean in float64
-    amp = torch.fft.fft2(maps).abs().clamp_min(EPS).log().double().mean(dim=1)
+    amp = torch.fft.fft2(maps).abs().clamp_min(EPS).log().mean(dim=1, dtype=torch.float64)
     return torch.fft.fftshift(amp, dim=(-2, -1))
 
 
