@@ -35,3 +35,12 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
     ax.set_xlabel("block")
     ax.grid(alpha=0.3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def grid_layout(fig: plt.Figure, left: float = 0.55, right: float = 0.12, top: float = 0.32, bottom: float = 0.45,
+                wspace: float = 0.32, hspace: float = 0.62) -> None:
+    """Fixed margins (inches) for a grid of small panels: ``tight_layout`` measures every tick label and
+    cost half the time of a many-panel figure; panels of layer curves have labels of known size."""
+    w, h = fig.get_size_inches()
+    fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h,
+                        wspace=wspace, hspace=hspace)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, layer_lines, plt
+from vitscope.report.figures._common import Figures, grid_layout, layer_lines, plt
 
 PANELS = [("knn20_top1", "20-NN top-1"), ("probe_top1", "linear probe top-1"), ("kmeans_purity", "k-means purity")]
 
@@ -22,7 +22,7 @@ def semantics(df: pd.DataFrame) -> Figures:
             ax = axes[r][c]
             layer_lines(ax, df[df.token_view == view], metric, title=f"{title} ({view})", mark_best=True)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    grid_layout(fig)
     return [("Which layer knows the class: k-NN, linear probe and k-means purity per layer (star = best layer, "
              "dashed = the same metric on Gaussian features of the same shape)", fig)]
 
