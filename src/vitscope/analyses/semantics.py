@@ -37,14 +37,14 @@ class Semantics(Analysis):
 
     def __init__(self, vm: Any, layers: Any = None, views: Any = ("cls", "gap", "gap_spatial", "object", "part"),
                  max_images: int = 5000, test_every: int = 5, ks: Any = (10, 20, 100, 200), kmeans: bool = True,
-                 probe: bool = True, seed: int = 0, min_region_tokens: float = 0.5):
+                 probe: bool = True, seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.max_images, self.test_every, self.ks = int(max_images), int(test_every), tuple(int(k) for k in ks)
         self.kmeans, self.probe, self.seed = bool(kmeans), bool(probe), int(seed)
-        self.min_region_tokens = float(min_region_tokens)
+        self.min_region_tokens, self.kmeans_n_init = float(min_region_tokens), int(kmeans_n_init)
         self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
         self.unlabelled = 0
 
@@ -104,8 +104,8 @@ class Semantics(Analysis):
             out["probe_top1"] = probe
         k = len(torch.unique(y))
         if self.kmeans and len(x) > k > 1:
-            for m, v in S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed).items():
-                out[f"kmeans_{m}"] = v
+            scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
+            out.update({f"kmeans_{m}": v for m, v in scores.items()})
         return out
 
     def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor) -> list[float | None]:
