@@ -16,7 +16,8 @@ def svd_volume(df: pd.DataFrame) -> Figures:
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     return [("Volume occupied by the tokens of one image (left) and by the images (right), per layer: "
-             "higher = spread over more directions", fig)]
+             "higher = spread over more directions (dashed: isotropic Gaussian features of the same shape and "
+             "variance, the most that variance can fill)", fig)]
 
 
 def fourier(df: pd.DataFrame) -> Figures:
@@ -28,7 +29,7 @@ def fourier(df: pd.DataFrame) -> Figures:
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.append(("High-frequency amplitude of the token maps per layer: closer to 0 = more high-frequency "
-                "(texture-like) content", fig))
+                "(texture-like) content (dashed: white-noise tokens of the same shape)", fig))
     curves = df[df.metric == "delta_log_amp"]
     for model, g in curves.groupby("model", sort=False):
         fig, ax = plt.subplots(figsize=(4.2, 3.2))
