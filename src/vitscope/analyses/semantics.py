@@ -138,7 +138,7 @@ class Semantics(Analysis):
         return df
 
     def probe_logits(self, view: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(test logits of the probe, test labels, test ids) at one layer and image-level view."""
+        """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
         y, ids, test = t.column("labels"), t.column("ids"), t.column("is_test")
         x = t.layer(self.layers.index(layer)).float()

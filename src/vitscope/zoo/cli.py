@@ -115,11 +115,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("\nshipped (load with vitscope.load_model(name)):")
     from vitscope.models.load import package_file
     from vitscope.models.registry import REGISTRY
+    from vitscope.zoo.train import CARD_FILE
 
     for name, spec in REGISTRY.items():
         if not name.startswith("zoo-") or spec.weights.kind != "file":
             continue
-        card = package_file(spec.weights.location).parent / "card.json"
+        card = package_file(spec.weights.location).parent / CARD_FILE
         if not card.is_file():
             print(f"  {name:11s} not trained yet")
             continue

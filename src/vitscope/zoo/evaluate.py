@@ -10,7 +10,6 @@ T = 0.07); probe: multinomial logistic regression on standardised features, L-BF
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +18,8 @@ import torch
 
 from vitscope.data.transforms import normalize
 from vitscope.metrics import semantics as S
+from vitscope.zoo.train import CARD_FILE, WEIGHTS_FILE, write_card
 
-CARD_FILE, WEIGHTS_FILE = "card.json", "encoder.safetensors"
 SUBSET = (500, 200)  # train, test images of the quick check (class-balanced, first files of each class)
 
 
@@ -70,10 +69,7 @@ def add_to_card(run_dir: str | Path, data: str | Path | None = None,
                 synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
     """Evaluate ``run_dir/encoder.safetensors`` and write the result into ``run_dir/card.json`` under 'eval'."""
     run_dir = Path(run_dir)
-    card_path = run_dir / CARD_FILE
-    card = json.loads(card_path.read_text())
+    card = json.loads((run_dir / CARD_FILE).read_text())
     card["eval"] = evaluate(run_dir / WEIGHTS_FILE, data, synthetic_n=synthetic_n)
-    tmp = card_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(card, indent=2, default=str))
-    os.replace(tmp, card_path)
+    write_card(run_dir, card)
     return card

@@ -386,10 +386,15 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
         "weights": str(Path(weights).resolve()),
         "versions": {"torch": torch.__version__, "timm": _timm_version(), "threads": torch.get_num_threads()},
     }
+    write_card(out, card)
+    return card
+
+
+def write_card(out: Path, card: dict[str, Any]) -> None:
+    """``out/card.json``, written atomically (temporary file renamed into place)."""
     tmp = out / (CARD_FILE + ".tmp")
     tmp.write_text(json.dumps(card, indent=2, default=str))
     os.replace(tmp, out / CARD_FILE)
-    return card
 
 
 def _timm_version() -> str:
