@@ -37,6 +37,16 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def layer_figure(df: pd.DataFrame, metric: str, ylabel: str, figsize: tuple[float, float] = (5.5, 3.2)) -> plt.Figure:
+    """One panel of `layer_lines` for ``metric``, with a y label and the models' legend."""
+    fig, ax = plt.subplots(figsize=figsize)
+    layer_lines(ax, df, metric)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def grid_layout(fig: plt.Figure, left: float = 0.55, right: float = 0.12, top: float = 0.32, bottom: float = 0.45,
                 wspace: float = 0.32, hspace: float = 0.62) -> None:
     """Fixed margins (inches) for a grid of small panels: ``tight_layout`` measures every tick label and

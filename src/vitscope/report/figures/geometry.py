@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, layer_lines, plt
+from vitscope.report.figures._common import Figures, layer_figure, layer_lines, plt
 
 
 def svd_volume(df: pd.DataFrame) -> Figures:
@@ -23,11 +23,7 @@ def svd_volume(df: pd.DataFrame) -> Figures:
 def fourier(df: pd.DataFrame) -> Figures:
     """Δ log amplitude at the highest frequency per layer [seed 001 "Fourier analysis"], and the curves."""
     out: Figures = []
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    layer_lines(ax, df, "high_freq_delta_log_amp")
-    ax.set_ylabel("Δ log amplitude (highest freq.)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig = layer_figure(df, "high_freq_delta_log_amp", "Δ log amplitude (highest freq.)")
     out.append(("High-frequency amplitude of the token maps per layer: closer to 0 = more high-frequency "
                 "(texture-like) content (dashed: white-noise tokens of the same shape)", fig))
     curves = df[df.metric == "delta_log_amp"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, layer_lines, plt
+from vitscope.report.figures._common import Figures, layer_figure, layer_lines, plt
 
 
 def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.cm.ScalarMappable:
@@ -33,12 +33,8 @@ def cka(df: pd.DataFrame) -> Figures:
                     "the diagonal of a model against itself is 1.", fig))
     div = df[df.metric == "cka_divergence"]
     if len(div):
-        fig, ax = plt.subplots(figsize=(5.5, 3.4))
         pairs = div.assign(model=div["model"] + " vs " + div["model_b"] + " (" + div["token_view"] + ")")
-        layer_lines(ax, pairs, "cka_divergence")
-        ax.set_ylabel("1 - CKA (same layer)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
+        fig = layer_figure(pairs, "cka_divergence", "1 - CKA (same layer)", figsize=(5.5, 3.4))
         out.append(("CKA divergence per layer between models (e.g. pretrained vs fine-tuned): "
                     "higher = the layer changed more", fig))
     return out
