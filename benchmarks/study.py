@@ -5,7 +5,7 @@ passes over the same images (fused attention, batches drawn the same way, data g
 both), their ratio (goal <= 1.5x: everything that is not the forward pass), and the time of a fully cached
 rerun relative to the first run (goal < 5%).
 
-    python benchmarks/study.py [--images 512] [--batch 32]
+    python benchmarks/study.py [--images 512] [--batch 32] [--size s|ti]
 """
 
 from __future__ import annotations
@@ -23,17 +23,23 @@ from vitscope.analyses import ANALYSES
 from vitscope.data import SyntheticShapes
 from vitscope.study import load_config, run_study
 
-MODELS = [
-    ("vit_tiny_patch16_224", "vit-ti16", {}),
-    ("beit_base_patch16_224", "beit-ti16", {"embed_dim": 192, "num_heads": 3, "init_values": 0.1}),
-]
+# The smallest models of the sources' comparisons are ViT-S/16 (DINO, MoCo v3); "ti" is smaller still,
+# where the analyses' per-token work weighs most against a forward pass.
+PAIRS = {
+    "s": [("vit_small_patch16_224", "vit-s16", {}),
+          ("beit_base_patch16_224", "beit-s16", {"embed_dim": 384, "num_heads": 6, "init_values": 0.1})],
+    "ti": [("vit_tiny_patch16_224", "vit-ti16", {}),
+           ("beit_base_patch16_224", "beit-ti16", {"embed_dim": 192, "num_heads": 3, "init_values": 0.1})],
+}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=512)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--size", choices=sorted(PAIRS), default="s", help="the model pair: ViT + BEiT, S or Ti")
     args = ap.parse_args()
+    MODELS = PAIRS[args.size]
     vs.capture.engine.tune_allocator()  # the study tunes it too: same conditions for both sides
 
     bare = 0.0
@@ -72,6 +78,8 @@ def main() -> None:
         t = m.get("timings", {})
         print(f"    {label}: load {t.get('load', 0):.1f} s, pass {t.get('pass', 0):.1f} s, "
               f"finalize {sum(t.get('finalize', {}).values()):.1f} s")
+        print("      pass: " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                     sorted(t.get("pass_parts", {}).items(), key=lambda kv: -kv[1])))
         for k, v in t.get("finalize", {}).items():
             fin[k] = fin.get(k, 0.0) + v
     print("    finalize by analysis (both models): " + ", ".join(f"{k} {v:.1f} s" for k, v in

@@ -95,6 +95,9 @@ def test_svd_volume_and_fourier_from_the_pipeline_equal_direct_computation(token
     assert got_tok[:8] == pytest.approx(tok[:8], rel=1e-5)
     vol = df[df.metric == "token_log_volume"].value.item()
     assert vol == pytest.approx(tok[:4].mean(), rel=1e-5)
+    # the chance row is scaled by the tokens' mean channel variance
+    mean_var = np.mean([s.var(0, ddof=1).mean() for s in sp1[ids % token_every == 0]])
+    assert float(svd.tvar["block1.out"] / svd.ntok["block1.out"]) == pytest.approx(mean_var, rel=1e-6)
     sp2 = f["block2.out"][:, 5:].double().numpy()
     amp = _numpy_log_amp(sp2, 4, 4).mean(0)
     ref = np.array([amp[2 + j, 2 + j] for j in range(2)])
@@ -182,3 +185,16 @@ def test_chance_rows_match_gaussian_features_and_sit_above_low_rank_ones():
     fd = four.finalize()
     assert fd[fd.metric == "high_freq_delta_log_amp"].value.item() < \
         fd[fd.metric == "high_freq_delta_log_amp_chance"].value.item() - 1
+
+
+@pytest.mark.parametrize("grid", [(4, 4), (5, 6), (7, 7), (8, 8), (14, 14)])
+def test_diagonal_log_amplitude_is_the_diagonal_of_the_fft_map(grid):
+    h, w = grid
+    g = torch.Generator().manual_seed(h * w)
+    t = torch.randn(3, h * w, 7, generator=g, dtype=torch.float64) + torch.rand(7, generator=g, dtype=torch.float64)
+    full = _numpy_log_amp(t.numpy(), h, w)
+    steps = min(h - h // 2, w - w // 2)
+    ref = np.stack([full[:, h // 2 + j, w // 2 + j] for j in range(steps)], 1)
+    got = G.diagonal_log_amplitude(t, grid)
+    assert got.shape == (3, steps) and got.dtype == torch.float64
+    assert got.numpy() == pytest.approx(ref, abs=2e-5)

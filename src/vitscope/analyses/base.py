@@ -35,6 +35,9 @@ PAIR_COLUMNS = ["model_b", "layer_b"]
 class Analysis(ABC):
     name: ClassVar[str]
     description: ClassVar[str] = ""
+    #: raised when the meaning or layout of ``state_dict`` changes: part of the cache key, so states written
+    #: by an older version are recomputed instead of misread
+    state_version: ClassVar[int] = 1
 
     def __init__(self, vm: ViTModel, **params: Any):
         self.model_name = vm.name

@@ -75,9 +75,10 @@ class SVDVolume(_PerTap):
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
             some = spatial[sel]
-            tok = G.token_log_spectrum(some).sum(0) if len(some) else 0.0
-            tvar = some.double().var(1).mean(1).sum()
-            pooled = spatial.double().mean(1)
+            ev = G.covariance_spectrum(some) if len(some) else torch.zeros(0, 1, dtype=torch.float64)
+            tok = ev.clamp_min(G.EPS).log().sum(0) if len(some) else 0.0
+            tvar = ev.sum() / spatial.shape[-1]  # the trace of each covariance: the mean channel variance x D
+            pooled = spatial.mean(1, dtype=torch.float64)
             self.tok[t] = self.tok[t] + tok if t in self.tok else torch.as_tensor(tok, dtype=torch.float64)
             self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
             self.ntok[t] = self.ntok[t] + len(some) if t in self.ntok else torch.tensor(len(some))
@@ -131,13 +132,14 @@ class SVDVolume(_PerTap):
 @register_analysis
 class Fourier(_PerTap):
     """Fourier analysis of token maps per layer [seed 001; Park & Kim 2022]: patch tokens as (D, h, w)
-    maps, 2-D FFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
-    - log A(0) along the diagonal from the centre. Rows: the whole curve (``freq`` in units of π) and
+    maps, 2-D DFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
+    - log A(0) along the diagonal from the centre (only those coefficients are computed and kept). Rows: the whole curve (``freq`` in units of π) and
     ``high_freq_delta_log_amp`` at the highest frequency (closer to 0 = more high-frequency content); the
     same for Gaussian white-noise tokens of the same shape as ``*_chance`` rows (no layer)."""
 
     name = "fourier"
     description = "relative log amplitude of token maps vs spatial frequency, per layer"
+    state_version = 2  # 1 kept whole (h, w) maps; 2 keeps their diagonal
     _sums = ("amp",)
 
     def __init__(self, vm: Any, taps: Any = "block*.out"):
@@ -147,7 +149,7 @@ class Fourier(_PerTap):
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
-            a = G.log_amplitude_map(spatial, self.grid_size).sum(0)
+            a = G.diagonal_log_amplitude(spatial, self.grid_size).sum(0)
             self.amp[t] = self.amp[t] + a if t in self.amp else a
         self.n_images += len(batch)
 
@@ -155,16 +157,16 @@ class Fourier(_PerTap):
         rows = []
         for t in self.taps:
             layer = parse_tap(t)[0]
-            freq, delta = G.diagonal_profile(self.amp[t] / self.n_images)
+            freq, delta = _profile(self.amp[t] / self.n_images, self.grid_size)
             for f, d in zip(freq.tolist(), delta.tolist(), strict=True):
                 rows.append({"metric": "delta_log_amp", "layer": layer, "tap": t, "freq": f, "value": d})
             rows.append({"metric": "high_freq_delta_log_amp", "layer": layer, "tap": t, "freq": float(freq[-1]),
                          "value": float(delta[-1])})
         if self.taps and self.n_images:
             g = torch.Generator().manual_seed(0)
-            d = self.amp[self.taps[0]]
-            noise = torch.randn(min(self.n_images, 64), d.shape[-2] * d.shape[-1], 64, generator=g)
-            freq, delta = G.diagonal_profile(G.log_amplitude_map(noise, tuple(d.shape[-2:])).mean(0))
+            h, w = self.grid_size
+            noise = torch.randn(min(self.n_images, 64), h * w, 64, generator=g)
+            freq, delta = _profile(G.diagonal_log_amplitude(noise, self.grid_size).mean(0), self.grid_size)
             for f, v in zip(freq.tolist(), delta.tolist(), strict=True):
                 rows.append({"metric": "delta_log_amp_chance", "layer": None, "tap": None, "freq": f, "value": v})
             rows.append({"metric": "high_freq_delta_log_amp_chance", "layer": None, "tap": None,
@@ -172,6 +174,12 @@ class Fourier(_PerTap):
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
+
+
+def _profile(diag: torch.Tensor, grid_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(frequencies in units of pi, log A(f) - log A(0)) of a diagonal from `G.diagonal_log_amplitude`."""
+    j = torch.arange(len(diag), dtype=torch.float64)
+    return 2 * j / max(grid_size), diag - diag[:1]
 
 
 @register_analysis

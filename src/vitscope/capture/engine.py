@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,7 @@ def stream(
     first: int = 0,
     seen: list[int] | None = None,
     desc: str | None = None,
+    timings: dict[str, float] | None = None,
 ) -> int:
     """The one pass: every batch goes through the model once; each analysis gets the taps it asked for.
 
@@ -199,7 +201,8 @@ def stream(
         seen[k] <= b. The list is updated in place right after each update, so a caller that catches an
         exception knows exactly which batches each analysis has seen (the study saves that for resume).
     on_batch(b) is called after batch b has been fed to every analysis. total: the number of images, for the
-    progress bar (in images/s, with ETA). Returns the number of batches processed.
+    progress bar (in images/s, with ETA). timings: if given, seconds are added under 'forward' (the capture
+    pass) and under each analysis's name (its updates). Returns the number of batches processed.
     """
     wanted: list[str] = []
     for a in analyses:
@@ -216,11 +219,18 @@ def stream(
     try:
         with Capture(vm, wanted, dtype=dtype) as cap:
             for b, batch in enumerate(batches, start=first):
+                t0 = time.perf_counter()
                 feats = cap(batch.images)
+                if timings is not None:
+                    t1 = time.perf_counter()
+                    timings["forward"] = timings.get("forward", 0.0) + t1 - t0
                 for k, a in enumerate(analyses):
                     if seen[k] <= b:
                         a.update(_Subset(feats, a.required_taps()), batch)
                         seen[k] = b + 1
+                        if timings is not None:
+                            t0, t1 = t1, time.perf_counter()
+                            timings[a.name] = timings.get(a.name, 0.0) + t1 - t0
                 if bar is not None:
                     bar.update(len(batch))
                 if on_batch is not None:

@@ -60,6 +60,26 @@ def log_amplitude_map(tokens: Tensor, grid_size: tuple[int, int]) -> Tensor:
     return torch.fft.fftshift(amp, dim=(-2, -1))
 
 
+def diagonal_log_amplitude(tokens: Tensor, grid_size: tuple[int, int]) -> Tensor:
+    """The diagonal of :func:`log_amplitude_map` without the rest of the map: for j = 0 .. steps - 1 (the
+    same steps as :func:`diagonal_profile`), the mean over channels of log |X(j, j)|, X the 2-D DFT of each
+    channel's spatial map. tokens: (B, h*w, D) -> (B, steps) float64. The few DFT coefficients are one
+    float32 matrix product with a cos / sin basis, instead of a full FFT and a log of every frequency."""
+    h, w = grid_size
+    B, S, D = tokens.shape
+    if S != h * w:
+        raise ValueError(f"{S} tokens do not fill a {h}x{w} grid")
+    steps = min(h - h // 2, w - w // 2)
+    r, c = torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
+                          indexing="ij")
+    j = torch.arange(steps, dtype=torch.float64)
+    phase = 2 * torch.pi * (r.reshape(-1, 1) / h + c.reshape(-1, 1) / w) * j  # (S, steps)
+    basis = torch.cat([phase.cos(), phase.sin()], 1).T.to(tokens.device, torch.float32)  # (2 steps, S)
+    coef = basis @ tokens.float()  # (B, 2 steps, D): real part and minus the imaginary part
+    amp = torch.hypot(coef[:, :steps], coef[:, steps:])
+    return amp.clamp_min(EPS).log().mean(dim=-1, dtype=torch.float64)
+
+
 def diagonal_profile(amp_map: Tensor) -> tuple[Tensor, Tensor]:
     """Δ log amplitude along the diagonal from the centre (frequency 0) to the corner of a centred map
     (h, w): returns (frequencies in units of π, log A(f) - log A(0)). Frequency of step j is 2j/max(h, w)."""

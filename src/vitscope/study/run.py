@@ -130,7 +130,7 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
     jobs = []
     for name, params in cfg.analyses.items():
         params = dict(params or {})
-        akey = digest(mkey, dkey, name, params, cfg.dtype)
+        akey = digest(mkey, dkey, name, get_analysis(name).state_version, params, cfg.dtype)
         jobs.append(Job(name, params, akey, cache.path(mkey, name, akey), cache.path(mkey, name, akey, shard)))
     info: ModelInfo | None = None
     trained = bool(mc.weights) or (mc.pretrained and spec.weights.kind != "none")
@@ -167,8 +167,10 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
                 job.done = int(part["done"])
         timings["load"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
-        _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch)
+        updates: dict[str, float] = {}
+        _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
+        timings["pass_parts"] = {k: round(v, 2) for k, v in updates.items()}  # forward, and each update
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
@@ -225,7 +227,7 @@ def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
 
 
 def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache, mkey: str, dist: Dist,
-          on_batch: Callable[[str, int], None] | None) -> None:
+          on_batch: Callable[[str, int], None] | None, timings: dict[str, float] | None = None) -> None:
     """`stream` from the earliest batch any job still needs, feeding each job only what it has not seen;
     partial states saved every ``save_every`` batches (or 2 minutes) and when the pass dies."""
     indices = _shard_indices(len(dataset), cfg, dist)
@@ -252,7 +254,8 @@ def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache
     try:
         stream(vm, batches, [j.analysis for j in jobs], dtype=cfg.dtype, progress=cfg.progress,
                total=len(indices) - min(start * cfg.batch_size, len(indices)), on_batch=after, first=start,
-               seen=seen, desc=vm.name + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""))
+               seen=seen, desc=vm.name + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""),
+               timings=timings)
     except BaseException:
         save()  # keep what is done: a rerun resumes from here
         raise
