@@ -196,3 +196,13 @@ def test_the_default_study_needs_nothing_from_the_network():
         if m.pretrained and not m.weights and spec.weights.kind != "none":
             assert spec.weights.kind == "file" and package_file(spec.weights.location).is_file(), m.name
     assert load_config().dataset.name.startswith("synthetic")
+
+
+def test_the_default_study_compares_every_shipped_zoo_model_and_the_untrained_one():
+    from vitscope.models.load import package_file
+    from vitscope.models.registry import REGISTRY
+
+    shipped = {n for n, s in REGISTRY.items() if n.startswith("zoo-") and s.weights.kind == "file"
+               and package_file(s.weights.location).is_file()}
+    assert {"zoo-sup", "zoo-mae"} <= shipped
+    assert {m.name for m in load_config().models} == shipped | {"zoo-random"}

@@ -133,9 +133,10 @@ class SVDVolume(_PerTap):
 class Fourier(_PerTap):
     """Fourier analysis of token maps per layer [seed 001; Park & Kim 2022]: patch tokens as (D, h, w)
     maps, 2-D DFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
-    - log A(0) along the diagonal from the centre (only those coefficients are computed and kept). Rows: the whole curve (``freq`` in units of π) and
-    ``high_freq_delta_log_amp`` at the highest frequency (closer to 0 = more high-frequency content); the
-    same for Gaussian white-noise tokens of the same shape as ``*_chance`` rows (no layer)."""
+    - log A(0) along the diagonal from the centre (only those coefficients are computed and kept). Rows: the
+    whole curve (``freq`` in units of π) and ``high_freq_delta_log_amp`` at the highest frequency (closer to 0
+    = more high-frequency content); the same for Gaussian white-noise tokens of the same shape as
+    ``*_chance`` rows (no layer)."""
 
     name = "fourier"
     description = "relative log amplitude of token maps vs spatial frequency, per layer"
