@@ -25,6 +25,10 @@ class Semantics(Analysis):
     features) and k-means purity/NMI/ARI (k = number of classes) per layer and view [seed 000 §2.3; seed 003
     §5.2, §6.1], with chance rows (``*_chance``) computed on Gaussian features of the same shape.
 
+    k-NN runs on every view; probes and k-means on the views the sources use them on (``probe``: CLS and the
+    mean of the spatial tokens; ``kmeans``: those and the object and part views), as lists of views, or
+    True / False for all / none of ``views``. They are most of the analysis's cost.
+
     Views: image level 'cls', 'gap', 'gap_spatial' (label = the image's class); 'object' (the mean of the
     patch tokens weighted by the foreground mask, label = the image's class) and 'part' (one row per part
     of an image, label = the part id), from the batches' masks and part maps where the dataset has them.
@@ -33,17 +37,20 @@ class Semantics(Analysis):
     (`vitscope.analyses.pooled`)."""
 
     name = "semantics"
+    state_version = 2  # 2: probes and k-means on the sources' views by default (1: on every view)
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
     def __init__(self, vm: Any, layers: Any = None, views: Any = ("cls", "gap", "gap_spatial", "object", "part"),
-                 max_images: int = 5000, test_every: int = 5, ks: Any = (10, 20, 100, 200), kmeans: bool = True,
-                 probe: bool = True, seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
+                 max_images: int = 5000, test_every: int = 5, ks: Any = (10, 20, 100, 200),
+                 kmeans: Any = ("cls", "gap_spatial", "object", "part"), probe: Any = ("cls", "gap_spatial"),
+                 seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.max_images, self.test_every, self.ks = int(max_images), int(test_every), tuple(int(k) for k in ks)
-        self.kmeans, self.probe, self.seed = bool(kmeans), bool(probe), int(seed)
+        self.kmeans_views, self.probe_views = _view_subset(kmeans, self.views), _view_subset(probe, self.views)
+        self.seed = int(seed)
         self.min_region_tokens, self.kmeans_n_init = float(min_region_tokens), int(kmeans_n_init)
         self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
         self.unlabelled = 0
@@ -94,7 +101,8 @@ class Semantics(Analysis):
         self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
         self.n_images, self.unlabelled = int(state["n_images"]), int(state["unlabelled"])
 
-    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: float | None) -> dict[str, float]:
+    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: float | None, kmeans: bool
+                ) -> dict[str, float]:
         out: dict[str, float] = {}
         c = int(y.max()) + 1
         if test.any() and (~test).any():
@@ -103,14 +111,15 @@ class Semantics(Analysis):
         if probe is not None:
             out["probe_top1"] = probe
         k = len(torch.unique(y))
-        if self.kmeans and len(x) > k > 1:
+        if kmeans and len(x) > k > 1:
             scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
             out.update({f"kmeans_{m}": v for m, v in scores.items()})
         return out
 
-    def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor) -> list[float | None]:
+    def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor, view: str
+                ) -> list[float | None]:
         """Probe top-1 of each (n, D) feature set (all layers in one call)."""
-        if not self.probe or not test.any() or not (~test).any():
+        if view not in self.probe_views or not test.any() or not (~test).any():
             return [None] * len(feats)
         return S.linear_probes([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
                                num_classes=int(y.max()) + 1)[0]
@@ -127,10 +136,10 @@ class Semantics(Analysis):
             n_test[v] = int(test.sum())
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
             feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
-            probes = self._probes(feats, y, test)
+            probes = self._probes(feats, y, test, v)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
-                for metric, val in self._scores(x.float(), y, test, probe).items():
+                for metric, val in self._scores(x.float(), y, test, probe, v in self.kmeans_views).items():
                     rows.append({"metric": metric + suffix, "layer": layer, "token_view": v, "value": val})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
@@ -152,9 +161,9 @@ class Semantics(Analysis):
         for i, a in enumerate(analyses):
             for b in analyses[i + 1:]:
                 assert isinstance(a, Semantics) and isinstance(b, Semantics)
-                views = [v for v in a.views if v in b.views and v != "part" and len(a.tables[v]) > 1
+                views = [v for v in a.probe_views if v in b.probe_views and v != "part" and len(a.tables[v]) > 1
                          and len(b.tables[v]) > 1]
-                if not views or not a.probe or not b.probe:
+                if not views:
                     continue
                 la, ya, ia = a.probe_logits(views[0], a.layers[-1])
                 lb, _, ib = b.probe_logits(views[0], b.layers[-1])
@@ -166,3 +175,10 @@ class Semantics(Analysis):
                 frames.append(a.tidy(rows))
         return pd.concat(frames, ignore_index=True) if frames else None
 
+
+def _view_subset(which: Any, views: list[str]) -> list[str]:
+    """The views a per-view step runs on: True = all of ``views``, False/None = none, else those listed."""
+    if which is True or which is False or which is None:
+        return list(views) if which else []
+    which = [which] if isinstance(which, str) else list(which)
+    return [v for v in views if v in which]
