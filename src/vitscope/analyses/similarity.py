@@ -380,18 +380,23 @@ class Diversity(Analysis):
             heads = feats[f"block{i}.heads"].float()
             B, T, D = heads.shape
             per_head = heads.reshape(B, T, H, D // H)
-            # cosines of unit vectors in float32 (bounded terms), summed in float64
-            u = torch.nn.functional.normalize(per_head, dim=-1)
-            sim = torch.einsum("bthd,btgd->hg", u, u).double() / (B * T)
-            self.cos_heads[j] += (sim.sum() - sim.diagonal().sum()) / (H * (H - 1)) * B
+            # cosines of unit vectors in float32 (bounded terms), summed in float64. The sum over head pairs
+            # h != g of <u_h, u_g> is |sum_h u_h|^2 - sum_h |u_h|^2, and |u_h|^2 is 1 (0 for a zero head):
+            # one pass over the heads instead of an H x H contraction
+            norm = torch.linalg.vector_norm(per_head, dim=-1, keepdim=True)
+            u_sum = (per_head / norm.clamp_min(1e-12)).sum(2)
+            off_diag = u_sum.square().sum(dtype=torch.float64) - (norm > 0).sum()
+            self.cos_heads[j] += off_diag / (H * (H - 1)) / T
             spatial = feats[f"block{i}.out"][:, P:].float()
             v = torch.nn.functional.normalize(spatial, dim=-1)
             S = v.shape[1]
             tot = (v.sum(1).double().pow(2).sum(-1) - S) / (S * (S - 1))  # mean over pairs p != p' per image
             self.cos_tokens[j] += tot.sum()
             x_in, x_mid = feats[self._input_tap(i)].float(), feats[f"block{i}.resid_mid"].float()
-            cos = torch.nn.functional.cosine_similarity(x_in, x_mid, dim=-1)
-            self.cos_depth[j] += cos.double().mean(1).sum()
+            dot = (x_in * x_mid).sum(-1)
+            norms = torch.linalg.vector_norm(x_in, dim=-1) * torch.linalg.vector_norm(x_mid, dim=-1)
+            cos = dot / norms.clamp_min(1e-8)
+            self.cos_depth[j] += cos.mean(1, dtype=torch.float64).sum()
             streams[f"*h{j}"] = per_head.permute(0, 2, 1, 3)  # (B, H, T, hd): one stream per head
             streams[f"*t{j}"] = spatial  # (B, S, D): one stream per spatial position
             streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
