@@ -170,7 +170,7 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
         updates: dict[str, float] = {}
         _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
-        timings["pass_parts"] = {k: round(v, 2) for k, v in updates.items()}  # forward, and each update
+        timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # forward, and each update
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
