@@ -209,3 +209,12 @@ def test_the_default_study_compares_every_shipped_zoo_model_and_the_untrained_on
                and package_file(s.weights.location).is_file()}
     assert {"zoo-sup", "zoo-mae"} <= shipped
     assert {m.name for m in load_config().models} == shipped | {"zoo-random"}
+
+
+@pytest.mark.parametrize("argv, quiet", [(["run"], False), (["-q", "run"], True), (["run", "-q"], True),
+                                         (["run", "study.yaml", "batch_size=4", "--quiet"], True)])
+def test_quiet_is_taken_before_or_after_the_command(argv, quiet):
+    from vitscope.cli import build_parser
+
+    args = build_parser().parse_args(argv)
+    assert args.quiet is quiet and args.verbose is False

@@ -81,18 +81,22 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log what is loaded and computed")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, errors only")
+    # the same flags after the command (`vitscope run -q`); SUPPRESS keeps the top-level value when absent
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    m = sub.add_parser("models", help="list the model registry")
+    m = sub.add_parser("models", help="list the model registry", parents=[common])
     m.add_argument("--family", choices=["explicit", "contrastive", "reconstructive", "hybrid"])
     m.set_defaults(func=_cmd_models)
 
-    t = sub.add_parser("taps", help="list the tap points of a model, with shapes for one image")
+    t = sub.add_parser("taps", help="list the tap points of a model, with shapes for one image", parents=[common])
     t.add_argument("model", help="registry name, timm name, or a vitscope checkpoint file")
     t.add_argument("--weights", help="checkpoint to load (the architecture alone is enough for shapes)")
     t.set_defaults(func=_cmd_taps)
 
-    r = sub.add_parser("run", help="run a study (the embedded default if no config is given)",
+    r = sub.add_parser("run", help="run a study (the embedded default if no config is given)", parents=[common],
                        description="Run a study: each model once over the dataset, every analysis from that "
                                    "one pass. Overrides are OmegaConf dotlist: key=value, e.g. batch_size=16 "
                                    "dataset.n_images=512 'analyses.cka.views=[gap]'.")
@@ -100,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="key=value overrides")
     r.set_defaults(func=_cmd_run)
 
-    rep = sub.add_parser("report", help="rebuild report.html of a run directory")
+    rep = sub.add_parser("report", help="rebuild report.html of a run directory", parents=[common])
     rep.add_argument("run_dir")
     rep.set_defaults(func=_cmd_report)
 
