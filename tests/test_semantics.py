@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vitscope as vs
-from conftest import tiny
+from conftest import TINY, tiny
 from vitscope.analyses import get_analysis
 from vitscope.capture import stream
 from vitscope.data import SyntheticShapes
@@ -301,3 +301,32 @@ def test_probes_and_kmeans_run_on_the_sources_views_knn_on_all():
     every = ran(probe=True, kmeans=["gap"])
     assert every["probe_top1"] == set(views) and every["kmeans_purity"] == {"gap"}
     assert ran(probe=False, kmeans=False)["probe_top1"] == set()
+
+
+def test_cross_model_agreement_pairs_every_model_and_fits_each_probe_once(monkeypatch):
+    vms = [vs.load_model("vit_small_patch16_224", pretrained=False, seed=s, **TINY) for s in (0, 1, 2)]
+    batches = _batches(vms[0], n=40)
+    parts = []
+    for k, vm in enumerate(vms):
+        vm.name = f"m{k}"
+        a = get_analysis("semantics")(vm, views=["cls"], ks=(5,), kmeans=False)
+        stream(vm, batches, [a], progress=False)
+        parts.append(a)
+    direct = {a.model_name: a.probe_logits("cls", a.layers[-1]) for a in parts}
+    calls = []
+    original = type(parts[0]).probe_logits
+
+    def counted(self, view, layer):
+        calls.append(self.model_name)
+        return original(self, view, layer)
+
+    monkeypatch.setattr(type(parts[0]), "probe_logits", counted)
+    df = type(parts[0]).cross(parts)
+    assert sorted(calls) == ["m0", "m1", "m2"]
+    assert set(zip(df.model, df.model_b, strict=True)) == {("m0", "m1"), ("m0", "m2"), ("m1", "m2")}
+    for (ma, mb), g in df.groupby(["model", "model_b"]):
+        (la, y, _), (lb, _, _) = direct[ma], direct[mb]
+        want = S.prediction_agreement(la, lb, y)
+        got = g.set_index("metric").value
+        for k, v in want.items():
+            assert got[k] == pytest.approx(v, nan_ok=True), k

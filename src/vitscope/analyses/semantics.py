@@ -156,8 +156,16 @@ class Semantics(Analysis):
 
     @classmethod
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
-        """Agreement of the last-layer probes of every pair of models on the same test images."""
+        """Agreement of the last-layer probes of every pair of models on the same test images (each model's
+        probe is fitted once, not once per pair)."""
         frames = []
+        fitted: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+        def logits(m: Semantics, view: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            if (id(m), view) not in fitted:
+                fitted[(id(m), view)] = m.probe_logits(view, m.layers[-1])
+            return fitted[(id(m), view)]
+
         for i, a in enumerate(analyses):
             for b in analyses[i + 1:]:
                 assert isinstance(a, Semantics) and isinstance(b, Semantics)
@@ -165,8 +173,8 @@ class Semantics(Analysis):
                          and len(b.tables[v]) > 1]
                 if not views:
                     continue
-                la, ya, ia = a.probe_logits(views[0], a.layers[-1])
-                lb, _, ib = b.probe_logits(views[0], b.layers[-1])
+                la, ya, ia = logits(a, views[0])
+                lb, _, ib = logits(b, views[0])
                 if not torch.equal(ia, ib):
                     continue
                 agree = S.prediction_agreement(la, lb, ya)
