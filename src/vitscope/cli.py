@@ -79,12 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vitscope", description="How Vision Transformers see, whatever taught them.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-v", "--verbose", action="store_true", help="log what is loaded and computed")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, errors only")
-    # the same flags after the command (`vitscope run -q`); SUPPRESS keeps the top-level value when absent
+    # the same flags after the command (`vitscope run -q`); there SUPPRESS keeps the top-level value when absent
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    for parser, default, shown in ((p, False, True), (common, argparse.SUPPRESS, False)):
+        parser.add_argument("-v", "--verbose", action="store_true", default=default,
+                            help="log what is loaded and computed" if shown else argparse.SUPPRESS)
+        parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                            help="no progress bars, errors only" if shown else argparse.SUPPRESS)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="list the model registry", parents=[common])

@@ -75,9 +75,12 @@ class SVDVolume(_PerTap):
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
             some = spatial[sel]
-            ev = G.covariance_spectrum(some) if len(some) else torch.zeros(0, 1, dtype=torch.float64)
-            tok = ev.clamp_min(G.EPS).log().sum(0) if len(some) else 0.0
-            tvar = ev.sum() / spatial.shape[-1]  # the trace of each covariance: the mean channel variance x D
+            if len(some):
+                ev = G.covariance_spectrum(some)
+                tok = ev.clamp_min(G.EPS).log().sum(0)
+                tvar = ev.sum() / spatial.shape[-1]  # each covariance's trace: its mean channel variance x D
+            else:
+                tok, tvar = 0.0, torch.zeros((), dtype=torch.float64)
             pooled = spatial.mean(1, dtype=torch.float64)
             self.tok[t] = self.tok[t] + tok if t in self.tok else torch.as_tensor(tok, dtype=torch.float64)
             self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
@@ -158,7 +161,7 @@ class Fourier(_PerTap):
         rows = []
         for t in self.taps:
             layer = parse_tap(t)[0]
-            freq, delta = _profile(self.amp[t] / self.n_images, self.grid_size)
+            freq, delta = G.profile_of_diagonal(self.amp[t] / self.n_images, self.grid_size)
             for f, d in zip(freq.tolist(), delta.tolist(), strict=True):
                 rows.append({"metric": "delta_log_amp", "layer": layer, "tap": t, "freq": f, "value": d})
             rows.append({"metric": "high_freq_delta_log_amp", "layer": layer, "tap": t, "freq": float(freq[-1]),
@@ -167,7 +170,8 @@ class Fourier(_PerTap):
             g = torch.Generator().manual_seed(0)
             h, w = self.grid_size
             noise = torch.randn(min(self.n_images, 64), h * w, 64, generator=g)
-            freq, delta = _profile(G.diagonal_log_amplitude(noise, self.grid_size).mean(0), self.grid_size)
+            diag = G.diagonal_log_amplitude(noise, self.grid_size).mean(0)
+            freq, delta = G.profile_of_diagonal(diag, self.grid_size)
             for f, v in zip(freq.tolist(), delta.tolist(), strict=True):
                 rows.append({"metric": "delta_log_amp_chance", "layer": None, "tap": None, "freq": f, "value": v})
             rows.append({"metric": "high_freq_delta_log_amp_chance", "layer": None, "tap": None,
@@ -175,12 +179,6 @@ class Fourier(_PerTap):
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
-
-
-def _profile(diag: torch.Tensor, grid_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(frequencies in units of pi, log A(f) - log A(0)) of a diagonal from `G.diagonal_log_amplitude`."""
-    j = torch.arange(len(diag), dtype=torch.float64)
-    return 2 * j / max(grid_size), diag - diag[:1]
 
 
 @register_analysis

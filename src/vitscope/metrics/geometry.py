@@ -85,7 +85,12 @@ def diagonal_profile(amp_map: Tensor) -> tuple[Tensor, Tensor]:
     (h, w): returns (frequencies in units of π, log A(f) - log A(0)). Frequency of step j is 2j/max(h, w)."""
     h, w = amp_map.shape[-2:]
     ch, cw = h // 2, w // 2
-    steps = min(h - ch, w - cw)
-    j = torch.arange(steps)
-    prof = amp_map[..., ch + j, cw + j]
-    return 2 * j.double() / max(h, w), prof - prof[..., :1]
+    j = torch.arange(min(h - ch, w - cw))
+    return profile_of_diagonal(amp_map[..., ch + j, cw + j], (h, w))
+
+
+def profile_of_diagonal(diag: Tensor, grid_size: tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """:func:`diagonal_profile` of a diagonal already taken (e.g. :func:`diagonal_log_amplitude`, ``(..., steps)``)
+    on a ``grid_size`` map: (frequencies 2j / max(h, w) in units of π, log A(f) - log A(0))."""
+    j = torch.arange(diag.shape[-1], dtype=torch.float64)
+    return 2 * j / max(grid_size), diag - diag[..., :1]
