@@ -1,10 +1,11 @@
 """Analyses: streaming accumulators, registered by name (`vitscope.analyses.ANALYSES`).
 
 One module per family of questions: `attention` (how heads route information), `similarity` (CKA,
-diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means, agreement).
+diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means, agreement), `dense`
+(mask propagation, keypoint correspondence, instance retrieval, per layer, no training).
 """
 
-from vitscope.analyses import attention, geometry, semantics, similarity  # noqa: F401 - registers the analyses
+from vitscope.analyses import attention, dense, geometry, semantics, similarity  # noqa: F401 - registers the analyses
 from vitscope.analyses.base import ANALYSES, COLUMNS, Analysis, get_analysis, register_analysis
 
 __all__ = ["ANALYSES", "COLUMNS", "Analysis", "get_analysis", "register_analysis"]
