@@ -409,3 +409,67 @@ def test_retrieval_with_instance_features_is_perfect_and_queries_without_positiv
     assert df.n_queries.iloc[0] == 6 and df.n_database.iloc[0] == 6 * 3 + 6
     best = df[df.metric == "best_mAP_medium"]
     assert best.layer.item() == 0 and best.value.item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ real formats
+
+
+def test_davis_palette_videos_propagate_perfectly_with_oracle_features_and_short_videos_are_counted(tmp_path):
+    from test_data_loaders import _davis
+
+    from vitscope.data.loaders import Davis
+
+    _davis(tmp_path, 2017)  # bear: 3 frames, car: 2 frames; objects 1 and 2
+    ds = Davis(tmp_path, sequences=["bear", "car"])
+    assert ds.unit_bounds() == [0, 3]
+    a = get_analysis("propagation")(info(16, 1))
+    for b in ds.batches(2, Preprocessing(input_size=16, crop_pct=1.0)):
+        a.update(_oracle_feats(b), b)
+    df = a.finalize()
+    assert set(df.video.dropna()) == {"bear"} and df.n_objects.iloc[0] == 2
+    assert df[(df.metric == "JF") & df.video.isna()].value.item() == 1.0
+    skipped = df[df.metric == "skipped"].set_index("reason").value
+    assert skipped.to_dict() == {"video without a scored frame (DAVIS scores frames 1 .. n-2)": 1.0}  # car
+
+
+def test_spair_flat_pairs_sample_without_replacement_and_carry_the_unclipped_box_size(tmp_path):
+    from test_data_loaders import _spair
+
+    from vitscope.data.loaders import SPair71k
+
+    _spair(tmp_path)
+    full = SPair71k(tmp_path, flat=True)
+    assert len(full) == 4 and full.unit_bounds() == [0, 2]
+    picks = {tuple(p["file"] for p in SPair71k(tmp_path, n_pairs=1, seed=s).pairs) for s in range(8)}
+    assert len(picks) == 2 and all(len(p) == 1 for p in picks)  # one pair, which one depends on the seed
+    assert SPair71k(tmp_path, n_pairs=1, seed=3).pairs == SPair71k(tmp_path, n_pairs=1, seed=3).pairs
+    pre = Preprocessing(input_size=48, crop_pct=0.875)
+    b = next(full.batches(4, pre))
+    assert b.extra["pair"].tolist() == [0, 0, 1, 1] and b.extra["role"].tolist() == [0, 1, 0, 1]
+    assert b.extra["category"] == ["cat", "cat", "dog", "dog"]
+    # target of pair 0: 70 x 60 image (short side 60 -> resize_size), box 50 x 40, the crop does not shrink it
+    assert b.extra["ref_size"][1].item() == pytest.approx(50 * pre.resize_size / 60)
+    a = get_analysis("correspondence")(info(6, 8))
+    a.update({"block0.out": torch.randn(4, 37, 5)}, b)
+    df = a.finalize()
+    assert df.n_pairs.iloc[0] + df[df.metric == "skipped"].value.sum() == 2
+    assert set(df.category.dropna()) <= {"cat", "dog"}
+
+
+def test_revisited_batches_carry_the_retrieval_layout(tmp_path):
+    from test_data_loaders import _revisited
+
+    from vitscope.data.loaders import RevisitedRetrieval
+
+    _revisited(tmp_path)
+    ds = RevisitedRetrieval(tmp_path, "roxford5k")
+    b = next(ds.batches(4, Preprocessing(input_size=16)))
+    assert b.extra["query_index"].tolist() == [0, -1, -1, -1] and b.extra["db_index"].tolist() == [-1, 0, 1, 2]
+    assert b.extra["gnd"][0] == {"easy": [0], "hard": [2], "junk": [1]} and b.extra["gnd"][1] is None
+    a = get_analysis("retrieval")(info(2, 8, dim=3), views=["cls"])
+    # the query's CLS equals database image 2's (hard), then 0 (easy), then 1 (junk)
+    cls = torch.tensor([[1.0, 0, 0], [0.6, 0.8, 0], [0, 0, 1], [1.0, 0, 0]])
+    a.update({"block0.out": torch.cat([cls[:, None], torch.zeros(4, 4, 3)], 1)}, b)
+    v = a.finalize().set_index("metric").value
+    assert v["mAP_hard"] == 1.0 and v["mAP_medium"] == 1.0  # junk taken out: hard first, easy second
+    assert v["mAP_easy"] == 1.0  # hard and junk ignored
