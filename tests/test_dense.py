@@ -473,3 +473,62 @@ def test_revisited_batches_carry_the_retrieval_layout(tmp_path):
     v = a.finalize().set_index("metric").value
     assert v["mAP_hard"] == 1.0 and v["mAP_medium"] == 1.0  # junk taken out: hard first, easy second
     assert v["mAP_easy"] == 1.0  # hard and junk ignored
+
+
+# ------------------------------------------------------------------------------------------------ figures, summary
+
+
+def _task_tables(model: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    m = info(4, 8, depth=2)
+    tables = {}
+    for name, data in (("propagation", SyntheticVideos(n_videos=2, n_frames=4, seed=1, size=32)),
+                       ("correspondence", SyntheticPairs(n_pairs=4, seed=1, size=32, flat=True)),
+                       ("retrieval", SyntheticRetrieval(n_queries=4, views=2, n_distractors=4, seed=1, size=32))):
+        a = get_analysis(name)(m)
+        a.model_name = model
+        for b in data.batches(8, Preprocessing(input_size=32)):
+            a.update({f"block{i}.out": torch.randn(len(b), 17, 6, generator=g) for i in range(2)}, b)
+        tables[name] = a.finalize()
+    return tables
+
+
+def test_best_layer_summary_figures_and_report_section(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from vitscope.report import write_report
+    from vitscope.report.figures import FIGURES
+    from vitscope.report.figures.dense import best_layer_summary, summary_figure
+
+    a, b = _task_tables("trained", 0), _task_tables("untrained", 1)
+    tables = {k: pd.concat([a[k], b[k]], ignore_index=True) for k in a}
+    for name, df in tables.items():
+        figs = FIGURES[name](df)
+        assert len(figs) == 1 and figs[0][1].axes
+    arch = {"depth": 2, "heads": 1, "grid": [4, 4], "patch": 8}
+    models = {"trained": {**arch, "supervision": "supervised"}, "untrained": {**arch, "supervision": "random init"}}
+    s = best_layer_summary(tables, models)
+    assert len(s) == 6 and set(s.task) == {"propagation", "correspondence", "retrieval"}
+    for _, r in s.iterrows():  # the best layer is the maximum of the headline over layers
+        t = tables[r.task]
+        head = {"propagation": "JF", "correspondence": "pck@0.1", "retrieval": "mAP_medium"}[r.task]
+        rows = t[(t.metric == head) & (t.model == r.model) & t.layer.notna()]
+        if "video" in t:
+            rows = rows[rows.video.isna()]
+        if "category" in t:
+            rows = rows[rows.category.isna()]
+        assert r.score == pytest.approx(rows.value.max())
+        assert r.best_layer in set(rows[rows.value == rows.value.max()].layer.astype(int))
+        other = s[(s.task == r.task) & (s.model == "untrained")].score.item()
+        assert (r.random_init_score == pytest.approx(other)) if r.model == "trained" else np.isnan(r.random_init_score)
+    assert len(summary_figure(s)) == 1
+    run = tmp_path / "run"
+    (run / "results").mkdir(parents=True)
+    for name, df in tables.items():
+        df.to_parquet(run / "results" / f"{name}.parquet", index=False)
+    (run / "manifest.json").write_text(json.dumps({"models": models}))
+    html = write_report(run).read_text()
+    assert "best layer" in html and (run / "results" / "best_layers.parquet").is_file()
+    assert html.count("<h2 id='best_layers'>") == 1
