@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
 from vitscope.capture.views import token_view
+from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
 from vitscope.metrics import dense as D
 
@@ -68,6 +69,31 @@ class _Dense(Analysis):
                                 f"{self.grid_size}")
         return F.normalize(x.float(), dim=-1)
 
+    def _items(self, feats: Mapping[str, torch.Tensor], batch: Any
+               ) -> Iterator[tuple[torch.Tensor, tuple[int, int], dict[str, Any]]]:
+        """Per item (image) of the batch: its L2-normalised patch features (L, S, D), its token grid and its
+        annotations (``index``, ``objects``, ``keypoints``, ``bbox``, ``label``, ``frame``, ``sequence``,
+        ``pair``, ``role``, ``category``, ``ref_size``). Tiled batches (`vitscope.data.tiling.TiledDataset`)
+        are assembled into one grid per item."""
+        tiling = batch.extra.get("tiling")
+        if tiling is None:
+            x = self._patch_features(feats)
+            for b in range(len(batch)):
+                yield x[b], self.grid_size, _plain_item(batch, b)
+            return
+        if int(tiling["patch"]) != self.patch_size:
+            raise VitscopeError(f"{self.name}: the tiled dataset was cut for patch size {tiling['patch']}, the model "
+                                f"has {self.patch_size}; set the dataset's option patch: {self.patch_size}")
+        t = int(tiling["tile"]) // self.patch_size
+        spatial = [token_view(feats[tap], "spatial", self.num_prefix_tokens) for tap in self.required_taps()]
+        if spatial[0].shape[1] != t * t:
+            raise VitscopeError(f"{self.name}: {spatial[0].shape[1]} patch tokens per tile, expected {t * t}")
+        for item in tiling["items"]:
+            plan, first = item["plan"], int(item["first"])
+            n = len(plan.tiles)
+            grids = [assemble(plan, f[first:first + n].reshape(n, t, t, -1)) for f in spatial]
+            yield F.normalize(torch.stack(grids).flatten(1, 2).float(), dim=-1), plan.grid, item
+
     def _table(self, rows: list[dict[str, Any]], *columns: str) -> pd.DataFrame:
         """`tidy` with the columns every table of this analysis has, present even when empty."""
         df = self.tidy(rows)
@@ -94,6 +120,26 @@ class _Dense(Analysis):
         return [{"metric": f"best_{metric}", "layer": best["layer"], "token_view": best.get("token_view"),
                  "value": best["value"], "chance": chance[0] if chance else float("nan"),
                  "last_layer_value": last[0] if last else float("nan"), "task": self.name}]
+
+
+def _plain_item(batch: Any, b: int) -> dict[str, Any]:
+    """Item b's annotations from an untiled batch."""
+    ex = batch.extra
+
+    def at(key: str) -> Any:
+        v = ex.get(key)
+        if v is None:
+            return None
+        return v[b].item() if torch.is_tensor(v) else v[b]
+
+    return {"index": int(batch.index[b]),
+            "objects": batch.objects[b] if batch.objects is not None else None,
+            "keypoints": batch.keypoints[b] if batch.keypoints is not None else None,
+            "bbox": batch.boxes[b] if batch.boxes is not None else None,
+            "label": int(batch.labels[b]) if batch.labels is not None else None,
+            "frame": int(batch.frames[b]) if batch.frames is not None else None,
+            "sequence": batch.sequences[b] if batch.sequences is not None else None,
+            "pair": at("pair"), "role": at("role"), "category": at("category"), "ref_size": at("ref_size")}
 
 
 def _nan(v: Any) -> bool:
@@ -127,24 +173,24 @@ class Propagation(_Dense):
         super().__init__(vm, layers)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
         self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
-        self.near = D.neighbourhood(self.grid_size, self.radius)
+        self._near: dict[tuple[int, int], torch.Tensor] = {}
         self.videos: list[dict[str, Any]] = []   # finished: per-object mean J and F per layer (+ chance)
         self.cur: dict[str, Any] | None = None   # the video in progress (bounded: 1 + n_last_frames frames)
         self.unscored_frames = 0
 
     # -- streaming -----------------------------------------------------------------------------------
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        x = self._patch_features(feats)
-        n = len(batch)
-        seqs = batch.sequences if batch.sequences is not None else [None] * n
-        frames = batch.frames.tolist() if batch.frames is not None else [None] * n
-        for b in range(n):
-            objects = batch.objects[b] if batch.objects is not None else None
-            self._frame(seqs[b], frames[b], x[b], objects, int(batch.index[b]))
-        self.n_images += n
+        for x, grid, it in self._items(feats, batch):
+            self._frame(it["sequence"], it["frame"], x, it["objects"], it["index"], grid)
+            self.n_images += 1
+
+    def near(self, grid: tuple[int, int]) -> torch.Tensor:
+        if grid not in self._near:
+            self._near[grid] = D.neighbourhood(grid, self.radius)
+        return self._near[grid]
 
     def _frame(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int) -> None:
+               item: int, grid: tuple[int, int]) -> None:
         cur = self.cur
         new = cur is None or seq is None or seq != cur["sequence"] or (frame is not None and frame == 0)
         if not new and frame is not None and cur["last_frame"] is not None and frame != cur["last_frame"] + 1:
@@ -152,18 +198,22 @@ class Propagation(_Dense):
                                 "frames of a video must arrive in order (a video is one unit)")
         if new:
             self._close()
-            self._start(seq, frame, x, objects, item)
+            self._start(seq, frame, x, objects, item, grid)
             return
+        if tuple(cur["grid"]) != tuple(grid):
+            raise VitscopeError(f"propagation: frames of video {seq!r} have token grids {tuple(cur['grid'])} and "
+                                f"{tuple(grid)}; a video's frames must share one size")
         cur["n_frames"] += 1
         cur["last_frame"] = frame
         if cur.get("skip"):
             return
         ctx = torch.stack([cur["first_x"]] + [q[0] for q in cur["queue"]], 1)                # (L, n, S, D)
         lab = torch.stack([cur["first_y"]] + [q[1] for q in cur["queue"]], 1)                # (L, n, C, S)
-        probs = D.propagate(x, ctx, lab, self.near, self.topk, self.temperature)          # (L, C, S)
+        near = self.near(grid)
+        probs = D.propagate(x, ctx, lab, near, self.topk, self.temperature)               # (L, C, S)
         ones = torch.ones(1, x.shape[1], 1)
         cprobs = D.propagate(ones, ones[:, None].expand(1, ctx.shape[1], -1, -1),
-                             torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1), self.near,
+                             torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1), near,
                              self.topk, self.temperature)                                  # (1, C, S)
         cur["queue"].append((x, probs, cprobs))
         if len(cur["queue"]) > self.n_last_frames:
@@ -173,14 +223,14 @@ class Propagation(_Dense):
             self.unscored_frames += 1
             return
         ids = torch.tensor([0, *cur["objects"]])
-        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), self.grid_size, tuple(objects.shape[-2:]))]
+        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]))]
         j, f = D.jf_objects(objects.long(), pred, cur["objects"], self.bound_th)            # (L + 1, K)
         cur["scores"].append((j, f))
 
     def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int) -> None:
+               item: int, grid: tuple[int, int]) -> None:
         cur: dict[str, Any] = {"sequence": seq if seq is not None else f"item{item}", "last_frame": frame,
-                               "n_frames": 1, "queue": [], "scores": [], "first_item": item}
+                               "n_frames": 1, "queue": [], "scores": [], "first_item": item, "grid": list(grid)}
         self.cur = cur
         if frame not in (None, 0):
             cur["skip"] = "video does not start at frame 0"
@@ -191,7 +241,7 @@ class Propagation(_Dense):
             if not ids:
                 cur["skip"] = "no object in the first frame's annotation"
             else:
-                y = D.labels_to_tokens(objects.long(), self.grid_size, ids)                  # (C, S)
+                y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
                 cur.update(objects=ids, first_x=x, first_y=y[None].expand(len(self.layers), -1, -1).clone(),
                            first_c=y[None].clone())
 
@@ -293,57 +343,55 @@ class Correspondence(_Dense):
     def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS):
         super().__init__(vm, layers)
         self.alphas = tuple(float(a) for a in alphas)
-        gh, gw = self.grid_size
-        p = self.patch_size
-        ys, xs = torch.meshgrid((torch.arange(gh) + 0.5) * p, (torch.arange(gw) + 0.5) * p, indexing="ij")
-        self.centres = torch.stack([xs.flatten(), ys.flatten()], 1).double()  # (S, 2) x, y
         self.pending: dict[str, Any] | None = None
         # per category: correct counts (L, A), chance sums (A,), keypoints, pairs
         self.cats: dict[str, dict[str, Any]] = {}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        if "pair" not in batch.extra or "role" not in batch.extra:
-            raise VitscopeError("correspondence needs flattened pairs (extra['pair'], extra['role']: item 2p the "
-                                "source, 2p + 1 the target); use a pairs dataset of the catalog")
-        if batch.keypoints is None:
-            raise VitscopeError("correspondence needs keypoints (B, K, 3) in the batches")
-        x = self._patch_features(feats)
-        pairs, roles = torch.as_tensor(batch.extra["pair"]).tolist(), torch.as_tensor(batch.extra["role"]).tolist()
-        cats = batch.extra.get("category")
-        ref = batch.extra.get("ref_size")
-        for b in range(len(batch)):
-            cat = str(cats[b]) if cats is not None else (str(int(batch.labels[b])) if batch.labels is not None
-                                                         else "all")
-            kp = batch.keypoints[b].double()
-            if roles[b] == 0:
+        for x, grid, it in self._items(feats, batch):
+            self.n_images += 1
+            if it["pair"] is None or it["role"] is None:
+                raise VitscopeError("correspondence needs flattened pairs (extra['pair'], extra['role']: item 2p the "
+                                    "source, 2p + 1 the target); use a pairs dataset of the catalog")
+            if it["keypoints"] is None:
+                raise VitscopeError("correspondence needs keypoints (B, K, 3) in the batches")
+            cat = str(it["category"]) if it["category"] is not None else (
+                str(it["label"]) if it["label"] is not None else "all")
+            kp = torch.as_tensor(it["keypoints"]).double()
+            if int(it["role"]) == 0:
                 if self.pending is not None:
                     self.skipped["source without its target"] += 1
-                tok = self._token_of(kp[:, :2])
-                self.pending = {"pair": pairs[b], "x": x[b][:, tok], "kp": kp, "cat": cat}
+                tok = self._token_of(kp[:, :2], grid)
+                self.pending = {"pair": int(it["pair"]), "x": x[:, tok], "kp": kp, "cat": cat}
                 continue
-            src = self.pending
-            self.pending = None
-            if src is None or src["pair"] != pairs[b]:
+            src, self.pending = self.pending, None
+            if src is None or src["pair"] != int(it["pair"]):
                 self.skipped["target without its source"] += 1
                 continue
-            if ref is not None:
-                size = float(torch.as_tensor(ref)[b])
-            elif batch.boxes is not None:
-                bx = batch.boxes[b].double()
+            if it["ref_size"] is not None:
+                size = float(it["ref_size"])
+            elif it["bbox"] is not None:
+                bx = torch.as_tensor(it["bbox"]).double()
                 size = float(max(bx[2] - bx[0], bx[3] - bx[1]))
             else:
                 raise VitscopeError("correspondence needs the target object's box (boxes) or extra['ref_size']")
-            self._score(src, x[b], kp, size, cat)
-        self.n_images += len(batch)
+            self._score(src, x, kp, size, cat, grid)
 
-    def _token_of(self, xy: torch.Tensor) -> torch.Tensor:
-        gh, gw = self.grid_size
+    def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        gh, gw = grid
         p = self.patch_size
         col = torch.clamp(torch.floor(xy[:, 0] / p), 0, gw - 1).long()
         row = torch.clamp(torch.floor(xy[:, 1] / p), 0, gh - 1).long()
         return row * gw + col
 
-    def _score(self, src: dict[str, Any], xt: torch.Tensor, kp: torch.Tensor, size: float, cat: str) -> None:
+    def centres(self, grid: tuple[int, int]) -> torch.Tensor:
+        """(S, 2) x, y pixel centre of each token of a grid."""
+        p = self.patch_size
+        ys, xs = torch.meshgrid((torch.arange(grid[0]) + 0.5) * p, (torch.arange(grid[1]) + 0.5) * p, indexing="ij")
+        return torch.stack([xs.flatten(), ys.flatten()], 1).double()
+
+    def _score(self, src: dict[str, Any], xt: torch.Tensor, kp: torch.Tensor, size: float, cat: str,
+               grid: tuple[int, int]) -> None:
         k = min(len(src["kp"]), len(kp))
         common = (src["kp"][:k, 2] > 0) & (kp[:k, 2] > 0)
         c = self.cats.setdefault(cat, {"correct": torch.zeros(len(self.layers), len(self.alphas), dtype=torch.long),
@@ -357,12 +405,13 @@ class Correspondence(_Dense):
             return
         idx = torch.nonzero(common).flatten()
         sim = torch.einsum("lkd,lsd->lks", src["x"][:, idx], xt)             # (L, K, S)
-        pred = self.centres[sim.argmax(-1)]                                    # (L, K, 2)
+        centres = self.centres(grid)
+        pred = centres[sim.argmax(-1)]                                         # (L, K, 2)
         gt = kp[idx, :2]
         d = torch.linalg.vector_norm(pred - gt[None], dim=-1)                  # (L, K)
         for a, alpha in enumerate(self.alphas):
             c["correct"][:, a] += (d <= alpha * size).sum(1)
-        ch = D.pck_chance(gt.numpy(), size, self.centres.numpy(), self.alphas)
+        ch = D.pck_chance(gt.numpy(), size, centres.numpy(), self.alphas)
         c["chance"] += torch.tensor([float(ch[a].sum()) for a in self.alphas], dtype=torch.float64)
         c["keypoints"] += len(idx)
         c["pairs"] += 1
@@ -458,6 +507,8 @@ class Retrieval(_Dense):
         self.gnd: dict[int, dict[str, list[int]]] = {}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if "tiling" in batch.extra:
+            raise VitscopeError("retrieval ranks whole images (CLS, mean patch token): use the dataset untiled")
         if "db_index" not in batch.extra or "query_index" not in batch.extra:
             raise VitscopeError("retrieval needs extra['db_index'] and extra['query_index'] (and extra['gnd'] for "
                                 "queries); use a retrieval dataset of the catalog")

@@ -30,6 +30,7 @@ from vitscope.data.synthetic import (
     sample_scene,
     to_sample,
 )
+from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
 _EXTENT = 1.2  # every shape lies within this radius of its centre, in object units
@@ -148,6 +149,10 @@ class SyntheticVideos:
         """The first item of every video (a video is never split across shards or subsamples)."""
         return [v * self.n_frames for v in range(self.n_videos)]
 
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        """Items drawn at ``size`` (for `vitscope.data.tiling.TiledDataset`)."""
+        return (self.sample(int(i), self.size or size) for i in indices)
+
     def sequence(self, video: int, size: int | None = None) -> list[Sample]:
         """Every frame of one video, in order."""
         return [self.sample(video * self.n_frames + t, size) for t in range(self.n_frames)]
@@ -190,6 +195,19 @@ class SyntheticPairs:
     def unit_bounds(self) -> list[int]:
         """Flat: every pair's source item (a pair is one unit); else every item."""
         return list(range(0, len(self), 2 if self.flat else 1))
+
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        """Flat items drawn at ``size`` with ``pair``, ``role`` and ``category`` (for tiling)."""
+        if not self.flat:
+            raise InputError("only flat pairs (flat=True) can be tiled")
+        last: tuple[int, tuple[Sample, Sample]] | None = None
+        for i in indices:
+            p, role = divmod(int(i), 2)
+            if last is None or last[0] != p:
+                last = (p, self.pair(p, self.size or size))
+            s = last[1][role]
+            yield replace(s, index=int(i), extra={**s.extra, "pair": p, "role": role,
+                                                  "category": SHAPES[s.label]})
 
     def pair(self, p: int, size: int | None = None) -> tuple[Sample, Sample]:
         size = size or self.size or 224
@@ -382,6 +400,9 @@ class SyntheticRetrieval(RetrievalSplit):
     def unit_bounds(self) -> list[int]:
         """One unit: the ground truth refers to every database image, so the split is never subsampled."""
         return [0]
+
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        return (self.sample(int(i), self.size or size) for i in indices)
 
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
                 indices: list[int] | None = None) -> Iterator[Batch]:

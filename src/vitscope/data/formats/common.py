@@ -151,6 +151,10 @@ class FileDataset:
         finally:
             self._report(new, tried, read, finished)
 
+    def raw_samples(self, indices: Iterable[int], size: int | None = None) -> Iterator[Any]:
+        """Readable items at the files' resolution (``size`` is ignored; for `vitscope.data.tiling.TiledDataset`)."""
+        yield from self.items(indices)
+
     def samples(self, indices: Iterable[int] | None = None) -> Iterator[Sample]:
         """Readable samples at their own resolution."""
         yield from self.items(range(len(self)) if indices is None else indices)

@@ -105,7 +105,8 @@ class SPair71k(FileDataset):
         if self.flat:
             p, role = divmod(i, 2)
             s = self._side(p, "trg" if role else "src")
-            s.extra.update(pair=p, role=role)
+            s.extra.update(pair=p, role=role, category=self.classes[s.label])
+            s.index = i
             return s
         return self.pair(i)
 
