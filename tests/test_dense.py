@@ -532,3 +532,57 @@ def test_best_layer_summary_figures_and_report_section(tmp_path):
     html = write_report(run).read_text()
     assert "best layer" in html and (run / "results" / "best_layers.parquet").is_file()
     assert html.count("<h2 id='best_layers'>") == 1
+
+
+# ------------------------------------------------------------------------------------------------ tiling
+
+
+def _tiled_oracle(batch: Batch, n_labels: int = 4) -> dict[str, torch.Tensor]:
+    """Pixel-level tokens (patch 1) of every tile: the one-hot of the true label, cut like the image."""
+    from vitscope.data.tiling import cut_tiles
+
+    tiles = []
+    for it in batch.extra["tiling"]["items"]:
+        onehot = torch.nn.functional.one_hot(it["objects"].long(), n_labels).permute(2, 0, 1).float()
+        t = cut_tiles(onehot, it["plan"])                       # (n, C, tile, tile)
+        tiles.append(t.flatten(2).transpose(1, 2))               # (n, tile * tile, C)
+    return {"block0.out": with_cls(torch.cat(tiles))}
+
+
+def test_tiled_propagation_assembles_edge_tiles_and_keeps_labels_aligned(tmp_path):
+    from test_data_loaders import _davis
+
+    from vitscope.data.loaders import Davis
+    from vitscope.data.tiling import TiledDataset
+
+    _davis(tmp_path, 2017)  # 24 x 32 frames -> 16 x 21 at tile 8: two full tiles and an edge tile per row
+    ds = TiledDataset(Davis(tmp_path, sequences=["bear", "car"]), scale=2, patch=1)
+    a = get_analysis("propagation")(info(8, 1))
+    n_tiles = 0
+    for b in ds.batches(2, Preprocessing(input_size=8)):
+        it = b.extra["tiling"]["items"][0]
+        assert it["plan"].grid == (16, 21) and it["objects"].shape == (16, 21)
+        n_tiles += len(b)
+        a.update(_tiled_oracle(b), b)
+    assert n_tiles == 5 * 6  # 2 x 3 tiles per frame
+    df = a.finalize()
+    assert df[(df.metric == "JF") & df.video.isna()].value.item() == 1.0 and set(df.video.dropna()) == {"bear"}
+
+
+def test_tiled_correspondence_runs_on_assembled_grids_and_a_wrong_patch_is_refused():
+    from vitscope.data.tiling import TiledDataset
+    from vitscope.errors import VitscopeError
+
+    pairs = SyntheticPairs(n_pairs=3, seed=1, flat=True)
+    ds = TiledDataset(pairs, scale=2, patch=8)
+    a = get_analysis("correspondence")(info(2, 8))
+    g = torch.Generator().manual_seed(0)
+    for b in ds.batches(4, Preprocessing(input_size=16)):
+        assert all(it["plan"].grid == (4, 4) for it in b.extra["tiling"]["items"])  # 32 px drawn, 2 x 2 tiles
+        a.update({"block0.out": torch.randn(len(b), 5, 6, generator=g)}, b)
+    df = a.finalize()
+    assert df.n_pairs.iloc[0] + df[df.metric == "skipped"].value.sum() == 3
+    wrong = get_analysis("correspondence")(info(4, 4))
+    b = next(ds.batches(2, Preprocessing(input_size=16)))
+    with pytest.raises(VitscopeError, match="patch: 4"):
+        wrong.update({"block0.out": torch.randn(len(b), 17, 6)}, b)
