@@ -586,3 +586,58 @@ def test_tiled_correspondence_runs_on_assembled_grids_and_a_wrong_patch_is_refus
     b = next(ds.batches(2, Preprocessing(input_size=16)))
     with pytest.raises(VitscopeError, match="patch: 4"):
         wrong.update({"block0.out": torch.randn(len(b), 17, 6)}, b)
+
+
+# ------------------------------------------------------------------------------------------------ in a study
+
+DENSE_STUDY = """
+models:
+  - {name: vit_small_patch16_224, label: tiny, pretrained: false, kwargs: {img_size: 32, patch_size: 8,
+     embed_dim: 48, depth: 2, num_heads: 3}}
+datasets:
+  videos: {name: synthetic-videos, n_images: 12, options: {n_frames: 6}}
+  pairs: {name: synthetic-pairs, n_images: 12}
+  split: {name: synthetic-retrieval, options: {n_queries: 4, views: 2, n_distractors: 4}}
+analyses:
+  propagation: {}
+  correspondence: {}
+  retrieval: {}
+batch_size: 4
+progress: false
+"""
+
+
+def test_the_three_tasks_run_in_a_study_resume_mid_video_and_land_in_the_report(tmp_path):
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(DENSE_STUDY)
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
+    for name in ("propagation", "correspondence", "retrieval", "best_layers"):
+        assert (ref / "results" / f"{name}.parquet").is_file(), name
+    prop = pd.read_parquet(ref / "results" / "propagation.parquet")
+    assert prop.n_videos.iloc[0] == 2 and set(prop.model) == {"tiny"}
+    assert pd.read_parquet(ref / "results" / "correspondence.parquet").n_pairs.iloc[0] > 0
+    best = pd.read_parquet(ref / "results" / "best_layers.parquet")
+    assert len(best) == 3
+    assert "Dense downstream tasks: best layer" in (ref / "report.html").read_text()
+
+    class Killed(Exception):
+        pass
+
+    fed: list[int] = []
+
+    def kill(model, b):
+        fed.append(b)
+        if len(fed) == 2:  # the videos' second chunk (frames 4-7): inside video 0
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'cache2'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over))
+    for name in ("propagation", "correspondence", "retrieval"):
+        pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / f"{name}.parquet"),
+                                      pd.read_parquet(ref / "results" / f"{name}.parquet"))
