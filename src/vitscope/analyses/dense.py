@@ -215,7 +215,7 @@ class Propagation(_Dense):
         cprobs = D.propagate(ones, ones[:, None].expand(1, ctx.shape[1], -1, -1),
                              torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1), near,
                              self.topk, self.temperature)                                  # (1, C, S)
-        cur["queue"].append((x, probs, cprobs))
+        cur["queue"].append((x.clone(), probs, cprobs))  # a copy: not a view that keeps the batch alive
         if len(cur["queue"]) > self.n_last_frames:
             cur["queue"].pop(0)
         cur["last_scored"] = objects is not None
@@ -242,7 +242,7 @@ class Propagation(_Dense):
                 cur["skip"] = "no object in the first frame's annotation"
             else:
                 y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
-                cur.update(objects=ids, first_x=x, first_y=y[None].expand(len(self.layers), -1, -1).clone(),
+                cur.update(objects=ids, first_x=x.clone(), first_y=y[None].expand(len(self.layers), -1, -1).clone(),
                            first_c=y[None].clone())
 
     def _close(self) -> None:
