@@ -188,6 +188,17 @@ def test_propagation_matches_a_loop_over_tokens():
             assert got[li, :, q].tolist() == pytest.approx(ref, rel=1e-4)
 
 
+def test_propagation_in_query_chunks_equals_one_piece(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    t = torch.nn.functional.normalize(torch.randn(3, 48, 8, generator=g), dim=-1)
+    ctx = torch.nn.functional.normalize(torch.randn(3, 4, 48, 8, generator=g), dim=-1)
+    lab = torch.rand(3, 4, 2, 48, generator=g)
+    near = D.neighbourhood((6, 8), 2)
+    whole = D.propagate(t, ctx, lab, near)
+    monkeypatch.setattr(D, "AFFINITY_CHUNK", 3 * 4 * 48 * 5)  # 5 queries at a time
+    assert torch.allclose(D.propagate(t, ctx, lab, near), whole, rtol=1e-6, atol=1e-7)
+
+
 def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     vids = SyntheticVideos(n_videos=3, n_frames=5, seed=5, size=32)
     batches = _video_batches(vids, 4)
@@ -530,7 +541,7 @@ def test_best_layer_summary_figures_and_report_section(tmp_path):
         df.to_parquet(run / "results" / f"{name}.parquet", index=False)
     (run / "manifest.json").write_text(json.dumps({"models": models}))
     html = write_report(run).read_text()
-    assert "best layer" in html and (run / "results" / "best_layers.parquet").is_file()
+    assert "best layer" in html and (run / "results" / "summary" / "best_layers.parquet").is_file()
     assert html.count("<h2 id='best_layers'>") == 1
 
 
@@ -615,14 +626,17 @@ def test_the_three_tasks_run_in_a_study_resume_mid_video_and_land_in_the_report(
     cfg = tmp_path / "study.yaml"
     cfg.write_text(DENSE_STUDY)
     ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
-    for name in ("propagation", "correspondence", "retrieval", "best_layers"):
+    for name in ("propagation", "correspondence", "retrieval", "summary/best_layers"):
         assert (ref / "results" / f"{name}.parquet").is_file(), name
     prop = pd.read_parquet(ref / "results" / "propagation.parquet")
     assert prop.n_videos.iloc[0] == 2 and set(prop.model) == {"tiny"}
     assert pd.read_parquet(ref / "results" / "correspondence.parquet").n_pairs.iloc[0] > 0
-    best = pd.read_parquet(ref / "results" / "best_layers.parquet")
+    best = pd.read_parquet(ref / "results" / "summary" / "best_layers.parquet")
     assert len(best) == 3
     assert "Dense downstream tasks: best layer" in (ref / "report.html").read_text()
+    report_time = (ref / "report.html").stat().st_mtime_ns
+    run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))  # fully cached: results and report untouched
+    assert (ref / "report.html").stat().st_mtime_ns == report_time
 
     class Killed(Exception):
         pass

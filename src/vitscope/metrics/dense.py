@@ -37,6 +37,8 @@ TOPK = 5
 TEMPERATURE = 0.1
 #: DAVIS label value for pixels that are ignored (not an object, not background)
 VOID = 255
+#: propagation holds at most about this many affinity entries at once (queries are chunked beyond it)
+AFFINITY_CHUNK = 1 << 24
 #: PCK thresholds, fractions of max(bbox h, w) of the target object
 PCK_ALPHAS = (0.1, 0.05, 0.01)
 
@@ -184,14 +186,20 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
     affinity-weighted labels of its top-k context tokens (affinity exp(cos / temperature), zero outside the
     neighbourhood; every key tied with the k-th largest kept)."""
     L, n, S, _ = context.shape
-    sim = torch.einsum("lqd,lnkd->lqnk", target, context)                          # (L, S_q, n, S_k)
-    aff = torch.exp(sim / temperature) * near[None, :, None, :]
-    aff = aff.reshape(L, S, n * S)
-    kth = torch.topk(aff, min(topk, n * S), dim=-1).values[..., -1:]
-    aff = torch.where(aff >= kth, aff, torch.zeros((), dtype=aff.dtype))
-    aff = aff / aff.sum(-1, keepdim=True).clamp(min=1e-30)
+    Q = target.shape[1]
     labels = context_labels.permute(0, 1, 3, 2).reshape(L, n * S, -1)             # (L, n*S_k, C)
-    return torch.bmm(aff, labels).transpose(1, 2)                                   # (L, C, S_q)
+    # queries in chunks so that the affinity held at once stays near 2^24 entries (large tiled frames)
+    step = max(1, min(Q, AFFINITY_CHUNK // max(1, L * n * S)))
+    out = []
+    for q0 in range(0, Q, step):
+        sim = torch.einsum("lqd,lnkd->lqnk", target[:, q0:q0 + step], context)    # (L, q, n, S_k)
+        aff = torch.exp(sim / temperature) * near[q0:q0 + step, None, :]
+        aff = aff.reshape(L, sim.shape[1], n * S)
+        kth = torch.topk(aff, min(topk, n * S), dim=-1).values[..., -1:]
+        aff = torch.where(aff >= kth, aff, torch.zeros((), dtype=aff.dtype))
+        aff = aff / aff.sum(-1, keepdim=True).clamp(min=1e-30)
+        out.append(torch.bmm(aff, labels))                                        # (L, q, C)
+    return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S_q)
 
 
 def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:

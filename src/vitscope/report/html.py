@@ -72,26 +72,25 @@ def _fmt(v: object) -> str:
     return _esc(v)
 
 
-SUMMARY_TABLES = ("best_layers",)  # tables the report derives from the analyses' tables (not analyses)
-
-
 def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str]:
-    """The best-layer summary of the dense downstream tasks: written to results/best_layers.parquet (derived
-    from the tasks' tables, rebuilt with the report) and shown as a table and a task x model heat table."""
+    """The best-layer summary of the dense downstream tasks: written to results/summary/best_layers.parquet
+    (derived from the tasks' tables, rebuilt with the report; in a subfolder, so the study's check that results/
+    holds exactly its analyses' tables is unaffected) and shown as a table and a task x model heat table."""
     from vitscope.report.figures.dense import TASKS, best_layer_summary, summary_figure
 
     tables = {p.stem: pd.read_parquet(p) for p in results if p.stem in TASKS}
     summary = best_layer_summary(tables, models) if tables else pd.DataFrame()
     if summary.empty:
         return []
-    summary.to_parquet(run_dir / "results" / "best_layers.parquet", index=False)
+    (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
+    summary.to_parquet(run_dir / "results" / "summary" / "best_layers.parquet", index=False)
     shown = summary[["label", "model", "supervision", "best_layer", "token_view", "score", "last_layer_score",
                      "random_init_score", "chance"]].rename(columns={"label": "task"})
     out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",
            "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
-           "and the task's chance level. Table: <code>results/best_layers.parquet</code>.</p>", _table(shown)]
+           "and the task's chance level. Table: <code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
     for title, fig in summary_figure(summary):
         out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                    f"<figcaption>{_esc(title)}</figcaption></figure>")
@@ -104,7 +103,7 @@ def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     mf = run_dir / "manifest.json"
     manifest = json.loads(mf.read_text()) if mf.is_file() else {}
-    results = sorted(p for p in (run_dir / "results").glob("*.parquet") if p.stem not in SUMMARY_TABLES)
+    results = sorted((run_dir / "results").glob("*.parquet"))
     order = {name: i for i, name in enumerate(ANALYSES)}
     results.sort(key=lambda p: order.get(p.stem, len(order)))
     models = manifest.get("models", {})
