@@ -10,7 +10,7 @@ before timing. Each task is timed --reps times (interleaved with nothing else); 
 printed (a shared 2-core machine varies by +-10% and more). Also printed: the propagation state held while
 streaming (one video in progress: first frame + the last 7, all layers), the same whether 1 or 3 videos pass.
 
-    python benchmarks/dense.py [--reps 3] [--frames 50] [--pairs 32] [--queries 16]
+    python benchmarks/dense.py [--reps 3] [--frames 50] [--pairs 32] [--queries 16] [--tasks propagation ...]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--queries", type=int, default=16)
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--model", default="vit_small_patch16_224")
+    ap.add_argument("--tasks", nargs="+", default=["propagation", "correspondence", "retrieval"])
     args = ap.parse_args()
     vm = vs.load_model(args.model, pretrained=False)
     pre = vm.preprocessing
@@ -73,6 +74,8 @@ def main() -> None:
     goals = {"propagation": 2.0, "correspondence": 1.3, "retrieval": 1.3}
     print(f"{args.model}, {vm.depth} blocks, grid {vm.grid_size}, torch threads {torch.get_num_threads()}")
     for name, batches in data.items():
+        if name not in args.tasks:
+            continue
         n = sum(len(b) for b in batches)
         ratios, fwd, ana = [], [], []
         for _ in range(args.reps):
@@ -83,6 +86,8 @@ def main() -> None:
         print(f"{name:15s} {n:4d} images  forward {min(fwd):6.2f} s  analysis {min(ana):6.2f} s  "
               f"total / forward: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x  "
               f"(goal <= {goals[name]}x)")
+    if "propagation" not in args.tasks:
+        return
     one, three = [], []
     run(vm, "propagation", data["propagation"][:1], one)
     vids = list(SyntheticVideos(n_videos=3, n_frames=12, seed=1).batches(args.batch, pre))
