@@ -163,7 +163,7 @@ class Propagation(_Dense):
     similar: each token gets the mean label of its neighbourhood in the context frames)."""
 
     name = "propagation"
-    needs = frozenset({"videos"})
+    needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
 
@@ -336,7 +336,7 @@ class Correspondence(_Dense):
     the model input's pixels. Chance (``pck@a_chance``): a uniformly random target token."""
 
     name = "correspondence"
-    needs = frozenset({"pairs"})
+    needs = frozenset({"pairs", "keypoints"})
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
 
