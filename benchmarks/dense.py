@@ -11,6 +11,11 @@ printed (a shared 2-core machine varies by +-10% and more). Also printed: the pr
 streaming (one video in progress: first frame + the last 7, all layers), the same whether 1 or 3 videos pass.
 
     python benchmarks/dense.py [--reps 3] [--frames 50] [--pairs 32] [--queries 16] [--tasks propagation ...]
+                               [--threads 1]
+
+On a heavily shared machine, use --threads 1: with 2 threads each of the propagation's many small elementwise
+ops (masks of 224 x 224 per layer and object) waits for a descheduled second thread; measured at a load average
+of 25 on 2 cores, one binary dilation of 26 masks took 18 ms on 1 thread and 750 ms on 2.
 """
 
 from __future__ import annotations
@@ -62,7 +67,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=25)
     ap.add_argument("--model", default="vit_small_patch16_224")
     ap.add_argument("--tasks", nargs="+", default=["propagation", "correspondence", "retrieval"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     vm = vs.load_model(args.model, pretrained=False)
     pre = vm.preprocessing
     data = {
