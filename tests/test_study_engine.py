@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import study_fixtures
 import torch
 
-import study_fixtures
 from vitscope.cli import main
 from vitscope.errors import ConfigError
 from vitscope.study import load_config, run_study
@@ -179,6 +179,48 @@ progress: false
     bad = text.replace("finetuned_from: pt", "finetuned_from: pretrained")
     with pytest.raises(ConfigError, match="finetuned_from names no model of the study"):
         load_config(write(tmp_path, bad))
+
+
+def test_pair_stages_see_both_models_with_gradients_reuse_a_s_products_and_are_cached(fixtures, tmp_path):
+    text = f"""
+models:
+  - {{name: vit_small_patch16_224, label: pt, pretrained: false, seed: 1, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: ft1, pretrained: false, seed: 2, finetuned_from: pt, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: ft2, pretrained: false, seed: 3, finetuned_from: pt, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: other, pretrained: false, seed: 4, kwargs: {TINY}}}
+dataset: {{name: synthetic-shapes, n_images: 6}}
+analyses:
+  pair_seen: {{}}
+  seen_ids: {{}}
+batch_size: 4
+progress: false
+"""
+    import vitscope.study.run as run
+
+    loads: list[str] = []
+    real = run.load_model
+
+    def counting(*a, **k):
+        loads.append(k.get("seed"))
+        return real(*a, **k)
+
+    cfg = write(tmp_path, text)
+    run.load_model = counting
+    try:
+        out = run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}"]))
+    finally:
+        run.load_model = real
+    assert sorted(loads) == [1, 2, 3, 4]  # every model loaded once, pt kept for both of its pairs
+    df = seen(out, "pair_seen")
+    assert set(zip(df.model, df.model_b, strict=True)) == {("pt", "ft1"), ("pt", "ft2")}
+    assert (df[df.metric == "grad"].value > 0).all()  # gradients flowed through model A
+    reused = df[df.metric == "reused"].groupby("model_b").value.sum()
+    assert reused["ft1"] == 0 and reused["ft2"] == 6  # the second pair reused A's stored products
+    calls = []
+    run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}"]), on_batch=lambda m, b: calls.append(m))
+    assert calls == []  # cached
+    with pytest.raises(ConfigError, match="compares model pairs"):
+        load_config(write(tmp_path, text.replace(", finetuned_from: pt", "")))
 
 
 def test_the_shipped_cifar10_subset_has_100_images_per_class_and_its_documented_files():
