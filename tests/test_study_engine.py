@@ -298,3 +298,18 @@ progress: false
         a, b = seen(tmp_path / "sharded", name), seen(tmp_path / "single", name)
         assert len(a) == len(b) > 0
         assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9)
+
+
+def test_the_readme_study_is_a_valid_config(tmp_path):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    assert blocks
+    for text in blocks:
+        cfg = load_config(write(tmp_path, text))
+        from vitscope.study.plan import make_plan
+
+        plan = {a.name: a.slots["data"] for a in make_plan(cfg).analyses}
+        assert plan == {"cka": "photos", "semantics": "photos", "saliency_iou": "scenes",
+                        "attention_distance": "scenes"}
