@@ -313,3 +313,52 @@ def test_the_readme_study_is_a_valid_config(tmp_path):
         plan = {a.name: a.slots["data"] for a in make_plan(cfg).analyses}
         assert plan == {"cka": "photos", "semantics": "photos", "saliency_iou": "scenes",
                         "attention_distance": "scenes"}
+
+
+def test_resume_after_an_unreadable_image_counts_every_image_once_and_keeps_the_skip_list(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (root / cls).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    (root / "cat" / "3.png").write_bytes(b"not a png")
+    text = f"""
+models:
+  - {{name: vit_small_patch16_224, label: tiny, pretrained: false, kwargs: {TINY}}}
+dataset: {{name: imagefolder, root: {root}, n_images: 100}}
+analyses:
+  attention_distance: {{}}
+  svd_volume: {{}}
+  cka: {{batch_size: 4, views: [gap]}}
+batch_size: 4
+progress: false
+"""
+    cfg = write(tmp_path, text)
+    with pytest.warns(UserWarning):
+        ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        if b == 2:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1"]
+    with pytest.raises(Killed), pytest.warns(UserWarning):
+        run_study(load_config(cfg, over), on_batch=kill)
+    with pytest.warns(UserWarning):
+        out = run_study(load_config(cfg, over))
+    for name in ("attention_distance", "svd_volume", "cka"):
+        pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
+    assert set(seen(out, "attention_distance").n_images) == {19}
+    for run_dir in (ref, out):
+        skipped = json.loads((run_dir / "manifest.json").read_text())["skipped_images"]
+        assert [p for p, _ in skipped[next(iter(skipped))]] == [str(root / "cat" / "3.png")]
+    run_study(load_config(cfg, over))  # fully cached: the skip list is still there, and in the report
+    skipped = json.loads((out / "manifest.json").read_text())["skipped_images"]
+    assert len(skipped[next(iter(skipped))]) == 1
+    assert "1 unreadable images of imagefolder were skipped" in (out / "report.html").read_text()
