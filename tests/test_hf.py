@@ -346,3 +346,20 @@ def test_probe_says_offline_when_nothing_listens(monkeypatch):
         srv.bind(("127.0.0.1", 0))
         srv.listen(1)
         assert fetch.unreachable(f"http://127.0.0.1:{srv.getsockname()[1]}/x.pth") is None
+
+
+def test_study_cache_key_follows_the_directory_files(tmp_path):
+    """A study keys a transformers directory by its files (as single checkpoint files by path, size, mtime)."""
+    import os
+
+    from vitscope.models.load import resolve_spec
+    from vitscope.study.cache import model_key
+
+    d = _save(tmp_path / "vit", "ViTConfig", dict(SMALL), "ViTModel")
+    spec = resolve_spec(str(d))
+    key = model_key(spec, None, True, "auto", 0, {})
+    assert key == model_key(resolve_spec(str(d)), None, True, "auto", 0, {})
+    assert model_key(spec, str(d), True, "auto", 0, {}) == key  # weights=dir is the same checkpoint
+    st = (d / "model.safetensors").stat()
+    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert model_key(spec, None, True, "auto", 0, {}) != key
