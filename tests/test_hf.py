@@ -161,11 +161,38 @@ def test_preprocessing_comes_from_the_checkpoint_else_the_family(tmp_path):
     assert pre.crop_pct == pytest.approx(0.8) and pre.interpolation == "bilinear" and pre.resize_size == 40
 
 
-def test_a_different_image_size_resamples_the_position_embedding(tmp_path):
+def _hidden_states_match(vm, ref, x, **ref_kw):
+    with torch.no_grad():
+        out = ref(x, output_hidden_states=True, **ref_kw)
+    f = vs.extract(vm, x, ["embed"] + [f"block{i}.out" for i in range(vm.depth)])
+    for i, t in enumerate(f):
+        torch.testing.assert_close(f[t], out.hidden_states[i], rtol=1e-5, atol=1e-5)
+    return out
+
+
+def test_a_different_image_size_resamples_the_position_embedding_as_transformers_does(tmp_path):
     d = _save(tmp_path / "vit", "ViTConfig", dict(SMALL, num_labels=5), "ViTForImageClassification")
     vm = vs.load_model(str(d), img_size=48)
     assert vm.grid_size == (6, 6) and vm.load_report.resampled == ["pos_embed"] and vm.load_report.ok
-    assert vs.extract(vm, torch.randn(2, 3, 48, 48), "logits")["logits"].shape == (2, 5)
+    x = torch.randn(2, 3, 48, 48)
+    out = _hidden_states_match(vm, _reference(d, "ViTForImageClassification"), x, interpolate_pos_encoding=True)
+    torch.testing.assert_close(vs.extract(vm, x, "logits")["logits"], out.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config_cls,model_cls", [("Dinov2Config", "Dinov2Model"),
+                                                  ("Dinov2WithRegistersConfig", "Dinov2WithRegistersModel")])
+def test_dinov2_is_built_at_its_processor_size_as_transformers_runs_it(tmp_path, config_cls, model_cls):
+    """DINOv2's configs say 518 px and its processors crop 224: transformers interpolates the position
+    embedding on the fly, vitscope once at load time, the same way (here 84 px in the config, 56 cropped)."""
+    registers = dict(num_register_tokens=2) if "Registers" in config_cls else {}
+    d = _save(tmp_path / "dino", config_cls, _dino(image_size=84, **registers), model_cls)
+    (d / "preprocessor_config.json").write_text(json.dumps({
+        "do_resize": True, "size": {"shortest_edge": 64}, "do_center_crop": True, "crop_size": 56, "resample": 3,
+        "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225]}))
+    vm = vs.load_model(str(d))
+    assert vm.img_size == (56, 56) and vm.grid_size == (4, 4) and vm.load_report.resampled == ["pos_embed"]
+    assert vm.spec.model_kwargs["img_size"] == 56 == vs.models.load.resolve_spec(str(d)).model_kwargs["img_size"]
+    _hidden_states_match(vm, _reference(d, model_cls), torch.randn(2, 3, 56, 56))
 
 
 def test_converted_models_round_trip_through_vitscope_checkpoints(tmp_path):
@@ -215,6 +242,9 @@ def test_config_and_weights_that_disagree_get_the_key_report(tmp_path):
 def test_a_directory_without_config_says_what_it_needs(tmp_path):
     with pytest.raises(vs.VitscopeError, match="no config.json"):
         vs.load_model(str(tmp_path))
+    d = _save(tmp_path / "vit", "ViTConfig", dict(SMALL), "ViTModel")
+    with pytest.raises(vs.CheckpointError, match="needs its config.json: pass the directory"):
+        vs.load_model(str(d), weights=str(d / "model.safetensors"))
 
 
 # -- hub ids and offline behaviour ---------------------------------------------------------------------

@@ -44,6 +44,8 @@ def unreachable(url: str, timeout: float | None = None) -> str | None:
     seconds (default `PROBE_SECONDS`), else the reason in a few words. Answers are cached for a minute."""
     timeout = PROBE_SECONDS if timeout is None else timeout
     parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        return None  # file:// and the like: nothing to probe
     host, port = parts.hostname or "", parts.port or (443 if parts.scheme == "https" else 80)
     proxy = urllib.request.getproxies().get(parts.scheme)
     if proxy and not urllib.request.proxy_bypass(host):

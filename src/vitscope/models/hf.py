@@ -56,7 +56,7 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 _VIT = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
             hidden_act="gelu", layer_norm_eps=1e-12, image_size=224, patch_size=16, num_channels=3, qkv_bias=True)
 _DINOV2 = dict(_VIT, intermediate_size=None, mlp_ratio=4.0, layer_norm_eps=1e-6, patch_size=14,
-               layerscale_value=1.0, use_swiglu_ffn=False, num_register_tokens=0)
+               layerscale_value=1.0, use_swiglu_ffn=False)
 _CLIP = dict(_VIT, hidden_act="quick_gelu", layer_norm_eps=1e-5, patch_size=32, projection_dim=512)
 _BEIT = dict(_VIT, use_absolute_position_embeddings=False, use_relative_position_bias=False,
              use_shared_relative_position_bias=False, layer_scale_init_value=0.1, use_mean_pooling=True)
@@ -232,13 +232,13 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     arch = "vit_base_patch16_224"
     if mt in ("dinov2", "dinov2_with_registers"):
         hidden = int(dim * float(cfg["mlp_ratio"]))
-        kw["init_values"] = float(cfg["layerscale_value"])
+        kw["init_values"] = float(cfg["layerscale_value"]) or 1e-6  # always there (0 would drop it in timm)
         if cfg["use_swiglu_ffn"]:  # transformers keeps 2/3 of the width, rounded up to a multiple of 8
             hidden = 2 * ((int(hidden * 2 / 3) + 7) // 8 * 8)  # timm's packed SwiGLU: both halves in fc1
             arch = "vit_giant_patch14_dinov2"  # the timm model that builds a SwiGLU MLP (SiLU gate)
             kw.pop("act_layer")
         kw["mlp_ratio"] = _ratio(hidden, dim)
-        if int(cfg["num_register_tokens"]) > 0:
+        if mt == "dinov2_with_registers" and int(cfg["num_register_tokens"]) > 0:
             kw.update(reg_tokens=int(cfg["num_register_tokens"]), no_embed_class=True)
         if _has(cfg, "ForImageClassification"):
             kw.update(num_classes=_num_labels(cfg), global_pool="", head_input="cls+mean")
@@ -298,10 +298,11 @@ def preprocessing(cfg: Mapping[str, Any], pre: Mapping[str, Any] | None) -> Prep
 def spec_for(directory: str | Path, name: str, location: str) -> ModelSpec:
     """An ad-hoc registry entry for a checkpoint directory (``location``: the directory or the hub id)."""
     cfg = read_config(directory)
-    arch, kw = architecture(cfg)
+    arch = architecture(cfg)[0]
+    pre = preprocessing(cfg, read_preprocessor(directory))
     what = ", ".join(cfg["architectures"]) or cfg["model_type"]
-    return ModelSpec(name, arch, "none", "unknown", WeightSource("hf", location, "hf"),
-                     preprocessing(cfg, read_preprocessor(directory)), kw,
+    return ModelSpec(name, arch, "none", "unknown", WeightSource("hf", location, "hf"), pre,
+                     implied_kwargs(cfg, pre),
                      citation=_CITATIONS[cfg["model_type"]],
                      notes=f"transformers {what} (model_type {cfg['model_type']}), converted to timm {arch}")
 
@@ -482,18 +483,45 @@ def convert(sd: Mapping[str, Tensor], cfg: Mapping[str, Any]) -> tuple[str, Conv
     return arch, Converted(out, f"transformers {mt}", dropped, kw)
 
 
-def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = None
-             ) -> tuple[str, Converted, Preprocessing]:
-    """Read and convert a checkpoint directory: (timm architecture, converted weights, preprocessing).
+def implied_kwargs(cfg: Mapping[str, Any], pre: Preprocessing) -> dict[str, Any]:
+    """The architecture a checkpoint implies before its weights are read: the config's, built at the size its
+    preprocessing produces (DINOv2's config says 518 px, its processor crops 224, where transformers
+    interpolates the position embeddings on the fly)."""
+    return {**architecture(cfg)[1], "img_size": pre.input_size}
 
-    entry_kwargs: the registry entry's architecture arguments; those that differ from what the config
+
+def resample_pos_embed(pos: Tensor, old: int, new: int, antialias: bool = False) -> Tensor:
+    """A (1, prefix + old*old, D) position embedding on a new*new grid, prefix rows kept, interpolated the way
+    transformers does on the fly (bicubic, align_corners=False, float32), so both compute the same function."""
+    prefix = pos.shape[1] - old * old
+    grid = pos[:, prefix:].reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid.float(), size=(new, new), mode="bicubic", align_corners=False,
+                                           antialias=antialias).to(pos.dtype)
+    return torch.cat([pos[:, :prefix], grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)], dim=1)
+
+
+def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> tuple[str, Converted, Preprocessing]:
+    """Read and convert a checkpoint directory: (timm architecture, converted weights with the final
+    architecture arguments, preprocessing).
+
+    entry_kwargs: a registry entry's architecture arguments; those that differ from what the checkpoint
     implies (e.g. ``img_size=224`` for a 518 px DINOv2) are deliberate and win over the checkpoint's.
+    overrides: the caller's own arguments (``load_model(..., img_size=448)``), which win over both.
     """
     cfg = read_config(directory)
+    pre = preprocessing(cfg, read_preprocessor(directory))
     arch, conv = convert(read_state_dict(directory), cfg)
-    implied = architecture(cfg)[1]
-    conv.model_kwargs.update({k: v for k, v in (entry_kwargs or {}).items() if k not in implied or implied[k] != v})
-    return arch, conv, preprocessing(cfg, read_preprocessor(directory))
+    implied = implied_kwargs(cfg, pre)
+    departures = {k: v for k, v in (entry_kwargs or {}).items() if k not in implied or implied[k] != v}
+    conv.model_kwargs.update({"img_size": pre.input_size, **departures, **(overrides or {})})
+    size, patch = conv.model_kwargs["img_size"], int(cfg["patch_size"])
+    pos = conv.state_dict.get("pos_embed")
+    if pos is not None and isinstance(size, int) and size != int(cfg["image_size"]):
+        conv.state_dict["pos_embed"] = resample_pos_embed(pos, int(cfg["image_size"]) // patch, size // patch,
+                                                          antialias=cfg["model_type"] == "dinov2_with_registers")
+        conv.resampled.append("pos_embed")
+    return arch, conv, pre
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,13 @@ from typing import Any
 import timm
 import torch
 
-from vitscope.errors import UnknownModelError, VitscopeError, WeightsUnavailableError, close_matches
+from vitscope.errors import (
+    CheckpointError,
+    UnknownModelError,
+    VitscopeError,
+    WeightsUnavailableError,
+    close_matches,
+)
 from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
 from vitscope.models import hf
@@ -63,16 +69,19 @@ def load_model(
         weights = location if Path(location).is_dir() else hf.fetch(location, spec.name)
     if weights is not None and hf.is_model_dir(weights):  # transformers: the config decides the architecture
         source = str(weights)
-        arch, conv, pre = hf.load_dir(source, spec.model_kwargs)
+        arch, conv, pre = hf.load_dir(source, spec.model_kwargs, model_kwargs)
         spec = replace(spec, arch=arch, preprocessing=pre)
-        kwargs = {**conv.model_kwargs, **model_kwargs}
+        kwargs = conv.model_kwargs
         model = _create(spec.arch, kwargs, seed)
         report = ck.load_into(model, conv, source=Path(source).name, strict=strict)
         log.info("%s: %s", spec.name, report.summary())
     elif weights is not None:
         source = str(weights)
-        ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
         fmt = checkpoint_format if checkpoint_format != "auto" else spec.weights.checkpoint_format
+        if fmt == "hf":
+            raise CheckpointError(f"{spec.name} is a transformers checkpoint, which needs its config.json: pass the "
+                                  f"directory holding config.json and the weights, not {source!r}")
+        ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
         conv = ck.convert(ckpt, fmt, dino_key=checkpoint_key)
         if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
             arch, inferred, notes = ck.infer_architecture(conv.state_dict)
