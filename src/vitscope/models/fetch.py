@@ -85,3 +85,21 @@ def cached_hub_file(repo_id: str, filenames: list[str], revision: str | None = N
         if isinstance(path, str) and Path(path).is_file():
             return path
     return None
+
+
+def timm_weights(timm_name: str) -> tuple[str | None, str | None, str]:
+    """For a timm tag: (why timm could not download its weights now, or None; the local hub cache's copy or
+    None; the URL to fetch them from by hand). The files are those timm asks the hub for, safetensors first."""
+    import timm
+
+    cfg = timm.get_pretrained_cfg(timm_name)
+    repo_id, _, revision = (getattr(cfg, "hf_hub_id", None) or "").partition("@")
+    if not repo_id:  # weights timm fetches from a URL of their own
+        url = str(getattr(cfg, "url", "") or "")
+        return unreachable(url), None, url
+    named = getattr(cfg, "hf_hub_filename", None)
+    files = ([named[:-4] + ".safetensors", named] if named and named.endswith(".bin") else [named] if named
+             else ["model.safetensors", "pytorch_model.bin"])
+    reason = hub_offline()
+    cached = cached_hub_file(repo_id, files, revision or None) if reason else None
+    return reason, cached, hub_url(repo_id, files[0], revision or None)

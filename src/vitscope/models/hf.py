@@ -587,7 +587,7 @@ def fetch(repo_id: str, name: str, revision: str | None = None, weights: bool = 
     if directory is not None and (not weights or any((directory / f).is_file() for f in WEIGHT_FILES)):
         return directory
     raise WeightsUnavailableError(
-        f"{name}: the Hugging Face hub is unreachable ({reason}) and {repo_id} is not in the local cache; "
+        f"{name}: {repo_id} is not in the local hub cache and the Hugging Face hub is unreachable ({reason}); "
         f"download {CONFIG}, {WEIGHT_FILES[0]} (or {WEIGHT_FILES[2]}) and {PREPROCESSOR} if there is one from "
         f"{net.hub_endpoint()}/{repo_id} into a directory and pass it: vs.load_model('/path/to/dir'), or "
         "weights='/path/to/dir'.")

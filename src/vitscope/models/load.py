@@ -185,19 +185,11 @@ def _create_timm_pretrained(spec: ModelSpec, kwargs: dict[str, Any]) -> torch.nn
     """timm's own download, after a connection probe: offline, the hub cache only, failing in seconds."""
     timm_kwargs, extra = hf.split_build_kwargs(kwargs)
     overlay: dict[str, Any] = {}
-    reason = net.hub_offline()
+    reason, cached, url = net.timm_weights(spec.timm_name)
     if reason is not None:
-        cfg = timm.get_pretrained_cfg(spec.timm_name)
-        repo = getattr(cfg, "hf_hub_id", None) or ""
-        named = getattr(cfg, "hf_hub_filename", None)
-        files = ([named[:-4] + ".safetensors", named] if named and named.endswith(".bin") else [named] if named
-                 else ["model.safetensors", "pytorch_model.bin"])
-        repo_id, _, revision = repo.partition("@")
-        cached = net.cached_hub_file(repo_id, files, revision or None) if repo_id else None
         if cached is None:
-            url = net.hub_url(repo_id, files[0], revision or None) if repo_id else getattr(cfg, "url", "")
             raise WeightsUnavailableError(
-                f"{spec.name}: no network to the Hugging Face hub ({reason}) and {spec.timm_name} is not in the "
+                f"{spec.name}: cannot download the {spec.timm_name} weights ({reason}) and they are not in the "
                 f"local cache; download {url} elsewhere and pass weights='/path/to/{Path(url).name}' "
                 "(or pretrained=False for random init).")
         overlay["pretrained_cfg_overlay"] = {"file": cached}
