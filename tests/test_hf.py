@@ -82,10 +82,7 @@ def _encoder_outputs(ref, x):
         enc.config.mask_ratio = 0.0  # keep every patch, in order (noise = position)
         noise = torch.arange(x.shape[-1] * x.shape[-2] // enc.config.patch_size ** 2).float().expand(len(x), -1)
         return enc(x, noise=noise, **kw), None
-    if name == "CLIPModel":
-        out = ref.vision_model(x, **kw)
-        return out, ref.visual_projection(out.pooler_output)
-    if name == "CLIPVisionModelWithProjection":
+    if name in ("CLIPModel", "CLIPVisionModelWithProjection"):
         out = ref.vision_model(x, **kw)
         return out, ref.visual_projection(out.pooler_output)
     if name == "BeitForMaskedImageModeling":
@@ -246,6 +243,11 @@ def test_config_and_weights_that_disagree_get_the_key_report(tmp_path):
     assert "missing" in msg and "blocks.3." in msg and "wrong shape" in msg and "mlp.fc1.weight" in msg
     vm = vs.load_model(str(d), strict=False)
     assert not vm.load_report.ok and any(k.startswith("blocks.3.") for k in vm.load_report.missing)
+    d = _save(tmp_path / "dino", "Dinov2Config", _dino(), "Dinov2Model")  # a classifier the weights lack
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["Dinov2ForImageClassification"]}))
+    with pytest.raises(vs.CheckpointError, match=r"2 missing \(left at init\): head.weight, head.bias"):
+        vs.load_model(str(d))
 
 
 def test_a_directory_without_config_says_what_it_needs(tmp_path):

@@ -459,15 +459,11 @@ def convert(sd: Mapping[str, Tensor], cfg: Mapping[str, Any]) -> tuple[str, Conv
         else:
             out[k] = v  # reported as unexpected
 
-    # refine what the config implied with what the weights hold
+    # refine what the config implied with what the weights hold (a head the config names but the weights
+    # lack stays in the architecture: the strict report then says it is missing)
     head = out.get("head.weight")
     if head is not None and head.ndim == 2:
         kw["num_classes"] = int(head.shape[0])
-    elif kw.get("num_classes") and "head.weight" not in out:
-        kw["num_classes"] = 0  # the config names a task model but the weights have no head
-        kw.pop("head_input", None)
-        if kw.get("global_pool") == "":
-            kw["global_pool"] = "token"
     if clip and "norm.weight" in out and kw.get("final_norm") is False:
         for k in ("weight", "bias"):
             if out.pop(f"norm.{k}", None) is not None:
