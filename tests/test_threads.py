@@ -15,13 +15,17 @@ def _pools() -> set[int]:
 
 
 def test_small_work_runs_on_one_thread_and_restores_the_pools():
+    own = torch.get_num_threads()
     torch.set_num_threads(2)
-    before = _pools()
-    with few_threads(1000):
-        assert torch.get_num_threads() == 1 and _pools() == {1}
-    assert torch.get_num_threads() == 2 and _pools() == before
-    with few_threads(SMALL):  # large work keeps its threads
-        assert torch.get_num_threads() == 2
+    try:
+        before = _pools()
+        with few_threads(1000):
+            assert torch.get_num_threads() == 1 and _pools() == {1}
+        assert torch.get_num_threads() == 2 and _pools() == before
+        with few_threads(SMALL):  # large work keeps its threads
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(own)
 
 
 def test_import_sets_a_passive_wait_policy_unless_the_user_chose():
