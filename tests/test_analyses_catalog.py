@@ -42,7 +42,7 @@ def test_listing_shows_every_parameter_with_type_and_default(capsys):
 def test_one_analysis_in_full_and_an_unknown_name(capsys):
     assert main(["analyses", "saliency_iou"]) == 0
     out = capsys.readouterr().out
-    assert "foreground masks" in out and "60 %" in out and "cka:" not in out  # data needs, whole docstring
+    assert "masks: a foreground mask" in out and "60 %" in out and "cka:" not in out  # data needs, whole docstring
     assert main(["analyses", "salency_iou"]) == 2
     err = capsys.readouterr().err
     assert "did you mean saliency_iou" in err and len(err.strip().splitlines()) == 1
