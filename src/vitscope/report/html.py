@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from vitscope.report.figures import FIGURES
+from vitscope.threads import single_threaded
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
 line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
@@ -72,6 +73,7 @@ def _fmt(v: object) -> str:
     return _esc(v)
 
 
+@single_threaded  # drawing and small tables: nothing gains from a second thread, and none may spin
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
