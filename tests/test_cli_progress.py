@@ -28,9 +28,9 @@ def test_rerun_says_what_came_from_the_cache(tmp_path, capsys):
     assert "4 of 4 analyses (models x analyses) read from the cache" in err and "unchanged" in err
     assert "report:" not in err
 
-    assert main(["run", str(cfg), out, "analyses.tsne.n_images=2"]) == 0  # one new analysis per model
+    assert main(["run", str(cfg), out, "analyses.tsne.n_images=2", "--overwrite"]) == 0  # one new analysis a model
     err = capsys.readouterr().err
     assert "4 of 6 analyses" in err and "report: 3 tables" in err
 
-    assert main(["run", "-q", str(cfg), out]) == 0  # quiet: none of it
+    assert main(["run", "-q", str(cfg), out, "--overwrite"]) == 0  # quiet: none of it
     assert "read from the cache" not in capsys.readouterr().err
