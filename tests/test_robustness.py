@@ -406,3 +406,26 @@ def test_cue_conflict_folder_parses_the_published_layout_and_rejects_other_names
     img.save(tmp_path / "cat" / "cat_3.png")
     with pytest.raises(InputError, match=r"1 files .* not named <shape><i>-<texture><j>.*cat/cat_3.png"):
         CueConflictFolder(tmp_path)
+
+
+def test_precorrupted_cifar10c_folder_is_scored_per_corruption_and_severity_by_the_head(tmp_path):
+    from vitscope.data.formats.robustness import CorruptedFolder
+    from vitscope.models.load import load_model
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "contrast.npy", rng.integers(0, 255, (5 * 4, 32, 32, 3), dtype=np.uint8))
+    np.save(tmp_path / "labels.npy", np.arange(20) % 10)
+    ds = CorruptedFolder(tmp_path, severities=[2, 5])
+    assert len(ds) == 8 and ds.classes == list(R.CIFAR10_CLASSES)
+    assert [(c, s) for c, s, _, _ in ds.entries] == [("contrast", 2)] * 4 + [("contrast", 5)] * 4
+    vm = load_model("zoo-sup")
+    an = Corruptions(vm, corruptions=["contrast"], severities=[2, 5])
+    run_passes(an, vm, {"data": ds}, batch_size=3, views=["clean"])
+    df = an.finalize()
+    acc = df[df.metric == "accuracy"]
+    assert set(df["readout"]) == {"head"}
+    assert sorted(zip(acc["severity"], acc["n_images"], strict=True)) == [(2, 4), (5, 4)]
+    with pytest.raises(InputError, match="not ImageNet-C / CIFAR-10-C corruptions"):
+        CorruptedFolder(tmp_path, corruptions=["fogg"])
+    with pytest.raises(InputError, match="severities are 1..5"):
+        CorruptedFolder(tmp_path, severities=[0])

@@ -95,7 +95,7 @@ class CorruptedFolder(FileDataset):
         sev = [int(s) for s in (severities or (1, 2, 3, 4, 5))]
         if any(not 1 <= s <= 5 for s in sev):
             raise InputError(f"corruption severities are 1..5; got {severities}")
-        self.items: list[tuple[str, int, int, Path | int]] = []  # corruption, severity, label, file or row
+        self.entries: list[tuple[str, int, int, Path | int]] = []  # corruption, severity, label, file or row
         self.arrays: dict[str, np.ndarray] = {}
         npys = sorted(p.stem for p in self.root.glob("*.npy") if p.stem != "labels")
         if npys:  # CIFAR-10-C
@@ -110,7 +110,7 @@ class CorruptedFolder(FileDataset):
                 per = len(arr) // 5
                 self.arrays[c] = arr
                 for s in sev:
-                    self.items += [(c, s, int(labels[r]), r) for r in range((s - 1) * per, s * per)]
+                    self.entries += [(c, s, int(labels[r]), r) for r in range((s - 1) * per, s * per)]
         else:  # ImageNet-C
             present = sorted(p.name for p in self.root.iterdir() if p.is_dir())
             names = corruptions or [p for p in present if p in CORRUPTIONS]
@@ -128,9 +128,9 @@ class CorruptedFolder(FileDataset):
                     elif cls != classes:
                         raise InputError(f"{str(d)!r} holds other class folders than {names[0]}/{sev[0]}")
                     for k, cl in enumerate(cls):
-                        self.items += [(c, s, k, f) for f in image_files(d / cl)]
+                        self.entries += [(c, s, k, f) for f in image_files(d / cl)]
             self.classes = classes or []
-        if not self.items:
+        if not self.entries:
             raise InputError(f"{str(self.root)!r} holds no corrupted images")
 
     @staticmethod
@@ -145,10 +145,10 @@ class CorruptedFolder(FileDataset):
                              f"{', '.join(present) or 'none'})")
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.entries)
 
     def load(self, i: int) -> Sample:
-        c, s, label, src = self.items[i]
+        c, s, label, src = self.entries[i]
         img = np.asarray(self.arrays[c][src]) if isinstance(src, int) else read_rgb(src)
         return Sample(image=img, label=label, index=i, extra={"corruption": c, "severity": s})
 
