@@ -98,7 +98,7 @@ def test_corruption_is_deterministic_identity_at_0_and_grows_with_severity(name)
     assert dist[-1] > dist[0]
 
 
-@pytest.mark.parametrize("name", ["gaussian_blur", "contrast", "jpeg_compression", "pixelate"])
+@pytest.mark.parametrize("name", ["gaussian_blur", "brightness", "contrast", "jpeg_compression", "pixelate"])
 def test_native_deterministic_corruptions_match_the_package(name):
     pytest.importorskip("imagecorruptions")
     from imagecorruptions import corrupt

@@ -18,10 +18,12 @@ Corruptions and Perturbations", ICLR 2019): the 15 ImageNet-C corruptions in fou
 held-out ones, severities 1-5 (0 = the clean image). Backend: the maintained package
 ``imagecorruptions-imaug`` (the fork of ``imagecorruptions``, which no longer imports; ``pip install
 vitscope[robust]``), run per image on uint8 arrays with the global numpy RNG seeded from the image's
-generator and restored afterwards. The corruptions whose definition is a few array operations are also
-implemented here with torch ops, batched, with the package's constants (``NATIVE``): the default, because
-they cost a fraction of the package's per-image numpy (and need no extra dependency); ``backend='package'``
-uses the package for every corruption. The package's parameters are ImageNet-C's (for 224 px images);
+generator and restored afterwards. The corruptions whose definition is a few array operations (``NATIVE``:
+the noises, Gaussian blur, brightness, contrast, JPEG, pixelate; one or more of every family but weather's
+snow / frost / fog) are also implemented here with torch ops, batched, with the package's constants, and
+tested against it: the default, because they cost a fraction of the package's per-image numpy (and need no
+extra dependency); ``backend='package'`` uses the package for every corruption.
+The package's parameters are ImageNet-C's (for 224 px images);
 CIFAR-10-C used milder ones at 32 px, so absolute numbers at 32 px are not comparable with CIFAR-10-C's.
 """
 
@@ -221,6 +223,11 @@ def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tensor
         c = (.4, .3, .2, .1, .05)[s - 1]
         mean = x.mean(dim=(2, 3), keepdim=True)
         return (x - mean) * c + mean
+    if name == "brightness":  # HSV value + c: with hue and saturation fixed, RGB scales by V' / V (grey at V = 0)
+        c = (.1, .2, .3, .4, .5)[s - 1]
+        v = x.amax(dim=1, keepdim=True)
+        v2 = (v + c).clamp(max=1.0)
+        return torch.where(v > 0, x * (v2 / v.clamp_min(1e-12)), v2.expand_as(x))
     if name == "jpeg_compression":
         q = (25, 18, 15, 10, 7)[s - 1]
         return _per_image_pil(x, lambda im: _jpeg(im, q))
@@ -230,7 +237,7 @@ def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tensor
     raise KeyError(name)
 
 
-NATIVE = ("gaussian_noise", "speckle_noise", "shot_noise", "impulse_noise", "gaussian_blur", "contrast",
+NATIVE = ("gaussian_noise", "speckle_noise", "shot_noise", "impulse_noise", "gaussian_blur", "brightness", "contrast",
           "jpeg_compression", "pixelate")
 
 
