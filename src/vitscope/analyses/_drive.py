@@ -3,8 +3,7 @@ then each view of the main dataset): for tests, benchmarks and notebooks before 
 
     run_passes(analysis, vm, {"data": cue_conflict, "train": shapes}, batch_size=64)
 
-A view's batch is the clean batch un-normalised to [0, 1], perturbed by the registered view function,
-clamped and normalised again, as the engine's contract specifies.
+A view's batch is the clean batch through `vitscope.data.views.apply_view`, as in the engine.
 """
 
 from __future__ import annotations
@@ -13,36 +12,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from vitscope.capture.engine import Capture
-from vitscope.data import perturb as P
-
-
-def _view_fn(spec: str) -> tuple[Any, dict[str, Any]]:
-    kind, _, args = spec.partition(":")
-    kw: dict[str, Any] = {}
-    for part in filter(None, args.split(",")):
-        k, _, v = part.partition("=")
-        try:
-            kw[k] = int(v)
-        except ValueError:
-            try:
-                kw[k] = float(v)
-            except ValueError:
-                kw[k] = v
-    return {"band_noise": P.band_noise, "corruption": P.corruption}[kind], kw
-
-
-def apply_view(images: torch.Tensor, index: torch.Tensor, spec: str, seed: int, mean: Any, std: Any) -> torch.Tensor:
-    """Normalised images -> the view ``spec`` of them, normalised again."""
-    if spec == "clean":
-        return images
-    m = torch.tensor(mean, dtype=images.dtype)[:, None, None]
-    s = torch.tensor(std, dtype=images.dtype)[:, None, None]
-    fn, kw = _view_fn(spec)
-    x01 = (images * s + m).clamp(0, 1)
-    return (fn(x01, index, seed, **kw).clamp(0, 1) - m) / s
+from vitscope.data.views import apply_view
 
 
 def run_passes(analysis: Any, vm: Any, datasets: Mapping[str, Any], batch_size: int = 64, seed: int = 0,
@@ -62,7 +33,7 @@ def run_passes(analysis: Any, vm: Any, datasets: Mapping[str, Any], batch_size: 
             for b in ds.batches(batch_size, pre, indices=ids[slot]):
                 b.dataset, b.view = ds.name, view
                 t0 = time.perf_counter()
-                b.images = apply_view(b.images, b.index, view, seed, pre.mean, pre.std)
+                b.images = apply_view(b.images, b.index, view, pre.mean, pre.std, seed)
                 t1 = time.perf_counter()
                 feats = cap(b.images)
                 t2 = time.perf_counter()

@@ -305,6 +305,9 @@ class ShapeBias(_Robustness):
         train = self.datasets.get("train")
         if "train" in self.datasets and train is None:
             return False, "no dataset provides clean labelled training images"
+        if train is not None and train == self.datasets.get("data"):
+            raise ConfigError(f"shape_bias: its train input is the cue-conflict set {train!r} itself; name a dataset "
+                              "of clean images of the same classes with train_dataset: (e.g. synthetic-shapes)")
         mine, theirs = self.classes_of("data"), self.classes_of("train")
         if mine is not None and theirs is not None and list(mine) != list(theirs):
             return False, (f"the training images ({train}) have other classes than the cue-conflict images "

@@ -29,7 +29,6 @@ CIFAR-10-C used milder ones at 32 px, so absolute numbers at 32 px are not compa
 
 from __future__ import annotations
 
-import hashlib
 import io
 import math
 from collections.abc import Callable
@@ -39,22 +38,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitscope.data.views import image_generator, register_view
 from vitscope.errors import VitscopeError, close_matches
-
-try:  # the engine's view registry (issue 14)
-    from vitscope.data.views import image_generator, register_view
-except ImportError:  # pragma: no cover - until the engine lands on this branch: same contract, local registry
-    VIEWS: dict[str, Callable] = {}
-
-    def register_view(kind: str) -> Callable[[Callable], Callable]:
-        def deco(fn: Callable) -> Callable:
-            VIEWS[kind] = fn
-            return fn
-        return deco
-
-    def image_generator(seed: int, view_key: str, image_id: int) -> torch.Generator:
-        h = hashlib.sha256(f"{int(seed)}|{view_key}|{int(image_id)}".encode()).digest()
-        return torch.Generator().manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
 
 Tensor = torch.Tensor
 
