@@ -429,3 +429,14 @@ def test_precorrupted_cifar10c_folder_is_scored_per_corruption_and_severity_by_t
         CorruptedFolder(tmp_path, corruptions=["fogg"])
     with pytest.raises(InputError, match="severities are 1..5"):
         CorruptedFolder(tmp_path, severities=[0])
+
+
+def test_default_study_plans_the_robustness_lenses_on_their_datasets():
+    from vitscope.study import load_config
+    from vitscope.study.plan import make_plan
+
+    plan = {ap.name: ap for ap in make_plan(load_config()).analyses}
+    assert plan["shape_bias"].slots == {"data": "cue-conflict", "train": "shapes"}
+    assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 11
+    assert len(plan["corruptions"].views) == 1 + 5 * 3
+    assert plan["semantics"].slots["data"] == "cifar10"  # the other analyses keep their datasets
