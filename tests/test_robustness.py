@@ -425,6 +425,14 @@ def test_precorrupted_cifar10c_folder_is_scored_per_corruption_and_severity_by_t
     acc = df[df.metric == "accuracy"]
     assert set(df["readout"]) == {"head"}
     assert sorted(zip(acc["severity"], acc["n_images"], strict=True)) == [(2, 4), (5, 4)]
+    dino = load_model("zoo-dino")
+    an = Corruptions(dino, corruptions=["contrast"], severities=[2, 5])
+    with pytest.raises(ConfigError, match="no classifier head .* holds only corrupted images"):
+        run_passes(an, dino, {"data": ds}, batch_size=3, views=["clean"])
+    ds.name = "my-c"  # a name that does not say what it holds: caught at its first batch
+    an = Corruptions(dino, corruptions=["contrast"], severities=[2, 5])
+    with pytest.raises(ConfigError, match="holds pre-corrupted images, which only a classifier head"):
+        run_passes(an, dino, {"data": ds}, batch_size=3, views=["clean"])
     with pytest.raises(InputError, match="not ImageNet-C / CIFAR-10-C corruptions"):
         CorruptedFolder(tmp_path, corruptions=["fogg"])
     with pytest.raises(InputError, match="severities are 1..5"):

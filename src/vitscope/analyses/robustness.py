@@ -413,6 +413,11 @@ class _ViewAccuracy(_Robustness):
                           ) -> None:
         """Images that come corrupted (``batch.extra['corruption' / 'severity']``): each group is scored like the
         view that would have made it, by the head (no clean images of the same set exist for a probe)."""
+        if not self.use_head:
+            raise ConfigError(f"{self.name}: {self.datasets.get('data') or 'the dataset'} holds pre-corrupted images, "
+                              f"which only a classifier head covering its classes can score; {self.model_name} has "
+                              f"{'no such head' if self.head_space is None else 'a ' + self.head_space + ' head'}"
+                              " (or the dataset's classes are unknown)")
         names, sev = batch.extra["corruption"][:take], torch.as_tensor(batch.extra["severity"])[:take]
         for c, s in dict.fromkeys(zip(names, sev.tolist(), strict=True)):
             rows = torch.tensor([i for i in range(take) if names[i] == c and int(sev[i]) == s])
@@ -539,7 +544,7 @@ class Corruptions(_ViewAccuracy):
     Rows per (readout, layer): ``accuracy`` per ``corruption`` (with its ``family``) and ``severity`` (0 = clean),
     ``relative_drop`` from clean per corruption and severity, ``mca`` (mean corruption accuracy over the
     corruptions and severities run) and ``mca_relative_drop``. ``corruptions``: names, family names
-    ('noise', 'blur', 'weather', 'digital', 'extra') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
+    ('noise', 'blur', 'weather', 'digital', 'held-out') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
     ``backend``: 'auto' (torch versions where they exist, else the imagecorruptions-imaug package), 'native',
     'package'."""
 

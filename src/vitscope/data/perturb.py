@@ -108,10 +108,10 @@ FAMILIES: dict[str, tuple[str, ...]] = {
     "blur": ("defocus_blur", "glass_blur", "motion_blur", "zoom_blur"),
     "weather": ("snow", "frost", "fog", "brightness"),
     "digital": ("contrast", "elastic_transform", "pixelate", "jpeg_compression"),
-    "extra": ("speckle_noise", "gaussian_blur", "spatter", "saturate"),  # ImageNet-C's held-out four
+    "held-out": ("speckle_noise", "gaussian_blur", "spatter", "saturate"),  # ImageNet-C's held-out four
 }
 CORRUPTIONS: tuple[str, ...] = tuple(c for f in FAMILIES.values() for c in f)
-COMMON: tuple[str, ...] = tuple(c for f, cs in FAMILIES.items() if f != "extra" for c in cs)
+COMMON: tuple[str, ...] = tuple(c for f, cs in FAMILIES.items() if f != "held-out" for c in cs)
 FAMILY_OF = {c: f for f, cs in FAMILIES.items() for c in cs}
 SEVERITIES = (1, 2, 3, 4, 5)
 PACKAGE = "imagecorruptions-imaug"

@@ -130,7 +130,7 @@ def corruptions(df: pd.DataFrame) -> Figures:
     if d.empty:
         return []
     last = _last(d)
-    fams = [f for f in ("noise", "blur", "weather", "digital", "extra") if (last["family"] == f).any()]
+    fams = [f for f in ("noise", "blur", "weather", "digital", "held-out") if (last["family"] == f).any()]
     panels = ["all", *fams]
     fig, axes = plt.subplots(1, len(panels) + 1, figsize=(2.9 * (len(panels) + 1) + 1.2, 2.9), squeeze=False)
     for p, fam in enumerate(panels):
