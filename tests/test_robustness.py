@@ -448,3 +448,48 @@ def test_default_study_plans_the_robustness_lenses_on_their_datasets():
     assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 11
     assert len(plan["corruptions"].views) == 1 + 5 * 3
     assert plan["semantics"].slots["data"] == "cifar10"  # the other analyses keep their datasets
+
+
+def _geirhos_folder(root, n=3):
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    cats = ["bird", "cat", "dog", "truck"]
+    for shape in cats:
+        (root / shape).mkdir(parents=True)
+        for i in range(n):
+            tex = cats[(cats.index(shape) + 1 + i) % len(cats)]
+            img = Image.fromarray(rng.integers(0, 255, (48, 48, 3), dtype=np.uint8))
+            img.save(root / shape / f"{shape}{i}-{tex}{i}.png")
+
+
+STUDY = """
+models:
+  - {{name: vit_small_patch16_224, label: {label}, pretrained: false,
+      kwargs: {{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: {nc}}}}}
+datasets:
+  stimuli: {{name: cue-conflict, root: {root}}}
+  shapes: {{name: synthetic-shapes, n_images: 24}}
+analyses:
+  shape_bias: {{dataset: stimuli, train_dataset: shapes}}
+batch_size: 8
+progress: false
+"""
+
+
+def test_geirhos_folder_through_a_study_uses_an_imagenet_head_and_refuses_a_headless_model(tmp_path):
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    _geirhos_folder(tmp_path / "stimuli")
+    p = tmp_path / "s.yaml"
+    p.write_text(STUDY.format(label="in1k", nc=1000, root=tmp_path / "stimuli"))
+    out = run_study(load_config(p, [f"output_dir={tmp_path / 'run'}"]))
+    df = pd.read_parquet(out / "results" / "shape_bias.parquet")
+    assert set(df["readout"]) == {"head"}  # the shapes' 12 classes are not the stimuli's: no probe
+    v = df.set_index("metric")["value"]
+    assert v["n_images"] == 12 and v["n_shape"] + v["n_texture"] + v["n_other"] == 12
+    p.write_text(STUDY.format(label="headless", nc=0, root=tmp_path / "stimuli"))
+    with pytest.raises(ConfigError, match="no classifier head covering the cue-conflict classes"):
+        run_study(load_config(p, [f"output_dir={tmp_path / 'run2'}"]))

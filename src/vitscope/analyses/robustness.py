@@ -132,7 +132,6 @@ class _Robustness(Analysis):
         self.token_view = token_view or ("cls" if self.has_cls_token else "gap_spatial")
         self.max_images, self.test_every, self.seed = int(max_images), int(test_every), int(seed)
         self.probe_max_iter = int(probe_max_iter)
-        self.datasets: dict[str, str] = getattr(self, "datasets", {})
         self.dataset_classes: dict[str, list[str] | None] = {}
         self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
         self.use_probe: bool | None = None
@@ -219,9 +218,13 @@ class _Robustness(Analysis):
         for k, v in (extra or {}).items():
             h.setdefault(k, []).append(v)
 
-    def _ensure_configured(self) -> None:
+    def _ensure_configured(self, batch: Any) -> None:
+        """Decide the readouts at the first batch when no one called `configure` (the study runner does not yet):
+        the main dataset's classes come from the parameter ``classes``, ``batch.extra['class_names']`` (set by the
+        formats whose class names decide the readout: cue-conflict and corrupted folders), or its name."""
         if self.use_head is None or self.use_probe is None:
-            self.configure()
+            names = batch.extra.get("class_names") if self._slot(batch) == "data" else None
+            self.configure({"data": list(names)} if names is not None and not self.dataset_classes else None)
 
     # -- protocol -----------------------------------------------------------------------------------------
     def merge(self, other: Analysis) -> None:
@@ -301,6 +304,19 @@ class ShapeBias(_Robustness):
         super().load_state_dict(state)
         self.cue_texture = [state["cue_texture"]] if len(state["cue_texture"]) else []
 
+    def _check_train_classes(self, names: Sequence[str] | None) -> None:
+        """At the first clean training batch (when `configure` was not told the classes): the probe's classes
+        must be the cue-conflict images' classes."""
+        if names is None:
+            return
+        self.dataset_classes["train"] = list(names)
+        ok, why = self.probe_possible()
+        if not ok and self.use_probe:
+            if not self.use_head:
+                raise ConfigError(f"shape_bias: {self.model_name} has no classifier head covering the cue-conflict "
+                                  f"classes and there are no clean images for a linear probe ({why})")
+            self.use_probe = False  # the head decides; no probe rows
+
     def probe_possible(self) -> tuple[bool, str]:
         train = self.datasets.get("train")
         if "train" in self.datasets and train is None:
@@ -315,12 +331,14 @@ class ShapeBias(_Robustness):
         return True, ""
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        self._ensure_configured()
+        self._ensure_configured(batch)
         slot = self._slot(batch)
         texture = batch.extra.get("texture_labels") if slot == "data" else None
         if slot == "data" and texture is None and "train" not in self.datasets:
             slot = "train"  # by hand (no planner): batches without texture labels are the clean training images
         key = "cue" if slot == "data" else "train"
+        if key == "train" and not self.seen.get("train") and "train" not in self.dataset_classes:
+            self._check_train_classes(batch.extra.get("class_names"))
         take = min(self.max_images - self.seen.get(key, 0), len(batch))
         if take <= 0:
             return
@@ -387,7 +405,7 @@ class _ViewAccuracy(_Robustness):
     """Accuracy of each readout on the clean test images and on each perturbed view of them."""
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        self._ensure_configured()
+        self._ensure_configured(batch)
         view = str(getattr(batch, "view", "clean") or "clean")
         take = min(self.max_images - self.seen.get(view, 0), len(batch))
         if take <= 0:

@@ -59,7 +59,7 @@ def shape_bias(df: pd.DataFrame) -> Figures:
     ax2.set_ylabel("shape bias (probe)")
     ax2.set_title("per layer", fontsize=9)
     ax2.grid(alpha=0.3)
-    if ax2.lines:
+    if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     acc = df[(df.metric == "clean_accuracy") & (df.readout == "probe")]
