@@ -557,8 +557,10 @@ def _corruption_of(view: str) -> tuple[str, int] | None:
 
 @register_analysis
 class Corruptions(_ViewAccuracy):
-    """Accuracy under the common corruptions of ImageNet-C / CIFAR-10-C (Hendrycks & Dietterich, ICLR 2019;
-    against what fine-tuning forgets in Merlin et al.), generated on the fly (`vitscope.data.perturb.corruption`).
+    """Accuracy under the common corruptions of ImageNet-C / CIFAR-10-C (Hendrycks & Dietterich, "Benchmarking
+    Neural Network Robustness to Common Corruptions and Perturbations", ICLR 2019; what Merlin et al., "What
+    happens during finetuning of ViTs: an invariance based investigation" (2023), correlate with what
+    fine-tuning forgets), generated on the fly (`vitscope.data.perturb.corruption`).
     Rows per (readout, layer): ``accuracy`` per ``corruption`` (with its ``family``) and ``severity`` (0 = clean),
     ``relative_drop`` from clean per corruption and severity, ``mca`` (mean corruption accuracy over the
     corruptions and severities run) and ``mca_relative_drop``. ``corruptions``: names, family names
