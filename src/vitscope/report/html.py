@@ -102,9 +102,12 @@ def write_report(run_dir: str | Path) -> Path:
                          f"<td>{_esc(m.get('load_report', ''))}</td>"
                          f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-    skipped = manifest.get("skipped_images") or []
-    if skipped:
-        parts.append(f"<p class='muted'>{len(skipped)} unreadable images were skipped (see manifest.json).</p>")
+    skipped = manifest.get("skipped_images") or {}
+    if isinstance(skipped, list):  # manifests written before datasets were named
+        skipped = {"dataset": skipped}
+    for name, items in skipped.items():
+        parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
+                     "manifest.json).</p>")
     for path in results:
         name = path.stem
         df = pd.read_parquet(path)
