@@ -9,7 +9,7 @@ Image generation (the synthetic scenes) is the data loader's and is not counted.
 
     python benchmarks/robustness.py [--n 512] [--models zoo-dino vit_small_patch16_224] [--threads 1]
         [--corruptions gaussian_noise shot_noise impulse_noise contrast jpeg_compression pixelate]
-        [--severities 1 3 5] [--bands 10]
+        [--severities 1 3 5] [--bands 0 1 ... 9] [--only shape_bias band_noise corruptions]
 
 ViT-S/16 is built with random weights (timing does not depend on them; no download).
 """
@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--corruptions", nargs="+", default=["gaussian_noise", "shot_noise", "impulse_noise", "contrast",
                                                          "jpeg_compression", "pixelate"])
     ap.add_argument("--severities", nargs="+", type=int, default=[1, 3, 5])
-    ap.add_argument("--bands", type=int, default=10)
+    ap.add_argument("--bands", type=int, nargs="+", default=list(range(10)), help="which of the 10 bands")
+    ap.add_argument("--only", nargs="+", default=["shape_bias", "band_noise", "corruptions"])
     ap.add_argument("--throughput-only", action="store_true")
     args = ap.parse_args()
     if args.threads:
@@ -89,11 +90,11 @@ def main() -> None:
         cue = _Cached(SyntheticShapes(n=args.n, seed=2, variant="cue-conflict"), args.batch, pre)
         print(f"(image generation, not counted: {time.perf_counter() - t0:.1f} s)")
         jobs = [("shape_bias", ShapeBias(vm), {"data": cue, "train": shapes}),
-                ("band_noise", BandNoise(vm, n_bands=args.bands), {"data": shapes}),
+                ("band_noise", BandNoise(vm, bands=args.bands), {"data": shapes}),
                 ("corruptions", Corruptions(vm, corruptions=args.corruptions, severities=args.severities),
                  {"data": shapes})]
         total = {"perturb": 0.0, "forward": 0.0, "update": 0.0, "finalize": 0.0}
-        for label, an, data in jobs:
+        for label, an, data in [j for j in jobs if j[0] in args.only]:
             t = run_passes(an, vm, data, batch_size=args.batch)
             t1 = time.perf_counter()
             df = an.finalize()
