@@ -118,7 +118,7 @@ class _Robustness(Analysis):
 
     def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
                  classes: Sequence[str] | None = None, token_view: str | None = None, max_images: int = 5000,
-                 test_every: int = 5, seed: int = 0, probe_max_iter: int = 100):
+                 test_every: int = 5, probe_max_iter: int = 100):
         super().__init__(vm)
         if readout not in READOUTS:
             raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
@@ -130,7 +130,7 @@ class _Robustness(Analysis):
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
         self.classes_param = list(classes) if classes is not None else None
         self.token_view = token_view or ("cls" if self.has_cls_token else "gap_spatial")
-        self.max_images, self.test_every, self.seed = int(max_images), int(test_every), int(seed)
+        self.max_images, self.test_every = int(max_images), int(test_every)
         self.probe_max_iter = int(probe_max_iter)
         self.dataset_classes: dict[str, list[str] | None] = {}
         self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
@@ -221,7 +221,7 @@ class _Robustness(Analysis):
     def _ensure_configured(self, batch: Any) -> None:
         """Decide the readouts at the first batch when no one called `configure` (the study runner does not yet):
         the main dataset's classes come from the parameter ``classes``, ``batch.extra['class_names']`` (set by the
-        formats whose class names decide the readout: cue-conflict and corrupted folders), or its name."""
+        file formats and the generated shapes), or its name."""
         if self.use_head is None or self.use_probe is None:
             names = batch.extra.get("class_names") if self._slot(batch) == "data" else None
             self.configure({"data": list(names)} if names is not None and not self.dataset_classes else None)
