@@ -4,7 +4,7 @@ One module per family of questions: `attention` (how heads route information), `
 diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means, agreement).
 """
 
-from vitscope.analyses import attention, geometry, semantics, similarity  # noqa: F401 - registers the analyses
+from vitscope.analyses import attention, geometry, robustness, semantics, similarity  # noqa: F401 - registers
 from vitscope.analyses.base import ANALYSES, COLUMNS, Analysis, get_analysis, register_analysis
 
 __all__ = ["ANALYSES", "COLUMNS", "Analysis", "get_analysis", "register_analysis"]
