@@ -34,6 +34,11 @@ REFERENCES: dict[str, str] = {
     "caron2021": "Mathilde Caron, Hugo Touvron, Ishan Misra, Hervé Jégou, Julien Mairal, Piotr Bojanowski, Armand "
                  "Joulin. Emerging properties in self-supervised Vision Transformers. IEEE/CVF International "
                  "Conference on Computer Vision (ICCV), 2021. arXiv:2104.14294.",
+    "geirhos2019": "Robert Geirhos, Patricia Rubisch, Claudio Michaelis, Matthias Bethge, Felix A. Wichmann, "
+                   "Wieland Brendel. ImageNet-trained CNNs are biased towards texture; increasing shape bias improves "
+                   "accuracy and robustness. International Conference on Learning Representations (ICLR), 2019.",
+    "hendrycks2019": "Dan Hendrycks, Thomas Dietterich. Benchmarking neural network robustness to common corruptions "
+                     "and perturbations. International Conference on Learning Representations (ICLR), 2019.",
     "vandermaaten2008": "Laurens van der Maaten, Geoffrey Hinton. Visualizing data using t-SNE. Journal of Machine "
                         "Learning Research 9, pp. 2579-2605, 2008.",
 }
@@ -61,6 +66,9 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "fourier": ["park2023", "park_kim2022"],
     "tsne": ["park2023", "vandermaaten2008"],
     "semantics": ["shekhar2022", "walmer2023", "caron2021"],
+    "shape_bias": ["park2023", "geirhos2019"],
+    "band_noise": ["park2023", "park_kim2022"],
+    "corruptions": ["merlin2023", "hendrycks2019"],
 }
 
 

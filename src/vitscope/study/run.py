@@ -456,6 +456,8 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         for job in todo:
             job.analysis = job.plan.cls(vm, **job.plan.params)
             _relate(job.analysis, job.plan, mc)
+            job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
+                                    for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
             if part is not None and part.get("chunks") == _chunk_signature(job, sources):
                 job.analysis.load_state_dict(part["state"])
