@@ -88,6 +88,7 @@ class Analysis(ABC):
     def configure(self, dataset_classes: Mapping[str, Any] | None = None) -> None:
         """Called by the study before the first pass with each input's class names (``{slot: classes}``), so
         decisions that depend on the data (e.g. which readout can score it) fail at once; a no-op by default."""
+        return None
 
     @abstractmethod
     def required_taps(self) -> list[str]: ...
