@@ -5,7 +5,14 @@ diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means
 (mask propagation, keypoint correspondence, instance retrieval, per layer, no training).
 """
 
-from vitscope.analyses import attention, dense, geometry, semantics, similarity  # noqa: F401 - registers the analyses
+from vitscope.analyses import (  # noqa: F401 - registers the analyses
+    attention,
+    dense,
+    geometry,
+    robustness,
+    semantics,
+    similarity,
+)
 from vitscope.analyses.base import ANALYSES, COLUMNS, Analysis, get_analysis, register_analysis
 
 __all__ = ["ANALYSES", "COLUMNS", "Analysis", "get_analysis", "register_analysis"]
