@@ -63,7 +63,9 @@ def test_run_writes_tidy_tables_manifest_and_report(config, tmp_path, capsys):
 def test_changing_a_parameter_recomputes_only_that_analysis(config, tmp_path):
     out = tmp_path / "run"
     run_study(load_config(config, [f"output_dir={out}"]))
-    run_study(load_config(config, [f"output_dir={out}", "analyses.cka.views=[cls]"]))
+    with pytest.raises(ConfigError, match="another config"):  # the run directory holds another config's results
+        run_study(load_config(config, [f"output_dir={out}", "analyses.cka.views=[cls]"]))
+    run_study(load_config(config, [f"output_dir={out}", "analyses.cka.views=[cls]"]), overwrite=True)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["tiny-vit"]["analyses_from_cache"] == ["attention_distance"]
     assert set(pd.read_parquet(out / "results" / "cka.parquet").token_view) == {"cls"}
@@ -87,7 +89,7 @@ def test_cached_rerun_loads_no_model(config, tmp_path, monkeypatch):
 def test_adding_an_analysis_runs_only_the_new_one(config, tmp_path):
     out = tmp_path / "run"
     run_study(load_config(config, [f"output_dir={out}", "~analyses.cka"]))
-    run_study(load_config(config, [f"output_dir={out}"]))
+    run_study(load_config(config, [f"output_dir={out}"]), overwrite=True)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["tiny-beit"]["analyses_from_cache"] == ["attention_distance"]
 
@@ -108,7 +110,7 @@ def test_killed_run_resumes_and_matches_an_uninterrupted_one(config, tmp_path):
     overrides = [f"output_dir={out}", f"cache_dir={tmp_path / 'c2'}", "save_every=1", "dataset.n_images=24",
                  "batch_size=4"]
     ref_overrides = [f"output_dir={ref_dir}", f"cache_dir={tmp_path / 'c1'}", "dataset.n_images=24", "batch_size=4"]
-    run_study(load_config(config, ref_overrides))
+    run_study(load_config(config, ref_overrides), overwrite=True)
     with pytest.raises(Killed):
         run_study(load_config(config, overrides), on_batch=kill_at_third)
     seen.clear()
@@ -168,7 +170,7 @@ def test_imagefolder_dataset_through_a_study(config, tmp_path):
     run_study(load_config(config, [f"output_dir={out}", "dataset.name=imagefolder", f"dataset.root={root}",
                                    "dataset.n_images=6", "~analyses.cka"]))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["dataset"]["n_images"] == 10
+    assert manifest["dataset"]["available"] == 10 and manifest["dataset"]["n_images"] == 6  # an even spread
     dist = pd.read_parquet(out / "results" / "attention_distance.parquet")
     assert set(dist.n_images) == {6}  # an even spread of 6 of the 10 images
     with pytest.raises(ConfigError, match="dataset.root"):
@@ -198,7 +200,11 @@ def test_the_default_study_needs_nothing_from_the_network():
         spec = resolve_spec(m.name)
         if m.pretrained and not m.weights and spec.weights.kind != "none":
             assert spec.weights.kind == "file" and package_file(spec.weights.location).is_file(), m.name
-    assert load_config().dataset.name.startswith("synthetic")
+    from vitscope.data.catalog import FORMATS
+    from vitscope.study.config import study_datasets
+
+    for d in study_datasets(load_config()).values():  # generated, or shipped in the package: no files of the user's
+        assert "root" not in FORMATS[d.name].options and d.root is None, d.name
 
 
 def test_the_default_study_compares_every_shipped_zoo_model_and_the_untrained_one():

@@ -15,6 +15,7 @@ EPILOG = """examples:
   vitscope taps dino-b16                        every tap point of a model, with its shape
   vitscope run                                  the embedded default study (offline)
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
+  vitscope datasets                             the dataset formats and what each provides
   vitscope report vitscope-runs/default         rebuild a run's report.html
   vitscope zoo train --objective dino --out zoo/dino   train a model of the controlled zoo (docs/ZOO.md)
 """
@@ -62,9 +63,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
-    out = run_study(cfg)
+    out = run_study(cfg, overwrite=args.overwrite)
     if os.environ.get("RANK", "0") == "0":
         print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from vitscope.data.catalog import CAPABILITIES, describe
+
+    print(describe())
+    print("\ncapabilities (what analyses need):")
+    for k, v in CAPABILITIES.items():
+        print(f"  {k:<13} {v}")
     return 0
 
 
@@ -103,7 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "dataset.n_images=512 'analyses.cka.views=[gap]'.")
     r.add_argument("config", nargs="?", help="study YAML (default: the embedded default study)")
     r.add_argument("overrides", nargs="*", help="key=value overrides")
+    r.add_argument("--overwrite", action="store_true",
+                   help="replace the results of another config in the output directory")
     r.set_defaults(func=_cmd_run)
+
+    d = sub.add_parser("datasets", help="list the dataset formats, what each provides and its options",
+                       parents=[common])
+    d.set_defaults(func=_cmd_datasets)
 
     rep = sub.add_parser("report", help="rebuild report.html of a run directory", parents=[common])
     rep.add_argument("run_dir")

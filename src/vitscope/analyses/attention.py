@@ -561,6 +561,7 @@ class SaliencyIoU(_LayerAttention):
     """
 
     name = "saliency_iou"
+    needs = frozenset({"masks"})
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
     def __init__(self, vm: Any, layers: Any = None, queries: Any = ("cls", "mean"), mass: float = 0.6):

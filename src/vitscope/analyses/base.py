@@ -11,12 +11,22 @@ An analysis is created per model, declares the taps it needs, and sees each batc
 
 Memory must not grow with the number of images: keep sums, small per-batch statistics, or a bounded
 number of pooled vectors.
+
+What data it needs is declared, so the study planner can match analyses with datasets at config time:
+``needs`` (capabilities of its main dataset, `vitscope.data.catalog.CAPABILITIES`), ``inputs`` (further named
+datasets, e.g. ``{"train": frozenset({"labels"})}``, chosen with the parameter ``train_dataset``) and
+``views(params)`` (the perturbed views of its main dataset it wants besides the clean one). Each batch says
+which pass it belongs to (``batch.dataset``, ``batch.view``); the planner sets ``self.datasets``
+(slot -> dataset name), ``self.finetuned_from`` and ``self.epoch`` for related models.
+
+`PairAnalysis` is the same protocol over two models at once (both loaded, gradients allowed), for lenses such
+as representation inversion that cannot be computed from one model's activations.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
@@ -25,8 +35,10 @@ import torch
 from vitscope.errors import VitscopeError, close_matches
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from vitscope.data.base import Batch
-    from vitscope.models.adapter import ViTModel
+    from vitscope.models.adapter import ModelInfo, ViTModel
 
 COLUMNS = ["model", "analysis", "metric", "layer", "head", "token_view", "value"]
 PAIR_COLUMNS = ["model_b", "layer_b"]
@@ -38,6 +50,15 @@ class Analysis(ABC):
     #: raised when the meaning or layout of ``state_dict`` changes: part of the cache key, so states written
     #: by an older version are recomputed instead of misread
     state_version: ClassVar[int] = 1
+    #: capabilities its main dataset must provide (`vitscope.data.catalog.CAPABILITIES`)
+    needs: ClassVar[frozenset[str]] = frozenset()
+    #: further named datasets and what each must provide; chosen with the parameter ``<slot>_dataset``
+    inputs: ClassVar[dict[str, frozenset[str]]] = {}
+
+    @classmethod
+    def views(cls, params: Mapping[str, Any]) -> list[str]:
+        """The views of the main dataset this analysis is fed (`vitscope.data.views` specs), clean first."""
+        return ["clean"]
 
     def __init__(self, vm: ViTModel, **params: Any):
         self.model_name = vm.name
@@ -48,6 +69,9 @@ class Analysis(ABC):
         self.num_prefix_tokens = vm.num_prefix_tokens
         self.has_cls_token = vm.has_cls_token
         self.n_images = 0
+        self.datasets: dict[str, str] = {}
+        self.finetuned_from: str | None = None
+        self.epoch: int | None = None
 
     def layers_param(self, layers: Any) -> list[int]:
         """``None``/'all' -> every block; negative indices count from the end."""
@@ -86,27 +110,99 @@ class Analysis(ABC):
         return None
 
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
-        df = pd.DataFrame(rows)
-        for c in COLUMNS:
-            if c not in df.columns:
-                df[c] = None
-        df["model"] = self.model_name
-        df["analysis"] = self.name
-        extra = [c for c in df.columns if c not in COLUMNS]
-        return df[COLUMNS + extra]
+        return tidy_frame(rows, self.model_name, self.name)
 
 
-ANALYSES: dict[str, type[Analysis]] = {}
+def tidy_frame(rows: list[dict[str, Any]], model: str, analysis: str) -> pd.DataFrame:
+    """Rows -> a table with the tidy columns first (missing ones None), ``model`` and ``analysis`` set."""
+    df = pd.DataFrame(rows)
+    for c in COLUMNS:
+        if c not in df.columns:
+            df[c] = None
+    df["model"] = model
+    df["analysis"] = analysis
+    extra = [c for c in df.columns if c not in COLUMNS]
+    return df[COLUMNS + extra]
 
 
-def register_analysis(cls: type[Analysis]) -> type[Analysis]:
+class PairAnalysis(ABC):
+    """An analysis of two models at once (A, B), e.g. B's view of A's inversions. Same life cycle as `Analysis`,
+    but ``update`` gets both loaded models and may use gradients; states are cached per (A, B, dataset,
+    parameters), resumable per batch and merged across shards like any other state.
+
+    Which pairs: every (A, B) where B is declared ``finetuned_from: A`` in the study, unless the parameter
+    ``pairs: [[A, B], ...]`` names them. ``self.store(key)`` is a cache directory for products of model A
+    reusable by every B (e.g. inversions), keyed by A, the dataset and ``key``.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    state_version: ClassVar[int] = 1
+    needs: ClassVar[frozenset[str]] = frozenset()
+    inputs: ClassVar[dict[str, frozenset[str]]] = {}
+    pair: ClassVar[bool] = True
+
+    @classmethod
+    def views(cls, params: Mapping[str, Any]) -> list[str]:
+        return ["clean"]
+
+    def __init__(self, info_a: ModelInfo, info_b: ModelInfo, **params: Any):
+        self.model_a, self.model_b = info_a.name, info_b.name
+        self.info_a, self.info_b = info_a, info_b
+        self.n_images = 0
+        self.datasets: dict[str, str] = {}
+        self.epoch: int | None = None  # of model B, for checkpoint lists
+        self._store: Callable[[str], Path] | None = None
+
+    def store(self, key: str) -> Path:
+        """A cache directory for reusable products of model A (set by the planner; a temporary one otherwise)."""
+        if self._store is None:
+            import tempfile
+            from pathlib import Path
+
+            self._tmp = getattr(self, "_tmp", None) or tempfile.mkdtemp(prefix="vitscope-store-")
+            d = Path(self._tmp) / key
+            d.mkdir(parents=True, exist_ok=True)
+            return d
+        return self._store(key)
+
+    @abstractmethod
+    def update(self, vm_a: ViTModel, vm_b: ViTModel, batch: Batch) -> None: ...
+
+    @abstractmethod
+    def merge(self, other: PairAnalysis) -> None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    def finalize(self) -> pd.DataFrame: ...
+
+    @classmethod
+    def cross(cls, analyses: list[PairAnalysis]) -> pd.DataFrame | None:
+        return None
+
+    def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
+        df = tidy_frame(rows, self.model_a, self.name)
+        if "model_b" not in df.columns or df["model_b"].isna().all():
+            df["model_b"] = self.model_b
+        return df
+
+
+ANALYSES: dict[str, type[Analysis] | type[PairAnalysis]] = {}
+
+
+def register_analysis(cls: type[Any]) -> type[Any]:
     if cls.name in ANALYSES:
         raise ValueError(f"analysis {cls.name!r} is registered twice")
     ANALYSES[cls.name] = cls
     return cls
 
 
-def get_analysis(name: str) -> type[Analysis]:
+def get_analysis(name: str) -> type[Any]:
     if name not in ANALYSES:
         hint = close_matches(name, ANALYSES)
         raise VitscopeError(f"unknown analysis {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")

@@ -37,6 +37,7 @@ class Semantics(Analysis):
     (`vitscope.analyses.pooled`)."""
 
     name = "semantics"
+    needs = frozenset({"labels"})
     state_version = 2  # 2: probes and k-means on the sources' views by default (1: on every view)
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 

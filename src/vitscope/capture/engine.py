@@ -197,6 +197,7 @@ def stream(
     """The one pass: every batch goes through the model once; each analysis gets the taps it asked for.
 
     first: the number of the first batch of ``batches`` (a resumed pass starts past 0).
+    batches may hold None for a batch with no images (it still counts in the numbering).
     seen: per analysis, how many leading batches it has already been fed; batch b goes to analysis k only if
         seen[k] <= b. The list is updated in place right after each update, so a caller that catches an
         exception knows exactly which batches each analysis has seen (the study saves that for resume).
@@ -219,6 +220,12 @@ def stream(
     try:
         with Capture(vm, wanted, dtype=dtype) as cap:
             for b, batch in enumerate(batches, start=first):
+                if batch is None:  # a chunk none of whose images could be read: counted, nothing to feed
+                    for k in range(len(analyses)):
+                        seen[k] = max(seen[k], b + 1)
+                    if on_batch is not None:
+                        on_batch(b)
+                    continue
                 t0 = time.perf_counter()
                 feats = cap(batch.images)
                 if timings is not None:

@@ -16,17 +16,8 @@ DATASETS = {name: variant for variant, name in VARIANT_NAMES.items()}
 
 
 def make_dataset(cfg):  # noqa: ANN001, ANN201 - DatasetConfig -> Dataset
-    """The dataset a study config names: 'synthetic-shapes', 'synthetic-shapes-textured' (each class wears
-    its own texture) or 'synthetic-cue-conflict' (shape of one class, texture of another)."""
-    from vitscope.errors import ConfigError
+    """The dataset a study's `DatasetConfig` describes; its ``name`` is a format of `vitscope.data.catalog`
+    (`vitscope datasets` lists them)."""
+    from vitscope.data.catalog import build_dataset
 
-    if cfg.name in DATASETS:
-        return SyntheticShapes(n=cfg.n_images, seed=cfg.seed, size=cfg.size, variant=DATASETS[cfg.name])
-    if cfg.name == "imagefolder":
-        from vitscope.data.loaders import ImageFolder
-
-        if not getattr(cfg, "root", None):
-            raise ConfigError("dataset.root: the imagefolder dataset needs the folder of class folders")
-        return ImageFolder(cfg.root, classes=getattr(cfg, "classes", None), per_class=getattr(cfg, "per_class", None),
-                           test_root=getattr(cfg, "test_root", None))
-    raise ConfigError(f"unknown dataset {cfg.name!r}; available: {', '.join([*DATASETS, 'imagefolder'])}")
+    return build_dataset(cfg)

@@ -30,6 +30,8 @@ class Batch:
     boxes: (B, 4) float32 ``x0, y0, x1, y1`` in pixels; frames: (B,) frame index in a sequence;
     sequences: the sequence (video) name of each image; is_test: (B,) bool, the dataset's own train / test
     split (None when it has none: analyses that need a split then hold out a fixed share of the ids).
+    In a study, dataset: the configured name of the dataset the batch comes from, and view: the view it is
+    seen under ('clean' for the identity; see `vitscope.data.views`).
     """
 
     images: torch.Tensor
@@ -44,6 +46,8 @@ class Batch:
     frames: torch.Tensor | None = None
     sequences: list[str] | None = None
     is_test: torch.Tensor | None = None
+    dataset: str = ""
+    view: str = "clean"
 
     def __len__(self) -> int:
         return int(self.images.shape[0])

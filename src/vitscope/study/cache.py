@@ -47,6 +47,11 @@ def model_key(spec: ModelSpec, weights: str | None, pretrained: bool, checkpoint
                   kwargs)
 
 
+def default_cache_dir(output_dir: str | Path) -> Path:
+    """Where a study keeps its cache when the config names none: inside its own run directory."""
+    return Path(output_dir) / "cache"
+
+
 class Cache:
     def __init__(self, root: str | Path):
         self.root = Path(root)
@@ -62,6 +67,12 @@ class Cache:
     def path(self, mkey: str, name: str, akey: str, shard: tuple[int, int] | None = None) -> Path:
         suffix = "" if shard is None else f".part-{shard[0]}of{shard[1]}"
         return self._dir(mkey) / f"{name}-{akey}{suffix}.pt"
+
+    def store_dir(self, mkey: str, *parts: str) -> Path:
+        """A directory for an analysis's reusable products under a model's key (e.g. inversions)."""
+        d = self._dir(mkey) / "store" / digest(*parts)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
 
     def load(self, path: Path) -> dict[str, Any] | None:
         if not path.is_file():

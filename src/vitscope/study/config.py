@@ -3,7 +3,8 @@ before any model is loaded."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -16,38 +17,45 @@ from vitscope.errors import ConfigError, VitscopeError
 
 @dataclass
 class ModelConfig:
-    name: str = "???"                      # registry name, timm name, or checkpoint file
+    name: str = ""                         # registry name, timm name, or checkpoint file
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
     pretrained: bool = True
     checkpoint_format: str = "auto"
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
+    finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
+    checkpoints: Any = None                # list of checkpoint files, or a run directory: one model per epoch
+    epoch: int | None = None               # the fine-tuning epoch of this checkpoint (set by `checkpoints`)
 
 
 @dataclass
 class DatasetConfig:
-    name: str = "synthetic-shapes"         # synthetic-shapes[-textured], synthetic-cue-conflict, imagefolder
-    n_images: int = 256                    # generated images, or at most this many of a real dataset
+    name: str = "synthetic-shapes"         # the format: `vitscope datasets` lists them
+    n_images: int = 256                    # generated items, or at most this many of a real dataset
     seed: int = 0
-    size: int | None = None                # None = each model's input size
-    root: str | None = None                # imagefolder: root/<class>/<image>
+    size: int | None = None                # generated sets: pixels (None = each model's input size)
+    root: str | None = None                # real formats: the dataset's folder
+    split: str | None = None               # davis: train | val; spair71k: trn | val | test; cifar10: train | test
+    annotations: str | None = None         # coco / partimagenet: the annotation json
     classes: str | None = None             # imagefolder: class-list file (e.g. the ImageNet-50 ids)
     per_class: int | None = None           # imagefolder: first N sorted files per class
     test_root: str | None = None           # imagefolder: same classes, the test split (default root/test|val)
+    options: dict[str, Any] = field(default_factory=dict)  # further arguments of the format's loader
 
 
 @dataclass
 class StudyConfig:
     models: list[ModelConfig] = field(default_factory=list)
-    dataset: DatasetConfig = field(default_factory=DatasetConfig)
+    dataset: DatasetConfig | None = None   # shorthand for one dataset, named after its format
+    datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets
     analyses: dict[str, dict[str, Any]] = field(default_factory=dict)
     batch_size: int = 32
     device: str = "cpu"
     dtype: str = "fp32"
     seed: int = 0
     output_dir: str = "vitscope-runs/study"
-    cache_dir: str | None = None           # shared across studies; default: <output_dir>/../cache
+    cache_dir: str | None = None           # shared across studies (default: see study/cache.py)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
     progress: bool = True
 
@@ -81,12 +89,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ConfigError(f"invalid config {path.name}: {e}".replace("\n", "; ")) from e
     if not obj.models:
         raise ConfigError("the config lists no models: add at least one under `models:`")
+    obj.models = expand_models(obj.models)
     labels = [m.label or m.name for m in obj.models]
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
         raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
-    if obj.batch_size < 1 or obj.dataset.n_images < 1:
-        raise ConfigError("batch_size and dataset.n_images must be at least 1")
+    if obj.batch_size < 1 or any(d.n_images < 1 for d in study_datasets(obj).values()):
+        raise ConfigError("batch_size and every dataset's n_images must be at least 1")
     from vitscope.analyses import ANALYSES, get_analysis
 
     if not obj.analyses:
@@ -96,7 +105,63 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             get_analysis(name)
         except VitscopeError as e:
             raise ConfigError(f"analyses.{name}: {e}") from None
+    from vitscope.study.plan import make_plan
+
+    make_plan(obj)  # datasets matched with analyses, views and relations checked: before any model loads
     return obj
+
+
+def study_datasets(cfg: StudyConfig) -> dict[str, DatasetConfig]:
+    """The study's named datasets: ``datasets`` in order, after the ``dataset`` shorthand (named after its
+    format); the generated shapes when neither is given."""
+    out: dict[str, DatasetConfig] = {}
+    if cfg.dataset is not None:
+        out[cfg.dataset.name] = cfg.dataset
+    for name, d in cfg.datasets.items():
+        if name in out:
+            raise ConfigError(f"dataset name {name!r} is given twice (as `dataset:` and under `datasets:`)")
+        out[name] = d
+    return out or {"synthetic-shapes": DatasetConfig()}
+
+
+_EPOCH = re.compile(r"epoch[_-]?(\d+)", re.IGNORECASE)
+CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
+
+
+def expand_models(models: list[ModelConfig]) -> list[ModelConfig]:
+    """Entries with ``checkpoints`` (a list of files or a run directory) -> one entry per checkpoint, labelled
+    ``<label>@<epoch>`` with ``epoch`` from the file name (``..epoch012..``) or the position in the list."""
+    out: list[ModelConfig] = []
+    for m in models:
+        if m.checkpoints is None:
+            if not m.name:
+                raise ConfigError("a model entry needs `name` (registry / timm name or a checkpoint file)")
+            out.append(m)
+            continue
+        files = _checkpoint_files(m.checkpoints)
+        base = m.label or m.name or Path(str(m.checkpoints)).name
+        for k, f in enumerate(files):
+            found = _EPOCH.search(Path(f).stem)
+            epoch = int(found.group(1)) if found else k
+            out.append(replace(m, name=m.name or f, weights=f if m.name else m.weights, checkpoints=None,
+                               label=f"{base}@{epoch}", epoch=epoch))
+    return out
+
+
+def _checkpoint_files(spec: Any) -> list[str]:
+    if isinstance(spec, str):
+        root = Path(spec)
+        if not root.is_dir():
+            raise ConfigError(f"checkpoints: {spec!r} is not a directory; give a run directory or a list of files")
+        folder = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+        files = sorted(str(p) for p in folder.iterdir() if p.suffix in CHECKPOINT_SUFFIXES)
+        if not files:
+            raise ConfigError(f"checkpoints: no checkpoint files ({', '.join(CHECKPOINT_SUFFIXES)}) in {str(folder)!r}")
+        return files
+    files = [str(f) for f in spec]
+    if not files:
+        raise ConfigError("checkpoints: the list is empty")
+    return files
 
 
 def to_yaml(cfg: StudyConfig) -> str:

@@ -1,10 +1,13 @@
-"""Run a study: every model once over the dataset, every analysis fed from that one pass.
+"""Run a study: every model once over each (dataset, view) pass its analyses need, every analysis fed from
+those passes; then the pair stages (two related models at once), the cross-model stage, tables and report.
 
-For each model the planner looks up every requested analysis in the cache (`study/cache.py`): finished
-ones are read back without loading the model; unfinished ones resume from their last saved batch; new ones
-start at the first. One pass then runs from the earliest batch anyone needs, feeding each analysis only
-the batches it has not seen. Under torchrun the images are split into contiguous shards (aligned to every
-CKA batch size, so shards group images exactly as one process would), and the shards' states are merged
+The plan (`study/plan.py`) is made before any model loads. For each model the runner looks up every analysis
+in the cache (`study/cache.py`): finished ones are read back without loading the model; unfinished ones
+resume from their last saved chunk; new ones start at the first. A dataset's images are cut into fixed
+chunks of ``batch_size`` image ids (one forward batch each), so batches, resumes and shards group images
+identically whatever happened before (an unreadable image leaves its chunk one image shorter, in every
+run). Under torchrun the chunks are split into contiguous shards whose boundaries are multiples of every
+batch size in play, and of whole units (videos) where the dataset has them; shards' states are merged
 with the same `merge` that resume uses. A run directory holds:
   results/<analysis>.parquet   tidy tables (model, analysis, metric, layer, head, token_view, value, ...)
   manifest.json                config, versions, model digests, load reports, timings, skipped images
@@ -17,9 +20,10 @@ import json
 import logging
 import math
 import platform
+import shutil
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,87 +31,132 @@ from typing import Any
 import pandas as pd
 import torch
 
-from vitscope.analyses import Analysis, get_analysis
+from vitscope.analyses.base import PairAnalysis
 from vitscope.capture import stream
-from vitscope.data import make_dataset
+from vitscope.data.catalog import build_dataset
+from vitscope.data.views import CLEAN, apply_view
+from vitscope.errors import ConfigError, InputError
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
-from vitscope.study.cache import Cache, digest, model_key
-from vitscope.study.config import ModelConfig, StudyConfig, to_yaml
+from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
+from vitscope.study.config import StudyConfig, to_yaml
 from vitscope.study.distributed import Dist
+from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
 
 log = logging.getLogger(__name__)
+
+PassKey = tuple[str, str]  # (dataset name, view key)
 
 
 @dataclass
 class Job:
-    """One analysis of one model: where its cache entries live and how far it got."""
+    """One analysis of one model (or of one model pair): where its cache entries live and how far it got."""
 
-    name: str
-    params: dict[str, Any]
+    plan: AnalysisPlan
     key: str
     final: Path
     part: Path
-    analysis: Analysis | None = None
-    done: int = 0  # batches of this shard already fed
+    analysis: Any = None
+    done: dict[str, int] = field(default_factory=dict)  # pass -> chunks of this shard already fed
     finished: bool = False
     frame: pd.DataFrame | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def name(self) -> str:
+        return self.plan.name
 
-def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None) -> Path:
+
+@dataclass
+class Source:
+    """A built dataset, its chunks for this shard and the images it could not read."""
+
+    name: str
+    dataset: Any
+    chunks: list[list[int]]
+    signature: str
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def _pk(p: PassKey) -> str:
+    return f"{p[0]}|{p[1]}"
+
+
+def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False) -> Path:
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
-    after each batch (tests use it to interrupt a run)."""
+    after each batch (tests use it to interrupt a run). A directory holding another config's results is
+    refused unless ``overwrite``."""
     dist = Dist.from_env()
+    plan = make_plan(cfg)
     out = Path(cfg.output_dir)
-    cache = Cache(cfg.cache_dir or out.parent / "cache")
-    dataset = make_dataset(cfg.dataset)
-    if len(dataset) == 0:
-        raise ValueError(f"dataset {dataset.name!r} has no images")
-    frames: dict[str, list[pd.DataFrame]] = defaultdict(list)
-    by_analysis: dict[str, list[Analysis]] = defaultdict(list)
+    config_key = _config_key(cfg)
+    if dist.is_main:
+        _claim_output_dir(out, config_key, overwrite)
+    cache = Cache(cfg.cache_dir or default_cache_dir(out))
+    sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     manifest: dict[str, Any] = {
-        "config": asdict(cfg), "versions": _versions(), "world_size": dist.world,
-        "dataset": {"name": dataset.name, "n_images": len(dataset)}, "models": {},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
+        "dataset": _dataset_summary(next(iter(sources.values()))),
+        "datasets": {n: _dataset_summary(s) for n, s in sources.items()},
+        "models": {}, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     t_study = time.perf_counter()
-    for mc in cfg.models:
-        label = mc.label or mc.name
+    frames: dict[str, list[pd.DataFrame]] = defaultdict(list)
+    by_analysis: dict[str, list[Any]] = defaultdict(list)
+    pool = _ModelPool(cfg, plan)
+    infos: dict[str, ModelInfo] = {}
+    mkeys: dict[str, str] = {}
+    single = [ap for ap in plan.analyses if not ap.pair]
+    for mc in plan.models:
+        label = label_of(mc)
         t0 = time.perf_counter()
-        info, jobs, mmeta = _run_model(cfg, mc, label, dataset, cache, dist, on_batch)
+        info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
+        infos[label], mkeys[label] = info, mmeta["model_key"]
         for job in jobs:
             frames[job.name].append(job.frame)
             by_analysis[job.name].append(job.analysis)
         manifest["models"][label] = {**mmeta, "seconds": round(time.perf_counter() - t0, 2),
                                      "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
+        for ap in plan.analyses:  # pair stages in which this model is B: right after its own pass
+            for a, b in ap.pairs:
+                if b == label:
+                    job = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool, on_batch)
+                    frames[ap.name].append(job.frame)
+                    by_analysis[ap.name].append(job.analysis)
+                    manifest["models"][label].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
+                        "from_cache": job.meta.get("from_cache", False)}
+        pool.done_with(label)
+    pool.clear()
     manifest["seconds"] = round(time.perf_counter() - t_study, 2)
-    manifest["skipped_images"] = [list(map(str, s)) for s in getattr(dataset, "skipped", [])]
+    manifest["skipped_images"] = {n: sorted([p, r] for p, r in s.skipped.items()) for n, s in sources.items()
+                                  if s.skipped}
     if not dist.is_main:
         dist.barrier()
         return out
-    (out / "results").mkdir(parents=True, exist_ok=True)
-    all_cached = all(m["analyses_from_cache"] == list(cfg.analyses) for m in manifest["models"].values())
-    results_key = digest(asdict(cfg), sorted(m["model_key"] for m in manifest["models"].values()))
-    previous = out / "manifest.json"
-    unchanged = all_cached and previous.is_file() and (out / "report.html").is_file() and \
-        json.loads(previous.read_text()).get("results_key") == results_key
+    n_jobs = sum(len(m["analyses_from_cache"]) for m in manifest["models"].values())
+    total = len(plan.models) * len(single)
+    manifest["analyses_read_from_cache"] = [n_jobs, total]
+    results_key = digest(config_key, sorted(mkeys.values()))
+    previous = _read_manifest(out)
+    unchanged = n_jobs == total and previous.get("results_key") == results_key and previous.get("report_done") \
+        and (out / "report.html").is_file() and _tables_match(out, frames)
+    if total:
+        log.info("%d of %d analyses read from the cache", n_jobs, total)
     timings: dict[str, Any] = {}
     if not unchanged:
         t0 = time.perf_counter()
+        epochs = {label_of(m): m.epoch for m in plan.models if m.epoch is not None}
         for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
             cross = type(group[0]).cross(group)
             if cross is not None and len(cross):
                 frames[name].append(cross)
-        for name, parts in frames.items():
-            parts = [p for p in parts if p is not None and len(p)]
-            if parts:
-                pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
+        _write_tables(out, frames, epochs)
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+    manifest["report_done"] = bool(unchanged)
+    _write_json(out / "manifest.json", manifest)
     (out / "config.yaml").write_text(to_yaml(cfg))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
@@ -116,66 +165,312 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
         write_report(out)
         timings["report"] = round(time.perf_counter() - t0, 2)
         manifest["timings"] = timings
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        manifest["report_done"] = True
+        _write_json(out / "manifest.json", manifest)
     dist.barrier()
     return out
 
 
-def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cache: Cache, dist: Dist,
-               on_batch: Callable[[str, int], None] | None) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
+# ---------------------------------------------------------------- output directory
+
+
+def _config_key(cfg: StudyConfig) -> str:
+    """What decides a run's results: the config without where it is written and how it reports progress."""
+    d = asdict(cfg)
+    for k in ("output_dir", "cache_dir", "progress", "save_every", "device"):
+        d.pop(k, None)
+    return digest(d)
+
+
+def _read_manifest(out: Path) -> dict[str, Any]:
+    try:
+        return json.loads((out / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _claim_output_dir(out: Path, config_key: str, overwrite: bool) -> None:
+    """The output directory must be writable, and hold this config's results or none (or be overwritten)."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{time.monotonic_ns()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise InputError(f"output_dir {str(out)!r} is not writable ({e.strerror or e}): choose another "
+                         "output_dir") from None
+    previous = _read_manifest(out)
+    if previous and previous.get("config_key") not in (None, config_key) and not overwrite:
+        raise ConfigError(f"{str(out)!r} holds the results of another config: pass --overwrite to replace them, "
+                          "or choose another output_dir")
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+
+
+def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int]) -> None:
+    """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole."""
+    tmp = out / f".results-{time.monotonic_ns()}"
+    tmp.mkdir(parents=True)
+    for name, parts in frames.items():
+        parts = [p for p in parts if p is not None and len(p)]
+        if parts:
+            df = pd.concat(parts, ignore_index=True)
+            if epochs:
+                df["epoch"] = df["model"].map(epochs).astype("Int64")
+                if "model_b" in df.columns:
+                    df["epoch_b"] = df["model_b"].map(epochs).astype("Int64")
+            df.to_parquet(tmp / f"{name}.parquet", index=False)
+    old = out / "results"
+    if old.exists():
+        trash = out / f".results-old-{time.monotonic_ns()}"
+        old.rename(trash)
+        tmp.rename(old)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        tmp.rename(old)
+    for stale in out.glob(".results-*"):  # leftovers of a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _tables_match(out: Path, frames: dict[str, list[pd.DataFrame]]) -> bool:
+    """The results folder holds exactly the tables this study writes (no leftovers of another config)."""
+    have = {p.stem for p in (out / "results").glob("*.parquet")}
+    want = {n for n, parts in frames.items() if any(p is not None and len(p) for p in parts)}
+    return have == want or not want - have and have <= want
+
+
+# ---------------------------------------------------------------- data
+
+
+def _dataset_summary(src: Source) -> dict[str, Any]:
+    return {"name": src.name, "format": getattr(src.dataset, "name", src.name),
+            "n_images": sum(len(c) for c in src.chunks), "available": len(src.dataset)}
+
+
+def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Source:
+    ds = build_dataset(dc)
+    if len(ds) == 0:
+        raise InputError(f"dataset {name!r} ({dc.name}) has no images")
+    ids = _select_ids(ds, dc.n_images)
+    shard = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
+    chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
+    return Source(name, ds, chunks, digest(cfg.batch_size, shard))
+
+
+def _units(ds: Any, n: int) -> list[int] | None:
+    bounds = getattr(ds, "unit_bounds", None)
+    if bounds is None:
+        return None
+    starts = sorted({int(b) for b in bounds()} | {0})
+    return [s for s in starts if s < n]
+
+
+def _select_ids(ds: Any, n_images: int) -> list[int]:
+    """All ids, or ``n_images`` of them: whole units (videos, pairs) from the first on, else an even spread."""
+    n = len(ds)
+    if n <= n_images:
+        return list(range(n))
+    units = _units(ds, n)
+    if units is not None:
+        ends = [*units[1:], n]
+        ids: list[int] = []
+        for s, e in zip(units, ends, strict=True):
+            if ids and len(ids) + (e - s) > n_images:
+                break
+            ids.extend(range(s, e))
+        return ids
+    return [int(i) for i in torch.linspace(0, n - 1, n_images).round().long().tolist()]
+
+
+def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
+    """This rank's contiguous block of ``ids``: boundaries at multiples of ``align`` positions, moved forward
+    to the next unit start where the dataset has units, so no video or pair is split across ranks."""
+    if dist.world == 1:
+        return ids
+    n = len(ids)
+    per = math.ceil(math.ceil(n / align) / dist.world) * align
+    cuts = [min(r * per, n) for r in range(dist.world + 1)]
+    units = _units(ds, len(ds))
+    if units is not None:
+        starts = {i for i in units}
+        for r in range(1, dist.world):
+            c = cuts[r]
+            while 0 < c < n and ids[c] not in starts:
+                c += 1
+            cuts[r] = max(c, cuts[r - 1])
+    return ids[cuts[dist.rank]:cuts[dist.rank + 1]]
+
+
+def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
+                  timings: dict[str, float] | None) -> Iterator[Any]:
+    """Chunks from ``start`` on as batches (one per chunk; a chunk none of whose images could be read
+    yields an empty marker so chunk numbers stay aligned), under ``view``."""
+    from vitscope.data.formats.common import NothingReadable
+
+    for ids in src.chunks[start:]:
+        try:
+            got = list(src.dataset.batches(len(ids), pre, indices=ids))
+        except NothingReadable:
+            got = []
+        for path, reason in getattr(src.dataset, "skipped", []):
+            src.skipped.setdefault(str(path), str(reason))
+        if not got:
+            yield None
+            continue
+        batch = got[0] if len(got) == 1 else _concat(got)
+        batch.dataset, batch.view = src.name, view
+        if view != CLEAN:
+            t0 = time.perf_counter()
+            batch.images = apply_view(batch.images, batch.index, view, pre.mean, pre.std, seed)
+            if timings is not None:
+                timings[f"view {view}"] = timings.get(f"view {view}", 0.0) + time.perf_counter() - t0
+        yield batch
+
+
+def _concat(batches: list[Any]) -> Any:
+    from vitscope.data.base import Batch
+
+    first = batches[0]
+    out = Batch(images=torch.cat([b.images for b in batches]), index=torch.cat([b.index for b in batches]))
+    for f in ("labels", "masks", "parts", "objects", "keypoints", "boxes", "frames", "is_test"):
+        vals = [getattr(b, f) for b in batches]
+        if all(v is not None for v in vals):
+            setattr(out, f, torch.cat(vals))
+    if all(b.sequences is not None for b in batches):
+        out.sequences = [s for b in batches for s in b.sequences]
+    out.extra = dict(first.extra)
+    return out
+
+
+# ---------------------------------------------------------------- models
+
+
+class _ModelPool:
+    """Models loaded once per study, released when no later stage needs them (at most the model in its pass
+    and the one it was fine-tuned from)."""
+
+    def __init__(self, cfg: StudyConfig, plan: Plan):
+        self.cfg = cfg
+        self.by_label = {label_of(m): m for m in plan.models}
+        order = [label_of(m) for m in plan.models]
+        self.last_use = {lab: i for i, lab in enumerate(order)}
+        for ap in plan.analyses:
+            for a, b in ap.pairs:
+                self.last_use[a] = max(self.last_use[a], order.index(b))
+        self.order = order
+        self.loaded: dict[str, Any] = {}
+
+    def get(self, label: str) -> Any:
+        if label not in self.loaded:
+            mc = self.by_label[label]
+            vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
+                            checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=self.cfg.device,
+                            **mc.kwargs)
+            vm.name = label
+            self.loaded[label] = vm
+        return self.loaded[label]
+
+    def done_with(self, label: str) -> None:
+        now = self.order.index(label)
+        for lab in list(self.loaded):
+            if self.last_use[lab] <= now:
+                del self.loaded[lab]
+
+    def clear(self) -> None:
+        self.loaded.clear()
+
+
+def _model_key(mc: Any) -> tuple[Any, str]:
     spec = resolve_spec(mc.name)
-    mkey = model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
-    dkey = digest(asdict(cfg.dataset))
+    return spec, model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
+
+
+def _dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> dict[str, Any]:
+    from vitscope.study.config import study_datasets
+
+    dcs = study_datasets(cfg)
+    return {slot: asdict(dcs[name]) for slot, name in ap.slots.items()}
+
+
+def _relate(analysis: Any, ap: AnalysisPlan, mc: Any) -> None:
+    analysis.datasets = dict(ap.slots)
+    if not isinstance(analysis, PairAnalysis):
+        analysis.finetuned_from = mc.finetuned_from
+    analysis.epoch = mc.epoch
+
+
+def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], sources: dict[str, Source],
+               cache: Cache, dist: Dist, pool: _ModelPool,
+               on_batch: Callable[[str, int], None] | None) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
+    from vitscope.models.registry import get_spec  # noqa: F401 - registry loaded before resolve_spec
+
+    spec, mkey = _model_key(mc)
     shard = (dist.rank, dist.world)
     jobs = []
-    for name, params in cfg.analyses.items():
-        params = dict(params or {})
-        akey = digest(mkey, dkey, name, get_analysis(name).state_version, params, cfg.dtype)
-        jobs.append(Job(name, params, akey, cache.path(mkey, name, akey), cache.path(mkey, name, akey, shard)))
+    for ap in plans:
+        akey = digest(mkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, ap.views,
+                      cfg.dtype, cfg.seed)
+        jobs.append(Job(ap, akey, cache.path(mkey, ap.name, akey), cache.path(mkey, ap.name, akey, shard)))
     info: ModelInfo | None = None
     trained = bool(mc.weights) or (mc.pretrained and spec.weights.kind != "none")
     mmeta: dict[str, Any] = {"source": mc.name, "model_key": mkey,
                              "supervision": spec.supervision if trained else "random init",
                              "objective_family": spec.family if trained else "none"}
+    if mc.finetuned_from:
+        mmeta["finetuned_from"] = mc.finetuned_from
+    if mc.epoch is not None:
+        mmeta["epoch"] = mc.epoch
     for job in jobs:  # finished entries: no model needed
         entry = cache.load(job.final)
         if entry is not None and entry.get("finished"):
             info = ModelInfo(**{**entry["info"], "name": label})
-            job.analysis = get_analysis(job.name)(info, **job.params)
+            job.analysis = job.plan.cls(info, **job.plan.params)
             job.analysis.load_state_dict(entry["state"])
             job.analysis.model_name = label
+            _relate(job.analysis, job.plan, mc)
             job.finished, job.meta = True, {"from_cache": True}
             job.frame = _relabel(entry.get("frame"), entry.get("label"), label)
             mmeta.update(entry.get("model_meta", {}))
+            _restore_skipped(entry, sources, job.plan)
     todo = [j for j in jobs if not j.finished]
     timings: dict[str, Any] = {}
     if todo:
         t0 = time.perf_counter()
-        vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
-                        checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=cfg.device, **mc.kwargs)
-        vm.name = label
+        vm = pool.get(label)
         info = vm.info()
         mmeta.update({"weights_digest": vm.weights_digest, "family": vm.family, "depth": vm.depth,
                       "heads": vm.num_heads, "grid": list(vm.grid_size), "patch": vm.patch_size,
                       "prefix_tokens": vm.num_prefix_tokens,
                       "load_report": vm.load_report.summary() if vm.load_report else "random initialisation"})
         for job in todo:
-            job.analysis = get_analysis(job.name)(vm, **job.params)
+            job.analysis = job.plan.cls(vm, **job.plan.params)
+            _relate(job.analysis, job.plan, mc)
             part = cache.load(job.part)
-            if part is not None and part.get("batch_size") == cfg.batch_size:
+            if part is not None and part.get("chunks") == _chunk_signature(job, sources):
                 job.analysis.load_state_dict(part["state"])
-                job.done = int(part["done"])
+                job.done = {str(k): int(v) for k, v in part["done"].items()}
+                _restore_skipped(part, sources, job.plan)
         timings["load"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         updates: dict[str, float] = {}
-        _pass(cfg, vm, dataset, todo, cache, mkey, dist, on_batch, updates)
+        passes: list[PassKey] = []
+        for job in todo:
+            passes += [p for p in job.plan.passes if p not in passes]
+        for p in passes:
+            _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
         timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # forward, and each update
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
                 for state in parts[1:]:
-                    other = get_analysis(job.name)(vm, **job.params)
+                    other = job.plan.cls(vm, **job.plan.params)
                     other.load_state_dict(state)
                     job.analysis.merge(other)
                 t0 = time.perf_counter()
@@ -183,19 +478,35 @@ def _run_model(cfg: StudyConfig, mc: ModelConfig, label: str, dataset: Any, cach
                 timings.setdefault("finalize", {})[job.name] = round(time.perf_counter() - t0, 2)
                 with cache.lock(mkey):
                     cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
-                                           "info": asdict(info), "model_meta": mmeta, "params": job.params,
-                                           "frame": job.frame, "label": label})
+                                           "info": asdict(info), "model_meta": mmeta, "params": job.plan.params,
+                                           "frame": job.frame, "label": label,
+                                           "skipped": _skipped_for(job.plan, sources)})
         dist.barrier()
         for job in todo:
             job.part.unlink(missing_ok=True)
             job.meta = {"from_cache": False}
-        del vm
     for job in jobs:
         if job.frame is None and dist.is_main:
             job.frame = job.analysis.finalize()
     if timings:
         mmeta = {**mmeta, "timings": timings}
-    return info, jobs, mmeta
+    assert info is not None or not jobs
+    return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def _skipped_for(ap: AnalysisPlan, sources: dict[str, Source]) -> dict[str, dict[str, str]]:
+    return {d: dict(sources[d].skipped) for d in set(ap.slots.values()) if sources[d].skipped}
+
+
+def _restore_skipped(entry: dict[str, Any], sources: dict[str, Source], ap: AnalysisPlan) -> None:
+    for d, items in (entry.get("skipped") or {}).items():
+        if d in sources:
+            for p, r in items.items():
+                sources[d].skipped.setdefault(p, r)
+
+
+def _chunk_signature(job: Job, sources: dict[str, Source]) -> str:
+    return digest(sorted((d, sources[d].signature) for d in set(job.plan.slots.values())))
 
 
 def _relabel(frame: pd.DataFrame | None, old: str | None, new: str) -> pd.DataFrame | None:
@@ -209,38 +520,25 @@ def _relabel(frame: pd.DataFrame | None, old: str | None, new: str) -> pd.DataFr
     return frame
 
 
-def _shard_indices(n: int, cfg: StudyConfig, dist: Dist) -> list[int]:
-    """Contiguous shards whose boundaries are multiples of every batch size in play (forward and CKA), so
-    that sharded runs group images into exactly the same CKA batches as a single process."""
-    if n > cfg.dataset.n_images:  # a real dataset larger than asked for: an even spread over it
-        ids = [int(i) for i in torch.linspace(0, n - 1, cfg.dataset.n_images).round().long().tolist()]
-    else:
-        ids = list(range(n))
-    n = len(ids)
-    align = cfg.batch_size
-    for params in cfg.analyses.values():
-        bs = (params or {}).get("batch_size")
-        if isinstance(bs, int) and bs > 0:
-            align = math.lcm(align, bs)
-    per = math.ceil(math.ceil(n / align) / dist.world) * align
-    return ids[min(dist.rank * per, n):min((dist.rank + 1) * per, n)]
-
-
-def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache, mkey: str, dist: Dist,
-          on_batch: Callable[[str, int], None] | None, timings: dict[str, float] | None = None) -> None:
-    """`stream` from the earliest batch any job still needs, feeding each job only what it has not seen;
-    partial states saved every ``save_every`` batches (or 2 minutes) and when the pass dies."""
-    indices = _shard_indices(len(dataset), cfg, dist)
-    start = min(j.done for j in jobs)
-    if start >= math.ceil(len(indices) / cfg.batch_size):
+def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], jobs: list[Job], cache: Cache,
+          mkey: str, dist: Dist, on_batch: Callable[[str, int], None] | None,
+          timings: dict[str, float] | None = None) -> None:
+    """One (dataset, view) pass: `stream` from the earliest chunk any job still needs, feeding each job only
+    the chunks it has not seen; partial states saved every ``save_every`` chunks (or 2 minutes) and when the
+    pass dies."""
+    src = sources[p[0]]
+    key = _pk(p)
+    n_chunks = len(src.chunks)
+    start = min(j.done.get(key, 0) for j in jobs)
+    if start >= n_chunks:
         return
-    seen = [j.done for j in jobs]
+    seen = [j.done.get(key, 0) for j in jobs]
     last_save = time.monotonic()
 
     def save() -> None:
         for job, k in zip(jobs, seen, strict=True):
-            job.done = k
-        _save_parts(jobs, cache, mkey, cfg.batch_size)
+            job.done[key] = k
+        _save_parts(jobs, cache, mkey, sources)
 
     def after(b: int) -> None:
         nonlocal last_save
@@ -250,25 +548,101 @@ def _pass(cfg: StudyConfig, vm: Any, dataset: Any, jobs: list[Job], cache: Cache
         if on_batch is not None:
             on_batch(vm.name, b)
 
-    batches = dataset.batches(cfg.batch_size, vm.preprocessing, start=start * cfg.batch_size, indices=indices)
+    batches = _pass_batches(src, p[1], vm.preprocessing, cfg.seed, start, timings)
+    view = "" if p[1] == CLEAN else f" {p[1]}"
+    desc = f"{vm.name} {p[0]}{view}" + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else "")
     try:
         stream(vm, batches, [j.analysis for j in jobs], dtype=cfg.dtype, progress=cfg.progress,
-               total=len(indices) - min(start * cfg.batch_size, len(indices)), on_batch=after, first=start,
-               seen=seen, desc=vm.name + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else ""),
+               total=sum(len(c) for c in src.chunks[start:]), on_batch=after, first=start, seen=seen, desc=desc,
                timings=timings)
     except BaseException:
         save()  # keep what is done: a rerun resumes from here
         raise
     for job, k in zip(jobs, seen, strict=True):
-        job.done = k
+        job.done[key] = k
+    n = sum(len(c) for c in src.chunks)
+    if n and len(src.skipped) >= n:
+        raise InputError(f"dataset {src.name!r}: none of its {n} images could be read (first: "
+                         f"{next(iter(src.skipped.items()))})")
 
 
-def _save_parts(jobs: list[Job], cache: Cache, mkey: str, batch_size: int) -> None:
+def _save_parts(jobs: list[Job], cache: Cache, mkey: str, sources: dict[str, Source]) -> None:
     with cache.lock(mkey):
         for job in jobs:
-            if job.done > 0:
-                cache.save(job.part, {"state": job.analysis.state_dict(), "done": job.done,
-                                      "batch_size": batch_size})
+            if any(job.done.values()):
+                cache.save(job.part, {"state": job.analysis.state_dict(), "done": dict(job.done),
+                                      "chunks": _chunk_signature(job, sources),
+                                      "skipped": _skipped_for(job.plan, sources)})
+
+
+# ---------------------------------------------------------------- pair stages
+
+
+def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str, ModelInfo],
+              mkeys: dict[str, str], sources: dict[str, Source], cache: Cache, dist: Dist, pool: _ModelPool,
+              on_batch: Callable[[str, int], None] | None) -> Job:
+    """A pair analysis of models (a, b): cached, resumable per chunk and sharded like a pass."""
+    mc_b = pool.by_label[b]
+    pkey = digest(mkeys[a], mkeys[b])
+    akey = digest(pkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, cfg.dtype, cfg.seed)
+    job = Job(ap, akey, cache.path(pkey, ap.name, akey), cache.path(pkey, ap.name, akey, (dist.rank, dist.world)))
+
+    def make(info_a: ModelInfo, info_b: ModelInfo) -> Any:
+        x = ap.cls(info_a, info_b, **ap.params)
+        x.datasets, x.epoch = dict(ap.slots), mc_b.epoch
+        main = ap.slots["data"]
+        x._store = lambda key: cache.store_dir(mkeys[a], digest(_dataset_keys(ap, sources, cfg)["data"], main),
+                                               ap.name, key)
+        return x
+
+    entry = cache.load(job.final)
+    if entry is not None and entry.get("finished"):
+        job.analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
+        job.analysis.load_state_dict(entry["state"])
+        job.finished, job.meta = True, {"from_cache": True}
+        frame = _relabel(entry.get("frame"), entry.get("label_a"), a)
+        job.frame = _relabel(frame, entry.get("label_b"), b)
+        return job
+    vm_a, vm_b = pool.get(a), pool.get(b)
+    if tuple(vm_a.img_size) != tuple(vm_b.img_size) or vm_a.preprocessing != vm_b.preprocessing:
+        raise InputError(f"analysis {ap.name} compares {a!r} and {b!r}, whose inputs differ (size {vm_a.img_size} "
+                         f"vs {vm_b.img_size}, or preprocessing): pair analyses need models with the same input")
+    job.analysis = make(vm_a.info(), vm_b.info())
+    part = cache.load(job.part)
+    if part is not None and part.get("chunks") == _chunk_signature(job, sources):
+        job.analysis.load_state_dict(part["state"])
+        job.done = {str(k): int(v) for k, v in part["done"].items()}
+    src = sources[ap.slots["data"]]
+    key = _pk((src.name, CLEAN))
+    start = job.done.get(key, 0)
+    last_save = time.monotonic()
+    try:
+        for c, batch in enumerate(_pass_batches(src, CLEAN, vm_a.preprocessing, cfg.seed, start, None), start=start):
+            if batch is not None:
+                job.analysis.update(vm_a, vm_b, batch)
+            job.done[key] = c + 1
+            if (c + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
+                _save_parts([job], cache, pkey, sources)
+                last_save = time.monotonic()
+            if on_batch is not None:
+                on_batch(f"{a}->{b}", c)
+    except BaseException:
+        _save_parts([job], cache, pkey, sources)
+        raise
+    merged = dist.gather_states([job])[0]
+    if dist.is_main:
+        for state in merged[1:]:
+            other = make(vm_a.info(), vm_b.info())
+            other.load_state_dict(state)
+            job.analysis.merge(other)
+        job.frame = job.analysis.finalize()
+        with cache.lock(pkey):
+            cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(), "info_a": asdict(vm_a.info()),
+                                   "info_b": asdict(vm_b.info()), "frame": job.frame, "label_a": a, "label_b": b})
+    dist.barrier()
+    job.part.unlink(missing_ok=True)
+    job.meta = {"from_cache": False}
+    return job
 
 
 def _versions() -> dict[str, str]:
@@ -278,3 +652,4 @@ def _versions() -> dict[str, str]:
 
     return {"vitscope": __version__, "torch": torch.__version__, "timm": timm.__version__,
             "python": platform.python_version()}
+

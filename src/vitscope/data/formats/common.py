@@ -28,6 +28,10 @@ class SkippedImagesWarning(UserWarning):
     """Some images of a pass could not be read and were left out (listed in ``dataset.skipped``)."""
 
 
+class NothingReadable(InputError):
+    """None of the images asked for could be read (the study planner counts such chunks and goes on)."""
+
+
 class Unreadable(Exception):
     """A file that could not be decoded; ``path`` and ``reason`` go into ``dataset.skipped``."""
 
@@ -129,7 +133,7 @@ class FileDataset:
             warnings.warn(f"{self.name}: {len(new)} of {tried} images could not be read and were skipped: {shown}. "
                           "The full list is in .skipped", SkippedImagesWarning, stacklevel=3)
         if finished and tried and not read:
-            raise InputError(f"{self.name}: none of the {tried} images could be read (first: {new[0][0]}: "
+            raise NothingReadable(f"{self.name}: none of the {tried} images could be read (first: {new[0][0]}: "
                              f"{new[0][1]})")
 
     def items(self, indices: Iterable[int]) -> Iterator[Any]:

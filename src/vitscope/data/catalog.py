@@ -1,0 +1,243 @@
+"""Every dataset format a study can name, what each provides, and how it is built from a `DatasetConfig`.
+
+    datasets:
+      cifar: {name: cifar10-test-1k}                      # shipped with the package
+      shapes: {name: synthetic-shapes, n_images: 256}     # generated
+      davis: {name: davis2017, root: /data/DAVIS, split: val}
+
+A format *provides* capabilities (`CAPABILITIES`); an analysis *needs* some of them (`Analysis.needs`), and
+the study planner matches the two at config time (`vitscope.study.plan`). `vitscope datasets` prints this
+catalog. A new format is one `register_format(Format(...))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vitscope.errors import ConfigError, close_matches
+
+#: what a dataset can provide, with the batch fields that carry it
+CAPABILITIES: dict[str, str] = {
+    "labels": "a class id per image (batch.labels)",
+    "split": "its own train / test split (batch.is_test)",
+    "masks": "a foreground mask per image (batch.masks)",
+    "parts": "part ids per pixel (batch.parts)",
+    "objects": "object / instance ids per pixel (batch.objects)",
+    "keypoints": "named keypoints per image (batch.keypoints)",
+    "videos": "frames in sequence with per-frame object masks (batch.frames, batch.sequences)",
+    "pairs": "image pairs with corresponding keypoints",
+    "retrieval": "queries, a database and revisited-style ground truth",
+    "cue_conflict": "shape label and a conflicting texture label (batch.extra['texture_labels'])",
+}
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    provides: frozenset[str]
+    build: Callable[[Any], Any]      # DatasetConfig -> dataset
+    options: tuple[str, ...]         # the DatasetConfig fields it reads (beside name, n_images, seed, size)
+    description: str
+    generated: bool = False          # needs no files: the planner may use it when nothing configured fits
+
+
+FORMATS: dict[str, Format] = {}
+
+
+def register_format(fmt: Format) -> Format:
+    unknown = set(fmt.provides) - set(CAPABILITIES)
+    if unknown:
+        raise ValueError(f"format {fmt.name!r} provides unknown capabilities {sorted(unknown)}")
+    FORMATS[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        hint = close_matches(name, FORMATS)
+        raise ConfigError(f"unknown dataset format {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
+                          + f" Available: {', '.join(FORMATS)}.")
+    return FORMATS[name]
+
+
+def build_dataset(cfg: Any) -> Any:
+    """The dataset a `DatasetConfig` describes (its ``name`` is the format)."""
+    fmt = get_format(cfg.name)
+    ds = fmt.build(cfg)
+    return ds
+
+
+def _need_root(cfg: Any, what: str) -> str:
+    if not cfg.root:
+        raise ConfigError(f"dataset format {cfg.name!r} needs `root`: {what}")
+    return str(cfg.root)
+
+
+def _opts(cfg: Any) -> dict[str, Any]:
+    return dict(cfg.options or {})
+
+
+# ---------------------------------------------------------------- generated
+
+def _shapes(variant: str) -> Callable[[Any], Any]:
+    def build(cfg: Any) -> Any:
+        from vitscope.data.synthetic import SyntheticShapes
+
+        return SyntheticShapes(n=cfg.n_images, seed=cfg.seed, size=cfg.size, variant=variant, **_opts(cfg))
+    return build
+
+
+def _videos(cfg: Any) -> Any:
+    from vitscope.data.synthetic_tasks import SyntheticVideos
+
+    o = _opts(cfg)
+    n_frames = int(o.pop("n_frames", 16))
+    n_videos = int(o.pop("n_videos", max(1, cfg.n_images // n_frames)))
+    return SyntheticVideos(n_videos=n_videos, n_frames=n_frames, seed=cfg.seed, size=cfg.size, **o)
+
+
+def _pairs(cfg: Any) -> Any:
+    from vitscope.data.synthetic_tasks import SyntheticPairs
+
+    o = _opts(cfg)
+    return SyntheticPairs(n_pairs=int(o.pop("n_pairs", cfg.n_images)), seed=cfg.seed, size=cfg.size, **o)
+
+
+def _retrieval(cfg: Any) -> Any:
+    from vitscope.data.synthetic_tasks import SyntheticRetrieval
+
+    o = _opts(cfg)
+    views = int(o.pop("views", 4))
+    n_queries = int(o.pop("n_queries", max(1, cfg.n_images // (views + 3))))
+    n_distractors = int(o.pop("n_distractors", 2 * n_queries))
+    return SyntheticRetrieval(n_queries=n_queries, views=views, n_distractors=n_distractors, seed=cfg.seed,
+                              size=cfg.size, **o)
+
+
+_SHAPES_PROVIDE = frozenset({"labels", "masks", "parts", "objects", "keypoints"})
+register_format(Format("synthetic-shapes", _SHAPES_PROVIDE, _shapes("random"), ("options",),
+                       "generated scenes: 12 shape classes with random textures, masks, parts, keypoints",
+                       generated=True))
+register_format(Format("synthetic-shapes-textured", _SHAPES_PROVIDE, _shapes("texture-bound"), ("options",),
+                       "generated scenes, each class wearing its own texture", generated=True))
+register_format(Format("synthetic-cue-conflict", _SHAPES_PROVIDE | {"cue_conflict"}, _shapes("cue-conflict"),
+                       ("options",), "generated scenes: the shape of one class wearing the texture of another",
+                       generated=True))
+register_format(Format("synthetic-videos", frozenset({"videos", "masks", "objects", "keypoints"}), _videos,
+                       ("options",), "generated videos (options: n_frames, n_videos; n_images = frames in all)",
+                       generated=True))
+register_format(Format("synthetic-pairs", frozenset({"pairs", "keypoints", "labels"}), _pairs, ("options",),
+                       "generated same-class image pairs with corresponding keypoints (n_images = pairs)",
+                       generated=True))
+register_format(Format("synthetic-retrieval", frozenset({"retrieval"}), _retrieval, ("options",),
+                       "generated instance retrieval: queries, database, easy / hard / junk ground truth "
+                       "(options: views, n_queries, n_distractors)", generated=True))
+
+
+# ---------------------------------------------------------------- shipped
+
+def _cifar_1k(cfg: Any) -> Any:
+    from vitscope.data.formats.shipped import Cifar10Test1k
+
+    return Cifar10Test1k(**_opts(cfg))
+
+
+register_format(Format("cifar10-test-1k", frozenset({"labels"}), _cifar_1k, (),
+                       "1,000 CIFAR-10 test photographs shipped with the package (100 per class; "
+                       "vitscope/data/shipped/README.md)"))
+
+
+# ---------------------------------------------------------------- real formats on disk
+
+def _imagefolder(cfg: Any) -> Any:
+    from vitscope.data.formats import ImageFolder
+
+    return ImageFolder(_need_root(cfg, "the folder of class folders"), classes=cfg.classes, per_class=cfg.per_class,
+                       test_root=cfg.test_root, **_opts(cfg))
+
+
+def _cifar10(cfg: Any) -> Any:
+    from vitscope.data.formats import Cifar
+
+    return Cifar(_need_root(cfg, "the folder holding cifar-10-batches-py"), train=(cfg.split or "test") == "train",
+                 **_opts(cfg))
+
+
+def _coco(cfg: Any) -> Any:
+    from vitscope.data.formats import CocoInstances
+
+    if not cfg.annotations:
+        raise ConfigError("dataset format 'coco' needs `annotations`: the instances_*.json file")
+    return CocoInstances(_need_root(cfg, "the folder of images"), cfg.annotations, **_opts(cfg))
+
+
+def _partimagenet(cfg: Any) -> Any:
+    from vitscope.data.formats import PartImageNet
+
+    if not cfg.annotations:
+        raise ConfigError("dataset format 'partimagenet' needs `annotations`: the split's COCO-style json file")
+    return PartImageNet(_need_root(cfg, "the folder of images"), cfg.annotations, **_opts(cfg))
+
+
+def _davis(year: int) -> Callable[[Any], Any]:
+    def build(cfg: Any) -> Any:
+        from vitscope.data.formats import Davis
+
+        return Davis(_need_root(cfg, "the DAVIS folder (JPEGImages, Annotations, ImageSets)"), year=year,
+                     split=cfg.split or "val", **_opts(cfg))
+    return build
+
+
+def _spair(cfg: Any) -> Any:
+    from vitscope.data.formats import SPair71k
+
+    return SPair71k(_need_root(cfg, "the SPair-71k folder (JPEGImages, PairAnnotation, ...)"),
+                    split=cfg.split or "test", **_opts(cfg))
+
+
+def _revisited(which: str) -> Callable[[Any], Any]:
+    def build(cfg: Any) -> Any:
+        from vitscope.data.formats import RevisitedRetrieval
+
+        return RevisitedRetrieval(_need_root(cfg, f"the folder holding gnd_{which}.pkl and jpg/"), dataset=which,
+                                  **_opts(cfg))
+    return build
+
+
+register_format(Format("imagefolder", frozenset({"labels", "split"}), _imagefolder,
+                       ("root", "classes", "per_class", "test_root", "options"),
+                       "root/<class>/<image>; a split from root/train + root/test|val or test_root"))
+register_format(Format("cifar10", frozenset({"labels"}), _cifar10, ("root", "split", "options"),
+                       "CIFAR-10 in its python-batches layout (split: test | train)"))
+register_format(Format("coco", frozenset({"labels", "masks", "objects"}), _coco, ("root", "annotations", "options"),
+                       "COCO instances: images folder + instances json"))
+register_format(Format("partimagenet", frozenset({"labels", "masks", "parts"}), _partimagenet,
+                       ("root", "annotations", "options"), "PartImageNet: images folder + COCO-style part json"))
+_VIDEO = frozenset({"videos", "masks", "objects"})
+register_format(Format("davis2016", _VIDEO, _davis(2016), ("root", "split", "options"),
+                       "DAVIS 2016 (single object) video segmentation"))
+register_format(Format("davis2017", _VIDEO, _davis(2017), ("root", "split", "options"),
+                       "DAVIS 2017 (multi-object palettes) video segmentation"))
+register_format(Format("spair71k", frozenset({"pairs", "keypoints", "labels"}), _spair, ("root", "split", "options"),
+                       "SPair-71k keypoint correspondence pairs (split: trn | val | test)"))
+register_format(Format("roxford5k", frozenset({"retrieval"}), _revisited("roxford5k"), ("root", "options"),
+                       "revisited Oxford: gnd_roxford5k.pkl + jpg/"))
+register_format(Format("rparis6k", frozenset({"retrieval"}), _revisited("rparis6k"), ("root", "options"),
+                       "revisited Paris: gnd_rparis6k.pkl + jpg/"))
+
+
+def describe() -> str:
+    """The catalog as text (`vitscope datasets`)."""
+    lines = []
+    w = max(len(n) for n in FORMATS)
+    for fmt in FORMATS.values():
+        opts = ", ".join(o for o in fmt.options) or "-"
+        lines.append(f"{fmt.name:<{w}}  {fmt.description}")
+        lines.append(f"{'':<{w}}  provides: {', '.join(sorted(fmt.provides))}; options: {opts}"
+                     + ("; generated, no files" if fmt.generated else ""))
+    lines.append("")
+    lines.append("Every format also takes n_images (at most this many items; whole videos / pairs), seed and size "
+                 "(None = each model's input size).")
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Test-only analyses and a view, registered on import: analyses that record which images of which dataset and
+view they were fed, so the planner's routing can be checked from the tables (also under torchrun, where
+tests/run_with_fixtures.py imports this module before the CLI runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vitscope.analyses.base import ANALYSES, Analysis, register_analysis
+from vitscope.data.views import VIEW_KINDS, image_generator, register_view
+
+
+def shift(x01: torch.Tensor, index: torch.Tensor, seed: int, *, amount: float = 0.1) -> torch.Tensor:
+    """Adds uniform noise in [0, amount) per pixel, drawn per (image, view, seed)."""
+    key = f"test_shift:amount={amount}"
+    noise = torch.stack([torch.rand(x01.shape[1:], generator=image_generator(seed, key, int(i))) for i in index])
+    return x01 + amount * noise.to(x01.dtype)
+
+
+class SeenIds(Analysis):
+    """Records (dataset, view, image id, mean of block 0's output) for every image it is fed."""
+
+    name = "seen_ids"
+    description = "test: which images of which pass were fed"
+
+    @classmethod
+    def views(cls, params: Mapping[str, Any]) -> list[str]:
+        return ["clean", *params.get("views", [])]
+
+    def __init__(self, vm: Any, views: Any = ()):
+        super().__init__(vm)
+        self.rows: list[tuple[str, str, int, float]] = []
+
+    def required_taps(self) -> list[str]:
+        return ["block0.out"]
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        m = feats["block0.out"].double().mean(dim=(1, 2))
+        for i, v in zip(batch.index.tolist(), m.tolist(), strict=True):
+            self.rows.append((batch.dataset, batch.view, int(i), float(v)))
+        self.n_images += len(batch)
+
+    def merge(self, other: Analysis) -> None:
+        self.rows += other.rows
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": [list(r) for r in self.rows], "n_images": self.n_images}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rows = [tuple(r) for r in state["rows"]]
+        self.n_images = int(state["n_images"])
+
+    def finalize(self) -> Any:
+        return self.tidy([{"metric": "seen", "token_view": f"{d}|{v}", "layer": i, "value": x}
+                          for d, v, i, x in sorted(self.rows)])
+
+
+class SeenLabelled(SeenIds):
+    name = "seen_labelled"
+    needs = frozenset({"labels"})
+
+
+class SeenMasked(SeenIds):
+    name = "seen_masked"
+    needs = frozenset({"masks"})
+
+
+TEST_ANALYSES = (SeenIds, SeenLabelled, SeenMasked)
+
+
+def register() -> None:
+    for cls in TEST_ANALYSES:
+        if cls.name not in ANALYSES:
+            register_analysis(cls)
+    if "test_shift" not in VIEW_KINDS:
+        register_view("test_shift")(shift)
+
+
+def unregister() -> None:
+    for cls in TEST_ANALYSES:
+        ANALYSES.pop(cls.name, None)
+    VIEW_KINDS.pop("test_shift", None)
