@@ -2,8 +2,10 @@
 
 import copy
 import math
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -167,3 +169,44 @@ def test_corruptions_are_deterministic_and_valid():
         c1, c2 = corrupt(u, ids, kind, 5), corrupt(u, ids, kind, 5)
         assert torch.equal(c1, c2) and float(c1.min()) >= 0 and float(c1.max()) <= 1
         assert float((c1 - u).abs().mean()) > float((corrupt(u, ids, kind, 1) - u).abs().mean())
+
+
+def test_in_a_study_with_a_checkpoint_list(tmp_path):
+    """stir as a pair stage of the engine: pt -> each checkpoint of a fine-tuning run, pt's inversions made once,
+    a rerun served from the cache, the dynamics (epochs, Pearson) in the cross-model table."""
+    from vitscope.models.load import save_checkpoint
+    from vitscope.study import load_config, run_study
+
+    run_dir = tmp_path / "ft" / "checkpoints"
+    run_dir.mkdir(parents=True)
+    tiny = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=10)
+    pt = vs.load_model("vit_small_patch16_224", pretrained=False, seed=0, **tiny)
+    for e in range(3):
+        vm = copy.deepcopy(pt)
+        torch.manual_seed(e)
+        with torch.no_grad():
+            for p in vm.model.blocks[1].parameters():
+                p.add_(torch.randn_like(p) * 0.2 * e)
+        save_checkpoint(vm.model, run_dir / f"encoder_epoch{e:03d}.safetensors", vm.spec)
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}"
+    (tmp_path / "s.yaml").write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: pt, pretrained: false, kwargs: {kw}}}
+  - {{label: ft, checkpoints: {tmp_path / 'ft'}, finetuned_from: pt}}
+dataset: {{name: cifar10-test-1k, n_images: 16}}
+analyses:
+  stir: {{iterations: 2, corruptions: ["contrast:5"]}}
+batch_size: 8
+progress: false
+""")
+    cfg = load_config(tmp_path / "s.yaml", [f"output_dir={tmp_path / 'run'}"])
+    out = run_study(cfg)
+    df = pd.read_parquet(next(Path(out).rglob("stir*.parquet")))
+    assert set(df.model_b.dropna()) >= {"ft@0", "ft@1", "ft@2"}
+    pairs = df[df.metric == "forgetting"]
+    assert len(pairs) == 3 * 2 and not pairs.value.isna().any()
+    assert set(df[df.metric == "pearson_r"].series) or df[df.metric.str.startswith("dynamics:")].epoch.nunique() == 3
+    inv = [f for f in tmp_path.rglob("*.safetensors") if "store" in f.parts]
+    assert len(inv) == 2  # pt's inversions, in the study cache: two batches, made once for the three checkpoints
+    again = pd.read_parquet(next(Path(run_study(cfg)).rglob("stir*.parquet")))  # a rerun: from the cache
+    assert np.array_equal(again.value.to_numpy(), df.value.to_numpy())

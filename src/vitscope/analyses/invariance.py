@@ -31,7 +31,7 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
@@ -47,36 +47,7 @@ if TYPE_CHECKING:
     from vitscope.data.base import Batch
     from vitscope.models.adapter import ModelInfo, ViTModel
 
-try:  # the engine's pair-analysis base (issue 14)
-    from vitscope.analyses.base import PairAnalysis
-except ImportError:  # until it lands: the same contract, enough to run the accumulator by hand
-    from vitscope.analyses.base import COLUMNS, PAIR_COLUMNS
-
-    class PairAnalysis:  # type: ignore[no-redef]
-        name: ClassVar[str]
-        state_version: ClassVar[int] = 1
-        needs: ClassVar[frozenset] = frozenset()
-        finetuned_from: str | None = None
-        epoch: int | None = None
-
-        def __init__(self, info_a: ModelInfo, info_b: ModelInfo, **params: Any):
-            self.model_a, self.model_b = info_a.name, info_b.name
-
-        def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
-            df = pd.DataFrame(rows)
-            for c in COLUMNS + PAIR_COLUMNS:
-                if c not in df.columns:
-                    df[c] = None
-            df["model"], df["model_b"], df["analysis"] = self.model_a, self.model_b, self.name
-            if self.epoch is not None:
-                df["epoch"] = self.epoch
-            first = COLUMNS + PAIR_COLUMNS
-            return df[first + [c for c in df.columns if c not in first]]
-
-        @classmethod
-        def cross(cls, analyses: list) -> pd.DataFrame | None:
-            return None
-
+from vitscope.analyses.base import PairAnalysis, register_analysis
 
 # ---------------------------------------------------------------------------------------------------------------
 # corruptions: a small CIFAR-10-C-like set (Hendrycks & Dietterich 2019 severities for 32-px images), for the
@@ -138,6 +109,7 @@ def _block(tap: str) -> int | None:
     return parse_tap(tap)[0]
 
 
+@register_analysis
 class Stir(PairAnalysis):
     name = "stir"
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
@@ -150,8 +122,11 @@ class Stir(PairAnalysis):
                  iterations: int = INV.DEFAULT_ITERATIONS, step_size: float = INV.DEFAULT_STEP, repeats: int = 1,
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
                  max_rows: int | None = None, corruptions: Any = "default", **params: Any):
-        super().__init__(info_a, info_b, **params)
-        self.model_a, self.model_b = info_a.name, info_b.name
+        params.pop("pairs", None)  # which pairs: the planner's business
+        if params:
+            raise VitscopeError(f"stir: unknown parameter(s) {', '.join(sorted(params))}; it takes layers, tap, "
+                                "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions")
+        super().__init__(info_a, info_b)
         if info_a.depth != info_b.depth:
             raise VitscopeError(f"stir: {info_a.name} has {info_a.depth} blocks and {info_b.name} {info_b.depth}; "
                                 "the per-layer comparison needs the same depth")
@@ -187,11 +162,8 @@ class Stir(PairAnalysis):
         return (f"stir-inv-{self.tap}-{'_'.join(map(str, self.layers))}-it{self.iterations}-s{self.step_size:g}-"
                 f"{self.init}-{self.match_view}-seed{self.seed}")
 
-    def _store_dir(self) -> Path | None:
-        store = getattr(self, "store", None)
-        if store is None:
-            return None
-        d = Path(store(self._inv_key()))
+    def _store_dir(self) -> Path:
+        d = Path(self.store(self._inv_key()))
         d.mkdir(parents=True, exist_ok=True)
         return d
 
