@@ -111,6 +111,10 @@ def _block(tap: str) -> int | None:
 
 @register_analysis
 class Stir(PairAnalysis):
+    """STIR (Nanda et al., ICML 2022) both ways between a pretrained model A and a model B fine-tuned from it,
+    per layer pair, and Merlin et al.'s learning, forgetting, cka divergence and Invariance Flow; over a
+    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy."""
+
     name = "stir"
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
@@ -360,6 +364,35 @@ class Stir(PairAnalysis):
         if "spread" in df.columns:
             df["spread"] = df["spread"].astype(float).fillna(0.0) if len(df) else df["spread"]
         return self.tidy(df.to_dict("records"))
+
+    @classmethod
+    def key_numbers(cls, df: pd.DataFrame) -> pd.DataFrame:
+        """Per pair: mean learning / forgetting / cka divergence over layers, flow compression / expansion,
+        accuracy, the settings; per fine-tuning run: Pearson r (p) of each dynamics series."""
+        rows = []
+        d = df[df["model_b"].notna() & ~df.metric.astype(str).str.startswith(("dynamics:", "pearson"))]
+        for (a, b), g in d.groupby(["model", "model_b"], sort=False):
+            row: dict[str, Any] = {"pair": f"{a} -> {b}"}
+            for m in ("learning", "forgetting", "cka_divergence"):
+                row[m] = g[g.metric == m]["value"].astype(float).mean()
+            for m in ("flow_compression", "flow_expansion"):
+                v = g[g.metric == m]["value"]
+                row[m.replace("flow_", "")] = float(v.iloc[0]) if len(v) else math.nan
+            acc = g[g.metric == "accuracy"]
+            if len(acc):
+                row["accuracy"] = float(acc[acc.corruption == "clean"]["value"].mean())
+                row["corrupted acc."] = float(acc[acc.corruption != "clean"]["value"].mean())
+            r0 = g.iloc[0]
+            row["settings"] = (f"{int(r0.get('images'))} img, {int(r0.get('iterations'))} it, "
+                               f"{int(r0.get('repeats'))} rep, "
+                               f"{len(g[g.metric == 'forgetting'])} layers")
+            rows.append(row)
+        pr = df[df.metric == "pearson_r"]
+        for _, r in pr.iterrows():
+            p = df[(df.metric == "pearson_p") & (df.model_b == r.model_b) & (df.series == r.series)]["value"]
+            rows.append({"pair": f"{r.model} -> {r.model_b} (epochs)", "series": r.series, "pearson r": r.value,
+                         "p": float(p.iloc[0]) if len(p) else math.nan})
+        return pd.DataFrame(rows).head(60)
 
     # -- dynamics over a fine-tuning run's checkpoints ------------------------------------------------------------
     @classmethod

@@ -111,7 +111,8 @@ def write_report(run_dir: str | Path) -> Path:
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
-        parts.append(_table(key_numbers(df)))
+        own = getattr(cls, "key_numbers", None)  # an analysis may summarise itself (e.g. a pair analysis)
+        parts.append(_table(own(df) if own else key_numbers(df)))
         for title, fig in FIGURES.get(name, lambda d: [])(df):
             parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
