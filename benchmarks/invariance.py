@@ -30,7 +30,8 @@ def bare(vm: vs.ViTModel, x: torch.Tensor, iters: int, param_grads: bool) -> flo
         xx = x.clone().requires_grad_(True)
         t0 = time.perf_counter()
         out = vm.model.forward_features(xx)
-        g = torch.autograd.grad(out.square().sum(), [xx] + ([p for p in vm.model.parameters()] if param_grads else []))
+        g = torch.autograd.grad(out.square().sum(), [xx] + (list(vm.model.parameters()) if param_grads else []),
+                                allow_unused=True)
         ts.append(time.perf_counter() - t0)
         del g
     for p in vm.model.parameters():

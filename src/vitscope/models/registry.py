@@ -228,9 +228,10 @@ _MERLIN = "Merlin et al., What happens during finetuning of ViTs: an invariance 
 for _init, _task in [("mocov3", "cls"), ("mae", "cls"), ("random", "cls"), ("mocov3", "rec"), ("mae", "rec")]:
     _start = ("--init zoo-random" if _init == "random"
               else f"--init src/vitscope/zoo/weights/{_init}/encoder.safetensors")
-    register(ModelSpec(
-        f"zoo-{_init}-ft-{_task}", ZOO_TIMM_ARCH, "explicit" if _task == "cls" else "reconstructive",
-        f"{_init} fine-tuned for {'classification' if _task == 'cls' else 'reconstruction'}",
+    register(ModelSpec(  # family and supervision as the fine-tuning trainer writes them into the file
+        f"zoo-{_init}-ft-{_task}", ZOO_TIMM_ARCH,
+        {"mocov3": "contrastive", "mae": "reconstructive", "random": "none"}[_init],
+        f"{_init}+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
         WeightSource("file", f"zoo/weights/{_init}-ft-{_task}/encoder.safetensors", "timm"), _ZOO_PRE,
         {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0}, citation=_MERLIN,
         notes=f"zoo-{_init} fine-tuned on CIFAR-10 ({'classification' if _task == 'cls' else 'reconstruction'}); "
