@@ -151,6 +151,8 @@ def test_bad_input():
         a.update(pt, other, next(batches(1)))
     with pytest.raises(VitscopeError, match="out of range"):
         Stir(pt.info(), ft.info(), layers=[5])
+    with pytest.raises(VitscopeError, match="did you mean attn_out"):
+        Stir(pt.info(), ft.info(), tap="attn_ot")
     with pytest.raises(VitscopeError, match="unknown corruption"):
         Stir(pt.info(), ft.info(), corruptions=["fog"])
     broken = copy.deepcopy(ft)

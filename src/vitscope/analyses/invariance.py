@@ -142,6 +142,14 @@ class Stir(PairAnalysis):
             if not -depth <= int(i) < depth:
                 raise VitscopeError(f"stir: layer {i} is out of range for a {depth}-block model")
         self.layers = sorted({int(i) % depth for i in layers})
+        from vitscope.capture.taps import BLOCK_TAPS
+
+        if tap not in BLOCK_TAPS:
+            from vitscope.errors import UnknownTapError, close_matches
+
+            hint = close_matches(str(tap), BLOCK_TAPS, n=3)
+            raise UnknownTapError(f"stir: tap {tap!r} is not a per-block tap" + (f"; did you mean {', '.join(hint)}?"
+                                  if hint else "") + f" Choose one of {', '.join(BLOCK_TAPS)}.")
         self.taps = [f"block{i}.{tap}" for i in self.layers]
         if view not in VIEWS or match_view not in VIEWS:
             raise VitscopeError(f"stir: unknown token view {view!r} / {match_view!r}; choose from {', '.join(VIEWS)}")
