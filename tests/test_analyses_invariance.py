@@ -70,6 +70,9 @@ def test_pair_table_formulas_and_settings():
         assert math.isclose(v[("learning", i, i)], 1 - v[("stir_a|b", i, i)])
         assert math.isclose(v[("cka_divergence", i, i)], 1 - v[("cka", i, i)])
     assert math.isclose(v[("invariance_flow", 2, 0)], v[("stir_b|a", 2, 0)] - v[("stir_b|a", 2, 2)])
+    fid = {r.layer: r.value for r in df[df.metric == "fidelity_a"].itertuples()}
+    for i in (0, 2):  # eq. 2 with its first term measured
+        assert math.isclose(v[("forgetting_vs_self", i, i)], fid[i] - v[("stir_b|a", i, i)])
     # block 0 is untouched by the "fine-tuning": no cka divergence there, some at block 2
     assert v[("cka_divergence", 0, 0)] < 1e-6 < v[("cka_divergence", 2, 2)]
     acc = df[df.metric == "accuracy"]
@@ -78,10 +81,14 @@ def test_pair_table_formulas_and_settings():
 
 def test_same_model_diagonal_is_one():
     pt, _ = pair()
-    df = run(pt, copy.deepcopy(pt), batches(2), iterations=2).finalize()
+    same = copy.deepcopy(pt)
+    with torch.no_grad():  # a new head (a fine-tuning run's epoch 0): the encoder, all the taps read, is the same
+        same.model.head.weight.normal_()
+    df = run(pt, same, batches(2), iterations=2).finalize()
     s = df[df.metric.isin(["stir_b|a", "stir_a|b"])]
     assert np.allclose(s[s.layer == s.layer_b].value, 1.0)
     assert np.allclose(df[df.metric == "forgetting"].value, 0.0)
+    assert np.allclose(df[df.metric == "forgetting_vs_self"].value, 0.0)
     assert (df[df.metric == "fidelity_a"].value < 0.999).all()  # the measured self-STIR, for the record
 
 

@@ -364,9 +364,31 @@ def check_pair(vm_a: ViTModel, vm_b: ViTModel) -> None:
                          f"std {tuple(pb.std)}, so the same image would be two different inputs.")
 
 
-def same_weights(vm_a: ViTModel, vm_b: ViTModel) -> bool:
-    return vm_a is vm_b or (vm_a.model.__class__ is vm_b.model.__class__
-                            and vm_a.weights_digest == vm_b.weights_digest)
+def encoder_digest(vm: ViTModel) -> str:
+    """sha256 over the encoder's parameters and buffers (the classifier head left out: no tap but ``logits``
+    reads it, and a fine-tuning run's epoch 0 is its start with a new head)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(vm.model.state_dict().items()):
+        if k.startswith("head."):
+            continue
+        h.update(k.encode())
+        h.update(str(tuple(v.shape)).encode())
+        h.update(v.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def same_weights(vm_a: ViTModel, vm_b: ViTModel, taps: Sequence[str] = ()) -> bool:
+    """The same model as far as ``taps`` can tell: the same object, or the same encoder weights (the head counts
+    only when a tap reads the logits)."""
+    if vm_a is vm_b:
+        return True
+    if vm_a.model.__class__ is not vm_b.model.__class__:
+        return False
+    if "logits" in taps:
+        return vm_a.weights_digest == vm_b.weights_digest
+    return encoder_digest(vm_a) == encoder_digest(vm_b)
 
 
 class StirSums:
@@ -462,7 +484,7 @@ def stir(
             for j in range(len(taps1)):
                 feats = measure(m2, inv.images[j], taps2, view)
                 sums.add(r, j, clean, feats, ~inv.diverged[j], inv.rel_error[j])
-    return stir_table(sums, taps1, taps2, same_weights(m1, m2))
+    return stir_table(sums, taps1, taps2, same_weights(m1, m2, taps1 + taps2))
 
 
 def stir_table(sums: StirSums, taps_inv: list[str], taps_meas: list[str], same_model: bool) -> pd.DataFrame:

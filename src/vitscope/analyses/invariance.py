@@ -15,6 +15,9 @@ Rows (model = A, model_b = B; ``layer`` is A's block, ``layer_b`` B's):
   stir_a|b         STIR(A[layer] | B[layer_b])  (B inverted at ``layer_b``)
   cka              CKA(A[layer], B[layer_b]) on the clean images
   forgetting       1 - STIR(B[i] | A[i]);  learning  1 - STIR(A[i] | B[i]);  cka_divergence  1 - CKA(A[i], B[i])
+  forgetting_vs_self / learning_vs_self   the same with the first term of Merlin et al.'s eqs. 2-3 measured,
+                   STIR(A[i] | A[i]) - STIR(B[i] | A[i]) and STIR(B[i] | B[i]) - STIR(A[i] | B[i]), on the same
+                   inversions: the share of 1 - STIR that is due to imperfect inversions cancels
   invariance_flow  STIR(B[layer_b] | A[layer]) - STIR(B[layer] | A[layer])  (pt layer, ft layer)
   flow_compression / flow_expansion / flow_compressed_layers / flow_expanded_layers / flow_mean_shift
   fidelity_a / fidelity_b   CKA of a model's own layer on X and on its inversion X' (measured self-STIR; STIR
@@ -119,7 +122,7 @@ class Stir(PairAnalysis):
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
     needs = frozenset()
-    state_version = 1
+    state_version = 2  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder
     STATE_KEYS = ("ba", "ab", "aa", "bb")
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
@@ -219,7 +222,7 @@ class Stir(PairAnalysis):
     def update(self, vm_a: ViTModel, vm_b: ViTModel, batch: Batch) -> None:
         if self.same_model is None:
             INV.check_pair(vm_a, vm_b)
-            self.same_model = INV.same_weights(vm_a, vm_b)
+            self.same_model = INV.same_weights(vm_a, vm_b, self.taps)
         x, ids = batch.images, batch.index.cpu().long()
         if len(x) < 4:
             raise VitscopeError(f"stir: a batch of {len(x)} images; the unbiased CKA needs at least 4 per batch")
@@ -339,6 +342,14 @@ class Stir(PairAnalysis):
             rows.append({"metric": "learning", "layer": li, "layer_b": li, "value": float(M.learning(diag_ab)[i])})
             rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li,
                          "value": float(M.cka_divergence(np.diag(cka))[i])})
+        # eqs. 2-3 with their first term measured (the within-model STIR of the same inversions, < 1 when the
+        # inversions are imperfect) instead of its ideal value 1: the inversion-quality floor cancels
+        fid_a, fid_b = np.diag(self._grid("aa")[0]), np.diag(self._grid("bb")[0])
+        if self.same_model:
+            fid_a, fid_b = np.diag(s_ba), np.diag(s_ab)
+        for i, li in enumerate(L):
+            rows.append({"metric": "forgetting_vs_self", "layer": li, "layer_b": li, "value": fid_a[i] - diag_ba[i]})
+            rows.append({"metric": "learning_vs_self", "layer": li, "layer_b": li, "value": fid_b[i] - diag_ab[i]})
         if np.isfinite(s_ba).all():
             flow = M.flow_matrix(s_ba)
             for i, li in enumerate(L):
