@@ -74,7 +74,7 @@ def test_unknown_name_suggests_close_ones():
 
 
 def test_hub_download_failure_says_how_to_use_a_local_file():
-    with pytest.raises(vs.WeightsUnavailableError, match=r"weights='/path/to/file'"):
+    with pytest.raises(vs.WeightsUnavailableError, match=r"weights='/path/to/model\.safetensors'"):
         vs.load_model("dino-s16")  # HF_HUB_OFFLINE=1 in the tests
 
 

@@ -7,6 +7,7 @@
     vs.metrics.attention.attention_distance(attn, m.grid_size, m.num_prefix_tokens)
 """
 
+import vitscope.threads  # noqa: F401 - first: sets OMP_WAIT_POLICY before torch starts its OpenMP runtime
 from vitscope import metrics
 from vitscope.capture import Capture, extract, stream
 from vitscope.errors import (

@@ -13,6 +13,7 @@ from vitscope.zoo.cli import add_zoo_parser
 EPILOG = """examples:
   vitscope models                               the model registry
   vitscope taps dino-b16                        every tap point of a model, with its shape
+  vitscope analyses                             every analysis: parameters, taps, data, sources
   vitscope run                                  the embedded default study (offline)
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
   vitscope datasets                             the dataset formats and what each provides
@@ -51,6 +52,17 @@ def _cmd_taps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_analyses(args: argparse.Namespace) -> int:
+    from vitscope.analyses import ANALYSES, get_analysis
+    from vitscope.analyses.catalog import describe, format_markdown, format_text
+
+    for name in args.names:
+        get_analysis(name)  # an unknown name: one sentence with the close matches
+    infos = [describe(n) for n in (args.names or ANALYSES)]
+    print(format_markdown(infos) if args.markdown else format_text(infos, full=bool(args.names)), end="")
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -80,9 +92,18 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from vitscope.report import write_report
 
-    print(write_report(args.run_dir))
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise VitscopeError(f"{str(run_dir)!r} is not a directory: pass a run directory (the output_dir of a "
+                            "`vitscope run`)")
+    if not any((run_dir / "results").glob("*.parquet")):
+        raise VitscopeError(f"{str(run_dir)!r} holds no results/*.parquet, so there is nothing to report: pass "
+                            "the output_dir of a finished `vitscope run`")
+    print(write_report(run_dir))
     return 0
 
 
@@ -107,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="registry name, timm name, or a vitscope checkpoint file")
     t.add_argument("--weights", help="checkpoint to load (the architecture alone is enough for shapes)")
     t.set_defaults(func=_cmd_taps)
+
+    a = sub.add_parser("analyses", help="list the analyses: parameters, taps, data they need, sources",
+                       parents=[common])
+    a.add_argument("names", nargs="*", metavar="NAME", help="only these analyses, with their full description")
+    a.add_argument("--markdown", action="store_true", help="as the markdown of docs/analyses.md")
+    a.set_defaults(func=_cmd_analyses)
 
     r = sub.add_parser("run", help="run a study (the embedded default if no config is given)", parents=[common],
                        description="Run a study: each model once over the dataset, every analysis from that "

@@ -5,7 +5,14 @@ diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means
 `invariance` (STIR between two models: learning, forgetting, Invariance Flow of a fine-tuning).
 """
 
-from vitscope.analyses import attention, geometry, invariance, semantics, similarity  # noqa: F401 - registers them
+from vitscope.analyses import (  # noqa: F401 - registers the analyses
+    attention,
+    geometry,
+    invariance,
+    robustness,
+    semantics,
+    similarity,
+)
 from vitscope.analyses.base import ANALYSES, COLUMNS, Analysis, get_analysis, register_analysis
 
 __all__ = ["ANALYSES", "COLUMNS", "Analysis", "get_analysis", "register_analysis"]

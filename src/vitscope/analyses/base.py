@@ -85,6 +85,11 @@ class Analysis(ABC):
             out.append(j)
         return out
 
+    def configure(self, dataset_classes: Mapping[str, Any] | None = None) -> None:
+        """Called by the study before the first pass with each input's class names (``{slot: classes}``), so
+        decisions that depend on the data (e.g. which readout can score it) fail at once; a no-op by default."""
+        return None
+
     @abstractmethod
     def required_taps(self) -> list[str]: ...
 

@@ -14,6 +14,7 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import geometry as G
+from vitscope.threads import few_threads
 
 
 class _PerTap(Analysis):
@@ -228,21 +229,28 @@ class TSNE(Analysis):
         self.layers, self.n_images, self.kept = list(state["layers"]), int(state["n_images"]), dict(state["kept"])
 
     def finalize(self) -> pd.DataFrame:
+        size = sum(int(v[0][0].numel()) for v in self.kept.values())  # points x features of one layer
+        with few_threads(size):  # a few hundred points: one thread is as fast, and cannot wait for another
+            rows = self._embed()
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df
+
+    def _embed(self) -> list[dict[str, Any]]:
         from sklearn.manifold import TSNE as SkTSNE
 
         rows: list[dict[str, Any]] = []
         ids = sorted(self.kept)
-        if ids:
-            S = self.kept[ids[0]][0].shape[1]
-            for j, layer in enumerate(self.layers):
-                x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
-                perplexity = min(self.perplexity, (len(x) - 1) / 3)
-                emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
-                             max_iter=self.max_iter).fit_transform(x)
-                for r, (ex, ey) in enumerate(emb):
-                    img = ids[r // S]
-                    rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
-                                 "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
-        df = self.tidy(rows)
-        df["n_images"] = self.n_images
-        return df
+        if not ids:
+            return rows
+        S = self.kept[ids[0]][0].shape[1]
+        for j, layer in enumerate(self.layers):
+            x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
+            perplexity = min(self.perplexity, (len(x) - 1) / 3)
+            emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
+                         max_iter=self.max_iter).fit_transform(x)
+            for r, (ex, ey) in enumerate(emb):
+                img = ids[r // S]
+                rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
+                             "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
+        return rows

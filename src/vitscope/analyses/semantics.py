@@ -15,6 +15,7 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
 from vitscope.capture.views import region_pool, region_weights, token_view
 from vitscope.metrics import semantics as S
+from vitscope.threads import few_threads, single_threaded
 
 REGION_VIEWS = ("object", "part")  # rows per foreground object / per part: mask-weighted means of patch tokens
 
@@ -126,6 +127,11 @@ class Semantics(Analysis):
                                num_classes=int(y.max()) + 1)[0]
 
     def finalize(self) -> pd.DataFrame:
+        largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
+        with few_threads(largest):  # probes and k-means of a few hundred rows: one thread, none spinning
+            return self._finalize()
+
+    def _finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
         n_test = {}
         gen = torch.Generator().manual_seed(self.seed)
@@ -156,6 +162,7 @@ class Semantics(Analysis):
         return logits, y[test], ids[test]
 
     @classmethod
+    @single_threaded
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
         """Agreement of the last-layer probes of every pair of models on the same test images (each model's
         probe is fitted once, not once per pair)."""

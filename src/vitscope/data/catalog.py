@@ -241,3 +241,26 @@ def describe() -> str:
     lines.append("Every format also takes n_images (at most this many items; whole videos / pairs), seed and size "
                  "(None = each model's input size).")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- robustness stimuli on disk
+
+def _cue_conflict(cfg: Any) -> Any:
+    from vitscope.data.formats import CueConflictFolder
+
+    return CueConflictFolder(_need_root(cfg, "the folder of shape-category folders of <shape><i>-<texture><j>.png"),
+                             **_opts(cfg))
+
+
+def _corrupted(cfg: Any) -> Any:
+    from vitscope.data.formats import CorruptedFolder
+
+    return CorruptedFolder(_need_root(cfg, "the ImageNet-C (<corruption>/<severity>/<class>/) or CIFAR-10-C "
+                                           "(<corruption>.npy, labels.npy) folder"), **_opts(cfg))
+
+
+register_format(Format("cue-conflict", frozenset({"labels", "cue_conflict"}), _cue_conflict, ("root", "options"),
+                       "cue-conflict images of Geirhos et al. (ICLR 2019): root/<shape>/<shape><i>-<texture><j>.png"))
+register_format(Format("corrupted", frozenset({"labels"}), _corrupted, ("root", "options"),
+                       "pre-corrupted images, ImageNet-C or CIFAR-10-C layout (options: corruptions, severities); "
+                       "scored by the corruptions analysis with the model's head"))

@@ -28,6 +28,7 @@ class Converted:
     format: str
     dropped: dict[str, str] = field(default_factory=dict)
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    resampled: list[str] = field(default_factory=list)  # already resampled by the converter
 
 
 @dataclass
@@ -320,7 +321,7 @@ def load_into(model: torch.nn.Module, conv: Converted, source: str, strict: bool
     sd = _timm_filter(model, conv.state_dict)
     own = model.state_dict()
     report = LoadReport(source=source, format=conv.format, dropped=dict(conv.dropped))
-    report.resampled = [k for k in ("pos_embed", "patch_embed.proj.weight")
+    report.resampled = list(conv.resampled) + [k for k in ("pos_embed", "patch_embed.proj.weight")
                         if k in conv.state_dict and k in sd and conv.state_dict[k].shape != sd[k].shape]
     fits: dict[str, Tensor] = {}
     for k, v in sd.items():

@@ -14,6 +14,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from vitscope.report.figures import FIGURES
+from vitscope.threads import single_threaded
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
 line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
@@ -72,6 +73,7 @@ def _fmt(v: object) -> str:
     return _esc(v)
 
 
+@single_threaded  # drawing and small tables: nothing gains from a second thread, and none may spin
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -102,17 +104,20 @@ def write_report(run_dir: str | Path) -> Path:
                          f"<td>{_esc(m.get('load_report', ''))}</td>"
                          f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-    skipped = manifest.get("skipped_images") or []
-    if skipped:
-        parts.append(f"<p class='muted'>{len(skipped)} unreadable images were skipped (see manifest.json).</p>")
+    skipped = manifest.get("skipped_images") or {}
+    if isinstance(skipped, list):  # manifests written before datasets were named
+        skipped = {"dataset": skipped}
+    for name, items in skipped.items():
+        parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
+                     "manifest.json).</p>")
     for path in results:
         name = path.stem
         df = pd.read_parquet(path)
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
-        own = getattr(cls, "key_numbers", None)  # an analysis may summarise itself (e.g. a pair analysis)
-        parts.append(_table(own(df) if own else key_numbers(df)))
+        own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
+        parts.append(_table(own(df) if callable(own) else key_numbers(df)))
         for title, fig in FIGURES.get(name, lambda d: [])(df):
             parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")

@@ -35,9 +35,13 @@ def digest(*parts: Any) -> str:
 def model_key(spec: ModelSpec, weights: str | None, pretrained: bool, checkpoint_format: str, seed: int,
               kwargs: dict[str, Any]) -> str:
     src: Any = weights
+    local_dir = weights or (spec.weights.location if pretrained and spec.weights.kind == "hf" else None)
     if weights and "://" not in weights and Path(weights).is_file():
         st = Path(weights).stat()
         src = [str(Path(weights).resolve()), st.st_size, st.st_mtime_ns]
+    elif local_dir and Path(local_dir).is_dir():  # a transformers checkpoint directory: its files
+        files = sorted(f for f in Path(local_dir).iterdir() if f.is_file())
+        src = [str(Path(local_dir).resolve())] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
     elif not weights and pretrained and spec.weights.kind == "file":  # shipped weights: their content decides
         from vitscope.models.load import package_file
 

@@ -20,8 +20,8 @@ class ModelConfig:
     name: str = ""                         # registry name, timm name, or checkpoint file
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
-    pretrained: bool = True
-    checkpoint_format: str = "auto"
+    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded)
+    checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit or simmim
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
     finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
@@ -46,18 +46,19 @@ class DatasetConfig:
 
 @dataclass
 class StudyConfig:
-    models: list[ModelConfig] = field(default_factory=list)
+    models: list[ModelConfig] = field(default_factory=list)  # the models to compare (see ModelConfig)
     dataset: DatasetConfig | None = None   # shorthand for one dataset, named after its format
-    datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets
-    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)
-    batch_size: int = 32
-    device: str = "cpu"
-    dtype: str = "fp32"
-    seed: int = 0
-    output_dir: str = "vitscope-runs/study"
+    datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets (see DatasetConfig)
+    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters; `dataset: NAME` picks
+    #                                       its dataset (`vitscope analyses` lists names and parameters)
+    batch_size: int = 32                   # images per forward pass (and per id chunk: the unit of resume)
+    device: str = "cpu"                    # cpu, cuda, cuda:1, ...
+    dtype: str = "fp32"                    # fp32, bf16 or fp16 forward passes
+    seed: int = 0                          # seeds views (perturbations) and random choices of analyses
+    output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
     cache_dir: str | None = None           # shared across studies (default: see study/cache.py)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
-    progress: bool = True
+    progress: bool = True                  # progress bars
 
 
 def default_config_path() -> Path:
@@ -166,3 +167,33 @@ def _checkpoint_files(spec: Any) -> list[str]:
 
 def to_yaml(cfg: StudyConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def schema_markdown() -> str:
+    """Every key of a study YAML with its type, default and meaning, read off the dataclasses above (the
+    comment beside each field is its documentation): docs/CONFIG.md is this text, checked by a test."""
+    import dataclasses
+    import inspect
+
+    out = ["# Study configuration", "",
+           "Every key of a study YAML (`vitscope run study.yaml key=value ...`), generated from the dataclasses in "
+           "`src/vitscope/study/config.py` (`python tools/config_schema.py > docs/CONFIG.md`; a test keeps the two "
+           "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
+           ""]
+    for cls, where in ((StudyConfig, "top level"), (ModelConfig, "each entry of `models:`"),
+                       (DatasetConfig, "`dataset:` and each entry of `datasets:`")):
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): .*?#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
+        default = cls()
+        out += [f"## {cls.__name__} ({where})", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            value = getattr(default, f.name)
+            shown = "required" if value in ("", "???") and f.name == "name" and cls is ModelConfig else repr(value)
+            typ = str(f.type).replace("|", "or")
+            out.append(f"| `{f.name}` | {typ} | `{shown}` | {comments.get(f.name, '').replace('|', 'or')} |")
+        out.append("")
+    return "\n".join(out)
+

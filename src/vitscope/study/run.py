@@ -21,6 +21,7 @@ import logging
 import math
 import platform
 import shutil
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -142,9 +143,12 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     unchanged = n_jobs == total and previous.get("results_key") == results_key and previous.get("report_done") \
         and (out / "report.html").is_file() and _tables_match(out, frames)
     if total:
-        log.info("%d of %d analyses read from the cache", n_jobs, total)
+        _say(cfg, dist, f"{n_jobs} of {total} analyses (models x analyses) read from the cache")
     timings: dict[str, Any] = {}
-    if not unchanged:
+    if unchanged:
+        _say(cfg, dist, f"results and report unchanged: {out} holds this study's")
+    else:
+        _say(cfg, dist, f"cross-model stage and tables: {len(by_analysis)} analyses")
         t0 = time.perf_counter()
         epochs = {label_of(m): m.epoch for m in plan.models if m.epoch is not None}
         for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
@@ -161,6 +165,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
 
+        _say(cfg, dist, f"report: {len(frames)} tables")
         t0 = time.perf_counter()
         write_report(out)
         timings["report"] = round(time.perf_counter() - t0, 2)
@@ -451,6 +456,8 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         for job in todo:
             job.analysis = job.plan.cls(vm, **job.plan.params)
             _relate(job.analysis, job.plan, mc)
+            job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
+                                    for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
             if part is not None and part.get("chunks") == _chunk_signature(job, sources):
                 job.analysis.load_state_dict(part["state"])
@@ -653,3 +660,8 @@ def _versions() -> dict[str, str]:
     return {"vitscope": __version__, "torch": torch.__version__, "timm": timm.__version__,
             "python": platform.python_version()}
 
+
+def _say(cfg: StudyConfig, dist: Dist, msg: str) -> None:
+    """One progress line on stderr (beside the per-model bars; off with -q / progress=false)."""
+    if cfg.progress and dist.is_main:
+        print(msg, file=sys.stderr, flush=True)

@@ -176,6 +176,8 @@ class FileDataset:
     def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = collate(chunk, pre)
         b.extra["geometry"] = [s.geometry for s in chunk]
+        if getattr(self, "classes", None) is not None:
+            b.extra["class_names"] = self.classes  # what the labels mean (robustness readouts match heads by name)
         if all("path" in s.extra for s in chunk):
             b.extra["paths"] = [s.extra["path"] for s in chunk]
         return b
