@@ -491,5 +491,5 @@ def test_geirhos_folder_through_a_study_uses_an_imagenet_head_and_refuses_a_head
     v = df.set_index("metric")["value"]
     assert v["n_images"] == 12 and v["n_shape"] + v["n_texture"] + v["n_other"] == 12
     p.write_text(STUDY.format(label="headless", nc=0, root=tmp_path / "stimuli"))
-    with pytest.raises(ConfigError, match="no classifier head covering the cue-conflict classes"):
+    with pytest.raises(ConfigError, match="no classifier head covering the classes of stimuli"):
         run_study(load_config(p, [f"output_dir={tmp_path / 'run2'}"]))

@@ -2,13 +2,15 @@
 
 One module per family of questions: `attention` (how heads route information), `similarity` (CKA,
 diversity), `geometry` (SVD volume, Fourier), `semantics` (k-NN, probes, k-means, agreement), `dense`
-(mask propagation, keypoint correspondence, instance retrieval, per layer, no training).
+(mask propagation, keypoint correspondence, instance retrieval, per layer, no training),
+`invariance` (STIR between two models: learning, forgetting, Invariance Flow of a fine-tuning).
 """
 
 from vitscope.analyses import (  # noqa: F401 - registers the analyses
     attention,
     dense,
     geometry,
+    invariance,
     robustness,
     semantics,
     similarity,

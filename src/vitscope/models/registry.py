@@ -219,3 +219,23 @@ register(ModelSpec(
     "zoo-random", ZOO_TIMM_ARCH, "none", "random init", WeightSource("none"), _ZOO_PRE,
     {**ZOO_ARCH_KWARGS, "num_classes": 0}, citation="",
     notes="the zoo's architecture, randomly initialised (seeded): what the architecture gives for free"))
+
+# Fine-tuned zoo models, the experiments of Merlin et al. on the zoo (docs/INVARIANCE.md): a contrastive
+# (MoCo v3), a masked-modelling (MAE) and the untrained start, fine-tuned on CIFAR-10 for classification
+# (encoder + 10-class head) or reconstruction (encoder). Folder zoo/weights/<init>-ft-<task>/: the final
+# encoder, its card and log, and for one run the per-epoch checkpoints (checkpoints/encoder_epochNNN).
+_MERLIN = "Merlin et al., What happens during finetuning of ViTs: an invariance based investigation (2023)"
+for _init, _task in [("mocov3", "cls"), ("mae", "cls"), ("random", "cls"), ("mocov3", "rec"), ("mae", "rec")]:
+    _start = ("--init zoo-random" if _init == "random"
+              else f"--init src/vitscope/zoo/weights/{_init}/encoder.safetensors")
+    register(ModelSpec(  # family and supervision as the fine-tuning trainer writes them into the file
+        f"zoo-{_init}-ft-{_task}", ZOO_TIMM_ARCH,
+        {"mocov3": "contrastive", "mae": "reconstructive", "random": "none"}[_init],
+        f"{_init}+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
+        WeightSource("file", f"zoo/weights/{_init}-ft-{_task}/encoder.safetensors", "timm"), _ZOO_PRE,
+        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0}, citation=_MERLIN,
+        notes=f"zoo-{_init} fine-tuned on CIFAR-10 ({'classification' if _task == 'cls' else 'reconstruction'}); "
+              f"train: vitscope zoo train --objective finetune {_start} --task "
+              f"{'classification' if _task == 'cls' else 'reconstruction'} --out DIR --epochs 8 "
+              "--epoch-views 10000 --threads 1, then tools/ship_zoo.py DIR "
+              f"{_init}-ft-{_task}"))
