@@ -414,3 +414,50 @@ def test_findings_compare_the_groups_means_and_say_whether_each_holds(tmp_path, 
     assert (sim.contrastive, sim.mim, sim.holds) == (pytest.approx(.9), pytest.approx(.35), True)
     assert main(["zoo", "findings", str(tmp_path)]) == 0
     assert "| contrastive models have the better last-layer k-NN [003]" in capsys.readouterr().out
+
+
+ZOO_ENTRIES = [n for n in vs.models.registry.REGISTRY if n.startswith("zoo-")]
+
+
+@pytest.mark.parametrize("name", ZOO_ENTRIES)
+def test_timm_data_config_of_every_zoo_entry_is_vitscopes_preprocessing(name):
+    """A user who builds timm's data config from a zoo model gets the input vitscope feeds it: CIFAR-10
+    statistics (from the images, not from the code), 32 px, no resize or crop."""
+    import timm.data
+
+    vm = vs.load_model(name, pretrained=False)
+    pre = vm.preprocessing
+    cfg = timm.data.resolve_data_config(model=vm.model)
+    assert tuple(cfg["mean"]) == pytest.approx(pre.mean) and tuple(cfg["std"]) == pytest.approx(pre.std)
+    assert tuple(cfg["input_size"]) == (3, pre.input_size, pre.input_size) == (3, 32, 32)
+    assert cfg["crop_pct"] == pre.crop_pct == 1.0 and cfg["interpolation"] == pre.interpolation
+    assert vm.model.pretrained_cfg["url"] == "" and vm.model.pretrained_cfg["hf_hub_id"] == ""
+    # CIFAR-10's per-channel training-set statistics (Krizhevsky 2009), rounded: what the zoo trains with
+    assert pre.mean == pytest.approx((0.491, 0.482, 0.447), abs=1e-3)
+    assert pre.std == pytest.approx((0.247, 0.243, 0.262), abs=1e-3)
+    # the transform timm builds from it leaves a 32-px image's pixels where vitscope's normalisation puts them
+    img = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    from PIL import Image
+
+    x = timm.data.create_transform(**cfg)(Image.fromarray(img.numpy()))
+    ref = (img.permute(2, 0, 1).float() / 255 - torch.tensor(pre.mean)[:, None, None]) \
+        / torch.tensor(pre.std)[:, None, None]
+    assert torch.allclose(x, ref, atol=1e-5)
+
+
+def test_models_listing_shows_the_zoo_architecture(capsys):
+    assert main(["models"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("zoo-")]
+    assert len(lines) == len(ZOO_ENTRIES)
+    for ln in lines:
+        assert "8 blocks x 96" in ln and "patch 4" in ln and "32 px" in ln
+
+
+def test_exported_zoo_checkpoint_carries_the_data_config(tmp_path):
+    cfg = _tiny_cfg(tmp_path, "supervised", budget_views=32, knn_every=99)
+    card = train(cfg)
+    vm = vs.load_model(card["weights"])
+    import timm.data
+
+    dc = timm.data.resolve_data_config(model=vm.model)
+    assert tuple(dc["mean"]) == pytest.approx(CIFAR_MEAN) and tuple(dc["input_size"]) == (3, 16, 16)

@@ -29,6 +29,7 @@ from vitscope.models.registry import (
     ZOO_PREPROCESSING_ARGS,
     ZOO_TIMM_ARCH,
     Preprocessing,
+    zoo_pretrained_cfg_overlay,
 )
 
 TIMM_ARCH = ZOO_TIMM_ARCH  # the timm entry point; every size argument is overridden below
@@ -52,6 +53,8 @@ class ZooArch:
         if self.mlp_ratio != 4.0:
             kw["mlp_ratio"] = self.mlp_ratio
         kw["num_classes"] = num_classes
+        # timm's data config of the model = the zoo's preprocessing (not the factory's ImageNet config)
+        kw["pretrained_cfg_overlay"] = zoo_pretrained_cfg_overlay(self.img_size, num_classes)
         return kw
 
     @property

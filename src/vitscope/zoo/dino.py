@@ -100,10 +100,10 @@ class DINO(Objective):
         student = [self._student(batch.global_views)]
         if batch.local_views:
             student.append(self._student(batch.local_views))
-        s = torch.cat(student) / self.student_temp
+        s = torch.cat(student).float() / self.student_temp  # fp32 under autocast
         s_chunks = s.chunk(len(batch.global_views) + len(batch.local_views))
         with torch.no_grad():
-            t_raw = self.teacher_head(encode(self.teacher, torch.cat(batch.global_views))[:, 0])
+            t_raw = self.teacher_head(encode(self.teacher, torch.cat(batch.global_views))[:, 0]).float()
             t = F.softmax((t_raw - self.center) / self.teacher_temp, dim=-1)
         t_chunks = t.chunk(len(batch.global_views))
         total, terms = s.new_zeros(()), 0

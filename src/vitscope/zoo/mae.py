@@ -83,7 +83,7 @@ class MAE(Objective):
         n = self.arch.num_patches
         keep, mask = random_keep(x.shape[0], n, self.mask_ratio, batch.generator)
         tokens = encode(self.encoder, x, keep=keep)
-        pred = self.decoder(tokens, keep, n)
+        pred = self.decoder(tokens, keep, n).float()  # loss in fp32 under bf16 autocast
         err = ((pred - self.target(x)) ** 2).mean(-1)
         m = mask.to(err.dtype)
         loss = (err * m).sum() / m.sum()
