@@ -91,6 +91,7 @@ class TrainConfig:
     knn_train: int = 5000
     knn_test: int = 2000
     knn_k: int = 20
+    knn_per_block: bool = True  # also the best block's k-NN and the smallest per-block attention distance
     ckpt_minutes: float = 10.0
     save_epochs: str | list[int] = "auto"
     synthetic_n: tuple[int, int] = (5000, 1000)
@@ -319,7 +320,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                         export_spec(obj, cfg, data, step * plan.views_per_step), half=True)
 
     if step == 0 and not rows:
-        rows.append({"epoch": 0, "step": 0, "image_views": 0, "wall_s": round(wall(), 1), **monitor(obj.export())})
+        rows.append({"epoch": 0, "step": 0, "image_views": 0, "wall_s": round(wall(), 1),
+                     **monitor(obj.export(), cfg.knn_per_block)})
         _write_log(rows, out / LOG_FILE)
         if 0 in save_epochs:
             export_epoch(0)
@@ -357,7 +359,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                                    "lr": opt.param_groups[0]["lr"],
                                    "views_per_s": round(speed, 1)}
             if e % max(1, cfg.knn_every) == 0 or step == plan.total_steps:
-                row.update(monitor(obj.export()))
+                row.update(monitor(obj.export(), cfg.knn_per_block))
             row["wall_s"] = round(wall(), 1)
             rows.append(row)
             sums, count = {}, 0
