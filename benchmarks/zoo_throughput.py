@@ -74,10 +74,16 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=None,
                     help="compare step variants against fp32 instead (fp32 bf16 foreach fused channels-last compile, "
                          "or combinations such as bf16-fused)")
+    ap.add_argument("--split", action="store_true",
+                    help="where bf16 autocast gains and loses: CPU time of the encoder's inference forward, training "
+                         "forward and backward (supervised loss), fp32 against bf16, interleaved")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     arch = _arch(args.arch)
+    if args.split:
+        split_bf16(args, arch)
+        return
     if args.variants is not None:
         compare_variants(args, arch)
         return
@@ -128,6 +134,39 @@ def main() -> None:
           f"{args.minutes * 60:.0f} s = {budget / 1e3:.0f}k image-views "
           f"(= {budget / 50_000:.1f} passes of CIFAR-10 train at 1 view per image); "
           f"load average now {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+
+def split_bf16(args: argparse.Namespace, arch: ZooArch) -> None:
+    """Median CPU time of the encoder's forward (no grad), forward (grad) and backward, fp32 vs bf16 autocast."""
+    from vitscope.zoo.arch import build_encoder
+
+    torch.manual_seed(0)
+    m = build_encoder(arch, 10).train()
+    x = torch.randn(args.batch, 3, arch.img_size, arch.img_size)
+    y = torch.randint(0, 10, (args.batch,))
+    times: dict[str, dict[str, list[float]]] = {p: {"inference": [], "forward": [], "backward": []}
+                                                for p in ("fp32", "bf16")}
+    for s in range(args.warmup + args.steps):
+        for p in ("fp32", "bf16"):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=p == "bf16"):
+                c0 = time.process_time()
+                with torch.no_grad():
+                    m(x)
+                c1 = time.process_time()
+                out = m(x)
+            loss = torch.nn.functional.cross_entropy(out.float(), y)
+            c2 = time.process_time()
+            loss.backward()
+            c3 = time.process_time()
+            m.zero_grad(set_to_none=True)
+            if s >= args.warmup:
+                for k, v in (("inference", c1 - c0), ("forward", c2 - c1), ("backward", c3 - c2)):
+                    times[p][k].append(v)
+    print(f"arch: {arch}  batch {args.batch}  torch threads {torch.get_num_threads()}  "
+          f"(median CPU s over {args.steps})")
+    for k in ("inference", "forward", "backward"):
+        a, b = statistics.median(times["fp32"][k]), statistics.median(times["bf16"][k])
+        print(f"{k:<10} fp32 {a:6.3f} s  bf16 {b:6.3f} s  speed-up {a / b:5.2f}x")
+
 
 VARIANT_PARTS = ("fp32", "bf16", "foreach", "fused", "channels-last", "compile")
 
