@@ -500,3 +500,19 @@ def test_dino_recipe_lowers_the_teacher_entropy_on_tiny_data():
     ent = [train_step(obj, opt, sched, stream.batch(s), s, n, 3.0)[1]["teacher_entropy"] for s in range(n)]
     early, late = sum(ent[20:30]) / 10, sum(ent[50:60]) / 10
     assert late < early - 0.1, [round(e, 2) for e in ent]
+
+
+def test_the_bar_names_every_way_a_model_falls_short():
+    """Issue 18's bar: SSL best-block 20-NN >= random + 0.08 and probe >= random + 0.10, supervised
+    20-NN >= 0.60, and some block with mean attention distance <= 0.50 (uniform on 8x8: 0.591)."""
+    from vitscope.zoo.evaluate import passes_bar
+
+    rnd = {"best_knn20": 0.30, "best_probe": 0.36, "knn20_cls": 0.29, "min_attn_dist": 0.591}
+    good = {"best_knn20": 0.39, "best_probe": 0.47, "knn20_cls": 0.35, "min_attn_dist": 0.45}
+    assert passes_bar("dino", good, rnd) == []
+    weak = {**good, "best_knn20": 0.37, "best_probe": 0.45, "min_attn_dist": 0.58}
+    why = passes_bar("dino", weak, rnd)
+    assert len(why) == 3 and "knn20" in why[0] and "probe" in why[1] and "attention" in why[2]
+    sup = {"best_knn20": 0.59, "best_probe": 0.62, "knn20_cls": 0.58, "min_attn_dist": 0.40}
+    assert len(passes_bar("supervised", sup, rnd)) == 1
+    assert passes_bar("supervised", {**sup, "knn20_cls": 0.61, "best_knn20": 0.61}, rnd) == []
