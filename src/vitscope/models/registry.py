@@ -36,7 +36,8 @@ def zoo_pretrained_cfg_overlay(img_size: int = 32, num_classes: int = 0) -> dict
     weights the zoo never used), so ``timm.data.resolve_data_config(model=m)`` would build the wrong input.
     """
     mean, std, _, crop, interp = ZOO_PREPROCESSING_ARGS
-    return {"mean": tuple(mean), "std": tuple(std), "input_size": (3, img_size, img_size), "crop_pct": crop,
+    # lists, not tuples: the same value after the JSON round trip of a checkpoint's stored spec
+    return {"mean": list(mean), "std": list(std), "input_size": [3, img_size, img_size], "crop_pct": crop,
             "crop_mode": "center", "interpolation": interp, "num_classes": num_classes, "url": "", "hf_hub_id": "",
             "tag": "vitscope-zoo", "fixed_input_size": True}
 
