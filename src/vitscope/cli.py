@@ -22,11 +22,24 @@ EPILOG = """examples:
 """
 
 
+def _arch_label(spec) -> str:  # noqa: ANN001 - ModelSpec
+    """The timm factory name, plus the real size when the entry overrides the factory's (the zoo's ViT is
+    built from vit_small_patch16_224 with 8 blocks x 96, patch 4, 32 px)."""
+    kw = spec.model_kwargs
+    size = [f"{kw['depth']} blocks" if "depth" in kw else "", f"x {kw['embed_dim']}" if "embed_dim" in kw else "",
+            f"{kw['num_heads']} heads" if "num_heads" in kw else "",
+            f"patch {kw['patch_size']}" if "patch_size" in kw else "",
+            f"{kw['img_size']} px" if "img_size" in kw else ""]
+    if not any(size[:2]):  # only the input size is overridden: the factory name says the architecture
+        return spec.timm_name
+    return f"{spec.timm_name} ({', '.join(p for p in size if p).replace(', x ', ' x ')})"
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from vitscope.models import list_specs
 
-    rows = [(s.name, s.timm_name, s.family, s.weights.kind, str(s.preprocessing.input_size), s.citation.split(",")[0])
-            for s in list_specs() if args.family in (None, s.family)]
+    rows = [(s.name, _arch_label(s), s.family, s.weights.kind, str(s.preprocessing.input_size),
+             s.citation.split(",")[0]) for s in list_specs() if args.family in (None, s.family)]
     head = ("name", "timm architecture", "family", "weights", "input", "citation")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *rows]:
