@@ -83,9 +83,10 @@ def _type_text(p: inspect.Parameter) -> str:
 def parameters(cls: type[Analysis]) -> tuple[Param, ...]:
     """The keyword parameters a study config may set (``analyses.NAME.PARAM``), in signature order."""
     sig = inspect.signature(cls.__init__)
+    skip = 3 if getattr(cls, "pair", False) else 2  # self and the model (a pair analysis: both models)
     out = []
     for i, p in enumerate(sig.parameters.values()):
-        if i < 2 or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):  # self, the model
+        if i < skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
         out.append(Param(p.name, _type_text(p), p.default))
     return tuple(out)
