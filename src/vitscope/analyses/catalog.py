@@ -131,7 +131,10 @@ def describe(name: str) -> AnalysisInfo:
     cls = ANALYSES[name]
     doc = inspect.cleandoc(cls.__doc__ or "")
     try:
-        taps = compress_taps(cls(EXAMPLE_MODEL).required_taps(), EXAMPLE_MODEL.depth)
+        if getattr(cls, "pair", False):  # runs both models itself (with gradients), no taps from the pass
+            taps = "none from the pass: it runs both models of each pair itself"
+        else:
+            taps = compress_taps(cls(EXAMPLE_MODEL).required_taps(), EXAMPLE_MODEL.depth)
     except Exception as e:  # an analysis that needs parameters to be built: say so instead of failing
         taps = f"(depends on its parameters: {e})"
     return AnalysisInfo(name=name, description=cls.description or doc.split("\n\n")[0].replace("\n", " "),
