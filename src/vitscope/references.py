@@ -34,6 +34,9 @@ REFERENCES: dict[str, str] = {
     "caron2021": "Mathilde Caron, Hugo Touvron, Ishan Misra, Hervé Jégou, Julien Mairal, Piotr Bojanowski, Armand "
                  "Joulin. Emerging properties in self-supervised Vision Transformers. IEEE/CVF International "
                  "Conference on Computer Vision (ICCV), 2021. arXiv:2104.14294.",
+    "nanda2022": "Vedant Nanda, Till Speicher, Camila Kolling, John P. Dickerson, Krishna P. Gummadi, Adrian Weller. "
+                 "Measuring representational robustness of neural networks through shared invariances. "
+                 "International Conference on Machine Learning (ICML), PMLR 162, 2022.",
     "geirhos2019": "Robert Geirhos, Patricia Rubisch, Claudio Michaelis, Matthias Bethge, Felix A. Wichmann, "
                    "Wieland Brendel. ImageNet-trained CNNs are biased towards texture; increasing shape bias improves "
                    "accuracy and robustness. International Conference on Learning Representations (ICLR), 2019.",
@@ -80,6 +83,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "band_noise": ["park2023", "park_kim2022"],
     "corruptions": ["merlin2023", "hendrycks2019"],
     "propagation": ["walmer2023", "caron2021", "perazzi2016", "pont-tuset2017"],
+    "stir": ["merlin2023", "nanda2022"],
     "correspondence": ["walmer2023", "min2019"],
     "retrieval": ["walmer2023", "radenovic2018"],
 }
