@@ -47,7 +47,7 @@ class StudyConfig:
     dtype: str = "fp32"
     seed: int = 0
     output_dir: str = "vitscope-runs/study"
-    cache_dir: str | None = None           # shared across studies; default: <output_dir>/../cache
+    cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
     progress: bool = True
 

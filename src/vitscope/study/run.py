@@ -33,7 +33,7 @@ from vitscope.data import make_dataset
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
-from vitscope.study.cache import Cache, digest, model_key
+from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import ModelConfig, StudyConfig, to_yaml
 from vitscope.study.distributed import Dist
 
@@ -61,7 +61,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     after each batch (tests use it to interrupt a run)."""
     dist = Dist.from_env()
     out = Path(cfg.output_dir)
-    cache = Cache(cfg.cache_dir or out.parent / "cache")
+    cache = Cache(cfg.cache_dir or default_cache_dir(out))
     dataset = make_dataset(cfg.dataset)
     if len(dataset) == 0:
         raise ValueError(f"dataset {dataset.name!r} has no images")
