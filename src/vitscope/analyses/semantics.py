@@ -5,7 +5,7 @@ the agreement of the probes' predictions (seed 000 §2.4)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -40,9 +40,11 @@ class Semantics(Analysis):
     state_version = 2  # 2: probes and k-means on the sources' views by default (1: on every view)
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
-    def __init__(self, vm: Any, layers: Any = None, views: Any = ("cls", "gap", "gap_spatial", "object", "part"),
-                 max_images: int = 5000, test_every: int = 5, ks: Any = (10, 20, 100, 200),
-                 kmeans: Any = ("cls", "gap_spatial", "object", "part"), probe: Any = ("cls", "gap_spatial"),
+    def __init__(self, vm: Any, layers: Any = None,
+                 views: str | Sequence[str] = ("cls", "gap", "gap_spatial", "object", "part"),
+                 max_images: int = 5000, test_every: int = 5, ks: Sequence[int] = (10, 20, 100, 200),
+                 kmeans: bool | str | Sequence[str] = ("cls", "gap_spatial", "object", "part"),
+                 probe: bool | str | Sequence[str] = ("cls", "gap_spatial"),
                  seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
         super().__init__(vm)
         self.layers = self.layers_param(layers)

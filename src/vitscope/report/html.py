@@ -13,6 +13,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from vitscope.files import write_atomic
 from vitscope.report.figures import FIGURES
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
@@ -119,7 +120,5 @@ def write_report(run_dir: str | Path) -> Path:
                      "</code>.</p>")
     parts.append("</body></html>")
     out = run_dir / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, lambda f: f.write("\n".join(parts).encode("utf-8")))
     return out

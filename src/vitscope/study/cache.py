@@ -20,22 +20,21 @@ The default location is per user (`default_cache_dir`), never a directory other 
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import io
 import json
 import logging
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from filelock import FileLock
 
-from vitscope.errors import VitscopeError, first_line
+from vitscope.errors import first_line
+from vitscope.files import disk_error, write_atomic
 from vitscope.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -94,41 +93,6 @@ def default_cache_dir(output_dir: str | Path) -> Path:
     user has no cache directory."""
     root = user_cache_root()
     return root / "states" if root is not None else Path(output_dir) / "cache"
-
-
-def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
-    """``write(file)`` into a temporary file beside ``path``, renamed into place once complete. On any error the
-    temporary file is removed; a full disk (or quota, or read-only file system) becomes one VitscopeError
-    naming the directory."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-        tmp.replace(path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        err = disk_error(e, path.parent)
-        if err is e:
-            raise
-        raise err from e
-
-
-def disk_error(e: BaseException, directory: Path) -> BaseException:
-    """One-sentence VitscopeError for a write that the file system refused, naming ``directory``; ``e`` itself
-    when it is not such an error."""
-    if not isinstance(e, Exception):
-        return e
-    os_err = e if isinstance(e, OSError) else e.__cause__ if isinstance(e.__cause__, OSError) else None
-    code = getattr(os_err, "errno", None)
-    text = str(e)
-    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or "Disk quota" in text:
-        return VitscopeError(f"no space left on the device of {directory} (or its quota is used up); free some "
-                             "space or point the output or cache elsewhere, then rerun to continue")
-    if code in (errno.EROFS, errno.EACCES, errno.EPERM):
-        return VitscopeError(f"cannot write to {directory} ({os.strerror(code)}); choose a writable directory")
-    return e
 
 
 class Cache:

@@ -33,8 +33,8 @@ from vitscope.data import make_dataset
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
-from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
-from vitscope.study.config import ModelConfig, StudyConfig, to_yaml
+from vitscope.study.cache import Cache, default_cache_dir, digest, model_key, write_atomic
+from vitscope.study.config import ModelConfig, StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class Job:
 def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None) -> Path:
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run)."""
+    preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
     out = Path(cfg.output_dir)
     cache = Cache(cfg.cache_dir or default_cache_dir(out))
@@ -103,12 +104,13 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
         for name, parts in frames.items():
             parts = [p for p in parts if p is not None and len(p)]
             if parts:
-                pd.concat(parts, ignore_index=True).to_parquet(out / "results" / f"{name}.parquet", index=False)
+                table = pd.concat(parts, ignore_index=True)
+                write_atomic(out / "results" / f"{name}.parquet", lambda f, t=table: t.to_parquet(f, index=False))
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    write_atomic(out / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
+    write_atomic(out / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
 
@@ -116,7 +118,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
         write_report(out)
         timings["report"] = round(time.perf_counter() - t0, 2)
         manifest["timings"] = timings
-        (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
+        write_atomic(out / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=2, default=str).encode()))
     dist.barrier()
     return out
 
