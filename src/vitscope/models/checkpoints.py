@@ -115,7 +115,7 @@ def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as e:  # noqa: BLE001 - re-raised with a way out
-        if not trust and isinstance(e, pickle.UnpicklingError) and "is blocked" in str(e):
+        if not trust and isinstance(e, pickle.UnpicklingError) and ("is blocked" in str(e) or _runs_code(str(e))):
             raise CheckpointError(f"{path.name} is not a checkpoint to load: {first_line(e)} (a name that can only "
                                   "serve to run code)") from e
         if not trust and isinstance(e, pickle.UnpicklingError) and "global" in str(e).lower():
@@ -124,6 +124,22 @@ def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
                 "trust_checkpoint=True to load_model to unpickle it fully") from e
         raise CheckpointError(f"could not read {str(path)!r} as a checkpoint ({type(e).__name__}: {first_line(e)}); "
                               "the file is corrupt or truncated") from e
+
+
+# Modules whose names a checkpoint has no use for: their functions run code, files or processes (the names
+# exploits are built from). A checkpoint that refers to them gets no advice to trust it.
+_CODE_MODULES = {"builtins", "__builtin__", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "code",
+                 "codeop", "pty", "shutil", "socket", "pickle", "_pickle", "marshal", "ctypes", "types", "operator",
+                 "functools", "webbrowser", "platform", "io", "pathlib", "timeit", "multiprocessing", "asyncio",
+                 "threading", "signal", "tempfile", "glob", "inspect", "pdb", "bdb"}
+
+
+def _runs_code(message: str) -> bool:
+    m = re.search(r"GLOBAL ([\w.]+)", message)
+    if not m:
+        return False
+    module = m.group(1).rpartition(".")[0] or "builtins"  # torch names builtins without their module
+    return module.split(".")[0] in _CODE_MODULES
 
 
 def _tensor_dict(obj: Any) -> bool:
