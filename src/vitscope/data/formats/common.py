@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from vitscope.data.base import Batch, Sample
+from vitscope.data.preprocess import to_rgb
 from vitscope.data.transforms import collate, for_model
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
@@ -52,8 +53,8 @@ def open_image(path: str | Path) -> Any:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """(H, W, 3) uint8."""
-    return np.asarray(open_image(path).convert("RGB"))
+    """(H, W, 3) uint8; high-bit-depth images scaled to 8 bits, not clipped (`vitscope.data.preprocess.to_rgb`)."""
+    return np.asarray(to_rgb(open_image(path)))
 
 
 def read_label_png(path: str | Path) -> np.ndarray:
