@@ -38,6 +38,11 @@ class ConfigError(VitscopeError, ValueError):
     """A study config that does not validate."""
 
 
+class ResultWarning(UserWarning):
+    """A result was computed but means little: one class (every accuracy is 1.0, which is chance), fewer test
+    images than classes, a probe trained on a single class."""
+
+
 def close_matches(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     """Closest names first; substring matches count as close too."""
     candidates = list(candidates)
