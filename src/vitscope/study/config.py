@@ -72,9 +72,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         loaded = _yaml(lambda: OmegaConf.load(path), path.name)
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"{path.name} must hold a mapping of settings (models, dataset, analyses, ...)")
-        dotlist = _yaml(lambda: OmegaConf.from_dotlist([o for o in overrides if not o.startswith("~")]),
-                        "the overrides")
-        cfg = OmegaConf.merge(schema, loaded, dotlist)
+        cfg = OmegaConf.merge(schema, loaded)
+        for o in overrides:  # one at a time, by path, so list items can be set too (models.0.weights=...)
+            if o.startswith("~"):
+                continue
+            key, eq, _ = o.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to remove an entry)")
+            value = OmegaConf.select(_yaml(lambda o=o: OmegaConf.from_dotlist([o]), "the overrides"), key.strip())
+            OmegaConf.update(cfg, key.strip(), value, merge=True)
         for key in removals:  # Hydra-style `~analyses.cka` removes an entry
             parent, _, leaf = key.rpartition(".")
             node = OmegaConf.select(cfg, parent) if parent else cfg
