@@ -136,8 +136,11 @@ def test_a_full_disk_names_the_directory_and_leaves_no_partial_files(config, tmp
     cache = tmp_path / "cache"
     err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"cache_dir={cache}"])
     assert "no space left on the device of" in err and str(cache) in err
-    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and (p.name.endswith(".tmp") or ".part" in p.name)]
-    assert leftovers == []
+    assert [p for p in tmp_path.rglob("*.tmp")] == []  # the half-written file is gone
+    from vitscope.study.cache import Cache
+
+    kept = list(cache.rglob("*.pt"))  # what is kept is whole: states a rerun resumes from once there is space
+    assert all(Cache(cache).load(p) is not None for p in kept)
 
 
 def test_nan_weights_stop_the_study_naming_the_model_and_the_first_tap(tmp_path, capsys):
