@@ -30,10 +30,11 @@ import torch
 from vitscope.analyses import Analysis, get_analysis
 from vitscope.capture import stream
 from vitscope.data import make_dataset
+from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
-from vitscope.study.cache import Cache, default_cache_dir, digest, model_key, write_atomic
+from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import ModelConfig, StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
 
