@@ -34,7 +34,7 @@ dataset: {name: synthetic-shapes, n_images: 16}
 analyses:
   attention_distance: {}
   cka: {batch_size: 4, views: [gap]}
-  semantics: {ks: [3], views: [cls, gap], kmeans: false}
+  semantics: {ks: [3], views: [cls, gap], kmeans: false, test_every: 2}
 batch_size: 4
 save_every: 1
 progress: false
