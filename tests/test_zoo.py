@@ -16,7 +16,7 @@ from vitscope.zoo.arch import CIFAR_MEAN, patchify, unpatchify
 from vitscope.zoo.base import block_mask, random_keep
 from vitscope.zoo.data import Augment, ViewBatch, ViewSpec, ViewStream, synthetic_set
 from vitscope.zoo.knn import knn_accuracy
-from vitscope.zoo.train import STATE_FILE, TrainConfig, make_optimizer, make_plan, train, train_step
+from vitscope.zoo.train import STATE_FILE, TrainConfig, load_state, make_optimizer, make_plan, train, train_step
 
 TINY = ZooArch(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
 SMALL_HEADS = {
@@ -222,7 +222,7 @@ def test_same_seed_same_init_other_seed_other_init():
 # -- the training loop -------------------------------------------------------------------------------------
 
 def _final_state(out):
-    return torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
+    return load_state(out / STATE_FILE)
 
 
 @pytest.mark.parametrize("name", ["dino", "hybrid"])

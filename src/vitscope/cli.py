@@ -88,7 +88,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
-    out = run_study(cfg, overwrite=args.overwrite)
+    try:
+        out = run_study(cfg, overwrite=args.overwrite)
+    except OSError as e:  # a write the cache did not already explain: the run directory's
+        from vitscope.study.cache import disk_error
+
+        err = disk_error(e, Path(cfg.output_dir))
+        if err is e:
+            raise
+        raise err from e
     if os.environ.get("RANK", "0") == "0":
         print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
     return 0

@@ -4,7 +4,7 @@ images occupy, and how much high-frequency amplitude the token maps carry [seed 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -22,7 +22,7 @@ class _PerTap(Analysis):
 
     _sums: tuple[str, ...] = ()
 
-    def __init__(self, vm: Any, taps: Any = "block*.out"):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
 
@@ -62,7 +62,8 @@ class SVDVolume(_PerTap):
     description = "token- and image-level covariance spectra (log eigenvalues) per layer"
     _sums = ("tok", "tvar", "ntok", "sx", "sxx")
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32, seed: int = 0, token_every: int = 4):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", k: int = 32, seed: int = 0,
+                 token_every: int = 4):
         super().__init__(vm, taps)
         self.k, self.seed, self.token_every = int(k), int(seed), max(1, int(token_every))
         self.tok: dict[str, torch.Tensor] = {}  # sums over the token-level images (id % token_every == 0)
@@ -147,7 +148,7 @@ class Fourier(_PerTap):
     state_version = 2  # 1 kept whole (h, w) maps; 2 keeps their diagonal
     _sums = ("amp",)
 
-    def __init__(self, vm: Any, taps: Any = "block*.out"):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm, taps)
         self.amp: dict[str, torch.Tensor] = {}
 

@@ -148,7 +148,9 @@ def _as_sample(image: Any) -> Any:
             raise InputError(f"expected a (3, H, W) image tensor in [0, 1]; got {tuple(image.shape)}")
         return Sample(image=image.permute(1, 2, 0).float().numpy())
     if hasattr(image, "convert"):
-        return Sample(image=np.asarray(image.convert("RGB")))
+        from vitscope.data.preprocess import to_rgb
+
+        return Sample(image=np.asarray(to_rgb(image)))
     arr = np.asarray(image)
     if arr.ndim != 3 or arr.shape[2] != 3:
         raise InputError(f"expected an (H, W, 3) image; got shape {arr.shape}")

@@ -254,10 +254,15 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, spec: ModelSpec, h
 def read_vitscope_metadata(path: Path) -> ModelSpec | None:
     if path.suffix != ".safetensors":
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    ck.check_checkpoint_file(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except SafetensorError as e:
+        raise ck.CheckpointError(f"{str(path)!r} is not a valid safetensors file ({e}); the file is corrupt or "
+                                 "truncated") from e
     raw = meta.get("vitscope.spec")
     if raw is None:
         return None

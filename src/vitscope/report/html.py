@@ -5,6 +5,7 @@ description, key numbers and figures (PNG inline, with captions). Needs nothing 
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from vitscope.files import write_atomic
 from vitscope.report.figures import FIGURES
 from vitscope.threads import single_threaded
 
@@ -99,6 +101,21 @@ def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str
 
 
 @single_threaded  # drawing and small tables: nothing gains from a second thread, and none may spin
+def results_digest(run_dir: str | Path) -> dict[str, str]:
+    """``{table: sha256}`` of the run's results files: what `report_digest` of a report drawn from them says."""
+    files = sorted(Path(run_dir, "results").glob("*.parquet"))
+    return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def report_digest(run_dir: str | Path) -> dict[str, str]:
+    """``{table: sha256}`` of the results files the run's report.html was drawn from ({} without a report)."""
+    import re
+
+    f = Path(run_dir, "report.html")
+    text = f.read_text(encoding="utf-8") if f.is_file() else ""
+    return dict(re.findall(r"data-table='([^']*)' data-sha256='([0-9a-f]{64})'", text))
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -138,7 +155,8 @@ def write_report(run_dir: str | Path) -> Path:
                      "manifest.json).</p>")
     for path in results:
         name = path.stem
-        df = pd.read_parquet(path)
+        raw = path.read_bytes()  # drawn from exactly these bytes; their digest is in the report (results_digest)
+        df = pd.read_parquet(io.BytesIO(raw))
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
@@ -147,11 +165,9 @@ def write_report(run_dir: str | Path) -> Path:
         for title, fig in FIGURES.get(name, lambda d: [])(df):
             parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
-        parts.append(f"<p class='muted'>All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(path.name)}')"
-                     "</code>.</p>")
+        parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{hashlib.sha256(raw).hexdigest()}'>"
+                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(path.name)}')</code>.</p>")
     parts.append("</body></html>")
     out = run_dir / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, lambda f: f.write("\n".join(parts).encode("utf-8")))
     return out

@@ -37,11 +37,12 @@ from vitscope.capture import stream
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
 from vitscope.errors import ConfigError, InputError
+from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
-from vitscope.study.config import StudyConfig, to_yaml
+from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
 
@@ -88,6 +89,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run). A directory holding another config's results is
     refused unless ``overwrite``."""
+    preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
     plan = make_plan(cfg)
     out = Path(cfg.output_dir)
@@ -161,7 +163,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     manifest["report_done"] = bool(unchanged)
     _write_json(out / "manifest.json", manifest)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    write_atomic(out / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
 

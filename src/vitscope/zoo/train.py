@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitscope.errors import VitscopeError
+from vitscope.errors import VitscopeError, first_line
 from vitscope.zoo.arch import ZOO_ARCH, ZooArch
 from vitscope.zoo.base import Objective
 from vitscope.zoo.data import Augment, DataSource, ViewBatch, ViewStream, load_data
@@ -210,13 +210,33 @@ def _save_epochs(cfg: TrainConfig, n_epochs: int) -> set[int]:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # numpy's key as a tensor: the state stays data
+    return {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                      gauss), "python": random.getstate()}
 
 
 def _set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
+    kind, keys, *rest = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys.numpy() if isinstance(keys, torch.Tensor) else keys, np.uint32),
+                         *rest))
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in s["python"]))
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """A training state, read as data (``weights_only``: tensors, numbers, strings, containers), so a planted file
+    cannot run code; numpy arrays (numpy's RNG key in states written before it was stored as a tensor) are
+    the one addition to the allow-list."""
+    reconstruct = np.zeros(1).__reduce__()[0]
+    allowed = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+               (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+               *((reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core"))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - one sentence, not the unpickler's page of advice
+        raise VitscopeError(f"cannot resume from {path}: it is not a training state vitscope wrote ({first_line(e)})"
+                            ) from e
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -262,7 +282,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                             "it, or choose another output directory")
     if resume and state_path.exists() and (out / CARD_FILE).exists():  # finished already: nothing to load
         card = json.loads((out / CARD_FILE).read_text())
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        st = load_state(state_path)
         if st["config"] == cfg.identity() and st["step"] >= card["budget"]["steps"]:
             return card
     arch = ZooArch(**cfg.arch)
@@ -282,7 +302,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     sums: dict[str, float] = {}
     count = 0
     if resume and state_path.exists():
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        st = load_state(state_path)
         if st["config"] != cfg.identity():
             diff = sorted(k for k in st["config"] if st["config"][k] != cfg.identity().get(k))
             raise VitscopeError(f"cannot resume {out}: the run was started with other settings ({', '.join(diff)})")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from vitscope.data.base import Batch, RetrievalSplit, Sample
-from vitscope.data.formats.common import FileDataset, read_rgb, require_files
+from vitscope.data.formats.common import FileDataset, load_data_pickle, read_rgb, require_files
 from vitscope.data.synthetic_tasks import medium_hard, with_retrieval_layout
 from vitscope.data.transforms import crop
 from vitscope.errors import InputError
@@ -35,10 +35,9 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
         if not gnd_file.is_file():
             raise InputError(f"expected the revisited ground truth {str(gnd_file)!r}")
         try:
-            with open(gnd_file, "rb") as f:
-                cfg = pickle.load(f)
+            cfg = load_data_pickle(gnd_file, encoding="latin1")  # data only: a file cannot run code
             self.imlist, self.qimlist, self.gnd = list(cfg["imlist"]), list(cfg["qimlist"]), list(cfg["gnd"])
-        except (pickle.UnpicklingError, KeyError, TypeError, EOFError) as e:
+        except (pickle.UnpicklingError, KeyError, TypeError, EOFError, ValueError, AttributeError) as e:
             raise InputError(f"{str(gnd_file)!r} is not a revisited ground truth (expected a dict with imlist, "
                              f"qimlist, gnd): {type(e).__name__}: {e}") from e
         if not self.imlist or not self.qimlist:
