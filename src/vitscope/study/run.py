@@ -143,7 +143,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     results_key = digest(config_key, sorted(mkeys.values()))
     previous = _read_manifest(out)
     unchanged = n_jobs == total and previous.get("results_key") == results_key and previous.get("report_done") \
-        and (out / "report.html").is_file() and _tables_match(out, frames)
+        and (out / "report.html").is_file() and _tables_match(out, frames) and _report_is_of(out)
     if total:
         _say(cfg, dist, f"{n_jobs} of {total} analyses (models x analyses) read from the cache")
     timings: dict[str, Any] = {}
@@ -243,6 +243,13 @@ def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict
         tmp.rename(old)
     for stale in out.glob(".results-*"):  # leftovers of a killed run
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _report_is_of(out: Path) -> bool:
+    """report.html was drawn from exactly the tables in results/ (it records their digests)."""
+    from vitscope.report.html import report_digest, results_digest
+
+    return report_digest(out) == results_digest(out)
 
 
 def _tables_match(out: Path, frames: dict[str, list[pd.DataFrame]]) -> bool:
