@@ -248,7 +248,8 @@ for _init, _task in [("mocov3", "cls"), ("mae", "cls"), ("random", "cls"), ("moc
         {"mocov3": "contrastive", "mae": "reconstructive", "random": "none"}[_init],
         f"{_init}+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
         WeightSource("file", f"zoo/weights/{_init}-ft-{_task}/encoder.safetensors", "timm"), _ZOO_PRE,
-        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0}, citation=_MERLIN,
+        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0,
+         "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 10 if _task == "cls" else 0)}, citation=_MERLIN,
         notes=f"zoo-{_init} fine-tuned on CIFAR-10 ({'classification' if _task == 'cls' else 'reconstruction'}); "
               f"train: vitscope zoo train --objective finetune {_start} --task "
               f"{'classification' if _task == 'cls' else 'reconstruction'} --out DIR --epochs 8 "
