@@ -39,6 +39,9 @@ REFERENCES: dict[str, str] = {
                    "accuracy and robustness. International Conference on Learning Representations (ICLR), 2019.",
     "hendrycks2019": "Dan Hendrycks, Thomas Dietterich. Benchmarking neural network robustness to common corruptions "
                      "and perturbations. International Conference on Learning Representations (ICLR), 2019.",
+    "nanda2022": "Vedant Nanda, Till Speicher, Camila Kolling, John P. Dickerson, Krishna P. Gummadi, Adrian Weller. "
+                 "Measuring representational robustness of neural networks through shared invariances. International "
+                 "Conference on Machine Learning (ICML), PMLR 162, 2022.",
     "vandermaaten2008": "Laurens van der Maaten, Geoffrey Hinton. Visualizing data using t-SNE. Journal of Machine "
                         "Learning Research 9, pp. 2579-2605, 2008.",
 }
@@ -69,6 +72,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "shape_bias": ["park2023", "geirhos2019"],
     "band_noise": ["park2023", "park_kim2022"],
     "corruptions": ["merlin2023", "hendrycks2019"],
+    "stir": ["merlin2023", "nanda2022", "hendrycks2019"],
 }
 
 

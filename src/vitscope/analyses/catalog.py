@@ -83,9 +83,10 @@ def _type_text(p: inspect.Parameter) -> str:
 def parameters(cls: type[Analysis]) -> tuple[Param, ...]:
     """The keyword parameters a study config may set (``analyses.NAME.PARAM``), in signature order."""
     sig = inspect.signature(cls.__init__)
+    skip = 3 if getattr(cls, "pair", False) else 2  # self and the model (a pair analysis: its two models)
     out = []
     for i, p in enumerate(sig.parameters.values()):
-        if i < 2 or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):  # self, the model
+        if i < skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
         out.append(Param(p.name, _type_text(p), p.default))
     return tuple(out)
@@ -130,7 +131,10 @@ def describe(name: str) -> AnalysisInfo:
     cls = ANALYSES[name]
     doc = inspect.cleandoc(cls.__doc__ or "")
     try:
-        taps = compress_taps(cls(EXAMPLE_MODEL).required_taps(), EXAMPLE_MODEL.depth)
+        if getattr(cls, "pair", False):  # reads two models with its own forwards: its taps are its parameters
+            taps = "its own passes over both models (the blocks in `layers`, at `tap`)"
+        else:
+            taps = compress_taps(cls(EXAMPLE_MODEL).required_taps(), EXAMPLE_MODEL.depth)
     except Exception as e:  # an analysis that needs parameters to be built: say so instead of failing
         taps = f"(depends on its parameters: {e})"
     return AnalysisInfo(name=name, description=cls.description or doc.split("\n\n")[0].replace("\n", " "),
