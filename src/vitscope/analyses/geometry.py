@@ -1,5 +1,5 @@
 """Geometry of representations per layer (math in `vitscope.metrics.geometry`): how much volume tokens and
-images occupy, and how much high-frequency amplitude the token maps carry [seed 001]."""
+images occupy, and how much high-frequency amplitude the token maps carry [Park et al. 2023]."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class _PerTap(Analysis):
 
 @register_analysis
 class SVDVolume(_PerTap):
-    """Volume occupied by tokens and images, per layer [seed 001 "SVD analysis"]: token level, the log
+    """Volume occupied by tokens and images, per layer [Park et al. 2023 "SVD analysis"]: token level, the log
     eigenvalues of the covariance of each image's patch tokens, averaged over images; image level, the log
     eigenvalues of the covariance of the images' pooled patch tokens (GAP without prefix), from streamed
     moments. The token level uses the images whose id is a multiple of ``token_every`` (an eigendecomposition
@@ -134,7 +134,7 @@ class SVDVolume(_PerTap):
 
 @register_analysis
 class Fourier(_PerTap):
-    """Fourier analysis of token maps per layer [seed 001; Park & Kim 2022]: patch tokens as (D, h, w)
+    """Fourier analysis of token maps per layer [Park et al. 2023; Park & Kim 2022]: patch tokens as (D, h, w)
     maps, 2-D DFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
     - log A(0) along the diagonal from the centre (only those coefficients are computed and kept). Rows: the
     whole curve (``freq`` in units of π) and ``high_freq_delta_log_amp`` at the highest frequency (closer to 0
@@ -183,7 +183,7 @@ class Fourier(_PerTap):
 
 @register_analysis
 class TSNE(Analysis):
-    """Token-level t-SNE [seed 001 "Token-level t-SNE visualization"]: the patch tokens of the first
+    """Token-level t-SNE [Park et al. 2023 "Token-level t-SNE visualization"]: the patch tokens of the first
     ``n_images`` images (by dataset index) at the chosen layers, embedded in 2-D with scikit-learn's t-SNE
     (fixed seed, ``max_iter`` iterations of which the first 250 exaggerate). Rows: one per token with ``x``,
     ``y``, ``image`` (dataset index) and ``token`` (patch index); value = the image's label (or -1). Tokens

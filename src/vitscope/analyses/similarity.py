@@ -7,10 +7,10 @@ models computed in separate runs, is then a batched reduction over batches (`cka
 
 Analyses here:
   cka            every pair of the requested taps per token view, within the model; across models in `cross`
-                 (with `cka_divergence` = 1 - CKA for the same tap in two models, seed 002 eq. 4)
-  residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (seed 003 D.4)
+                 (with `cka_divergence` = 1 - CKA for the same tap in two models, Merlin et al. 2023 eq. 4)
+  residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (Walmer et al. 2023 D.4)
   diversity      similarity between heads, between spatial tokens, and before/after attention, by minibatch
-                 CKA and by cosine similarity (seed 001; seed 004)
+                 CKA and by cosine similarity (Park et al. 2023; Wang 2023)
 """
 
 from __future__ import annotations
@@ -214,12 +214,12 @@ def _key(view: str, tap: str) -> str:
 
 @register_analysis
 class CKA(_GramAnalysis):
-    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; seed 000 eq. 3-4, 003 D.1] between
+    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; Shekhar et al. 2022 eq. 3-4; Walmer et al. 2023 D.1] between
     every pair of the requested taps (block outputs by default; any taps, e.g. ``block*.norm1``,
-    ``block*.qkv``, ``block*.fc1`` for the sub-layer grids of seed 000 Fig. 2), per token view ('cls',
-    'gap', 'gap_spatial', 'spatial' or 'all' = tokens flattened, seed 003 Fig. 6, 19). Across models
+    ``block*.qkv``, ``block*.fc1`` for the sub-layer grids of Shekhar et al. 2022 Fig. 2), per token view ('cls',
+    'gap', 'gap_spatial', 'spatial' or 'all' = tokens flattened, Walmer et al. 2023 Fig. 6, 19). Across models
     (`cross`): model A x model B grids and, for taps present in both, ``cka_divergence`` = 1 - CKA
-    (seed 002 eq. 4: pretrained vs fine-tuned)."""
+    (Merlin et al. 2023 eq. 4: pretrained vs fine-tuned)."""
 
     name = "cka"
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
@@ -292,7 +292,7 @@ class CKA(_GramAnalysis):
 
 @register_analysis
 class ResidualCKA(_GramAnalysis):
-    """Residual-connection CKA [seed 003 D.4, Fig. 23]: for every pair of blocks (i, j), CKA between the
+    """Residual-connection CKA [Walmer et al. 2023 D.4, Fig. 23]: for every pair of blocks (i, j), CKA between the
     skip path entering block i (``embed`` for block 0, else ``block{i-1}.out``) and the branch outputs of
     block j as added to the residual stream (``attn_out``, ``mlp_out``), all from the one forward pass.
     A small diagonal means the branch writes something new; a large one, that it mostly echoes the skip."""
@@ -333,8 +333,8 @@ class ResidualCKA(_GramAnalysis):
 
 @register_analysis
 class Diversity(Analysis):
-    """Representation diversity inside self-attention [seed 001 "The attention collapse reduces the
-    diversity"; seed 004 Fig. 12], per layer, by minibatch CKA and by cosine similarity:
+    """Representation diversity inside self-attention [Park et al. 2023 "The attention collapse reduces the
+    diversity"; Wang 2023 Fig. 12], per layer, by minibatch CKA and by cosine similarity:
 
     heads   between the per-head attention outputs (``block{i}.heads``, attn @ v per head, all tokens
             flattened for CKA; per token for cosine): mean over head pairs h != h'.

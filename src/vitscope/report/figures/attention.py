@@ -19,7 +19,7 @@ _ARROWS = {"right": "\u2192", "up-right": "\u2197", "up": "\u2191", "up-left": "
 
 
 def attention_distance(df: pd.DataFrame) -> Figures:
-    """Distance per head (dots) and the per-layer mean (line), one colour per model [seed 003 Fig. 4]."""
+    """Distance per head (dots) and the per-layer mean (line), one colour per model [Walmer et al. 2023 Fig. 4]."""
     d = df[df.metric == "distance_px"]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for k, (model, g) in enumerate(d.groupby("model", sort=False)):
@@ -42,7 +42,7 @@ def _models(df: pd.DataFrame) -> list[str]:
 
 def attention_nmi(df: pd.DataFrame) -> Figures:
     """NMI(q, k) per head (dots) and its mean over heads per layer (line), one colour per model; low values
-    mean attention collapse, every query attending alike [seed 001]."""
+    mean attention collapse, every query attending alike [Park et al. 2023]."""
     d = df[df.metric == "nmi"]
     if d.empty:
         return []
@@ -64,7 +64,7 @@ def attention_nmi(df: pd.DataFrame) -> Figures:
 
 def saliency_iou(df: pd.DataFrame) -> Figures:
     """IoU of the top-60%-mass attention tokens with the foreground per layer: best head (solid) and heads
-    merged (dashed), one colour per model, one panel per query [seed 003 Fig. 7]."""
+    merged (dashed), one colour per model, one panel per query [Walmer et al. 2023 Fig. 7]."""
     d = df[df.metric.isin(["iou_best_head", "iou_merged"])]
     queries = [q for q in ("cls", "mean") if q in set(d["query"])]
     if not queries:
@@ -130,7 +130,7 @@ def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
 
 def cls_attention_maps(df: pd.DataFrame) -> Figures:
     """Average CLS attention map of every layer (rows) and head (columns), one figure per model, each map on
-    its own colour scale [seed 003 Fig. 11-13]."""
+    its own colour scale [Walmer et al. 2023 Fig. 11-13]."""
     d = df[(df.metric == "cls_attention") & df["image"].isna()] if "image" in df.columns else df.iloc[0:0]
     out: Figures = []
     for model in _models(d):
@@ -149,7 +149,7 @@ def _type_label(row: pd.Series) -> str:
 
 def aligned_attention_maps(df: pd.DataFrame) -> Figures:
     """Per model: the AAAM of every layer and head (query at the centre of each map, type in the corner)
-    [seed 003 Fig. 5], then one map of the automatic head types (layers x heads, one colour per type;
+    [Walmer et al. 2023 Fig. 5], then one map of the automatic head types (layers x heads, one colour per type;
     arrows give the direction of offset and axial heads), all models side by side."""
     out: Figures = []
     aaam = df[df.metric == "aaam"]

@@ -8,7 +8,7 @@ from vitscope.report.figures._common import Figures, layer_figure, layer_lines, 
 
 
 def svd_volume(df: pd.DataFrame) -> Figures:
-    """Log volume per layer, token level and image level, one line per model [seed 001 "SVD analysis"]."""
+    """Log volume per layer, token level and image level, one line per model [Park et al. 2023 "SVD analysis"]."""
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     for ax, level in zip(axes, ("token", "image"), strict=True):
         layer_lines(ax, df, f"{level}_log_volume", title=f"{level} level")
@@ -21,7 +21,7 @@ def svd_volume(df: pd.DataFrame) -> Figures:
 
 
 def fourier(df: pd.DataFrame) -> Figures:
-    """Δ log amplitude at the highest frequency per layer [seed 001 "Fourier analysis"], and the curves."""
+    """Δ log amplitude at the highest frequency per layer [Park et al. 2023 "Fourier analysis"], and the curves."""
     out: Figures = []
     fig = layer_figure(df, "high_freq_delta_log_amp", "Δ log amplitude (highest freq.)")
     out.append(("High-frequency amplitude of the token maps per layer: closer to 0 = more high-frequency "
@@ -46,7 +46,7 @@ FIGURES = {"svd_volume": svd_volume, "fourier": fourier}
 
 
 def tsne(df: pd.DataFrame) -> Figures:
-    """Token t-SNE per model and layer, tokens coloured by image [seed 001]."""
+    """Token t-SNE per model and layer, tokens coloured by image [Park et al. 2023]."""
     out: Figures = []
     for (model, layer), g in df[df.metric == "tsne"].groupby(["model", "layer"], sort=False):
         fig, ax = plt.subplots(figsize=(3.6, 3.4))

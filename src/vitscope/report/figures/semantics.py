@@ -11,7 +11,7 @@ PANELS = [("knn20_top1", "20-NN top-1"), ("probe_top1", "linear probe top-1"), (
 
 def semantics(df: pd.DataFrame) -> Figures:
     """Per-layer curves per model and token view, best layer marked, chance as a dashed line
-    [seed 003 Fig. 7, 9; seed 000 Fig. 3]."""
+    [Walmer et al. 2023 Fig. 7, 9; Shekhar et al. 2022 Fig. 3]."""
     panels = [(m, t) for m, t in PANELS if (df.metric == m).any()]
     if not panels:
         return []

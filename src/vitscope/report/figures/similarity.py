@@ -18,8 +18,8 @@ def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.c
 
 def cka(df: pd.DataFrame) -> Figures:
     """Tap x tap CKA heatmaps, one figure per token view: a grid whose cell (A, B) is model A (rows: its
-    taps) against model B (columns), each model against itself on the diagonal [seed 003 Fig. 6, 19]; then
-    CKA divergence per layer between models [seed 002 eq. 4]. One figure per view, not per pair: the
+    taps) against model B (columns), each model against itself on the diagonal [Walmer et al. 2023 Fig. 6, 19]; then
+    CKA divergence per layer between models [Merlin et al. 2023 eq. 4]. One figure per view, not per pair: the
     figure count stays constant in the number of models."""
     out: Figures = []
     grid = df[df.metric == "cka_minibatch"]
@@ -53,7 +53,7 @@ def cka(df: pd.DataFrame) -> Figures:
 
 
 def residual_cka(df: pd.DataFrame) -> Figures:
-    """Skip path (rows: input of block i) vs branch output (columns: block j) [seed 003 Fig. 23]: one figure
+    """Skip path (rows: input of block i) vs branch output (columns: block j) [Walmer et al. 2023 Fig. 23]: one figure
     per token view, a row of two panels (attention and MLP branch) per model."""
     out: Figures = []
     for view, gv in df.groupby("token_view", sort=False):
@@ -78,7 +78,7 @@ def residual_cka(df: pd.DataFrame) -> Figures:
 
 
 def diversity(df: pd.DataFrame) -> Figures:
-    """Similarity between heads, between spatial tokens, and before/after attention, per layer [seed 001]."""
+    """Similarity between heads, between spatial tokens, and before/after attention, per layer [Park et al. 2023]."""
     fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), sharey=True)
     for ax, what in zip(axes, ("heads", "tokens", "depth"), strict=True):
         for measure, style in (("cka", "-o"), ("cosine", "--s")):
