@@ -131,6 +131,11 @@ def _pair_cka(cka: pd.DataFrame, a: str, b: str, depth_a: int, depth_b: int, rng
     return v, None if se is None else v + rng.standard_normal(DRAWS) * float(np.nanmean(se))
 
 
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if np.isfinite(v)]
+    return float(np.mean(finite)) if finite else float("nan")
+
+
 def verdict(diff_draws: np.ndarray | None, expect: str) -> tuple[str, float, float]:
     """(verdict, low, high) of the 95 % interval of the CL - MIM difference from its draws."""
     if diff_draws is None or not np.isfinite(diff_draws).all():
@@ -157,8 +162,9 @@ def check(run_dir: str | Path) -> pd.DataFrame:
 
     def add(claim: str, source: str, measure: str, per_model: dict[str, tuple[float, np.ndarray | None]],
             cl: list[str], mim: list[str], expect: str) -> None:
-        mean = {g: float(np.nanmean([per_model[k][0] for k in keys])) if keys else float("nan")
-                for g, keys in ((CL, cl), (MIM, mim))}
+        mean = {g: _nanmean([per_model[k][0] for k in keys]) for g, keys in ((CL, cl), (MIM, mim))}
+        if np.isnan(mean[CL]) and np.isnan(mean[MIM]):  # the measure is not in the tables (e.g. no 20-NN)
+            return
         draws = [per_model[k][1] for k in cl + mim]
         diff = None
         if cl and mim and all(d is not None for d in draws):

@@ -26,6 +26,8 @@ give it a colour bar in a margin it reserved, and no legend.
 from __future__ import annotations
 
 import math
+import os
+import sys
 import textwrap
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -33,7 +35,8 @@ from dataclasses import dataclass, field
 
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules and not os.environ.get("MPLBACKEND"):
+    matplotlib.use("Agg")  # headless drawing for the report; a notebook keeps its own backend (`vitscope.plot`)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
@@ -159,7 +162,7 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
         ax.set_title(title, fontsize=9)
     ax.set_xlabel("block")
     ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
     return models
 
 
@@ -169,9 +172,11 @@ def has_interval(df: pd.DataFrame) -> bool:
 
 
 def style_handle(style: str, label: str, color: object = "0.35", **kw: object) -> Line2D:
-    """A legend entry explaining a line style or marker (e.g. ``"--"``, "dashed: Gaussian features")."""
-    return Line2D([], [], linestyle=style if style in ("-", "--", ":", "-.") else "", color=color,
-                  marker=None if style in ("-", "--", ":", "-.") else style.strip("-"), label=label, **kw)
+    """A legend entry explaining a line style and/or marker, in matplotlib's format-string form (``"--"``,
+    ``"-o"``, ``"*"``), e.g. ``style_handle("--", "dashed: Gaussian features")``."""
+    line = next((ls for ls in ("--", "-.", ":", "-") if style.startswith(ls)), "")
+    marker = style[len(line):] or None
+    return Line2D([], [], linestyle=line or "", marker=marker, color=color, label=label, **kw)
 
 
 def band_handle(label: str = "band: 95 % interval over images") -> Artist:
