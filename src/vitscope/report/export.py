@@ -47,16 +47,21 @@ def _fits(fig: plt.Figure, min_panel: float = 0.6) -> bool:
     return True
 
 
-def _legends_below(fig: plt.Figure) -> None:
-    """Move the figure's legends from the right of the panels to below them, in columns: on one journal
-    column a legend at the side would leave the panels no room."""
+def _legends_below(fig: plt.Figure, width: float) -> None:
+    """Move the figure's legends from the right of the panels to below them, in as many columns (at most 3) as
+    fit ``width`` inches: on one journal column a legend at the side would leave the panels no room."""
+    renderer = fig.canvas.get_renderer()
     for leg in list(fig.legends):
         handles, labels = leg.legend_handles, [t.get_text() for t in leg.get_texts()]
         title = leg.get_title().get_text() or None
         size = leg.get_texts()[0].get_fontsize() if labels else 7
         leg.remove()
-        fig.legend(handles=handles, labels=labels, loc="outside lower center", ncols=2 if len(labels) > 1 else 1,
-                   fontsize=size, frameon=False, title=title, title_fontsize=size)
+        for ncols in (3, 2, 1):
+            new = fig.legend(handles=handles, labels=labels, loc="outside lower center", ncols=min(ncols, len(labels)),
+                             fontsize=size, frameon=False, title=title, title_fontsize=size)
+            if ncols == 1 or new.get_window_extent(renderer).width <= 0.97 * width * fig.dpi:
+                break
+            new.remove()
 
 
 def _relayout(fig: plt.Figure, columns: int | None) -> str:
@@ -73,7 +78,7 @@ def _relayout(fig: plt.Figure, columns: int | None) -> str:
         width = COLUMN_WIDTHS[cols]
         if not moved and fig.legends and sum(leg.get_window_extent(renderer).width / fig.dpi
                                              for leg in fig.legends) > 0.25 * width:
-            _legends_below(fig)  # a legend at the side would take the panels' room
+            _legends_below(fig, width)  # a legend at the side would take the panels' room
             moved = True
         fig.set_size_inches(width, min(h0 * max(width / w0, 0.75) + (0.6 if moved else 0), MAX_HEIGHT))
         with warnings.catch_warnings():
