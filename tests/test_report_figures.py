@@ -247,5 +247,5 @@ def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model(
     assert s.flags == ["chance", "the untrained model"]
     d = points["attention_distance"]
     # 16.6 vs 16.5 px with standard errors 0.1 and 0.05: |0.1| <= 1.96 sqrt(0.1² + 0.05²) = 0.22 -> within noise
-    assert "highest good 20 ± 0.2 px" in d.text and "Within noise of the untrained model: weak." in d.text
+    assert "highest good 20.00 ± 0.20 px" in d.text and "Within noise of the untrained model: weak." in d.text
     assert d.flags == ["the untrained model"]

@@ -45,9 +45,12 @@ def within_noise(a: float, se_a: float, b: float, se_b: float = 0.0) -> bool:
 
 
 def _fmt(v: float, se: float, unit: str = "", digits: int = 3) -> str:
-    if not np.isfinite(se):
+    """``v ± half-width`` of its 95 % interval, both to the half-width's second significant digit."""
+    half = Z95 * se
+    if not np.isfinite(half) or half <= 0:
         return f"{v:.{digits}g}{unit}"
-    return f"{v:.{digits}g} ± {Z95 * se:.2g}{unit}"
+    decimals = max(0, 1 - math.floor(math.log10(half)))
+    return f"{v:.{decimals}f} ± {half:.{decimals}f}{unit}"
 
 
 def _models(df: pd.DataFrame, study: Study) -> list[str]:

@@ -199,7 +199,9 @@ def legend_outside(fig: plt.Figure, handles: Sequence[Artist] | None = None, ext
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
                 if lab and not lab.startswith("_"):
                     seen.setdefault(lab, h)
-        handles = list(seen.values())
+        # models in the study's order (a panel per model may meet them in another order), the rest after
+        rank = {model_label(m): i for i, m in enumerate(_CONTEXT.models)}
+        handles = [seen[lab] for lab in sorted(seen, key=lambda lab: (rank.get(lab, len(rank)), list(seen).index(lab)))]
     handles = [*handles, *extra]
     if not handles:
         return None

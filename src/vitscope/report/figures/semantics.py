@@ -67,9 +67,19 @@ def semantics(df: pd.DataFrame) -> Figures:
         extra.append(style_handle(":", "dotted: majority-class rate", color="0.2"))
     extra.append(band_handle("band: 95 % binomial interval"))
     legend_outside(fig, extra=extra)
-    return [("Which layer knows the class: k-NN, linear probe and k-means purity per layer and token view (star = "
-             f"best layer; bands: 95 % binomial intervals over the test images) [{cite('walmer2023', 'Fig. 7, 9')}; "
-             f"{cite('shekhar2022', 'Fig. 3')}]", fig)]
+    note = ""
+    scored = df[df.metric.str.endswith("top1") & ~df.metric.str.endswith("_chance") & df["layer"].notna()]
+    if has_chance and "value_hi" in scored.columns and scored["chance"].notna().any():
+        above = scored[scored["value_lo"] > scored["chance"]]
+        if above.empty:
+            note = ("Every accuracy here is within noise of the majority-class rate: these features do not "
+                    "separate these classes. ")
+        else:
+            note = (f"{len(above)} of {len(scored)} accuracies clear the majority-class rate beyond their 95 % "
+                    "interval. ")
+    return [(note + "Which layer knows the class: k-NN, linear probe and k-means purity per layer and token view "
+             "(star = best layer; bands: 95 % binomial intervals over the test images) "
+             f"[{cite('walmer2023', 'Fig. 7, 9')}; {cite('shekhar2022', 'Fig. 3')}]", fig)]
 
 
 FIGURES = {"semantics": semantics}
