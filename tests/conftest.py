@@ -34,3 +34,9 @@ def any_tiny(request):
 def images():
     g = torch.Generator().manual_seed(0)
     return torch.randn(5, 3, 32, 32, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    """Each test its own study cache (the default one is per user and shared by every study)."""
+    monkeypatch.setenv("VITSCOPE_CACHE_DIR", str(tmp_path / "user-cache"))

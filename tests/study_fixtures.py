@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from vitscope.analyses.base import ANALYSES, Analysis, register_analysis
+from vitscope.analyses.base import ANALYSES, Analysis, PairAnalysis, register_analysis
 from vitscope.data.views import VIEW_KINDS, image_generator, register_view
 
 
@@ -69,7 +69,53 @@ class SeenMasked(SeenIds):
     needs = frozenset({"masks"})
 
 
-TEST_ANALYSES = (SeenIds, SeenLabelled, SeenMasked)
+class PairSeen(PairAnalysis):
+    """Records, per image, B's output mean minus A's and the norm of a gradient through A (gradients are on);
+    keeps one file per image of A in its store, so reuse across B models can be counted."""
+
+    name = "pair_seen"
+    description = "test: pair stage"
+
+    def __init__(self, info_a: Any, info_b: Any, scale: float = 1.0):
+        super().__init__(info_a, info_b)
+        self.rows: list[tuple[int, float, float, bool]] = []
+
+    def update(self, vm_a: Any, vm_b: Any, batch: Any) -> None:
+        from safetensors.torch import save_file
+
+        store = self.store("products")
+        x = batch.images.clone().requires_grad_(True)
+        ya = vm_a.model.forward_features(x).mean(dim=(1, 2))
+        ya.sum().backward()
+        g = x.grad.flatten(1).norm(dim=1)
+        with torch.no_grad():
+            yb = vm_b.model.forward_features(batch.images).mean(dim=(1, 2))
+        for k, i in enumerate(batch.index.tolist()):
+            f = store / f"{i}.safetensors"
+            reused = f.is_file()
+            if not reused:
+                save_file({"y": ya[k:k + 1].detach()}, str(f))
+            self.rows.append((int(i), float(yb[k] - ya[k].detach()), float(g[k]), reused))
+        self.n_images += len(batch)
+
+    def merge(self, other: Any) -> None:
+        self.rows += other.rows
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rows": [list(r) for r in self.rows]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rows = [tuple(r) for r in state["rows"]]
+
+    def finalize(self) -> Any:
+        rows = []
+        for i, d, g, reused in sorted(self.rows):
+            rows += [{"metric": "diff", "layer": i, "value": d}, {"metric": "grad", "layer": i, "value": g},
+                     {"metric": "reused", "layer": i, "value": float(reused)}]
+        return self.tidy(rows)
+
+
+TEST_ANALYSES = (SeenIds, SeenLabelled, SeenMasked, PairSeen)
 
 
 def register() -> None:

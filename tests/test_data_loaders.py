@@ -486,3 +486,47 @@ def test_revisited_ground_truth_naming_a_missing_image_fails_at_once(tmp_path):
         RevisitedRetrieval(tmp_path, "roxford5k")
     with pytest.raises(InputError, match="gnd_rparis6k.pkl"):
         RevisitedRetrieval(tmp_path, "rparis6k")
+
+
+# ---------------------------------------------------------------- high bit depth
+
+
+def _png16(path: Path, arr: np.ndarray) -> Path:
+    """A 16-bit PNG written by hand (PIL writes 16-bit greyscale but not 16-bit RGB)."""
+    import struct
+    import zlib
+
+    h, w = arr.shape[:2]
+    colour_type = 0 if arr.ndim == 2 else 2
+    raw = b"".join(b"\x00" + arr[y].astype(">u2").tobytes() for y in range(h))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, colour_type, 0, 0, 0))
+                     + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    return path
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_16_bit_pngs_are_scaled_to_8_bits_not_clipped(tmp_path, channels):
+    from vitscope.data.preprocess import load_images
+
+    rng = np.random.default_rng(0)
+    shape = (24, 24) if channels == 1 else (24, 24, 3)
+    arr = rng.integers(20000, 56000, shape).astype(np.uint16)  # mean 8-bit value ~148, most values > 255
+    _png16(tmp_path / "a" / "x.png", arr)
+    _png16(tmp_path / "b" / "y.png", arr)
+    truth = arr / 257.0
+    if channels == 1:
+        truth = np.repeat(truth[..., None], 3, axis=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # scaled exactly: nothing to warn about
+        img = ImageFolder(tmp_path)[0].image
+    assert img.dtype == np.uint8 and img.shape == (24, 24, 3)
+    assert abs(img.mean() - truth.mean()) < 0.5 and np.abs(img - truth).max() <= 1.0
+    # the path `extract` takes for image files: the same pixels, normalised
+    pre = Preprocessing(mean=(0, 0, 0), std=(1, 1, 1), input_size=24, crop_pct=1.0)
+    x = load_images([tmp_path / "a" / "x.png"], pre)
+    assert abs(float(x.mean()) * 255 - truth.mean()) < 0.5

@@ -74,7 +74,7 @@ def test_unknown_name_suggests_close_ones():
 
 
 def test_hub_download_failure_says_how_to_use_a_local_file():
-    with pytest.raises(vs.WeightsUnavailableError, match=r"weights='/path/to/file'"):
+    with pytest.raises(vs.WeightsUnavailableError, match=r"weights='/path/to/model\.safetensors'"):
         vs.load_model("dino-s16")  # HF_HUB_OFFLINE=1 in the tests
 
 
@@ -113,8 +113,12 @@ def test_timm_name_gets_timm_preprocessing():
 def test_zoo_entries_are_the_zoo_architecture_and_every_objective_is_there():
     from vitscope.zoo import OBJECTIVES, ZOO_ARCH
 
-    assert set(ZOO) == {"zoo-sup", "zoo-dino", "zoo-mocov3", "zoo-mae", "zoo-simmim", "zoo-hybrid", "zoo-random"}
-    assert {REGISTRY[n].supervision for n in ZOO} - {"random init"} <= set(OBJECTIVES)
+    base = {n for n in ZOO if "-ft-" not in n}
+    assert base == {"zoo-sup", "zoo-dino", "zoo-mocov3", "zoo-mae", "zoo-simmim", "zoo-hybrid", "zoo-random"}
+    assert {REGISTRY[n].supervision for n in base} - {"random init"} <= set(OBJECTIVES)
+    # the fine-tuned zoo (Merlin et al.'s experiments, docs/INVARIANCE.md)
+    assert set(ZOO) - base == {"zoo-mocov3-ft-cls", "zoo-mae-ft-cls", "zoo-random-ft-cls", "zoo-mocov3-ft-rec",
+                               "zoo-mae-ft-rec"}
     for n in ZOO:
         vm = vs.load_model(n, pretrained=False)
         assert (vm.depth, vm.embed_dim, vm.patch_size, vm.grid_size) == (ZOO_ARCH.depth, ZOO_ARCH.embed_dim,

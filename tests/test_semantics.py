@@ -330,3 +330,48 @@ def test_cross_model_agreement_pairs_every_model_and_fits_each_probe_once(monkey
         got = g.set_index("metric").value
         for k, v in want.items():
             assert got[k] == pytest.approx(v, nan_ok=True), k
+
+
+# --- results that cannot mean much say so ---------------------------------------------------------------------------
+
+
+def _warnings_of(fn):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+    return out, [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+def test_one_class_fewer_test_images_than_classes_and_a_one_class_probe_warn(tmp_path):
+    from PIL import Image
+
+    from vitscope.data.loaders import ImageFolder
+
+    vm = tiny("vit")
+    rng = np.random.default_rng(0)
+    (tmp_path / "only").mkdir()
+    for i in range(12):
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(tmp_path / "only" / f"{i}.png")
+    a = get_analysis("semantics")(vm, layers=[0, 1], views=["gap"], ks=(3,))
+    stream(vm, ImageFolder(tmp_path).batches(6, vm.preprocessing), [a], progress=False)
+    df, said = _warnings_of(a.finalize)
+    assert (df[df.metric == "knn3_top1"].value == 1.0).all()  # what it computes: chance is 1.0 here
+    assert len(said) == 1 and "same label" in said[0] and "'gap'" in said[0]  # once, not per layer or per score
+
+    # 12 shape classes, every 5th of 15 images tested: 3 test images
+    a = get_analysis("semantics")(vm, layers=[0], views=["cls"], ks=(3,), kmeans=False, probe=False)
+    stream(vm, _batches(vm, n=15, bs=5), [a], progress=False)
+    _, said = _warnings_of(a.finalize)
+    assert len(said) == 1 and "3 test rows for" in said[0]
+    _, said = _warnings_of(lambda: get_analysis("semantics")(vm, layers=[0], views=["cls"], ks=(3,)).finalize())
+    assert said == []  # nothing to score, nothing to warn about
+
+    x = torch.randn(8, 4)
+    (acc, _), said = _warnings_of(lambda: S.linear_probe(x[:6], torch.zeros(6, dtype=torch.long), x[6:],
+                                                          torch.tensor([0, 1])))
+    assert acc == 0.5 and len(said) == 1 and "linear probe" in said[0] and "1 class" in said[0]
+    _, said = _warnings_of(lambda: S.linear_probes([x[:6]] * 3, torch.zeros(6, dtype=torch.long), [x[6:]] * 3,
+                                                   torch.tensor([0, 1])))
+    assert len(said) == 1  # once for all the layers

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import study_fixtures
 import torch
 
-import study_fixtures
 from vitscope.cli import main
 from vitscope.errors import ConfigError
 from vitscope.study import load_config, run_study
@@ -181,6 +181,48 @@ progress: false
         load_config(write(tmp_path, bad))
 
 
+def test_pair_stages_see_both_models_with_gradients_reuse_a_s_products_and_are_cached(fixtures, tmp_path):
+    text = f"""
+models:
+  - {{name: vit_small_patch16_224, label: pt, pretrained: false, seed: 1, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: ft1, pretrained: false, seed: 2, finetuned_from: pt, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: ft2, pretrained: false, seed: 3, finetuned_from: pt, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: other, pretrained: false, seed: 4, kwargs: {TINY}}}
+dataset: {{name: synthetic-shapes, n_images: 6}}
+analyses:
+  pair_seen: {{}}
+  seen_ids: {{}}
+batch_size: 4
+progress: false
+"""
+    import vitscope.study.run as run
+
+    loads: list[str] = []
+    real = run.load_model
+
+    def counting(*a, **k):
+        loads.append(k.get("seed"))
+        return real(*a, **k)
+
+    cfg = write(tmp_path, text)
+    run.load_model = counting
+    try:
+        out = run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}"]))
+    finally:
+        run.load_model = real
+    assert sorted(loads) == [1, 2, 3, 4]  # every model loaded once, pt kept for both of its pairs
+    df = seen(out, "pair_seen")
+    assert set(zip(df.model, df.model_b, strict=True)) == {("pt", "ft1"), ("pt", "ft2")}
+    assert (df[df.metric == "grad"].value > 0).all()  # gradients flowed through model A
+    reused = df[df.metric == "reused"].groupby("model_b").value.sum()
+    assert reused["ft1"] == 0 and reused["ft2"] == 6  # the second pair reused A's stored products
+    calls = []
+    run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}"]), on_batch=lambda m, b: calls.append(m))
+    assert calls == []  # cached
+    with pytest.raises(ConfigError, match="compares model pairs"):
+        load_config(write(tmp_path, text.replace(", finetuned_from: pt", "")))
+
+
 def test_the_shipped_cifar10_subset_has_100_images_per_class_and_its_documented_files():
     from vitscope.data.catalog import FORMATS
     from vitscope.study.config import DatasetConfig
@@ -256,3 +298,67 @@ progress: false
         a, b = seen(tmp_path / "sharded", name), seen(tmp_path / "single", name)
         assert len(a) == len(b) > 0
         assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9)
+
+
+def test_the_readme_study_is_a_valid_config(tmp_path):
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", readme, re.S)
+    assert blocks
+    for text in blocks:
+        cfg = load_config(write(tmp_path, text))
+        from vitscope.study.plan import make_plan
+
+        plan = {a.name: a.slots["data"] for a in make_plan(cfg).analyses}
+        assert plan == {"cka": "photos", "semantics": "photos", "saliency_iou": "scenes",
+                        "attention_distance": "scenes"}
+
+
+def test_resume_after_an_unreadable_image_counts_every_image_once_and_keeps_the_skip_list(tmp_path):
+    from PIL import Image
+
+    root = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (root / cls).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    (root / "cat" / "3.png").write_bytes(b"not a png")
+    text = f"""
+models:
+  - {{name: vit_small_patch16_224, label: tiny, pretrained: false, kwargs: {TINY}}}
+dataset: {{name: imagefolder, root: {root}, n_images: 100}}
+analyses:
+  attention_distance: {{}}
+  svd_volume: {{}}
+  cka: {{batch_size: 4, views: [gap]}}
+batch_size: 4
+progress: false
+"""
+    cfg = write(tmp_path, text)
+    with pytest.warns(UserWarning):
+        ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        if b == 2:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1"]
+    with pytest.raises(Killed), pytest.warns(UserWarning):
+        run_study(load_config(cfg, over), on_batch=kill)
+    with pytest.warns(UserWarning):
+        out = run_study(load_config(cfg, over))
+    for name in ("attention_distance", "svd_volume", "cka"):
+        pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
+    assert set(seen(out, "attention_distance").n_images) == {19}
+    for run_dir in (ref, out):
+        skipped = json.loads((run_dir / "manifest.json").read_text())["skipped_images"]
+        assert [p for p, _ in skipped[next(iter(skipped))]] == [str(root / "cat" / "3.png")]
+    run_study(load_config(cfg, over))  # fully cached: the skip list is still there, and in the report
+    skipped = json.loads((out / "manifest.json").read_text())["skipped_images"]
+    assert len(skipped[next(iter(skipped))]) == 1
+    assert "1 unreadable images of imagefolder were skipped" in (out / "report.html").read_text()

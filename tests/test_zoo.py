@@ -16,7 +16,7 @@ from vitscope.zoo.arch import CIFAR_MEAN, patchify, unpatchify
 from vitscope.zoo.base import block_mask, random_keep
 from vitscope.zoo.data import Augment, ViewBatch, ViewSpec, ViewStream, synthetic_set
 from vitscope.zoo.knn import knn_accuracy
-from vitscope.zoo.train import STATE_FILE, TrainConfig, make_optimizer, make_plan, train, train_step
+from vitscope.zoo.train import STATE_FILE, TrainConfig, load_state, make_optimizer, make_plan, train, train_step
 
 TINY = ZooArch(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2)
 SMALL_HEADS = {
@@ -222,7 +222,7 @@ def test_same_seed_same_init_other_seed_other_init():
 # -- the training loop -------------------------------------------------------------------------------------
 
 def _final_state(out):
-    return torch.load(out / STATE_FILE, map_location="cpu", weights_only=False)
+    return load_state(out / STATE_FILE)
 
 
 @pytest.mark.parametrize("name", ["dino", "hybrid"])
@@ -452,3 +452,105 @@ def test_head_types_of_the_shipped_zoo_on_its_8x8_grid():
     assert (local != "global").sum() >= 7, local.tolist()
     assert set(local) <= {"soft_local", "strict_local", "global", "axial", "offset_local"}
     assert (types["zoo-random"] == "global").all()
+
+
+ZOO_ENTRIES = [n for n in vs.models.registry.REGISTRY if n.startswith("zoo-")]
+
+
+@pytest.mark.parametrize("name", ZOO_ENTRIES)
+def test_timm_data_config_of_every_zoo_entry_is_vitscopes_preprocessing(name):
+    """A user who builds timm's data config from a zoo model gets the input vitscope feeds it: CIFAR-10
+    statistics (from the images, not from the code), 32 px, no resize or crop."""
+    import timm.data
+
+    vm = vs.load_model(name, pretrained=False)
+    pre = vm.preprocessing
+    cfg = timm.data.resolve_data_config(model=vm.model)
+    assert tuple(cfg["mean"]) == pytest.approx(pre.mean) and tuple(cfg["std"]) == pytest.approx(pre.std)
+    assert tuple(cfg["input_size"]) == (3, pre.input_size, pre.input_size) == (3, 32, 32)
+    assert cfg["crop_pct"] == pre.crop_pct == 1.0 and cfg["interpolation"] == pre.interpolation
+    assert vm.model.pretrained_cfg["url"] == "" and vm.model.pretrained_cfg["hf_hub_id"] == ""
+    # CIFAR-10's per-channel training-set statistics (Krizhevsky 2009), rounded: what the zoo trains with
+    assert pre.mean == pytest.approx((0.491, 0.482, 0.447), abs=1e-3)
+    assert pre.std == pytest.approx((0.247, 0.243, 0.262), abs=1e-3)
+    # the transform timm builds from it leaves a 32-px image's pixels where vitscope's normalisation puts them
+    img = torch.randint(0, 256, (32, 32, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    from PIL import Image
+
+    x = timm.data.create_transform(**cfg)(Image.fromarray(img.numpy()))
+    ref = (img.permute(2, 0, 1).float() / 255 - torch.tensor(pre.mean)[:, None, None]) \
+        / torch.tensor(pre.std)[:, None, None]
+    assert torch.allclose(x, ref, atol=1e-5)
+
+
+def test_models_listing_shows_the_zoo_architecture(capsys):
+    assert main(["models"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("zoo-")]
+    assert len(lines) == len(ZOO_ENTRIES)
+    for ln in lines:
+        assert "8 blocks x 96" in ln and "patch 4" in ln and "32 px" in ln
+
+
+def test_exported_zoo_checkpoint_carries_the_data_config(tmp_path):
+    cfg = _tiny_cfg(tmp_path, "supervised", budget_views=32, knn_every=99)
+    card = train(cfg)
+    vm = vs.load_model(card["weights"])
+    import timm.data
+
+    dc = timm.data.resolve_data_config(model=vm.model)
+    assert tuple(dc["mean"]) == pytest.approx(CIFAR_MEAN) and tuple(dc["input_size"]) == (3, 16, 16)
+
+
+@pytest.mark.parametrize("name", LEARNERS)
+def test_bf16_step_gives_the_fp32_loss_within_tolerance(name, shapes, tiny_init):
+    """The same batch from the same weights: the loss of a bf16-autocast step is within 2% of the fp32
+    step's (bfloat16 keeps 8 bits of mantissa: each matmul is exact to about 0.4%), and both steps leave
+    finite fp32 weights."""
+    objective, _, task = name.partition("-")
+    kw = {"init": tiny_init, "task": task} if objective == "finetune" else SMALL_HEADS.get(objective, {})
+    losses, params = {}, {}
+    for precision in ("fp32", "bf16"):
+        obj = build_objective(objective, TINY, len(shapes.classes), seed=0, **kw)
+        opt, sched = make_optimizer(obj, TrainConfig(objective, "unused"), 10)
+        obj.train()
+        loss, _ = train_step(obj, opt, sched, _stream(obj, shapes).batch(0), 0, 10, 3.0, precision)
+        losses[precision] = float(loss)
+        params[precision] = [p.detach().clone() for p in obj.parameters()]
+    assert losses["bf16"] == pytest.approx(losses["fp32"], rel=0.02), losses
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in params["bf16"])
+    assert any(not torch.equal(a, b) for a, b in zip(params["fp32"], params["bf16"], strict=True))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 18 open: with the shipped DINO recipe the teacher's entropy still "
+                   "climbs towards uniform (log K) on tiny data, as it stayed near uniform (7.2 of 8.3) in zoo-dino; "
+                   "this test passes once a recipe makes the teacher sharpen (docs/ZOO.md, issue 18)")
+def test_dino_recipe_lowers_the_teacher_entropy_on_tiny_data():
+    """The shipped DINO hyper-parameters (head sizes scaled to the tiny ViT), 60 steps of batch 32 on 256
+    generated shapes: once centring has caught up with the teacher's output (its EMA, momentum 0.9, needs
+    about 20 steps), the teacher's mean entropy must fall, by at least 0.1 nats between steps 20-29 and
+    50-59 (the maximum, uniform output, is log 256 = 5.55)."""
+    data = synthetic_set(256, 0, TINY.img_size)
+    obj = build_objective("dino", TINY, len(data.classes), seed=0, **SMALL_HEADS["dino"])
+    n = 60
+    opt, sched = make_optimizer(obj, TrainConfig("dino", "unused"), n)
+    stream = _stream(obj, data)
+    obj.train()
+    ent = [train_step(obj, opt, sched, stream.batch(s), s, n, 3.0)[1]["teacher_entropy"] for s in range(n)]
+    early, late = sum(ent[20:30]) / 10, sum(ent[50:60]) / 10
+    assert late < early - 0.1, [round(e, 2) for e in ent]
+
+
+def test_the_bar_names_every_way_a_model_falls_short():
+    """Issue 18's bar: SSL best-block 20-NN >= random + 0.08 and probe >= random + 0.10, supervised
+    20-NN >= 0.60, and some block with mean attention distance <= 0.50 (uniform on 8x8: 0.591)."""
+    from vitscope.zoo.evaluate import passes_bar
+
+    rnd = {"best_knn20": 0.30, "best_probe": 0.36, "knn20_cls": 0.29, "min_attn_dist": 0.591}
+    good = {"best_knn20": 0.39, "best_probe": 0.47, "knn20_cls": 0.35, "min_attn_dist": 0.45}
+    assert passes_bar("dino", good, rnd) == []
+    weak = {**good, "best_knn20": 0.37, "best_probe": 0.45, "min_attn_dist": 0.58}
+    why = passes_bar("dino", weak, rnd)
+    assert len(why) == 3 and "knn20" in why[0] and "probe" in why[1] and "attention" in why[2]
+    sup = {"best_knn20": 0.59, "best_probe": 0.62, "knn20_cls": 0.58, "min_attn_dist": 0.40}
+    assert len(passes_bar("supervised", sup, rnd)) == 1
+    assert passes_bar("supervised", {**sup, "knn20_cls": 0.61, "best_knn20": 0.61}, rnd) == []

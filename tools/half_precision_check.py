@@ -17,20 +17,19 @@ from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
-import torch
 
 from vitscope.models import save_checkpoint
 from vitscope.models.load import read_vitscope_metadata
 from vitscope.study import load_config, run_study
 from vitscope.zoo.arch import ZooArch
 from vitscope.zoo.objectives import build_objective
-from vitscope.zoo.train import STATE_FILE, WEIGHTS_FILE
+from vitscope.zoo.train import STATE_FILE, WEIGHTS_FILE, load_state
 
 KEYS = ["metric", "layer", "head", "token_view", "tap", "tap_b", "layer_b", "index", "freq", "row", "col", "image"]
 
 
 def float32_encoder(run: Path, dst: Path) -> Path:
-    st = torch.load(run / STATE_FILE, map_location="cpu", weights_only=False)
+    st = load_state(run / STATE_FILE)
     cfg = st["config"]
     spec = read_vitscope_metadata(run / WEIGHTS_FILE)
     head = spec.model_kwargs.get("num_classes", 0) or 10

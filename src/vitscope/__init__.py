@@ -8,6 +8,7 @@
     vs.plot("vitscope-runs/default", "attention_distance")   # a report figure from a run, to restyle
 """
 
+import vitscope.threads  # noqa: F401 - first: sets OMP_WAIT_POLICY before torch starts its OpenMP runtime
 from vitscope import metrics
 from vitscope.capture import Capture, extract, stream
 from vitscope.errors import (

@@ -13,6 +13,7 @@ from vitscope.zoo.cli import add_zoo_parser
 EPILOG = """examples:
   vitscope models                               the model registry
   vitscope taps dino-b16                        every tap point of a model, with its shape
+  vitscope analyses                             every analysis: parameters, taps, data, sources
   vitscope run                                  the embedded default study (offline)
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
   vitscope datasets                             the dataset formats and what each provides
@@ -22,11 +23,24 @@ EPILOG = """examples:
 """
 
 
+def _arch_label(spec) -> str:  # noqa: ANN001 - ModelSpec
+    """The timm factory name, plus the real size when the entry overrides the factory's (the zoo's ViT is
+    built from vit_small_patch16_224 with 8 blocks x 96, patch 4, 32 px)."""
+    kw = spec.model_kwargs
+    size = [f"{kw['depth']} blocks" if "depth" in kw else "", f"x {kw['embed_dim']}" if "embed_dim" in kw else "",
+            f"{kw['num_heads']} heads" if "num_heads" in kw else "",
+            f"patch {kw['patch_size']}" if "patch_size" in kw else "",
+            f"{kw['img_size']} px" if "img_size" in kw else ""]
+    if not any(size[:2]):  # only the input size is overridden: the factory name says the architecture
+        return spec.timm_name
+    return f"{spec.timm_name} ({', '.join(p for p in size if p).replace(', x ', ' x ')})"
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from vitscope.models import list_specs
 
-    rows = [(s.name, s.timm_name, s.family, s.weights.kind, str(s.preprocessing.input_size), s.citation.split(",")[0])
-            for s in list_specs() if args.family in (None, s.family)]
+    rows = [(s.name, _arch_label(s), s.family, s.weights.kind, str(s.preprocessing.input_size),
+             s.citation.split(",")[0]) for s in list_specs() if args.family in (None, s.family)]
     head = ("name", "timm architecture", "family", "weights", "input", "citation")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *rows]:
@@ -52,6 +66,17 @@ def _cmd_taps(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_analyses(args: argparse.Namespace) -> int:
+    from vitscope.analyses import ANALYSES, get_analysis
+    from vitscope.analyses.catalog import describe, format_markdown, format_text
+
+    for name in args.names:
+        get_analysis(name)  # an unknown name: one sentence with the close matches
+    infos = [describe(n) for n in (args.names or ANALYSES)]
+    print(format_markdown(infos) if args.markdown else format_text(infos, full=bool(args.names)), end="")
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -64,7 +89,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
-    out = run_study(cfg, overwrite=args.overwrite)
+    try:
+        out = run_study(cfg, overwrite=args.overwrite)
+    except OSError as e:  # a write the cache did not already explain: the run directory's
+        from vitscope.study.cache import disk_error
+
+        err = disk_error(e, Path(cfg.output_dir))
+        if err is e:
+            raise
+        raise err from e
     if os.environ.get("RANK", "0") == "0":
         print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
     return 0
@@ -81,15 +114,24 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from vitscope.report import write_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise VitscopeError(f"{str(run_dir)!r} is not a directory: pass a run directory (the output_dir of a "
+                            "`vitscope run`)")
+    if not any((run_dir / "results").glob("*.parquet")):
+        raise VitscopeError(f"{str(run_dir)!r} holds no results/*.parquet, so there is nothing to report: pass "
+                            "the output_dir of a finished `vitscope run`")
     if args.export:
         from vitscope.report.export import export
 
-        files = export(args.run_dir, args.export, args.format, args.columns)
+        files = export(run_dir, args.export, args.format, args.columns)
         print(f"{len(files)} figures ({args.format}) in {args.export} (captions: {args.export}/figures.tsv)")
         return 0
-    from vitscope.report import write_report
-
-    print(write_report(args.run_dir))
+    print(write_report(run_dir))
     return 0
 
 
@@ -114,6 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("model", help="registry name, timm name, or a vitscope checkpoint file")
     t.add_argument("--weights", help="checkpoint to load (the architecture alone is enough for shapes)")
     t.set_defaults(func=_cmd_taps)
+
+    a = sub.add_parser("analyses", help="list the analyses: parameters, taps, data they need, sources",
+                       parents=[common])
+    a.add_argument("names", nargs="*", metavar="NAME", help="only these analyses, with their full description")
+    a.add_argument("--markdown", action="store_true", help="as the markdown of docs/analyses.md")
+    a.set_defaults(func=_cmd_analyses)
 
     r = sub.add_parser("run", help="run a study (the embedded default if no config is given)", parents=[common],
                        description="Run a study: each model once over the dataset, every analysis from that "

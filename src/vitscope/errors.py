@@ -4,6 +4,7 @@ wrong, and what to do about it, in one or two sentences."""
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 
 
@@ -37,6 +38,11 @@ class ConfigError(VitscopeError, ValueError):
     """A study config that does not validate."""
 
 
+class ResultWarning(UserWarning):
+    """A result was computed but means little: one class (every accuracy is 1.0, which is chance), fewer test
+    images than classes, a probe trained on a single class."""
+
+
 def close_matches(name: str, candidates: Iterable[str], n: int = 5) -> list[str]:
     """Closest names first; substring matches count as close too."""
     candidates = list(candidates)
@@ -54,3 +60,14 @@ def preview(names: Iterable[str], limit: int = 12) -> str:
     names = list(names)
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The gist of an exception for a one-sentence message: what a data-only unpickler refused, else the first
+    line of its text."""
+    text = str(e)
+    m = re.search(r"(?:unsupported global: GLOBAL|unsupported GLOBAL|it refers to) ([\w.]+)", text, re.IGNORECASE)
+    if m:
+        return f"it refers to {m.group(1)}, which is not data"
+    line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return line[:limit]

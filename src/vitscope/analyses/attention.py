@@ -679,7 +679,8 @@ class SaliencyIoU(_LayerAttention):
     needs = frozenset({"masks"})
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
-    def __init__(self, vm: Any, layers: Any = None, queries: Any = ("cls", "mean"), mass: float = 0.6):
+    def __init__(self, vm: Any, layers: Any = None, queries: str | Sequence[str] = ("cls", "mean"),
+                 mass: float = 0.6):
         super().__init__(vm, layers)
         queries = [queries] if isinstance(queries, str) else list(queries)
         bad = [q for q in queries if q not in ("cls", "mean")]

@@ -25,14 +25,17 @@ as representation inversion that cannot be computed from one model's activations
 
 from __future__ import annotations
 
+import inspect
+import types
+import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 import torch
 
-from vitscope.errors import VitscopeError, close_matches
+from vitscope.errors import ConfigError, VitscopeError, close_matches
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -84,6 +87,11 @@ class Analysis(ABC):
                 raise VitscopeError(f"{self.name}: layer {i} is out of range for a {self.depth}-block model")
             out.append(j)
         return out
+
+    def configure(self, dataset_classes: Mapping[str, Any] | None = None) -> None:
+        """Called by the study before the first pass with each input's class names (``{slot: classes}``), so
+        decisions that depend on the data (e.g. which readout can score it) fail at once; a no-op by default."""
+        return None
 
     @abstractmethod
     def required_taps(self) -> list[str]: ...
@@ -208,3 +216,109 @@ def get_analysis(name: str) -> type[Any]:
         raise VitscopeError(f"unknown analysis {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
                             + f" Available: {', '.join(sorted(ANALYSES))}.")
     return ANALYSES[name]
+
+
+# -- parameters: what a study config may pass to an analysis --------------------------------------------
+
+#: keys the study planner adds to an analysis's parameters itself (which dataset it runs on); not arguments
+PLANNER_KEYS = ("dataset", "pairs")  # read by the study planner (study/plan.py), not by the analysis
+
+
+def _planner_key(key: str) -> bool:
+    return key in PLANNER_KEYS or key.endswith("_dataset")
+
+
+def analysis_parameters(cls: type[Analysis]) -> dict[str, inspect.Parameter]:
+    """The parameters ``cls`` takes (its ``__init__`` after ``vm``), annotations resolved where they can be,
+    in signature order: ``{name: inspect.Parameter}`` (``.default``, ``.annotation``)."""
+    sig = inspect.signature(cls.__init__)
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation is left unchecked, not an error
+        hints = {}
+    out = {}
+    skip = 3 if getattr(cls, "pair", False) else 2  # self and the model (a pair analysis: both models)
+    for i, (name, p) in enumerate(sig.parameters.items()):
+        if i < skip or p.kind is inspect.Parameter.VAR_POSITIONAL:
+            continue
+        out[name] = p.replace(annotation=hints.get(name, Any)) if p.kind is not p.VAR_KEYWORD else p
+    return out
+
+
+def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> None:
+    """Check ``params`` (as a study config gives them) against what ``cls`` takes, without a model: every name
+    is a parameter of its ``__init__`` (the closest ones suggested otherwise) and every value has the
+    annotated type (ints for ``int``, numbers for ``float``, lists for ``Sequence[...]``; ``Any`` is not
+    checked). The planner's own keys (``dataset``, ``*_dataset``) are let through. Raises ConfigError in
+    one sentence; values that only a model can judge (a layer out of range) are checked when it is built."""
+    accepted = analysis_parameters(cls)
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    names = [n for n, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for key, value in (params or {}).items():
+        if _planner_key(str(key)):
+            continue
+        if key not in accepted:
+            if open_ended:
+                continue
+            hint = close_matches(str(key), names, n=3)
+            takes = f"takes {', '.join(names)}" if names else "takes none"
+            raise ConfigError(f"analysis {cls.name!r} has no parameter {key!r}"
+                              + (f"; did you mean {', '.join(hint)}? It {takes}." if hint else f"; it {takes}."))
+        tp = accepted[key].annotation
+        if not _conforms(value, tp):
+            raise ConfigError(f"parameter {key!r} of analysis {cls.name!r} must be {_describe(tp)}, "
+                              f"got {value!r} ({type(value).__name__})")
+
+
+def _union_args(tp: Any) -> tuple[Any, ...] | None:
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else None
+
+
+def _conforms(value: Any, tp: Any) -> bool:
+    if tp is Any or tp is inspect.Parameter.empty:
+        return True
+    alts = _union_args(tp)
+    if alts is not None:
+        return any(_conforms(value, a) for a in alts)
+    if tp is None or tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if origin in (Sequence, list, tuple):
+        item = args[0] if args else Any
+        return isinstance(value, list | tuple) and all(_conforms(v, item) for v in value)
+    if origin in (Mapping, dict):
+        k, v = args if len(args) == 2 else (Any, Any)
+        return isinstance(value, Mapping) and all(_conforms(a, k) and _conforms(b, v) for a, b in value.items())
+    try:
+        return isinstance(value, origin)
+    except TypeError:
+        return True
+
+
+def _describe(tp: Any) -> str:
+    alts = _union_args(tp)
+    if alts is not None:
+        return " or ".join(_describe(a) for a in alts)
+    if tp is None or tp is type(None):
+        return "null"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Any: "anything"}
+    if tp in names:
+        return names[tp]
+    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if origin in (Sequence, list, tuple):
+        inner = _describe(args[0]) if args else "anything"
+        return "a list" + ("" if inner == "anything" else f" of {inner.removeprefix('an ').removeprefix('a ')}s")
+    if origin in (Mapping, dict):
+        if len(args) == 2 and Any not in args:
+            k, v = (_describe(a).removeprefix("an ").removeprefix("a ") for a in args)
+            return f"a mapping of {k}s to {v}s"
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))

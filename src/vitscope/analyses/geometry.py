@@ -4,7 +4,7 @@ images occupy, and how much high-frequency amplitude the token maps carry [Park 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -14,6 +14,7 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import geometry as G
+from vitscope.threads import few_threads
 
 Z95 = 1.959964
 """Two-sided 95 % normal quantile: intervals of means over images are mean ± Z95 · stderr."""
@@ -31,7 +32,7 @@ class _PerTap(Analysis):
 
     _sums: tuple[str, ...] = ()
 
-    def __init__(self, vm: Any, taps: Any = "block*.out"):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
 
@@ -74,7 +75,8 @@ class SVDVolume(_PerTap):
     state_version = 2  # 2: per-image sums of squares of the token-level volume
     _sums = ("tok", "tvar", "ntok", "sx", "sxx", "tokvol", "tokvol_sq")
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", k: int = 32, seed: int = 0, token_every: int = 4):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", k: int = 32, seed: int = 0,
+                 token_every: int = 4):
         super().__init__(vm, taps)
         self.k, self.seed, self.token_every = int(k), int(seed), max(1, int(token_every))
         self.tok: dict[str, torch.Tensor] = {}  # sums over the token-level images (id % token_every == 0)
@@ -173,7 +175,7 @@ class Fourier(_PerTap):
     state_version = 3  # 1 kept whole (h, w) maps; 2 keeps their diagonal; 3 the high-frequency sums of squares
     _sums = ("amp", "high_sq")
 
-    def __init__(self, vm: Any, taps: Any = "block*.out"):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm, taps)
         self.amp: dict[str, torch.Tensor] = {}
         self.high_sq: dict[str, torch.Tensor] = {}  # sum over images of (Δ log amplitude at the highest freq.)²
@@ -262,21 +264,28 @@ class TSNE(Analysis):
         self.layers, self.n_images, self.kept = list(state["layers"]), int(state["n_images"]), dict(state["kept"])
 
     def finalize(self) -> pd.DataFrame:
+        size = sum(int(v[0][0].numel()) for v in self.kept.values())  # points x features of one layer
+        with few_threads(size):  # a few hundred points: one thread is as fast, and cannot wait for another
+            rows = self._embed()
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df
+
+    def _embed(self) -> list[dict[str, Any]]:
         from sklearn.manifold import TSNE as SkTSNE
 
         rows: list[dict[str, Any]] = []
         ids = sorted(self.kept)
-        if ids:
-            S = self.kept[ids[0]][0].shape[1]
-            for j, layer in enumerate(self.layers):
-                x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
-                perplexity = min(self.perplexity, (len(x) - 1) / 3)
-                emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
-                             max_iter=self.max_iter).fit_transform(x)
-                for r, (ex, ey) in enumerate(emb):
-                    img = ids[r // S]
-                    rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
-                                 "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
-        df = self.tidy(rows)
-        df["n_images"] = self.n_images
-        return df
+        if not ids:
+            return rows
+        S = self.kept[ids[0]][0].shape[1]
+        for j, layer in enumerate(self.layers):
+            x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
+            perplexity = min(self.perplexity, (len(x) - 1) / 3)
+            emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
+                         max_iter=self.max_iter).fit_transform(x)
+            for r, (ex, ey) in enumerate(emb):
+                img = ids[r // S]
+                rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
+                             "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
+        return rows

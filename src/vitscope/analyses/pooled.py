@@ -6,17 +6,22 @@ plus small per-row columns in RAM: image id, label, test-split flag. Resident me
 what the OS keeps in its page cache, not by the number of images, so k-NN, probes and k-means on tens of
 thousands of images need a few GB at most. `state_dict` hands out tensors over exactly the filled rows
 (no copy); the study cache writes them with `torch.save` and maps them back with ``torch.load(mmap=True)``.
+The file's blocks are reserved when it is created (``posix_fallocate``), so a full disk raises there.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from vitscope.files import disk_error
 
 _COLUMNS = ("ids", "labels", "is_test")
 
@@ -32,7 +37,13 @@ class _Matrix:
         fd, path = tempfile.mkstemp(prefix="vitscope-pooled-", dir=os.environ.get("VITSCOPE_TMPDIR"))
         try:
             with os.fdopen(fd, "wb") as f:
-                f.truncate(capacity * self.dim * 2)  # sparse: disk is used only as rows are written
+                f.truncate(capacity * self.dim * 2)
+                if hasattr(os, "posix_fallocate"):  # reserve the blocks now: a full disk is an error here, not a
+                    try:                            # SIGBUS when a row is written into the mapping later
+                        os.posix_fallocate(f.fileno(), 0, capacity * self.dim * 2)
+                    except OSError as e:
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise disk_error(e, Path(path).parent) from e
             return np.memmap(path, dtype=np.float16, mode="r+", shape=(capacity, self.dim))
         finally:
             try:

@@ -6,7 +6,8 @@ B.3) and with a binomial interval; across models, the agreement of the probes' p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -15,7 +16,9 @@ import torch
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
 from vitscope.capture.views import region_pool, region_weights, token_view
+from vitscope.errors import ResultWarning
 from vitscope.metrics import semantics as S
+from vitscope.threads import few_threads, single_threaded
 
 REGION_VIEWS = ("object", "part")  # rows per foreground object / per part: mask-weighted means of patch tokens
 
@@ -49,9 +52,11 @@ class Semantics(Analysis):
     state_version = 3
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
-    def __init__(self, vm: Any, layers: Any = None, views: Any = ("cls", "gap", "gap_spatial", "object", "part"),
-                 max_images: int = 5000, test_every: int = 5, ks: Any = (10, 20, 100, 200),
-                 kmeans: Any = ("cls", "gap_spatial", "object", "part"), probe: Any = ("cls", "gap_spatial"),
+    def __init__(self, vm: Any, layers: Any = None,
+                 views: str | Sequence[str] = ("cls", "gap", "gap_spatial", "object", "part"),
+                 max_images: int = 5000, test_every: int = 5, ks: Sequence[int] = (10, 20, 100, 200),
+                 kmeans: bool | str | Sequence[str] = ("cls", "gap_spatial", "object", "part"),
+                 probe: bool | str | Sequence[str] = ("cls", "gap_spatial"),
                  seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
@@ -148,6 +153,11 @@ class Semantics(Analysis):
                                num_classes=int(y.max()) + 1)[0]
 
     def finalize(self) -> pd.DataFrame:
+        largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
+        with few_threads(largest):  # probes and k-means of a few hundred rows: one thread, none spinning
+            return self._finalize()
+
+    def _finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
         n_test = {}
         gen = torch.Generator().manual_seed(self.seed)
@@ -157,9 +167,13 @@ class Semantics(Analysis):
                 continue
             y, test = t.column("labels"), t.column("is_test")
             n_test[v] = int(test.sum())
+            one_class = self._warn_if_meaningless(v, y, test)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
             feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
-            probes = self._probes(feats, y, test, v)
+            with warnings.catch_warnings():
+                if one_class:  # said once above, for every score
+                    warnings.filterwarnings("ignore", category=ResultWarning, message="linear probe")
+                probes = self._probes(feats, y, test, v)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
                 for metric, val in self._scores(x.float(), y, test, probe, v in self.kmeans_views).items():
@@ -168,6 +182,21 @@ class Semantics(Analysis):
         df["n_images"] = self.n_images
         df["n_test"] = df["token_view"].map(n_test)
         return df
+
+    def _warn_if_meaningless(self, view: str, y: torch.Tensor, test: torch.Tensor) -> bool:
+        """One ResultWarning per view whose scores cannot mean much; True when it has a single class."""
+        n_classes, n_test = len(torch.unique(y)), int(test.sum())
+        where = f"semantics: model {self.model_name!r}, view {view!r}"
+        if n_classes < 2:
+            warnings.warn(f"{where}: every row has the same label, so k-NN, the probe and k-means score 1.0 "
+                          "whatever the features (1.0 is chance here); use a dataset with at least two classes",
+                          ResultWarning, stacklevel=3)
+            return True
+        if n_test < n_classes:
+            warnings.warn(f"{where}: {n_test} test rows for {n_classes} classes, so some classes are never tested "
+                          f"and accuracies move in steps of {1 / max(n_test, 1):.2g}; use more images (or a smaller "
+                          "test_every)", ResultWarning, stacklevel=3)
+        return False
 
     def probe_logits(self, view: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
@@ -178,6 +207,7 @@ class Semantics(Analysis):
         return logits, y[test], ids[test]
 
     @classmethod
+    @single_threaded
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
         """Agreement of the last-layer probes of every pair of models on the same test images (each model's
         probe is fitted once, not once per pair)."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pandas as pd
@@ -237,7 +237,8 @@ class CKA(_GramAnalysis):
     state_version = 2  # 2: stderr columns (the cached tables lacked them)
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
 
-    def __init__(self, vm: Any, taps: Any = "block*.out", views: Any = ("cls", "gap"), batch_size: int = 32):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out",
+                 views: str | Sequence[str] = ("cls", "gap"), batch_size: int = 32):
         super().__init__(vm, batch_size)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         views = [views] if isinstance(views, str) else list(views)
@@ -317,7 +318,7 @@ class ResidualCKA(_GramAnalysis):
     state_version = 2  # 2: stderr columns (batch means, as `cka`)
     description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
 
-    def __init__(self, vm: Any, views: Any = ("cls", "gap_spatial"), batch_size: int = 32):
+    def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: int = 32):
         super().__init__(vm, batch_size)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]

@@ -1,9 +1,13 @@
 """One forward pass per (model, batch): hooks on the requested taps only, handed to accumulators.
 
-`Capture` is the context manager that owns the hooks (removed on exit, even on error) and switches
-timm's fused attention off only in the blocks whose ``attn`` tap is requested, so plain feature capture
-keeps the fast SDPA path. `extract` gathers taps for small interactive use; `stream` is the streaming
-driver that every study pass goes through.
+`Capture` is the context manager that owns the hooks (removed on exit, even on error) and runs every
+block with timm's eager attention (softmax of q k^T, then times v; the fused SDPA kernel is switched off
+for the pass and restored on exit). The ``attn`` tap needs the eager path, and the two paths differ by
+float rounding (~1e-7): using one path whatever taps are requested keeps every number independent of what
+else a pass captures (a CKA entry computed alone equals the one computed beside attention analyses, bit
+for bit). Each pass also checks that what it captured is finite, and names the first tap that is not.
+`extract` gathers taps for small interactive use; `stream` is the streaming driver that every study pass
+goes through.
 """
 
 from __future__ import annotations
@@ -64,14 +68,21 @@ class _StopForward(Exception):
     """Raised by the last needed hook: nothing after it is read, so the rest of the pass is skipped."""
 
 
+class NonFiniteError(VitscopeError, FloatingPointError):
+    """A model produced NaN or infinite activations (broken weights, or an overflow in half precision)."""
+
+
 class Capture:
     """Hooks for ``taps`` on ``vm``; calling it runs one forward pass and returns ``{tap: tensor}``.
 
     dtype: 'fp32' (default) or 'bf16'/'fp16' autocast; captured tensors are handed out as float32.
     stop_early: end the pass after the deepest requested tap (no head, no later blocks).
+    check_finite: raise `NonFiniteError` naming the model and the first tap (in forward order) holding a NaN or
+        an infinity (one reduction per tap and batch, one host sync per batch).
     """
 
-    def __init__(self, vm: ViTModel, taps: Sequence[str], dtype: str = "fp32", stop_early: bool = True):
+    def __init__(self, vm: ViTModel, taps: Sequence[str], dtype: str = "fp32", stop_early: bool = True,
+                 check_finite: bool = True):
         check_taps(list(taps), vm.taps)
         if dtype not in DTYPES:
             raise VitscopeError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
@@ -79,6 +90,8 @@ class Capture:
         self.taps = list(dict.fromkeys(taps))
         self.dtype = DTYPES[dtype]
         self.stop_early = stop_early
+        self.check_finite = check_finite
+        self.batches = 0  # forward passes run so far (named in a non-finite error)
         self._store: dict[str, torch.Tensor] = {}
         self._handles: list[Any] = []
         self._unfused: list[tuple[torch.nn.Module, bool]] = []
@@ -93,6 +106,10 @@ class Capture:
     def __enter__(self) -> Capture:
         tune_allocator()
         try:
+            for module in self.vm.model.modules():  # one attention path for every pass (see the module doc)
+                if getattr(module, "fused_attn", False) is True:
+                    self._unfused.append((module, True))
+                    module.fused_attn = False
             for tap in self.taps:
                 hp = self.vm.hook_point(tap)
                 if hp.needs_unfused is not None and getattr(hp.needs_unfused, "fused_attn", False):
@@ -144,9 +161,25 @@ class Capture:
                 pass
         out = dict(self._store)
         self._store.clear()
+        self.batches += 1
+        if self.check_finite and out:
+            self._check_finite(out)
         if self.dtype != torch.float32:
             out = {k: v.float() for k, v in out.items()}
         return out
+
+    def _check_finite(self, out: dict[str, torch.Tensor]) -> None:
+        """One sum per tap (NaN and inf survive a sum), one host sync; the slow exact test only on failure.
+        ``out`` is in forward order (hooks fire in that order), so the first failing tap is where it starts."""
+        sums = torch.stack([v.detach().float().sum() for v in out.values()])
+        if bool(torch.isfinite(sums).all()):
+            return
+        for tap, v in out.items():
+            if not bool(torch.isfinite(v).all()):
+                cast = "" if self.dtype == torch.float32 else " (it runs in half precision: try dtype=fp32)"
+                raise NonFiniteError(f"model {self.vm.name!r} produces non-finite activations (NaN or inf) from "
+                                     f"tap {tap} on, in batch {self.batches - 1} of this pass{cast}; its "
+                                     "weights are likely broken")
 
 
 def extract(

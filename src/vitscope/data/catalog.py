@@ -89,20 +89,40 @@ def _shapes(variant: str) -> Callable[[Any], Any]:
     return build
 
 
+_TILING = ("tiling", "tile_scale", "patch")
+
+
+def _tiled(ds: Any, tiling: dict[str, Any]) -> Any:
+    """Options ``tiling: true`` (``tile_scale``: short side = this x the model input, default 2; ``patch``: the
+    model's patch size, default 16): the dataset's items as dense tiles (`vitscope.data.tiling.TiledDataset`)."""
+    if not tiling.get("tiling"):
+        return ds
+    from vitscope.data.tiling import TiledDataset
+
+    return TiledDataset(ds, scale=int(tiling.get("tile_scale", 2)), patch=int(tiling.get("patch", 16)))
+
+
+def _split_tiling(o: dict[str, Any]) -> dict[str, Any]:
+    return {k: o.pop(k) for k in _TILING if k in o}
+
+
 def _videos(cfg: Any) -> Any:
     from vitscope.data.synthetic_tasks import SyntheticVideos
 
     o = _opts(cfg)
+    tiling = _split_tiling(o)
     n_frames = int(o.pop("n_frames", 16))
     n_videos = int(o.pop("n_videos", max(1, cfg.n_images // n_frames)))
-    return SyntheticVideos(n_videos=n_videos, n_frames=n_frames, seed=cfg.seed, size=cfg.size, **o)
+    return _tiled(SyntheticVideos(n_videos=n_videos, n_frames=n_frames, seed=cfg.seed, size=cfg.size, **o), tiling)
 
 
 def _pairs(cfg: Any) -> Any:
     from vitscope.data.synthetic_tasks import SyntheticPairs
 
     o = _opts(cfg)
-    return SyntheticPairs(n_pairs=int(o.pop("n_pairs", cfg.n_images)), seed=cfg.seed, size=cfg.size, **o)
+    tiling = _split_tiling(o)
+    return _tiled(SyntheticPairs(n_pairs=int(o.pop("n_pairs", max(1, cfg.n_images // 2))), seed=cfg.seed,
+                                 size=cfg.size, flat=bool(o.pop("flat", True)), **o), tiling)
 
 
 def _retrieval(cfg: Any) -> Any:
@@ -126,11 +146,11 @@ register_format(Format("synthetic-cue-conflict", _SHAPES_PROVIDE | {"cue_conflic
                        ("options",), "generated scenes: the shape of one class wearing the texture of another",
                        generated=True))
 register_format(Format("synthetic-videos", frozenset({"videos", "masks", "objects", "keypoints"}), _videos,
-                       ("options",), "generated videos (options: n_frames, n_videos; n_images = frames in all)",
-                       generated=True))
+                       ("options",), "generated videos (options: n_frames, n_videos, tiling; n_images = frames "
+                       "in all)", generated=True))
 register_format(Format("synthetic-pairs", frozenset({"pairs", "keypoints", "labels"}), _pairs, ("options",),
-                       "generated same-class image pairs with corresponding keypoints (n_images = pairs)",
-                       generated=True))
+                       "generated same-class image pairs with corresponding keypoints, flattened (item 2p source, "
+                       "2p + 1 target; n_images = images, 2 per pair; options: n_pairs, tiling)", generated=True))
 register_format(Format("synthetic-retrieval", frozenset({"retrieval"}), _retrieval, ("options",),
                        "generated instance retrieval: queries, database, easy / hard / junk ground truth "
                        "(options: views, n_queries, n_distractors)", generated=True))
@@ -185,16 +205,22 @@ def _davis(year: int) -> Callable[[Any], Any]:
     def build(cfg: Any) -> Any:
         from vitscope.data.formats import Davis
 
-        return Davis(_need_root(cfg, "the DAVIS folder (JPEGImages, Annotations, ImageSets)"), year=year,
-                     split=cfg.split or "val", **_opts(cfg))
+        o = _opts(cfg)
+        tiling = _split_tiling(o)
+        return _tiled(Davis(_need_root(cfg, "the DAVIS folder (JPEGImages, Annotations, ImageSets)"), year=year,
+                            split=cfg.split or "val", **o), tiling)
     return build
 
 
 def _spair(cfg: Any) -> Any:
     from vitscope.data.formats import SPair71k
 
-    return SPair71k(_need_root(cfg, "the SPair-71k folder (JPEGImages, PairAnnotation, ...)"),
-                    split=cfg.split or "test", **_opts(cfg))
+    o = _opts(cfg)
+    tiling = _split_tiling(o)
+    o.setdefault("flat", True)
+    o.setdefault("seed", cfg.seed)
+    return _tiled(SPair71k(_need_root(cfg, "the SPair-71k folder (JPEGImages, PairAnnotation, ...)"),
+                           split=cfg.split or "test", **o), tiling)
 
 
 def _revisited(which: str) -> Callable[[Any], Any]:
@@ -217,11 +243,12 @@ register_format(Format("partimagenet", frozenset({"labels", "masks", "parts"}), 
                        ("root", "annotations", "options"), "PartImageNet: images folder + COCO-style part json"))
 _VIDEO = frozenset({"videos", "masks", "objects"})
 register_format(Format("davis2016", _VIDEO, _davis(2016), ("root", "split", "options"),
-                       "DAVIS 2016 (single object) video segmentation"))
+                       "DAVIS 2016 (single object) video segmentation (options: tiling)"))
 register_format(Format("davis2017", _VIDEO, _davis(2017), ("root", "split", "options"),
-                       "DAVIS 2017 (multi-object palettes) video segmentation"))
+                       "DAVIS 2017 (multi-object palettes) video segmentation (options: tiling)"))
 register_format(Format("spair71k", frozenset({"pairs", "keypoints", "labels"}), _spair, ("root", "split", "options"),
-                       "SPair-71k keypoint correspondence pairs (split: trn | val | test)"))
+                       "SPair-71k keypoint correspondence pairs, flattened (split: trn | val | test; options: "
+                       "n_pairs = a sample drawn without replacement with the dataset's seed, tiling)"))
 register_format(Format("roxford5k", frozenset({"retrieval"}), _revisited("roxford5k"), ("root", "options"),
                        "revisited Oxford: gnd_roxford5k.pkl + jpg/"))
 register_format(Format("rparis6k", frozenset({"retrieval"}), _revisited("rparis6k"), ("root", "options"),
@@ -241,3 +268,26 @@ def describe() -> str:
     lines.append("Every format also takes n_images (at most this many items; whole videos / pairs), seed and size "
                  "(None = each model's input size).")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- robustness stimuli on disk
+
+def _cue_conflict(cfg: Any) -> Any:
+    from vitscope.data.formats import CueConflictFolder
+
+    return CueConflictFolder(_need_root(cfg, "the folder of shape-category folders of <shape><i>-<texture><j>.png"),
+                             **_opts(cfg))
+
+
+def _corrupted(cfg: Any) -> Any:
+    from vitscope.data.formats import CorruptedFolder
+
+    return CorruptedFolder(_need_root(cfg, "the ImageNet-C (<corruption>/<severity>/<class>/) or CIFAR-10-C "
+                                           "(<corruption>.npy, labels.npy) folder"), **_opts(cfg))
+
+
+register_format(Format("cue-conflict", frozenset({"labels", "cue_conflict"}), _cue_conflict, ("root", "options"),
+                       "cue-conflict images of Geirhos et al. (ICLR 2019): root/<shape>/<shape><i>-<texture><j>.png"))
+register_format(Format("corrupted", frozenset({"labels"}), _corrupted, ("root", "options"),
+                       "pre-corrupted images, ImageNet-C or CIFAR-10-C layout (options: corruptions, severities); "
+                       "scored by the corruptions analysis with the model's head"))

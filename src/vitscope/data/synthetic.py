@@ -632,4 +632,5 @@ class SyntheticShapes:
         for b in batches_of((self.sample(j, size) for j in ids[start:]), batch_size, preprocessing, keys):
             if keys:
                 b.extra["texture_labels"] = b.extra.pop("texture_label")
+            b.extra["class_names"] = self.classes
             yield b

@@ -9,11 +9,12 @@ All are deterministic for their seed and drawn at any resolution; each implement
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 import numpy as np
+import torch
 
 from vitscope.data.base import Batch, RetrievalSplit, Sample
 from vitscope.data.synthetic import (
@@ -29,6 +30,7 @@ from vitscope.data.synthetic import (
     sample_scene,
     to_sample,
 )
+from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
 _EXTENT = 1.2  # every shape lies within this radius of its centre, in object units
@@ -143,6 +145,14 @@ class SyntheticVideos:
         s = to_sample(self.scene(video, frame), size or self.size or 224, index=i)
         return replace(s, mask=s.objects > 0, parts=None, frame=frame, sequence=f"video{video:04d}")
 
+    def unit_bounds(self) -> list[int]:
+        """The first item of every video (a video is never split across shards or subsamples)."""
+        return [v * self.n_frames for v in range(self.n_videos)]
+
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        """Items drawn at ``size`` (for `vitscope.data.tiling.TiledDataset`)."""
+        return (self.sample(int(i), self.size or size) for i in indices)
+
     def sequence(self, video: int, size: int | None = None) -> list[Sample]:
         """Every frame of one video, in order."""
         return [self.sample(video * self.n_frames + t, size) for t in range(self.n_frames)]
@@ -163,19 +173,41 @@ class SyntheticPairs:
 
     Batches hold the source images; ``batch.extra['target']`` is the `Batch` of the target images, and
     keypoint row k is the same semantic keypoint in both (``extra['common']``: visible in both).
+
+    ``flat=True`` (the form a study pass needs: every image goes through the model): item 2p is the source and
+    2p + 1 the target of pair p, with ``extra['pair']``, ``extra['role']`` (0 source, 1 target) and
+    ``extra['category']`` (class names); `unit_bounds` keeps a pair together.
     """
 
     n_pairs: int = 64
     seed: int = 0
     size: int | None = None
     name: str = "synthetic-pairs"
+    flat: bool = False
 
     @property
     def classes(self) -> list[str]:
         return list(SHAPES)
 
     def __len__(self) -> int:
-        return self.n_pairs
+        return 2 * self.n_pairs if self.flat else self.n_pairs
+
+    def unit_bounds(self) -> list[int]:
+        """Flat: every pair's source item (a pair is one unit); else every item."""
+        return list(range(0, len(self), 2 if self.flat else 1))
+
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        """Flat items drawn at ``size`` with ``pair``, ``role`` and ``category`` (for tiling)."""
+        if not self.flat:
+            raise InputError("only flat pairs (flat=True) can be tiled")
+        last: tuple[int, tuple[Sample, Sample]] | None = None
+        for i in indices:
+            p, role = divmod(int(i), 2)
+            if last is None or last[0] != p:
+                last = (p, self.pair(p, self.size or size))
+            s = last[1][role]
+            yield replace(s, index=int(i), extra={**s.extra, "pair": p, "role": role,
+                                                  "category": SHAPES[s.label]})
 
     def pair(self, p: int, size: int | None = None) -> tuple[Sample, Sample]:
         size = size or self.size or 224
@@ -186,8 +218,12 @@ class SyntheticPairs:
 
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
                 indices: list[int] | None = None) -> Iterator[Batch]:
-        ids = list(range(self.n_pairs)) if indices is None else list(indices)
+        ids = list(range(len(self))) if indices is None else list(indices)
         size = self.size or preprocessing.input_size
+        if self.flat:
+            yield from flat_pair_batches(ids[start:], batch_size, preprocessing, lambda p: self.pair(p, size),
+                                         list(SHAPES))
+            return
         for i in range(start, len(ids), batch_size):
             pairs = [self.pair(p, size) for p in ids[i:i + batch_size]]
             src = next(batches_of(iter([a for a, _ in pairs]), len(pairs), preprocessing))
@@ -195,6 +231,26 @@ class SyntheticPairs:
             src.extra["target"] = trg
             src.extra["common"] = (src.keypoints[..., 2] > 0) & (trg.keypoints[..., 2] > 0)
             yield src
+
+
+def flat_pair_batches(ids: list[int], batch_size: int, preprocessing: Preprocessing,
+                      pair: Callable[[int], tuple[Sample, Sample]], classes: list[str]) -> Iterator[Batch]:
+    """Batches of flattened pairs: item i is side ``i % 2`` (0 source, 1 target) of pair ``i // 2``, with
+    ``extra['pair']``, ``extra['role']`` and ``extra['category']``; each pair is made once."""
+    cache: dict[int, tuple[Sample, Sample]] = {}
+
+    def samples() -> Iterator[Sample]:
+        for i in ids:
+            p, role = divmod(int(i), 2)
+            if p not in cache:
+                cache.clear()
+                cache[p] = pair(p)
+            s = cache[p][role]
+            yield replace(s, index=int(i), extra={**s.extra, "pair": p, "role": role})
+
+    for b in batches_of(samples(), batch_size, preprocessing, ("pair", "role")):
+        b.extra["category"] = [classes[int(c)] for c in b.labels] if b.labels is not None else None
+        yield b
 
 
 # ---------------------------------------------------------------- instance retrieval
@@ -341,12 +397,33 @@ class SyntheticRetrieval(RetrievalSplit):
         s.extra["role"] = "query" if i < self.n_queries else "database"
         return s
 
+    def unit_bounds(self) -> list[int]:
+        """One unit: the ground truth refers to every database image, so the split is never subsampled."""
+        return [0]
+
+    def raw_samples(self, indices: list[int], size: int) -> Iterator[Sample]:
+        return (self.sample(int(i), self.size or size) for i in indices)
+
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
                 indices: list[int] | None = None) -> Iterator[Batch]:
+        """Batches with ``extra['instance']`` and the retrieval layout: ``extra['query_index']`` /
+        ``extra['db_index']`` (-1 where it does not apply) and ``extra['gnd']`` (the query's easy / hard / junk
+        database indices, None for database images)."""
         ids = list(range(len(self))) if indices is None else list(indices)
         size = self.size or preprocessing.input_size
-        yield from batches_of((self.sample(j, size) for j in ids[start:]), batch_size, preprocessing,
-                              ("instance",))
+        for b in batches_of((self.sample(j, size) for j in ids[start:]), batch_size, preprocessing,
+                            ("instance",)):
+            yield with_retrieval_layout(b, self.n_queries, self.gnd)
+
+
+def with_retrieval_layout(b: Batch, n_queries: int, gnd: list[dict[str, list[int]]]) -> Batch:
+    """Add ``query_index``, ``db_index`` and ``gnd`` to a batch of a `RetrievalSplit` (items 0..n_queries-1
+    the queries, then the database)."""
+    idx = b.index.long()
+    b.extra["query_index"] = torch.where(idx < n_queries, idx, torch.full_like(idx, -1))
+    b.extra["db_index"] = torch.where(idx >= n_queries, idx - n_queries, torch.full_like(idx, -1))
+    b.extra["gnd"] = [gnd[i] if i < n_queries else None for i in idx.tolist()]
+    return b
 
 
 def medium_hard(gnd: list[dict[str, list[int]]]) -> dict[str, list[dict[str, list[int]]]]:
@@ -359,4 +436,4 @@ def medium_hard(gnd: list[dict[str, list[int]]]) -> dict[str, list[dict[str, lis
 
 
 __all__ = ["EASY_LIMITS", "JUNK_OCCLUDED", "SyntheticPairs", "SyntheticRetrieval", "SyntheticVideos", "VideoPlan",
-           "View", "difficulty", "medium_hard"]
+           "View", "difficulty", "flat_pair_batches", "medium_hard", "with_retrieval_layout"]

@@ -5,7 +5,8 @@ extra tile aligned to the image edge, and drop that tile's tokens that overlap t
 Every token of the resulting (H_tok, W_tok, D) grid comes from exactly one tile.
 
 Pure parts (no model): `tiling_size`, `plan_tiles`, `cut_tiles`, `assemble`. With a model:
-`dense_features`, which returns the grid with its pixel geometry back to the original image.
+`dense_features`, which returns the grid with its pixel geometry back to the original image. For a study
+pass: `TiledDataset`, a dataset whose batches are the tiles of its items (the dense analyses assemble them).
 """
 
 from __future__ import annotations
@@ -147,7 +148,9 @@ def _as_sample(image: Any) -> Any:
             raise InputError(f"expected a (3, H, W) image tensor in [0, 1]; got {tuple(image.shape)}")
         return Sample(image=image.permute(1, 2, 0).float().numpy())
     if hasattr(image, "convert"):
-        return Sample(image=np.asarray(image.convert("RGB")))
+        from vitscope.data.preprocess import to_rgb
+
+        return Sample(image=np.asarray(to_rgb(image)))
     arr = np.asarray(image)
     if arr.ndim != 3 or arr.shape[2] != 3:
         raise InputError(f"expected an (H, W, 3) image; got shape {arr.shape}")
@@ -178,3 +181,82 @@ def dense_features(vm: ViTModel, image: Any, tap: str | None = None, scale: int 
     if tokens.ndim != 3 or tokens.shape[1] != gh * gw:
         raise InputError(f"tap {tap!r} does not give one token per patch (shape {tuple(tokens.shape)})")
     return DenseFeatures(assemble(plan, tokens.reshape(len(plan.tiles), gh, gw, -1)), patch, plan, s.geometry)
+
+
+# ------------------------------------------------------------------------------------------------ tiled datasets
+
+
+class TiledDataset:
+    """A dataset's items as dense tiles, for a study pass (every tile goes through the model's forward).
+
+    Each item is drawn at its own resolution (generated sets at ``scale`` x the model input), resized by
+    `tiling_size` (short side ``scale`` x the input, long side a multiple of ``patch``; its annotations follow:
+    label maps nearest, keypoints and boxes scaled), normalised and cut by `plan_tiles`. A batch holds the tiles
+    of ``batch_size`` items (so batch b covers items [b * batch_size, (b + 1) * batch_size), as for an untiled
+    dataset); ``batch.index`` repeats each item's id for its tiles, and ``batch.extra['tiling']`` holds
+    ``patch``, ``tile`` and per item its ``plan``, ``first`` row in the batch and its annotations at the
+    resized resolution (``objects``, ``keypoints``, ``bbox``, ``label``, ``frame``, ``sequence`` and the
+    base's per-sample extras such as ``pair`` / ``role``; ``ref_size``: max(bbox h, w) scaled like the image).
+    The dense analyses assemble each item's token grid with `assemble`.
+
+    ``patch`` must be the model's patch size (the dataset does not know the model; an analysis whose model
+    has another patch size says so). The base must offer ``raw_samples(indices, size)``."""
+
+    def __init__(self, base: Any, scale: int = 2, patch: int = 16):
+        if not hasattr(base, "raw_samples"):
+            raise InputError(f"dataset {getattr(base, 'name', base)!r} cannot be tiled (it has no raw_samples)")
+        self.base, self.scale, self.patch = base, int(scale), int(patch)
+        self.name = base.name
+        self.classes = base.classes
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def unit_bounds(self) -> list[int]:
+        return self.base.unit_bounds() if hasattr(self.base, "unit_bounds") else list(range(len(self)))
+
+    def __getattr__(self, key: str) -> Any:  # gnd, n_queries, sequences, ... of the base
+        if key == "base":
+            raise AttributeError(key)
+        return getattr(self.base, key)
+
+    def batches(self, batch_size: int, preprocessing: Any, start: int = 0,
+                indices: list[int] | None = None) -> Any:
+        from vitscope.data.base import Batch
+        from vitscope.data.transforms import as_float, normalize, resize
+
+        tile = preprocessing.input_size
+        ids = list(range(len(self))) if indices is None else list(indices)
+        chunk: list[tuple[Any, TilePlan, torch.Tensor]] = []
+
+        def emit() -> Batch:
+            images = torch.cat([t for _, _, t in chunk])
+            index = torch.cat([torch.full((len(t),), int(s.index), dtype=torch.long) for s, _, t in chunk])
+            items, first = [], 0
+            for s, plan, t in chunk:
+                items.append({"index": int(s.index), "plan": plan, "first": first, "objects": _t(s.objects),
+                              "keypoints": _t(s.keypoints), "bbox": _t(s.bbox), "label": s.label,
+                              "frame": s.frame, "sequence": s.sequence, **s.extra})
+                first += len(t)
+            return Batch(images=images, index=index, extra={"tiling": {"patch": self.patch, "tile": tile,
+                                                                       "items": items}})
+
+        for s in self.base.raw_samples(ids[start:], self.scale * tile):
+            h, w = tiling_size(*s.size, tile, self.patch, self.scale)
+            r = resize(s, h, w, preprocessing.interpolation)
+            if s.bbox is not None:
+                b = np.asarray(s.bbox, np.float64)
+                r.extra = {**r.extra, "ref_size": float(max(b[2] - b[0], b[3] - b[1]) * abs(r.geometry.sx))}
+            x = normalize(torch.from_numpy(np.ascontiguousarray(as_float(r.image))).permute(2, 0, 1)[None],
+                          preprocessing)[0]
+            plan = plan_tiles(h, w, tile, self.patch)
+            chunk.append((r, plan, cut_tiles(x, plan)))
+            if len(chunk) == batch_size:
+                yield emit()
+                chunk = []
+        if chunk:
+            yield emit()
+
+
+def _t(a: Any) -> torch.Tensor | None:
+    return None if a is None else torch.as_tensor(np.asarray(a))

@@ -24,7 +24,7 @@ All functions are pure (no I/O); every accumulation is done in float64.
 import math
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ __all__ = [
     "rbf_cka",
 ]
 
-ArrayLike = torch.Tensor | np.ndarray
+ArrayLike = torch.Tensor | np.ndarray | Mapping[str, torch.Tensor]  # a mapping: `extract`'s dict for one tap
 
 #: Names accepted by :func:`cka` for ``estimator``.
 ESTIMATORS: tuple[str, ...] = ("minibatch", "full", "linear", "rbf")  # "full" and "linear": the same estimator
@@ -66,7 +66,19 @@ def _as_float_tensor(x: ArrayLike, name: str) -> torch.Tensor:
     Half-precision inputs are promoted to float32 (matrix products in fp16/bf16 are too lossy and not
     available on every device); integer and boolean inputs become float64.
     """
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if isinstance(x, Mapping):  # what `vitscope.extract` returns: {tap: (N, ...) tensor}
+        if len(x) != 1:
+            taps = ", ".join(repr(k) for k in list(x)[:4]) + (", ..." if len(x) > 4 else "")
+            raise ValueError(f"{name} is a dict of {len(x)} taps ({taps}); pass one tap's features, e.g. "
+                             f"{name}[{next(iter(x), 'block3.out')!r}], or extract a single tap")
+        x = next(iter(x.values()))
+    if not isinstance(x, torch.Tensor):
+        arr = np.asarray(x)
+        if arr.dtype == object:
+            raise ValueError(f"{name} must be numeric features of shape (N, D) or (N, T, D) (an array, a tensor, "
+                             f"or vitscope.extract's dict for one tap), got a {type(x).__name__} of mixed objects")
+        x = torch.as_tensor(arr)
+    t = x
     if t.is_complex():
         raise ValueError(f"{name} must be real-valued, got dtype {t.dtype}")
     if t.dtype in (torch.float32, torch.float64):
@@ -792,7 +804,8 @@ def cka(x: ArrayLike, y: ArrayLike, estimator: str = "minibatch", batch_size: in
     """CKA between two representations of the same ``N`` examples.
 
     Args:
-        x: ``(N, D)`` or ``(N, T, D)`` features, numpy array or torch tensor.
+        x: ``(N, D)`` or ``(N, T, D)`` features, numpy array or torch tensor, or what :func:`vitscope.extract`
+            returns for one tap (``{tap: tensor}``).
         y: features of the same examples in the same order (its ``D``/``T`` may differ from ``x``'s).
         estimator: ``"minibatch"`` (:func:`minibatch_cka`), ``"full"`` or its alias ``"linear"``
             (:func:`linear_cka`, biased full-batch) or ``"rbf"`` (:func:`rbf_cka`).

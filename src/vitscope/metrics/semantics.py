@@ -21,6 +21,8 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 
+from vitscope.errors import ResultWarning
+
 Tensor = torch.Tensor
 
 
@@ -74,12 +76,13 @@ def majority_rate(train_labels: Tensor, test_labels: Tensor, k: int = 1) -> floa
 
 def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
                  standardize: bool = True, weight_decay: float = 1e-4, max_iter: int = 100,
-                 num_classes: int | None = None) -> tuple[float, Tensor]:
+                 num_classes: int | None = None, warn: bool = True) -> tuple[float, Tensor]:
     """Multinomial logistic regression on the full training set: scikit-learn's L-BFGS solver with a fixed
     budget of ``max_iter`` iterations (deterministic), loss = mean cross-entropy + ``weight_decay`` x |W|^2.
     ``standardize``: features normalised with the training mean and std first (what a BatchNorm without
     affine parameters does at convergence). Returns (top-1 accuracy on the test set, (m, C) test
-    log-probabilities; classes absent from the training labels get a score below every other)."""
+    log-probabilities; classes absent from the training labels get a score below every other). A training set
+    of fewer than two classes warns (`ResultWarning`): the probe then predicts its one class everywhere."""
     c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
     x, xt = train.double().numpy(), test.double().numpy()
     if standardize:
@@ -88,6 +91,8 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     y = train_labels.numpy()
     scores = torch.full((len(xt), c), float("nan"), dtype=torch.float64)
     classes = np.unique(y)
+    if len(classes) < 2 and warn:
+        warn_single_class_probe(len(classes))
     if len(classes) == 1:  # nothing to fit: every test image gets the one class seen
         scores[:, int(classes[0])] = 0.0
     else:
@@ -105,8 +110,18 @@ def linear_probes(train: Sequence[Tensor], train_labels: Tensor, test: Sequence[
     layers of a model) -> (L top-1 accuracies, (L, m, C) test scores)."""
     if "num_classes" not in kw or kw["num_classes"] is None:
         kw["num_classes"] = int(max(train_labels.max(), test_labels.max())) + 1
+    n_classes = len(torch.unique(train_labels))
+    if n_classes < 2 and kw.pop("warn", True):
+        warn_single_class_probe(n_classes)  # once for all the feature sets
+    kw["warn"] = False
     out = [linear_probe(a, train_labels, b, test_labels, **kw) for a, b in zip(train, test, strict=True)]
     return [o[0] for o in out], torch.stack([o[1] for o in out])
+
+
+def warn_single_class_probe(n_classes: int) -> None:
+    warnings.warn(f"linear probe: its training set holds {n_classes} class{'es' if n_classes != 1 else ''}, so it "
+                  "predicts one class for every test image and its accuracy is that class's share of the test set, "
+                  "not a measure of the features", ResultWarning, stacklevel=3)
 
 
 def purity(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:

@@ -9,6 +9,7 @@ architecture arguments the checkpoint implies (e.g. MAE fine-tuned files pool wi
 from __future__ import annotations
 
 import argparse
+import pickle
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vitscope.errors import CheckpointError, preview
+from vitscope.errors import CheckpointError, first_line, preview
 
 Tensor = torch.Tensor
 
@@ -28,6 +29,7 @@ class Converted:
     format: str
     dropped: dict[str, str] = field(default_factory=dict)
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    resampled: list[str] = field(default_factory=list)  # already resampled by the converter
 
 
 @dataclass
@@ -64,6 +66,35 @@ class LoadReport:
 # --------------------------------------------------------------------------------------------------
 # Reading files
 
+def check_checkpoint_file(path: str | Path) -> None:
+    """Cheap checks that ``path`` can be a checkpoint, without reading its tensors: it exists, and it is a
+    safetensors file with a well-formed header or a PyTorch file (zip archive or pickle). CheckpointError
+    (one sentence) otherwise; `vitscope.study` runs this for every local file before any model loads."""
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if path.suffix == ".safetensors":
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            ok = 0 < n <= size - 8
+            if ok:
+                try:
+                    ok = isinstance(json.loads(f.read(n)), dict)
+                except ValueError:
+                    ok = False
+            if not ok:
+                raise CheckpointError(f"{str(path)!r} is not a valid safetensors file (its header does not parse); "
+                                      "the file is corrupt or truncated")
+            return
+    if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
+        raise CheckpointError(f"{str(path)!r} is not a checkpoint: neither a safetensors file nor a PyTorch file "
+                              "(zip archive or pickle); the file is corrupt, truncated or of another kind")
+
+
 def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
     """Load a checkpoint file (``.safetensors``, or a torch pickle read with ``weights_only``).
 
@@ -71,21 +102,45 @@ def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
     allowed. Anything else that needs full unpickling requires ``trust=True``.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file {str(path)!r} does not exist")
+    check_checkpoint_file(path)
     if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except SafetensorError as e:
+            raise CheckpointError(f"{str(path)!r} is not a valid safetensors file ({e}); the file is corrupt or "
+                                  "truncated") from e
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=not trust)
     except Exception as e:  # noqa: BLE001 - re-raised with a way out
-        if not trust and "weights_only" in str(e):
+        if not trust and isinstance(e, pickle.UnpicklingError) and ("is blocked" in str(e) or _runs_code(str(e))):
+            raise CheckpointError(f"{path.name} is not a checkpoint to load: {first_line(e)} (a name that can only "
+                                  "serve to run code)") from e
+        if not trust and isinstance(e, pickle.UnpicklingError) and "global" in str(e).lower():
             raise CheckpointError(
-                f"{path.name} holds Python objects beyond tensors; if you trust the file, pass "
-                "trust_checkpoint=True to unpickle it fully") from e
-        raise CheckpointError(f"could not read {str(path)!r} as a checkpoint: {e}") from e
+                f"{path.name} holds Python objects beyond tensors ({first_line(e)}); if you trust the file, pass "
+                "trust_checkpoint=True to load_model to unpickle it fully") from e
+        raise CheckpointError(f"could not read {str(path)!r} as a checkpoint ({type(e).__name__}: {first_line(e)}); "
+                              "the file is corrupt or truncated") from e
+
+
+# Modules whose names a checkpoint has no use for: their functions run code, files or processes (the names
+# exploits are built from). A checkpoint that refers to them gets no advice to trust it.
+_CODE_MODULES = {"builtins", "__builtin__", "os", "posix", "nt", "subprocess", "sys", "importlib", "runpy", "code",
+                 "codeop", "pty", "shutil", "socket", "pickle", "_pickle", "marshal", "ctypes", "types", "operator",
+                 "functools", "webbrowser", "platform", "io", "pathlib", "timeit", "multiprocessing", "asyncio",
+                 "threading", "signal", "tempfile", "glob", "inspect", "pdb", "bdb"}
+
+
+def _runs_code(message: str) -> bool:
+    m = re.search(r"GLOBAL ([\w.]+)", message)
+    if not m:
+        return False
+    module = m.group(1).rpartition(".")[0] or "builtins"  # torch names builtins without their module
+    return module.split(".")[0] in _CODE_MODULES
 
 
 def _tensor_dict(obj: Any) -> bool:
@@ -320,7 +375,7 @@ def load_into(model: torch.nn.Module, conv: Converted, source: str, strict: bool
     sd = _timm_filter(model, conv.state_dict)
     own = model.state_dict()
     report = LoadReport(source=source, format=conv.format, dropped=dict(conv.dropped))
-    report.resampled = [k for k in ("pos_embed", "patch_embed.proj.weight")
+    report.resampled = list(conv.resampled) + [k for k in ("pos_embed", "patch_embed.proj.weight")
                         if k in conv.state_dict and k in sd and conv.state_dict[k].shape != sd[k].shape]
     fits: dict[str, Tensor] = {}
     for k, v in sd.items():

@@ -1,4 +1,5 @@
-"""`load_model`: a registry name, any timm ViT name, or a local checkpoint -> `ViTModel`."""
+"""`load_model`: a registry name, any timm ViT name, a local checkpoint, or a transformers checkpoint
+(directory or hub id) -> `ViTModel`."""
 
 from __future__ import annotations
 
@@ -11,8 +12,16 @@ from typing import Any
 import timm
 import torch
 
-from vitscope.errors import UnknownModelError, VitscopeError, WeightsUnavailableError, close_matches
+from vitscope.errors import (
+    CheckpointError,
+    UnknownModelError,
+    VitscopeError,
+    WeightsUnavailableError,
+    close_matches,
+)
 from vitscope.models import checkpoints as ck
+from vitscope.models import fetch as net
+from vitscope.models import hf
 from vitscope.models.adapter import ViTModel
 from vitscope.models.registry import REGISTRY, ModelSpec, Preprocessing, WeightSource
 
@@ -37,11 +46,14 @@ def load_model(
     """Build a ViT and load its weights.
 
     name_or_path: a registry name (``vitscope models``), a timm model name (``vit_small_patch16_224``,
-        optionally with a pretrained tag), or a checkpoint file: vitscope's own store the architecture;
-        for others it is read off the tensor shapes (heads assumed 64-dimensional; override with
-        ``num_heads=``), or pass the timm name and ``weights=`` to be explicit.
+        optionally with a pretrained tag), a checkpoint file (vitscope's own store the architecture;
+        for others it is read off the tensor shapes, heads assumed 64-dimensional, override with
+        ``num_heads=``, or pass the timm name and ``weights=`` to be explicit), or a Hugging Face
+        `transformers` checkpoint: a directory with config.json (as ``save_pretrained`` writes it) or a hub
+        id such as ``facebook/dinov2-small`` (ViT, DeiT, DINOv2, CLIP, ViT-MAE, BEiT, Data2Vec-vision).
     weights: a local checkpoint (or URL) in any supported layout: timm, MoCo-v3, DINO, MAE, BEiT,
-        SimMIM; auto-detected, or forced with ``checkpoint_format``. Overrides the entry's own source.
+        SimMIM, or a transformers directory; auto-detected, or forced with ``checkpoint_format``.
+        Overrides the entry's own source.
     pretrained: fetch the entry's weights when ``weights`` is not given; False = random init (seeded).
     checkpoint_key: which network of a DINO training checkpoint to load ('teacher' or 'student').
     strict: refuse checkpoints that leave any weight at init or bring unknown keys.
@@ -52,10 +64,24 @@ def load_model(
         weights = name_or_path
     kwargs = {**spec.model_kwargs, **model_kwargs}
     report = None
-    if weights is not None:
+    if weights is None and pretrained and spec.weights.kind == "hf":
+        location = spec.weights.location
+        weights = location if Path(location).is_dir() else hf.fetch(location, spec.name)
+    if weights is not None and hf.is_model_dir(weights):  # transformers: the config decides the architecture
         source = str(weights)
-        ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
+        arch, conv, pre = hf.load_dir(source, spec.model_kwargs, model_kwargs)
+        spec = replace(spec, arch=arch, preprocessing=pre)
+        kwargs = conv.model_kwargs
+        model = _create(spec.arch, kwargs, seed)
+        report = ck.load_into(model, conv, source=Path(source).name, strict=strict)
+        log.info("%s: %s", spec.name, report.summary())
+    elif weights is not None:
+        source = str(weights)
         fmt = checkpoint_format if checkpoint_format != "auto" else spec.weights.checkpoint_format
+        if fmt == "hf":
+            raise CheckpointError(f"{spec.name} is a transformers checkpoint, which needs its config.json: pass the "
+                                  f"directory holding config.json and the weights, not {source!r}")
+        ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
         conv = ck.convert(ckpt, fmt, dino_key=checkpoint_key)
         if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
             arch, inferred, notes = ck.infer_architecture(conv.state_dict)
@@ -73,7 +99,7 @@ def load_model(
         model = _create_timm_pretrained(spec, kwargs)
         report = ck.LoadReport(source=spec.timm_name, format="timm (strict load by timm)")
         report.loaded = list(model.state_dict())
-    elif spec.weights.kind in ("url", "hf", "file"):
+    elif spec.weights.kind in ("url", "file"):
         path = _fetch(spec.weights.location, spec)
         if spec.weights.kind == "file":
             path = str(package_file(path))
@@ -105,18 +131,26 @@ def resolve_spec(name_or_path: str | Path) -> ModelSpec:
         if meta is None:  # architecture read off the tensors once the checkpoint is converted
             return ModelSpec(path.stem, "", "none", "unknown", WeightSource("file", str(path)))
         return meta
+    if path.is_dir():
+        if hf.is_model_dir(path):
+            return hf.spec_for(path, path.name, str(path))
+        raise VitscopeError(f"directory {name!r} has no config.json; vitscope reads transformers checkpoint "
+                            "directories (config.json and weights) or single checkpoint files")
     arch, _, tag = name.partition(".")
     if timm.is_model(arch):
         pre = _timm_preprocessing(name)
         source = WeightSource("timm", tag) if tag else WeightSource("timm", _default_tag(arch))
         return ModelSpec(name, arch, "none", "unknown", source, pre)
+    if hf.looks_like_hub_id(name):  # a transformers checkpoint on the hub: its config.json is enough here
+        return hf.spec_for(hf.fetch(name, name, weights=False), name, name)
     if path.suffix in (".pth", ".pt", ".tar", ".safetensors", ".bin") or "/" in name:
         raise VitscopeError(f"checkpoint file {name!r} does not exist")
     vit_names = [n for n in timm.list_models() if "vit" in n or "beit" in n]
     hint = close_matches(name, list(REGISTRY) + vit_names, n=5)
     raise UnknownModelError(
         f"unknown model {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else ".")
-        + " `vitscope models` lists the registry; any timm ViT name or a local checkpoint works too.")
+        + " `vitscope models` lists the registry; any timm ViT name, a local checkpoint or a transformers "
+          "checkpoint (directory or hub id) works too.")
 
 
 def _default_tag(arch: str) -> str:
@@ -138,17 +172,29 @@ def _timm_preprocessing(name: str) -> Preprocessing:
 
 
 def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
+    timm_kwargs, extra = hf.split_build_kwargs(kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
-            return timm.create_model(arch, pretrained=False, **kwargs)
+            return hf.finish_build(timm.create_model(arch, pretrained=False, **timm_kwargs), extra)
         except TypeError as e:
             raise VitscopeError(f"timm could not build {arch} with {kwargs}: {e}") from e
 
 
 def _create_timm_pretrained(spec: ModelSpec, kwargs: dict[str, Any]) -> torch.nn.Module:
+    """timm's own download, after a connection probe: offline, the hub cache only, failing in seconds."""
+    timm_kwargs, extra = hf.split_build_kwargs(kwargs)
+    overlay: dict[str, Any] = {}
+    reason, cached, url = net.timm_weights(spec.timm_name)
+    if reason is not None:
+        if cached is None:
+            raise WeightsUnavailableError(
+                f"{spec.name}: cannot download the {spec.timm_name} weights ({reason}) and they are not in the "
+                f"local cache; download {url} elsewhere and pass weights='/path/to/{Path(url).name}' "
+                "(or pretrained=False for random init).")
+        overlay["pretrained_cfg_overlay"] = {"file": cached}
     try:
-        return timm.create_model(spec.timm_name, pretrained=True, **kwargs)
+        return hf.finish_build(timm.create_model(spec.timm_name, pretrained=True, **overlay, **timm_kwargs), extra)
     except Exception as e:  # noqa: BLE001 - no network to the hub shows up as many exception types
         if isinstance(e, TypeError):  # bad model arguments, not a download problem
             raise
@@ -172,6 +218,10 @@ def _fetch(location: str, spec: ModelSpec) -> str:
     cached = Path(get_dir()) / "checkpoints" / Path(location.split("?")[0]).name
     if cached.is_file():
         return str(cached)
+    reason = net.unreachable(location)
+    if reason is not None:
+        raise WeightsUnavailableError(
+            f"{spec.name}: cannot download {location} ({reason}); {_LOCAL_HINT}, or place it at {cached}.")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         download_url_to_file(location, str(cached), progress=True)
@@ -204,10 +254,15 @@ def save_checkpoint(model: torch.nn.Module, path: str | Path, spec: ModelSpec, h
 def read_vitscope_metadata(path: Path) -> ModelSpec | None:
     if path.suffix != ".safetensors":
         return None
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), "pt") as f:
-        meta = f.metadata() or {}
+    ck.check_checkpoint_file(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+    except SafetensorError as e:
+        raise ck.CheckpointError(f"{str(path)!r} is not a valid safetensors file ({e}); the file is corrupt or "
+                                 "truncated") from e
     raw = meta.get("vitscope.spec")
     if raw is None:
         return None

@@ -28,6 +28,19 @@ ZOO_TIMM_ARCH = "vit_small_patch16_224"
 ZOO_ARCH_KWARGS = {"img_size": 32, "patch_size": 4, "embed_dim": 96, "depth": 8, "num_heads": 3}
 ZOO_PREPROCESSING_ARGS = (CIFAR10_MEAN, CIFAR10_STD, 32, 1.0, "bilinear")  # no resize or crop at 32 px
 
+
+def zoo_pretrained_cfg_overlay(img_size: int = 32, num_classes: int = 0) -> dict[str, Any]:
+    """timm ``pretrained_cfg_overlay`` of a zoo model: the preprocessing vitscope feeds it with.
+
+    Without it timm reports the factory's ImageNet-21k config (mean/std 0.5, 224 px, crop 0.9, a URL of
+    weights the zoo never used), so ``timm.data.resolve_data_config(model=m)`` would build the wrong input.
+    """
+    mean, std, _, crop, interp = ZOO_PREPROCESSING_ARGS
+    # lists, not tuples: the same value after the JSON round trip of a checkpoint's stored spec
+    return {"mean": list(mean), "std": list(std), "input_size": [3, img_size, img_size], "crop_pct": crop,
+            "crop_mode": "center", "interpolation": interp, "num_classes": num_classes, "url": "", "hf_hub_id": "",
+            "tag": "vitscope-zoo", "fixed_input_size": True}
+
 Family = Literal["explicit", "contrastive", "reconstructive", "hybrid", "none"]
 SourceKind = Literal["timm", "hf", "url", "file", "manual", "none"]
 
@@ -212,10 +225,33 @@ for _name, _objective, _family, _citation in [
     register(ModelSpec(
         _name, ZOO_TIMM_ARCH, _family, _objective,
         WeightSource("file", f"zoo/weights/{_objective}/encoder.safetensors", "timm"), _ZOO_PRE,
-        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _objective == "supervised" else 0}, citation=_citation,
+        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _objective == "supervised" else 0,
+         "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 10 if _objective == "supervised" else 0)},
+        citation=_citation,
         notes=f"vitscope controlled zoo, trained on CIFAR-10 (card: zoo/weights/{_objective}/card.json); "
               f"retrain: vitscope zoo train --objective {_objective} --out DIR"))
 register(ModelSpec(
     "zoo-random", ZOO_TIMM_ARCH, "none", "random init", WeightSource("none"), _ZOO_PRE,
-    {**ZOO_ARCH_KWARGS, "num_classes": 0}, citation="",
+    {**ZOO_ARCH_KWARGS, "num_classes": 0, "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 0)}, citation="",
     notes="the zoo's architecture, randomly initialised (seeded): what the architecture gives for free"))
+
+# Fine-tuned zoo models, the experiments of Merlin et al. on the zoo (docs/INVARIANCE.md): a contrastive
+# (MoCo v3), a masked-modelling (MAE) and the untrained start, fine-tuned on CIFAR-10 for classification
+# (encoder + 10-class head) or reconstruction (encoder). Folder zoo/weights/<init>-ft-<task>/: the final
+# encoder, its card and log, and for one run the per-epoch checkpoints (checkpoints/encoder_epochNNN).
+_MERLIN = "Merlin et al., What happens during finetuning of ViTs: an invariance based investigation (2023)"
+for _init, _task in [("mocov3", "cls"), ("mae", "cls"), ("random", "cls"), ("mocov3", "rec"), ("mae", "rec")]:
+    _start = ("--init zoo-random" if _init == "random"
+              else f"--init src/vitscope/zoo/weights/{_init}/encoder.safetensors")
+    register(ModelSpec(  # family and supervision as the fine-tuning trainer writes them into the file
+        f"zoo-{_init}-ft-{_task}", ZOO_TIMM_ARCH,
+        {"mocov3": "contrastive", "mae": "reconstructive", "random": "none"}[_init],
+        f"{_init}+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
+        WeightSource("file", f"zoo/weights/{_init}-ft-{_task}/encoder.safetensors", "timm"), _ZOO_PRE,
+        {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0,
+         "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 10 if _task == "cls" else 0)}, citation=_MERLIN,
+        notes=f"zoo-{_init} fine-tuned on CIFAR-10 ({'classification' if _task == 'cls' else 'reconstruction'}); "
+              f"train: vitscope zoo train --objective finetune {_start} --task "
+              f"{'classification' if _task == 'cls' else 'reconstruction'} --out DIR --epochs 8 "
+              "--epoch-views 10000 --threads 1, then tools/ship_zoo.py DIR "
+              f"{_init}-ft-{_task}"))

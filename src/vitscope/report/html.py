@@ -7,6 +7,7 @@ but the run directory: `vitscope report RUN_DIR` rebuilds it from the cached tab
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import io
 from pathlib import Path
@@ -14,9 +15,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from vitscope.files import write_atomic
 from vitscope.references import REFERENCES, SHORT
 from vitscope.report.run import Run, load_run
 from vitscope.report.summary import Study, summarize
+from vitscope.threads import single_threaded
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
 line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
@@ -117,6 +120,47 @@ def _findings(run: Run) -> list[str]:
     return rows
 
 
+def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str]:
+    """The best-layer summary of the dense downstream tasks: written to results/summary/best_layers.parquet
+    (derived from the tasks' tables, rebuilt with the report; in a subfolder, so the study's check that results/
+    holds exactly its analyses' tables is unaffected) and shown as a table and a task x model heat table."""
+    from vitscope.report.figures.dense import TASKS, best_layer_summary, summary_figure
+
+    tables = {p.stem: pd.read_parquet(p) for p in results if p.stem in TASKS}
+    summary = best_layer_summary(tables, models) if tables else pd.DataFrame()
+    if summary.empty:
+        return []
+    (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
+    summary.to_parquet(run_dir / "results" / "summary" / "best_layers.parquet", index=False)
+    shown = summary[["label", "model", "supervision", "best_layer", "token_view", "score", "last_layer_score",
+                     "random_init_score", "chance"]].rename(columns={"label": "task"})
+    out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",
+           "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
+           "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
+           "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
+           "and the task's chance level. Table: <code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
+    for title, fig in summary_figure(summary):
+        out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
+                   f"<figcaption>{_esc(title)}</figcaption></figure>")
+    return out
+
+
+@single_threaded  # drawing and small tables: nothing gains from a second thread, and none may spin
+def results_digest(run_dir: str | Path) -> dict[str, str]:
+    """``{table: sha256}`` of the run's results files: what `report_digest` of a report drawn from them says."""
+    files = sorted(Path(run_dir, "results").glob("*.parquet"))
+    return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+
+
+def report_digest(run_dir: str | Path) -> dict[str, str]:
+    """``{table: sha256}`` of the results files the run's report.html was drawn from ({} without a report)."""
+    import re
+
+    f = Path(run_dir, "report.html")
+    text = f.read_text(encoding="utf-8") if f.is_file() else ""
+    return dict(re.findall(r"data-table='([^']*)' data-sha256='([0-9a-f]{64})'", text))
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -151,27 +195,30 @@ def write_report(run_dir: str | Path) -> Path:
                          f"<td>{_esc(m.get('load_report', ''))}</td>"
                          f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-    skipped = manifest.get("skipped_images") or []
-    if isinstance(skipped, dict):
-        skipped = [x for v in skipped.values() for x in v]
-    if skipped:
-        parts.append(f"<p class='muted'>{len(skipped)} unreadable images were skipped (see manifest.json).</p>")
+    parts += _dense_summary(run_dir, [run_dir / "results" / f"{n}.parquet" for n in names], models)
+    skipped = manifest.get("skipped_images") or {}
+    if isinstance(skipped, list):  # manifests written before datasets were named
+        skipped = {"dataset": skipped}
+    for name, items in skipped.items():
+        parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
+                     "manifest.json).</p>")
     for name, df in run.tables.items():
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
-        parts.append(_table(key_numbers(df)))
+        own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
+        parts.append(_table(own(df) if callable(own) else key_numbers(df)))
         for title, fig in run.figures(name):
             parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
-        parts.append(f"<p class='muted'>All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')"
-                     f"</code>; redraw any figure with <code>vitscope.plot(run_dir, '{_esc(name)}')</code>, or write "
-                     "them all for a paper with <code>vitscope report RUN_DIR --export DIR --format pdf</code>.</p>")
+        # drawn from exactly the bytes whose digest is here (results_digest)
+        parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
+                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>; redraw "
+                     f"any figure with <code>vitscope.plot(run_dir, '{_esc(name)}')</code>, or write them all for a "
+                     "paper with <code>vitscope report RUN_DIR --export DIR --format pdf</code>.</p>")
     parts.append("<h2 id='references'>References</h2><ul class='refs'>"
                  + "".join(f"<li><b>{_esc(SHORT[k])}</b>: {_esc(v)}</li>" for k, v in REFERENCES.items()) + "</ul>")
     parts.append("</body></html>")
     out = run_dir / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text("\n".join(parts), encoding="utf-8")
-    tmp.replace(out)
+    write_atomic(out, lambda f: f.write("\n".join(parts).encode("utf-8")))
     return out

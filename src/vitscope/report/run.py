@@ -3,6 +3,8 @@ manifest, and the figure context (model order, untrained models, the other table
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,6 +30,7 @@ class Run:
     path: Path
     manifest: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # sha256 of the bytes each table was read from
 
     @property
     def models(self) -> list[str]:
@@ -63,4 +66,9 @@ def load_run(run_dir: str | Path) -> Run:
     manifest = json.loads(mf.read_text()) if mf.is_file() else {}
     order = {name: i for i, name in enumerate(ANALYSES)}
     files = sorted((path / "results").glob("*.parquet"), key=lambda p: (order.get(p.stem, len(order)), p.stem))
-    return Run(path, manifest, {p.stem: pd.read_parquet(p) for p in files})
+    run = Run(path, manifest)
+    for p in files:
+        raw = p.read_bytes()  # one read: the table and its digest come from the same bytes
+        run.tables[p.stem] = pd.read_parquet(io.BytesIO(raw))
+        run.digests[p.stem] = hashlib.sha256(raw).hexdigest()
+    return run

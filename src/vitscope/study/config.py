@@ -9,10 +9,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from vitscope.errors import ConfigError, VitscopeError
+from vitscope.errors import ConfigError, VitscopeError, close_matches
 
 
 @dataclass
@@ -20,8 +21,8 @@ class ModelConfig:
     name: str = ""                         # registry name, timm name, or checkpoint file
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
-    pretrained: bool = True
-    checkpoint_format: str = "auto"
+    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded)
+    checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit or simmim
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
     finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
@@ -46,18 +47,19 @@ class DatasetConfig:
 
 @dataclass
 class StudyConfig:
-    models: list[ModelConfig] = field(default_factory=list)
+    models: list[ModelConfig] = field(default_factory=list)  # the models to compare (see ModelConfig)
     dataset: DatasetConfig | None = None   # shorthand for one dataset, named after its format
-    datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets
-    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)
-    batch_size: int = 32
-    device: str = "cpu"
-    dtype: str = "fp32"
-    seed: int = 0
-    output_dir: str = "vitscope-runs/study"
-    cache_dir: str | None = None           # shared across studies (default: see study/cache.py)
+    datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets (see DatasetConfig)
+    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters; `dataset: NAME` picks
+    #                                       its dataset (`vitscope analyses` lists names and parameters)
+    batch_size: int = 32                   # images per forward pass (and per id chunk: the unit of resume)
+    device: str = "cpu"                    # cpu, cuda, cuda:1, ...
+    dtype: str = "fp32"                    # fp32, bf16 or fp16 forward passes
+    seed: int = 0                          # seeds views (perturbations) and random choices of analyses
+    output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
+    cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
-    progress: bool = True
+    progress: bool = True                  # progress bars
 
 
 def default_config_path() -> Path:
@@ -68,16 +70,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     """Merge the YAML file (the embedded default if None) and dotlist overrides into a validated config.
 
     Overrides are ``key=value`` (OmegaConf dotlist, e.g. ``analyses.cka.views=[gap]``) or ``~key`` to remove
-    an entry (e.g. ``~analyses.cka``)."""
+    an entry (e.g. ``~analyses.cka``). Every error is one ConfigError sentence; nothing is loaded."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
+    overrides = list(overrides or [])
+    removals = [o[1:] for o in overrides if o.startswith("~")]
     try:
-        overrides = list(overrides or [])
-        removals = [o[1:] for o in overrides if o.startswith("~")]
         schema = OmegaConf.structured(StudyConfig)
-        cfg = OmegaConf.merge(schema, OmegaConf.load(path),
-                              OmegaConf.from_dotlist([o for o in overrides if not o.startswith("~")]))
+        loaded = _yaml(lambda: OmegaConf.load(path), path.name)
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(f"{path.name} must hold a mapping of settings (models, dataset, analyses, ...)")
+        cfg = OmegaConf.merge(schema, loaded)
+        for o in overrides:  # one at a time, by path, so list items can be set too (models.0.weights=...)
+            if o.startswith("~"):
+                continue
+            key, eq, _ = o.partition("=")
+            if not eq or not key.strip():
+                raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to remove an entry)")
+            value = OmegaConf.select(_yaml(lambda o=o: OmegaConf.from_dotlist([o]), "the overrides"), key.strip())
+            OmegaConf.update(cfg, key.strip(), value, merge=True)
         for key in removals:  # Hydra-style `~analyses.cka` removes an entry
             parent, _, leaf = key.rpartition(".")
             node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -87,28 +99,132 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         obj: StudyConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config {path.name}: {e}".replace("\n", "; ")) from e
-    if not obj.models:
+    validate(obj)
+    return obj
+
+
+def _yaml(load: Any, what: str) -> Any:
+    """``load()``, a YAML syntax error turned into one sentence saying where."""
+    try:
+        return load()
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"invalid YAML in {what}{where}: {problem}") from None
+
+
+# load_model's own arguments: a study sets them through the model's fields, or not at all (trust_checkpoint
+# unpickles arbitrary objects: only a program may ask for that, never a config file)
+_LOAD_ARGS = {"weights": "weights", "pretrained": "pretrained", "checkpoint_format": "checkpoint_format",
+              "seed": "seed", "device": "the top-level `device`", "trust_checkpoint": None, "strict": None,
+              "checkpoint_key": None, "name_or_path": "name"}
+
+
+def validate(cfg: StudyConfig) -> None:
+    """The checks that need nothing but the config (`load_config` runs them; so does `preflight`, for configs
+    built in code): ConfigError in one sentence."""
+    if not cfg.models:
         raise ConfigError("the config lists no models: add at least one under `models:`")
-    obj.models = expand_models(obj.models)
-    labels = [m.label or m.name for m in obj.models]
+    cfg.models = expand_models(cfg.models)
+    labels = [m.label or m.name for m in cfg.models]
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
         raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
-    if obj.batch_size < 1 or any(d.n_images < 1 for d in study_datasets(obj).values()):
+    for i, m in enumerate(cfg.models):
+        for key in m.kwargs or {}:
+            if key in _LOAD_ARGS:
+                field_ = _LOAD_ARGS[key]
+                raise ConfigError(f"models[{i}].kwargs.{key}: kwargs are timm.create_model arguments; "
+                                  + (f"set {field_} instead" if field_ else f"{key} cannot be set from a study "
+                                     "config (call vitscope.load_model in code for that)"))
+    if cfg.batch_size < 1 or any(d.n_images < 1 for d in study_datasets(cfg).values()):
         raise ConfigError("batch_size and every dataset's n_images must be at least 1")
-    from vitscope.analyses import ANALYSES, get_analysis
+    if cfg.save_every < 1:
+        raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
+                          f"got {cfg.save_every}")
+    from vitscope.capture.engine import DTYPES
 
-    if not obj.analyses:
+    if cfg.dtype not in DTYPES:
+        hint = close_matches(cfg.dtype, DTYPES, n=2)
+        raise ConfigError(f"unknown dtype {cfg.dtype!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
+                          + f" Choose one of {', '.join(DTYPES)}.")
+    try:
+        import torch
+
+        torch.device(cfg.device)
+    except (RuntimeError, ValueError) as e:
+        raise ConfigError(f"device {cfg.device!r} is not a device name (cpu, cuda, cuda:1, mps, ...): {e}") from None
+    from vitscope.analyses import ANALYSES, get_analysis
+    from vitscope.analyses.base import validate_params
+
+    if not cfg.analyses:
         raise ConfigError(f"the config lists no analyses; available: {', '.join(sorted(ANALYSES))}")
-    for name in obj.analyses:
+    for name, params in cfg.analyses.items():
         try:
-            get_analysis(name)
+            validate_params(get_analysis(name), params or {})
         except VitscopeError as e:
             raise ConfigError(f"analyses.{name}: {e}") from None
     from vitscope.study.plan import make_plan
 
-    make_plan(obj)  # datasets matched with analyses, views and relations checked: before any model loads
-    return obj
+    make_plan(cfg)  # datasets matched with analyses, views and relations checked: before any model loads
+
+
+def preflight(cfg: StudyConfig) -> None:
+    """What can be checked about the machine before any model loads (`run_study` calls it first): the config
+    itself (`validate`), the device, every model name and local checkpoint file, and that the output and
+    cache directories can be written to (both are created). ConfigError in one sentence."""
+    validate(cfg)
+    import torch
+
+    dev = torch.device(cfg.device)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        raise ConfigError(f"device {cfg.device!r} was asked for but this machine has {n} usable CUDA GPU(s); "
+                          "set device=cpu" + (f" or cuda:0..{n - 1}" if n else ""))
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {cfg.device!r} was asked for but MPS is not available here; set device=cpu")
+    from vitscope.models import checkpoints as ck
+    from vitscope.models.load import resolve_spec
+
+    for i, m in enumerate(cfg.models):
+        try:
+            for f in (m.name, m.weights):
+                if f and "://" not in str(f) and Path(str(f)).is_file():
+                    ck.check_checkpoint_file(f)
+            if m.weights and "://" not in m.weights and not Path(m.weights).is_file():
+                raise ConfigError(f"weights file {m.weights!r} does not exist")
+            resolve_spec(m.name)
+        except VitscopeError as e:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+    from vitscope.study.cache import default_cache_dir
+
+    out = Path(cfg.output_dir)
+    check_writable(out, "output_dir")
+    cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(out)
+    check_writable(cache, "the cache directory", mode=0o700)
+    if cache.stat().st_mode & 0o002:
+        import warnings
+
+        warnings.warn(f"the cache directory {str(cache)!r} is writable by every user: entries others put there "
+                      "would be read as results (never run); prefer a private cache_dir", stacklevel=2)
+
+
+def check_writable(d: Path, what: str, mode: int = 0o777) -> None:
+    """Create ``d`` if needed and write (then remove) a file in it: ConfigError in one sentence if that fails."""
+    import os
+
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{what} {str(d)!r} is a file, not a directory; choose another path")
+    probe = d / f".vitscope-write-check-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True, mode=mode)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"{what} {str(d)!r} cannot be written to ({reason}); choose a writable directory"
+                          ) from None
 
 
 def study_datasets(cfg: StudyConfig) -> dict[str, DatasetConfig]:
@@ -166,3 +282,33 @@ def _checkpoint_files(spec: Any) -> list[str]:
 
 def to_yaml(cfg: StudyConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def schema_markdown() -> str:
+    """Every key of a study YAML with its type, default and meaning, read off the dataclasses above (the
+    comment beside each field is its documentation): docs/CONFIG.md is this text, checked by a test."""
+    import dataclasses
+    import inspect
+
+    out = ["# Study configuration", "",
+           "Every key of a study YAML (`vitscope run study.yaml key=value ...`), generated from the dataclasses in "
+           "`src/vitscope/study/config.py` (`python tools/config_schema.py > docs/CONFIG.md`; a test keeps the two "
+           "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
+           ""]
+    for cls, where in ((StudyConfig, "top level"), (ModelConfig, "each entry of `models:`"),
+                       (DatasetConfig, "`dataset:` and each entry of `datasets:`")):
+        comments = {}
+        for line in inspect.getsource(cls).splitlines():
+            m = re.match(r"\s+(\w+): .*?#\s*(.*)$", line)
+            if m:
+                comments[m.group(1)] = m.group(2)
+        default = cls()
+        out += [f"## {cls.__name__} ({where})", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            value = getattr(default, f.name)
+            shown = "required" if value in ("", "???") and f.name == "name" and cls is ModelConfig else repr(value)
+            typ = str(f.type).replace("|", "or")
+            out.append(f"| `{f.name}` | {typ} | `{shown}` | {comments.get(f.name, '').replace('|', 'or')} |")
+        out.append("")
+    return "\n".join(out)
+

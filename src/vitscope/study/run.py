@@ -21,6 +21,7 @@ import logging
 import math
 import platform
 import shutil
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -36,11 +37,12 @@ from vitscope.capture import stream
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
 from vitscope.errors import ConfigError, InputError
+from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import resolve_spec
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
-from vitscope.study.config import StudyConfig, to_yaml
+from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
 
@@ -87,6 +89,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run). A directory holding another config's results is
     refused unless ``overwrite``."""
+    preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
     plan = make_plan(cfg)
     out = Path(cfg.output_dir)
@@ -140,11 +143,14 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     results_key = digest(config_key, sorted(mkeys.values()))
     previous = _read_manifest(out)
     unchanged = n_jobs == total and previous.get("results_key") == results_key and previous.get("report_done") \
-        and (out / "report.html").is_file() and _tables_match(out, frames)
+        and (out / "report.html").is_file() and _tables_match(out, frames) and _report_is_of(out)
     if total:
-        log.info("%d of %d analyses read from the cache", n_jobs, total)
+        _say(cfg, dist, f"{n_jobs} of {total} analyses (models x analyses) read from the cache")
     timings: dict[str, Any] = {}
-    if not unchanged:
+    if unchanged:
+        _say(cfg, dist, f"results and report unchanged: {out} holds this study's")
+    else:
+        _say(cfg, dist, f"cross-model stage and tables: {len(by_analysis)} analyses")
         t0 = time.perf_counter()
         epochs = {label_of(m): m.epoch for m in plan.models if m.epoch is not None}
         for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
@@ -157,10 +163,11 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     manifest["report_done"] = bool(unchanged)
     _write_json(out / "manifest.json", manifest)
-    (out / "config.yaml").write_text(to_yaml(cfg))
+    write_atomic(out / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
 
+        _say(cfg, dist, f"report: {len(frames)} tables")
         t0 = time.perf_counter()
         write_report(out)
         timings["report"] = round(time.perf_counter() - t0, 2)
@@ -236,6 +243,13 @@ def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict
         tmp.rename(old)
     for stale in out.glob(".results-*"):  # leftovers of a killed run
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def _report_is_of(out: Path) -> bool:
+    """report.html was drawn from exactly the tables in results/ (it records their digests)."""
+    from vitscope.report.html import report_digest, results_digest
+
+    return report_digest(out) == results_digest(out)
 
 
 def _tables_match(out: Path, frames: dict[str, list[pd.DataFrame]]) -> bool:
@@ -451,6 +465,8 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         for job in todo:
             job.analysis = job.plan.cls(vm, **job.plan.params)
             _relate(job.analysis, job.plan, mc)
+            job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
+                                    for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
             if part is not None and part.get("chunks") == _chunk_signature(job, sources):
                 job.analysis.load_state_dict(part["state"])
@@ -653,3 +669,8 @@ def _versions() -> dict[str, str]:
     return {"vitscope": __version__, "torch": torch.__version__, "timm": timm.__version__,
             "python": platform.python_version()}
 
+
+def _say(cfg: StudyConfig, dist: Dist, msg: str) -> None:
+    """One progress line on stderr (beside the per-model bars; off with -q / progress=false)."""
+    if cfg.progress and dist.is_main:
+        print(msg, file=sys.stderr, flush=True)

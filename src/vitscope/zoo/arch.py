@@ -29,6 +29,7 @@ from vitscope.models.registry import (
     ZOO_PREPROCESSING_ARGS,
     ZOO_TIMM_ARCH,
     Preprocessing,
+    zoo_pretrained_cfg_overlay,
 )
 
 TIMM_ARCH = ZOO_TIMM_ARCH  # the timm entry point; every size argument is overridden below
@@ -45,13 +46,18 @@ class ZooArch:
     depth: int = 8
     num_heads: int = 3
     mlp_ratio: float = 4.0
+    # "learned": timm's learnable position embedding; "sincos": fixed 2-D sine-cosine positions (MoCo v3,
+    # MAE), set at init and not trained; the exported ViT is the same timm model either way
+    pos_embed: str = "learned"
 
     def kwargs(self, num_classes: int = 0) -> dict[str, Any]:
         """timm keyword arguments (also what the exported checkpoint's ModelSpec stores)."""
-        kw: dict[str, Any] = {k: v for k, v in asdict(self).items() if k != "mlp_ratio"}
+        kw: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("mlp_ratio", "pos_embed")}
         if self.mlp_ratio != 4.0:
             kw["mlp_ratio"] = self.mlp_ratio
         kw["num_classes"] = num_classes
+        # timm's data config of the model = the zoo's preprocessing (not the factory's ImageNet config)
+        kw["pretrained_cfg_overlay"] = zoo_pretrained_cfg_overlay(self.img_size, num_classes)
         return kw
 
     @property
@@ -88,6 +94,12 @@ def build_encoder(arch: ZooArch = ZOO_ARCH, num_classes: int = 0) -> VisionTrans
 
     model = timm.create_model(TIMM_ARCH, pretrained=False, **arch.kwargs(num_classes))
     check_encoder(model)
+    if arch.pos_embed == "sincos":
+        with torch.no_grad():
+            model.pos_embed.copy_(sincos_pos_embed(arch.embed_dim, arch.grid, cls=True))
+        model.pos_embed.requires_grad_(False)
+    elif arch.pos_embed != "learned":
+        raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {arch.pos_embed!r}")
     return model
 
 

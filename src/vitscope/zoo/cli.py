@@ -50,6 +50,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if args.objective not in objectives:
             raise VitscopeError(f"--{key.replace('_', '-')} applies to {', '.join(objectives)}, not {args.objective}")
         okw[key] = value
+    for item in args.set:  # any other objective hyper-parameter, KEY=VALUE (VALUE read as JSON, else a string)
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise VitscopeError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            okw[key.replace("-", "_")] = json.loads(raw)
+        except json.JSONDecodeError:
+            okw[key.replace("-", "_")] = raw
     if args.objective == "finetune" and "init" not in okw:
         raise VitscopeError("finetune needs --init: a zoo checkpoint (encoder.safetensors) or a model name")
     cfg = TrainConfig(
@@ -57,7 +65,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         epoch_views=args.epoch_views, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
         arch=_arch_overrides(args.arch), objective_kwargs=okw, knn_every=args.knn_every, knn_train=args.knn_train,
         knn_test=args.knn_test, ckpt_minutes=args.ckpt_minutes, save_epochs=args.save_epochs,
-        synthetic_n=tuple(args.synthetic_n), progress=not args.no_progress)
+        synthetic_n=tuple(args.synthetic_n), progress=not args.no_progress, precision=args.precision,
+        adamw=args.adamw)
     try:
         card = train(cfg, resume=args.resume)
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -161,6 +170,12 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
                    help="finetune: the task (default classification)")
     t.add_argument("--n-local", type=int, default=None, help="dino: number of 16-px local crops (default 6)")
     t.add_argument("--mask-ratio", type=float, default=None, help="mae / simmim / hybrid: fraction masked")
+    t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="objective hyper-parameters, e.g. teacher_temp=0.04 (`vitscope zoo list` names them)")
+    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: forward under bfloat16 autocast (weights and AdamW stay fp32); see docs/ZOO.md")
+    t.add_argument("--adamw", choices=["default", "foreach", "fused"], default="default",
+                   help="torch's AdamW implementation (same update; speed measured in benchmarks/zoo_throughput.py)")
     t.add_argument("--save-epochs", default="auto",
                    help="epochs whose encoder is kept under OUT/checkpoints: 'all', 'none', or e.g. 0,1,2,5 "
                         "(default: all for finetune, none otherwise)")

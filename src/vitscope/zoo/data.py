@@ -73,11 +73,13 @@ def load_imagefolder(root: str | Path, name: str = "cifar10") -> ImageSet:
     from PIL import Image
     from torchvision.datasets import ImageFolder
 
+    from vitscope.data.preprocess import to_rgb
+
     folder = ImageFolder(str(root), loader=lambda p: p)
     arrays = []
     for path, _ in folder.samples:
         with Image.open(path) as im:
-            arrays.append(np.asarray(im.convert("RGB")))
+            arrays.append(np.asarray(to_rgb(im)))
     sizes = {a.shape for a in arrays}
     if len(sizes) != 1:
         raise ValueError(f"{root}: images of different sizes {sorted(sizes)[:3]}; the zoo expects one size")

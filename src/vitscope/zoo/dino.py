@@ -78,7 +78,8 @@ class DINO(Objective):
 
     def __init__(self, arch: ZooArch = ZOO_ARCH, num_classes: int = 10, n_local: int = 6, out_dim: int = 4096,
                  hidden: int = 1024, bottleneck: int = 128, student_temp: float = 0.1, teacher_temp: float = 0.04,
-                 center_momentum: float = 0.9, momentum: float = 0.99, freeze_last_layer_steps: int = 0):
+                 center_momentum: float = 0.9, momentum: float = 0.99, freeze_last_layer_steps: int = 0,
+                 warmup_teacher_temp: float | None = None, teacher_temp_warmup_frac: float = 0.0):
         super().__init__(arch)
         self.views = ViewSpec(n_global=2, n_local=n_local, global_scale=(0.4, 1.0), local_scale=(0.05, 0.4),
                               colour=True)
@@ -92,6 +93,11 @@ class DINO(Objective):
         self.center_momentum, self.base_momentum = center_momentum, momentum
         self.freeze_last_layer_steps = freeze_last_layer_steps
         self.momentum = momentum
+        # teacher temperature: linear from warmup_teacher_temp to teacher_temp over the first
+        # teacher_temp_warmup_frac of the steps, then constant (DINO's warmup_teacher_temp(_epochs))
+        self.warmup_teacher_temp = teacher_temp if warmup_teacher_temp is None else warmup_teacher_temp
+        self.teacher_temp_warmup_frac = teacher_temp_warmup_frac
+        self.current_teacher_temp = self.warmup_teacher_temp
 
     def _student(self, views: list[torch.Tensor]) -> torch.Tensor:
         return self.head(encode(self.encoder, torch.cat(views))[:, 0])
@@ -100,11 +106,11 @@ class DINO(Objective):
         student = [self._student(batch.global_views)]
         if batch.local_views:
             student.append(self._student(batch.local_views))
-        s = torch.cat(student) / self.student_temp
+        s = torch.cat(student).float() / self.student_temp  # fp32 under autocast
         s_chunks = s.chunk(len(batch.global_views) + len(batch.local_views))
         with torch.no_grad():
-            t_raw = self.teacher_head(encode(self.teacher, torch.cat(batch.global_views))[:, 0])
-            t = F.softmax((t_raw - self.center) / self.teacher_temp, dim=-1)
+            t_raw = self.teacher_head(encode(self.teacher, torch.cat(batch.global_views))[:, 0]).float()
+            t = F.softmax((t_raw - self.center) / self.current_teacher_temp, dim=-1)
         t_chunks = t.chunk(len(batch.global_views))
         total, terms = s.new_zeros(()), 0
         for iq, q in enumerate(t_chunks):
@@ -123,7 +129,7 @@ class DINO(Objective):
                 self.center.mul_(self.center_momentum).add_(t_raw.mean(0, keepdim=True),
                                                             alpha=1 - self.center_momentum)
         return loss, {"teacher_entropy": float(mean_ent), "kl": float(loss.detach() - mean_ent),
-                      "momentum": self.momentum}
+                      "momentum": self.momentum, "teacher_temp": self.current_teacher_temp}
 
     def before_optimizer_step(self, step: int, total: int) -> None:
         if step < self.freeze_last_layer_steps:
@@ -132,6 +138,9 @@ class DINO(Objective):
 
     def set_progress(self, step: int, total: int) -> None:
         self.momentum = cosine_ramp(self.base_momentum, 1.0, step, total)
+        warm = self.teacher_temp_warmup_frac * total
+        f = min(step / warm, 1.0) if warm > 0 else 1.0
+        self.current_teacher_temp = self.warmup_teacher_temp + f * (self.teacher_temp - self.warmup_teacher_temp)
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int, total: int) -> None:
@@ -145,4 +154,6 @@ class DINO(Objective):
         return {"n_local": self.n_local, "out_dim": self.out_dim, "hidden": self.hidden,
                 "bottleneck": self.bottleneck, "student_temp": self.student_temp,
                 "teacher_temp": self.teacher_temp, "center_momentum": self.center_momentum,
-                "momentum": self.base_momentum, "freeze_last_layer_steps": self.freeze_last_layer_steps}
+                "momentum": self.base_momentum, "freeze_last_layer_steps": self.freeze_last_layer_steps,
+                "warmup_teacher_temp": self.warmup_teacher_temp,
+                "teacher_temp_warmup_frac": self.teacher_temp_warmup_frac}

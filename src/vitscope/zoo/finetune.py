@@ -103,7 +103,11 @@ class FineTune(Objective):
         return self.decoder(encode(self.encoder, x)[:, self.encoder.num_prefix_tokens:])
 
     def export_kwargs(self) -> dict[str, Any]:
-        return {**self.source_spec.model_kwargs, "num_classes": int(self.encoder.num_classes)}
+        n = int(self.encoder.num_classes)
+        kw = {**self.source_spec.model_kwargs, "num_classes": n}
+        if "pretrained_cfg_overlay" in kw:  # a zoo model's data config, with the new head's size
+            kw["pretrained_cfg_overlay"] = {**kw["pretrained_cfg_overlay"], "num_classes": n}
+        return kw
 
     def export_fields(self) -> dict[str, str]:
         return {"family": self.source_spec.family, "supervision": f"{self.source_spec.supervision}+ft-{self.task}",

@@ -56,15 +56,72 @@ class KNNMonitor:
         return torch.cat(cls), torch.cat(gap)
 
     @torch.no_grad()
-    def __call__(self, net: nn.Module) -> dict[str, float]:
+    def block_features(self, net: nn.Module, images: torch.Tensor, attn_images: int = 0
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """CLS and GAP features of every block's output (before the final norm), and the mean attention
+        distance per block (unit square, averaged over heads and the first ``attn_images`` images)."""
+        from vitscope.metrics.attention import attention_distance
+
+        blocks = list(net.blocks)
+        outs: list[list[torch.Tensor]] = [[] for _ in blocks]
+        dist: list[list[torch.Tensor]] = [[] for _ in blocks]
+        npt = int(getattr(net, "num_prefix_tokens", 1))
+        grid = tuple(net.patch_embed.grid_size)
+        want_attn = [0]
+
+        def out_hook(i: int):
+            return lambda _m, _inp, out: outs[i].append(out)
+
+        def attn_hook(i: int):
+            def hook(m: nn.Module, inp: tuple[torch.Tensor, ...]) -> None:
+                if want_attn[0] <= 0:
+                    return
+                x = inp[0][:want_attn[0]]
+                b, n, c = x.shape
+                qkv = m.qkv(x).reshape(b, n, 3, m.num_heads, c // m.num_heads).permute(2, 0, 3, 1, 4)
+                q, k = m.q_norm(qkv[0]), m.k_norm(qkv[1])
+                a = (q * m.scale @ k.transpose(-2, -1)).softmax(-1)
+                dist[i].append(attention_distance(a.float(), grid, npt).mean(1))
+            return hook
+
+        handles = [b.register_forward_hook(out_hook(i)) for i, b in enumerate(blocks)]
+        handles += [b.attn.register_forward_pre_hook(attn_hook(i)) for i, b in enumerate(blocks)]
+        try:
+            for i in range(0, images.shape[0], self.batch_size):
+                want_attn[0] = max(0, min(attn_images - i, self.batch_size))
+                encode(net, self.augment.plain(images[i:i + self.batch_size]))
+        finally:
+            for h in handles:
+                h.remove()
+        cls = [torch.cat([o[:, 0] for o in blk]) for blk in outs]
+        gap = [torch.cat([o[:, npt:].mean(1) for o in blk]) for blk in outs]
+        return cls, gap, [float(torch.cat(d).mean()) if d else float("nan") for d in dist]
+
+    @torch.no_grad()
+    def __call__(self, net: nn.Module, per_block: bool = False) -> dict[str, float]:
+        """k-NN of the final CLS and GAP; with ``per_block`` also the best block's (CLS or GAP, the block
+        outputs before the final norm) and the smallest per-block mean attention distance (256 test images;
+        uniform attention on the 8x8 grid gives 0.591)."""
         was_training = net.training
         net.eval()
         try:
             tr_c, tr_g = self.features(net, self.data.train.images[self.train_idx])
             te_c, te_g = self.features(net, self.data.test.images[self.test_idx])
+            if per_block:
+                btr_c, btr_g, _ = self.block_features(net, self.data.train.images[self.train_idx])
+                bte_c, bte_g, dist = self.block_features(net, self.data.test.images[self.test_idx], 256)
         finally:
             net.train(was_training)
         ytr, yte = self.data.train.labels[self.train_idx], self.data.test.labels[self.test_idx]
         args = {"k": self.k, "temperature": self.temperature, "num_classes": self.num_classes}
-        return {"knn_cls": knn_accuracy(tr_c, ytr, te_c, yte, **args),
-                "knn_gap": knn_accuracy(tr_g, ytr, te_g, yte, **args)}
+        row = {"knn_cls": knn_accuracy(tr_c, ytr, te_c, yte, **args),
+               "knn_gap": knn_accuracy(tr_g, ytr, te_g, yte, **args)}
+        if per_block:
+            accs = [(knn_accuracy(a, ytr, b, yte, **args), f"{view}{i}")
+                    for view, trs, tes in (("cls", btr_c, bte_c), ("gap", btr_g, bte_g))
+                    for i, (a, b) in enumerate(zip(trs, tes, strict=True))]
+            best = max(accs)
+            row.update({"knn_best": best[0], "knn_best_at": best[1],
+                        "attn_dist_min": min(dist), "attn_dist_min_block": int(min(range(len(dist)),
+                                                                                 key=dist.__getitem__))})
+        return row

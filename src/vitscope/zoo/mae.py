@@ -46,7 +46,7 @@ class MAEDecoder(nn.Module):
         """tokens (B, 1 + K, D_enc) for the kept patch indices ``keep`` (B, K) -> (B, n, p*p*3)."""
         x = self.embed(tokens)
         b, k1, d = x.shape
-        full = self.mask_token.expand(b, n, d).clone()
+        full = self.mask_token.to(x.dtype).expand(b, n, d).clone()  # x is bf16 under autocast
         full = full.scatter(1, keep.unsqueeze(-1).expand(-1, -1, d), x[:, 1:])
         x = torch.cat([x[:, :1], full], dim=1) + self.pos_embed
         for blk in self.blocks:
@@ -83,7 +83,7 @@ class MAE(Objective):
         n = self.arch.num_patches
         keep, mask = random_keep(x.shape[0], n, self.mask_ratio, batch.generator)
         tokens = encode(self.encoder, x, keep=keep)
-        pred = self.decoder(tokens, keep, n)
+        pred = self.decoder(tokens, keep, n).float()  # loss in fp32 under bf16 autocast
         err = ((pred - self.target(x)) ** 2).mean(-1)
         m = mask.to(err.dtype)
         loss = (err * m).sum() / m.sum()

@@ -24,8 +24,9 @@ from vitscope.zoo.data import ViewBatch, ViewSpec
 
 def info_nce(q: torch.Tensor, k: torch.Tensor, temperature: float) -> torch.Tensor:
     """MoCo v3's ``contrastive_loss``: the positives are on the diagonal of the (B, B) logits."""
-    q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
-    logits = q @ k.t() / temperature
+    with torch.autocast("cpu", enabled=False):  # the logits in fp32 under bf16 autocast
+        q, k = F.normalize(q.float(), dim=1), F.normalize(k.float(), dim=1)
+        logits = q @ k.t() / temperature
     labels = torch.arange(q.shape[0])
     return F.cross_entropy(logits, labels) * (2 * temperature)
 

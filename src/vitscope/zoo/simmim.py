@@ -38,7 +38,7 @@ class SimMIMParts(nn.Module):
 
     def loss(self, tokens: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens (B, 1 + N, D) of the masked images, x (B, 3, H, W) the normalised images."""
-        err = (self.head(tokens[:, 1:]) - patchify(x, self.arch.patch_size)).abs().mean(-1)
+        err = (self.head(tokens[:, 1:]).float() - patchify(x, self.arch.patch_size)).abs().mean(-1)  # fp32 loss
         m = mask.to(err.dtype)
         return (err * m).sum() / (m.sum() + 1e-5)
 

@@ -29,7 +29,7 @@ class Supervised(Objective):
         self.label_smoothing = label_smoothing
 
     def forward(self, batch: ViewBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        logits = self.encoder.forward_head(encode(self.encoder, batch.global_views[0]))
+        logits = self.encoder.forward_head(encode(self.encoder, batch.global_views[0])).float()  # loss in fp32
         loss = F.cross_entropy(logits, batch.labels, label_smoothing=self.label_smoothing)
         acc = (logits.argmax(-1) == batch.labels).float().mean()
         return loss, {"train_acc": float(acc)}

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vitscope.errors import VitscopeError
+from vitscope.errors import VitscopeError, first_line
 from vitscope.zoo.arch import ZOO_ARCH, ZooArch
 from vitscope.zoo.base import Objective
 from vitscope.zoo.data import Augment, DataSource, ViewBatch, ViewStream, load_data
@@ -58,7 +58,11 @@ LOG_FILE = "log.csv"
 
 # Settings that determine the weights: a resumed run must match them.
 _IDENTITY = ("objective", "objective_kwargs", "arch", "budget_views", "epochs", "epoch_views", "batch_size", "lr",
-             "min_lr", "weight_decay", "betas", "warmup_frac", "clip_grad", "seed", "synthetic_n")
+             "min_lr", "weight_decay", "betas", "warmup_frac", "clip_grad", "seed", "synthetic_n", "precision",
+             "adamw")
+
+PRECISIONS = ("fp32", "bf16")  # bf16 = autocast of the forward (matmuls) to bfloat16; weights, AdamW, losses fp32
+ADAMW_IMPLS = ("default", "foreach", "fused")  # torch's AdamW implementations (same update, other kernels)
 
 
 @dataclass
@@ -79,12 +83,15 @@ class TrainConfig:
     warmup_frac: float = 0.1
     clip_grad: float | None = 3.0
     seed: int = 0
+    precision: str = "fp32"
+    adamw: str = "default"
     arch: dict[str, Any] = field(default_factory=lambda: asdict(ZOO_ARCH))
     objective_kwargs: dict[str, Any] = field(default_factory=dict)
     knn_every: int = 1
     knn_train: int = 5000
     knn_test: int = 2000
     knn_k: int = 20
+    knn_per_block: bool = True  # also the best block's k-NN and the smallest per-block attention distance
     ckpt_minutes: float = 10.0
     save_epochs: str | list[int] = "auto"
     synthetic_n: tuple[int, int] = (5000, 1000)
@@ -154,18 +161,28 @@ def param_groups(obj: Objective, weight_decay: float) -> list[dict[str, Any]]:
 def make_optimizer(obj: Objective, cfg: TrainConfig, total_steps: int
                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW and its warmup + cosine schedule (stepped once per training step)."""
-    opt = torch.optim.AdamW(param_groups(obj, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas))
+    if cfg.adamw not in ADAMW_IMPLS:
+        raise VitscopeError(f"adamw must be one of {ADAMW_IMPLS}, got {cfg.adamw!r}")
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.adamw, {})
+    opt = torch.optim.AdamW(param_groups(obj, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), **impl)
     warmup = max(1, int(round(cfg.warmup_frac * total_steps)))
     floor = cfg.min_lr / cfg.lr
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, warmup, floor))
 
 
 def train_step(obj: Objective, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
-               batch: ViewBatch, step: int, total: int, clip_grad: float | None
+               batch: ViewBatch, step: int, total: int, clip_grad: float | None, precision: str = "fp32"
                ) -> tuple[torch.Tensor, dict[str, float]]:
-    """One optimisation step of any objective: forward, backward, clip, AdamW, schedule, EMA."""
+    """One optimisation step of any objective: forward, backward, clip, AdamW, schedule, EMA.
+
+    precision "bf16": the forward runs under CPU autocast to bfloat16 (matmuls and convolutions; the
+    objectives compute their losses in fp32); parameters, gradients and AdamW's state stay fp32.
+    """
+    if precision not in PRECISIONS:
+        raise VitscopeError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     obj.set_progress(step, total)
-    loss, metrics = obj(batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss, metrics = obj(batch)
     if not torch.isfinite(loss):
         raise VitscopeError(f"{obj.name}: the loss is {loss.item()} at step {step}; lower the learning rate")
     opt.zero_grad(set_to_none=True)
@@ -193,13 +210,33 @@ def _save_epochs(cfg: TrainConfig, n_epochs: int) -> set[int]:
 
 
 def _rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()  # numpy's key as a tensor: the state stays data
+    return {"torch": torch.get_rng_state(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                      gauss), "python": random.getstate()}
 
 
 def _set_rng_state(s: dict[str, Any]) -> None:
     torch.set_rng_state(s["torch"])
-    np.random.set_state(s["numpy"])
-    random.setstate(s["python"])
+    kind, keys, *rest = s["numpy"]
+    np.random.set_state((kind, np.asarray(keys.numpy() if isinstance(keys, torch.Tensor) else keys, np.uint32),
+                         *rest))
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in s["python"]))
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """A training state, read as data (``weights_only``: tensors, numbers, strings, containers), so a planted file
+    cannot run code; numpy arrays (numpy's RNG key in states written before it was stored as a tensor) are
+    the one addition to the allow-list."""
+    reconstruct = np.zeros(1).__reduce__()[0]
+    allowed = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+               (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+               *((reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core"))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - one sentence, not the unpickler's page of advice
+        raise VitscopeError(f"cannot resume from {path}: it is not a training state vitscope wrote ({first_line(e)})"
+                            ) from e
 
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
@@ -245,7 +282,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                             "it, or choose another output directory")
     if resume and state_path.exists() and (out / CARD_FILE).exists():  # finished already: nothing to load
         card = json.loads((out / CARD_FILE).read_text())
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        st = load_state(state_path)
         if st["config"] == cfg.identity() and st["step"] >= card["budget"]["steps"]:
             return card
     arch = ZooArch(**cfg.arch)
@@ -265,7 +302,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     sums: dict[str, float] = {}
     count = 0
     if resume and state_path.exists():
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
+        st = load_state(state_path)
         if st["config"] != cfg.identity():
             diff = sorted(k for k in st["config"] if st["config"][k] != cfg.identity().get(k))
             raise VitscopeError(f"cannot resume {out}: the run was started with other settings ({', '.join(diff)})")
@@ -303,7 +340,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                         export_spec(obj, cfg, data, step * plan.views_per_step), half=True)
 
     if step == 0 and not rows:
-        rows.append({"epoch": 0, "step": 0, "image_views": 0, "wall_s": round(wall(), 1), **monitor(obj.export())})
+        rows.append({"epoch": 0, "step": 0, "image_views": 0, "wall_s": round(wall(), 1),
+                     **monitor(obj.export(), cfg.knn_per_block)})
         _write_log(rows, out / LOG_FILE)
         if 0 in save_epochs:
             export_epoch(0)
@@ -319,7 +357,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     while step < plan.total_steps:
         if stop_after_steps is not None and step >= stop_after_steps:
             break
-        loss, metrics = train_step(obj, opt, sched, stream.batch(step), step, plan.total_steps, cfg.clip_grad)
+        loss, metrics = train_step(obj, opt, sched, stream.batch(step), step, plan.total_steps, cfg.clip_grad,
+                                   cfg.precision)
         step += 1
         count += 1
         for k, v in {"loss": loss.item(), **metrics}.items():
@@ -340,7 +379,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
                                    "lr": opt.param_groups[0]["lr"],
                                    "views_per_s": round(speed, 1)}
             if e % max(1, cfg.knn_every) == 0 or step == plan.total_steps:
-                row.update(monitor(obj.export()))
+                row.update(monitor(obj.export(), cfg.knn_per_block))
             row["wall_s"] = round(wall(), 1)
             rows.append(row)
             sums, count = {}, 0
@@ -370,13 +409,15 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
     card = {
         "name": spec.name, "objective": cfg.objective, "family": spec.family, "supervision": spec.supervision,
         "citation": spec.citation, "hparams": obj.hparams(), "seed": cfg.seed,
-        "arch": {"timm": spec.arch, **spec.model_kwargs},
+        "arch": {"timm": spec.arch, **{k: v for k, v in spec.model_kwargs.items() if k != "pretrained_cfg_overlay"}},
         "data": data.description,
         "budget": {"image_views": plan.budget_views, "views_per_image": plan.views_per_image,
                    "batch_size": cfg.batch_size, "steps": plan.total_steps, "epochs": plan.n_epochs,
                    "epoch_views": plan.epoch_views},
         "image_views": int(round(views)),
-        "optimizer": {"name": "AdamW", "lr": cfg.lr, "min_lr": cfg.min_lr, "betas": list(cfg.betas),
+        "precision": cfg.precision,
+        "optimizer": {"name": "AdamW", "implementation": cfg.adamw, "lr": cfg.lr, "min_lr": cfg.min_lr,
+                      "betas": list(cfg.betas),
                       "weight_decay": cfg.weight_decay, "warmup_frac": cfg.warmup_frac, "clip_grad": cfg.clip_grad,
                       "schedule": "linear warmup + cosine"},
         "final_knn": {"k": cfg.knn_k, "cls": last.get("knn_cls"), "gap": last.get("knn_gap"),

@@ -6,7 +6,9 @@ from vitscope.data.formats.common import IMAGE_EXTENSIONS, FileDataset, SkippedI
 from vitscope.data.formats.davis import Davis
 from vitscope.data.formats.imagefolder import ImageFolder, read_class_list
 from vitscope.data.formats.revisited import RevisitedRetrieval
+from vitscope.data.formats.robustness import CorruptedFolder, CueConflictFolder
 from vitscope.data.formats.spair import SPair71k
 
-__all__ = ["IMAGE_EXTENSIONS", "Cifar", "CocoInstances", "Davis", "FileDataset", "ImageFolder", "PartImageNet",
+__all__ = ["IMAGE_EXTENSIONS", "Cifar", "CocoInstances", "CorruptedFolder", "CueConflictFolder", "Davis", "FileDataset",
+           "ImageFolder", "PartImageNet",
            "RevisitedRetrieval", "SPair71k", "SkippedImagesWarning", "Unreadable", "read_class_list"]

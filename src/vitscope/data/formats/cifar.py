@@ -1,19 +1,22 @@
-"""CIFAR-10 / CIFAR-100 from the python-format files, read by torchvision's own classes.
+"""CIFAR-10 / CIFAR-100 from the python-format files, laid out as torchvision's classes expect them.
 
 The files (``cifar-10-batches-py/`` or ``cifar-100-python/`` under ``root``) must be present: nothing
-is downloaded. torchvision checks their md5 sums; ``verify=False`` (default) only checks that they are
-there, so re-packed or subset copies load too. The JPEG copy in ImageFolder layout is read by
+is downloaded. ``verify=True`` checks their md5 sums against torchvision's list; ``verify=False`` (default)
+only checks that they are there, so re-packed or subset copies load too. The pickles are read with
+`vitscope.data.formats.common.load_data_pickle` (arrays and builtin containers only, so a file cannot
+run code), not with torchvision's unrestricted ``pickle.load``. The JPEG copy in ImageFolder layout is read by
 `vitscope.data.formats.imagefolder.ImageFolder`.
 """
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import numpy as np
 
 from vitscope.data.base import Sample
-from vitscope.data.formats.common import FileDataset
+from vitscope.data.formats.common import FileDataset, load_data_pickle
 from vitscope.errors import InputError
 
 
@@ -28,6 +31,23 @@ def _torchvision_class(which: int, verify: bool) -> type:
         "test_list": [[f, None] for f, _ in base.test_list],
         "meta": {**base.meta, "md5": None},
     })
+
+
+def _read(folder: Path, cls: type, train: bool, verify: bool) -> tuple[np.ndarray, list[int], list[str]]:
+    """What torchvision's CIFAR10.__init__ reads (same files, same order, same md5 check), unpickled as data."""
+    from torchvision.datasets.utils import check_integrity
+
+    files = (cls.train_list if train else cls.test_list) + [[cls.meta["filename"], cls.meta["md5"]]]
+    if verify and not all(check_integrity(str(folder / f), md5) for f, md5 in files):
+        raise RuntimeError("Dataset not found or corrupted (md5 sums differ from the release's)")
+    data, targets = [], []
+    for f, _ in files[:-1]:
+        entry = load_data_pickle(folder / f, encoding="latin1")
+        data.append(np.asarray(entry["data"], dtype=np.uint8))
+        targets.extend(int(t) for t in (entry["labels"] if "labels" in entry else entry["fine_labels"]))
+    images = np.vstack(data).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
+    classes = [str(c) for c in load_data_pickle(folder / files[-1][0], encoding="latin1")[cls.meta["key"]]]
+    return images, targets, classes
 
 
 class Cifar(FileDataset):
@@ -50,13 +70,13 @@ class Cifar(FileDataset):
                              f"missing: {', '.join(absent)} (torchvision.datasets.CIFAR{which}(root, "
                              "download=True) fetches them)")
         try:
-            ds = cls(str(root), train=train, download=False)
-        except RuntimeError as e:
-            raise InputError(f"CIFAR-{which} files in {str(folder)!r} did not load: {e}") from e
+            data, targets, classes = _read(folder, cls, train, verify)
+        except (RuntimeError, pickle.UnpicklingError, KeyError, TypeError, ValueError, EOFError, OSError) as e:
+            raise InputError(f"CIFAR-{which} files in {str(folder)!r} did not load: {type(e).__name__}: {e}") from e
         self.name = name or f"cifar{which}-{'train' if train else 'test'}"
-        self.classes = list(ds.classes)
-        self.data: np.ndarray = ds.data
-        self.targets = [int(t) for t in ds.targets]
+        self.classes = classes
+        self.data: np.ndarray = data
+        self.targets = targets
         if len(self.data) == 0:
             raise InputError(f"the CIFAR-{which} files in {str(folder)!r} hold no images")
 

@@ -9,6 +9,7 @@ dataset is built and raise `vitscope.errors.InputError` saying what was expected
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from vitscope.data.base import Batch, Sample
+from vitscope.data.preprocess import to_rgb
 from vitscope.data.transforms import collate, for_model
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
@@ -55,8 +57,8 @@ def open_image(path: str | Path) -> Any:
 
 
 def read_rgb(path: str | Path) -> np.ndarray:
-    """(H, W, 3) uint8."""
-    return np.asarray(open_image(path).convert("RGB"))
+    """(H, W, 3) uint8; high-bit-depth images scaled to 8 bits, not clipped (`vitscope.data.preprocess.to_rgb`)."""
+    return np.asarray(to_rgb(open_image(path)))
 
 
 def read_label_png(path: str | Path) -> np.ndarray:
@@ -65,6 +67,38 @@ def read_label_png(path: str | Path) -> np.ndarray:
     if im.mode in ("P", "L", "I", "I;16", "1"):
         return np.asarray(im).astype(np.int64)
     raise Unreadable(path, f"expected a palette or greyscale label PNG, got mode {im.mode}")
+
+
+# What the data files read with pickle hold (the revisited ground truth, CIFAR's python batches): builtin
+# containers and scalars, numpy arrays and scalars. Nothing else is looked up, so a file cannot run code.
+_PICKLE_GLOBALS = {
+    **{(m, n): True for m in ("builtins", "__builtin__")
+       for n in ("dict", "list", "tuple", "set", "frozenset", "bytes", "bytearray", "str", "int", "float", "complex",
+                 "bool")},
+    ("collections", "OrderedDict"): True,
+    ("_codecs", "encode"): True,  # how protocol 2 stores bytes (numpy buffers) written by Python 3
+    ("numpy", "ndarray"): True,
+    ("numpy", "dtype"): True,
+    **{(f"numpy.{core}.multiarray", n): True for core in ("core", "_core") for n in ("_reconstruct", "scalar")},
+    **{(f"numpy.{core}.numeric", "_frombuffer"): True for core in ("core", "_core")},  # protocol 5 arrays
+}
+
+
+class _DataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _PICKLE_GLOBALS and not (module == "numpy.dtypes" and name.endswith("DType")):
+            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a data file has no use for")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # numpy.core under numpy 2
+            return super().find_class(module, name)
+
+
+def load_data_pickle(path: str | Path, encoding: str = "ASCII") -> Any:
+    """Unpickle a data file that may only hold builtin containers and scalars and numpy arrays; anything else
+    (a class, a function: what a payload needs to run code) raises `pickle.UnpicklingError` before it is
+    looked up. ``encoding``: for Python 2 pickles ('latin1' for numpy arrays, as numpy advises)."""
+    with open(path, "rb") as f:
+        return _DataUnpickler(f, encoding=encoding).load()
 
 
 def image_files(folder: Path, extensions: Sequence[str] = IMAGE_EXTENSIONS) -> list[Path]:
@@ -155,6 +189,10 @@ class FileDataset:
         finally:
             self._report(new, tried, read, finished)
 
+    def raw_samples(self, indices: Iterable[int], size: int | None = None) -> Iterator[Any]:
+        """Readable items at the files' resolution (``size`` is ignored; for `vitscope.data.tiling.TiledDataset`)."""
+        yield from self.items(indices)
+
     def samples(self, indices: Iterable[int] | None = None) -> Iterator[Sample]:
         """Readable samples at their own resolution."""
         yield from self.items(range(len(self)) if indices is None else indices)
@@ -176,6 +214,8 @@ class FileDataset:
     def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = collate(chunk, pre)
         b.extra["geometry"] = [s.geometry for s in chunk]
+        if getattr(self, "classes", None) is not None:
+            b.extra["class_names"] = self.classes  # what the labels mean (robustness readouts match heads by name)
         if all("path" in s.extra for s in chunk):
             b.extra["paths"] = [s.extra["path"] for s in chunk]
         return b

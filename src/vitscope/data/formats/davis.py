@@ -76,6 +76,10 @@ class Davis(FileDataset):
     def __len__(self) -> int:
         return len(self.frames)
 
+    def unit_bounds(self) -> list[int]:
+        """The first item of every sequence (a video is never split across shards or subsamples)."""
+        return [i for i, f in enumerate(self.frames) if f[1] == 0]
+
     def sequence_indices(self, sequence: str) -> list[int]:
         """The items of one sequence, in frame order."""
         s = self.sequences.index(sequence)

@@ -5,15 +5,17 @@ names), ``qimlist`` (query names) and ``gnd`` (per query: 'easy', 'hard', 'junk'
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from vitscope.data.base import RetrievalSplit, Sample
-from vitscope.data.formats.common import FileDataset, read_rgb, require_files
-from vitscope.data.synthetic_tasks import medium_hard
+from vitscope.data.base import Batch, RetrievalSplit, Sample
+from vitscope.data.formats.common import FileDataset, load_data_pickle, read_rgb, require_files
+from vitscope.data.synthetic_tasks import medium_hard, with_retrieval_layout
 from vitscope.data.transforms import crop
 from vitscope.errors import InputError
+from vitscope.models.registry import Preprocessing
 
 
 class RevisitedRetrieval(RetrievalSplit, FileDataset):
@@ -33,10 +35,9 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
         if not gnd_file.is_file():
             raise InputError(f"expected the revisited ground truth {str(gnd_file)!r}")
         try:
-            with open(gnd_file, "rb") as f:
-                cfg = pickle.load(f)
+            cfg = load_data_pickle(gnd_file, encoding="latin1")  # data only: a file cannot run code
             self.imlist, self.qimlist, self.gnd = list(cfg["imlist"]), list(cfg["qimlist"]), list(cfg["gnd"])
-        except (pickle.UnpicklingError, KeyError, TypeError, EOFError) as e:
+        except (pickle.UnpicklingError, KeyError, TypeError, EOFError, ValueError, AttributeError) as e:
             raise InputError(f"{str(gnd_file)!r} is not a revisited ground truth (expected a dict with imlist, "
                              f"qimlist, gnd): {type(e).__name__}: {e}") from e
         if not self.imlist or not self.qimlist:
@@ -57,6 +58,18 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
     @property
     def n_queries(self) -> int:
         return len(self.qimlist)
+
+    def unit_bounds(self) -> list[int]:
+        """One unit: the ground truth refers to every database image, so the split is never subsampled."""
+        return [0]
+
+    def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
+                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch]:
+        """Model-ready batches with the retrieval layout (``extra['query_index']``, ``extra['db_index']``,
+        ``extra['gnd']``: `vitscope.data.synthetic_tasks.with_retrieval_layout`)."""
+        gnd = [{k: list(g.get(k, [])) for k in ("easy", "hard", "junk")} for g in self.gnd]
+        for b in super().batches(batch_size, preprocessing, start, indices, flip):
+            yield with_retrieval_layout(b, self.n_queries, gnd)
 
     def __len__(self) -> int:
         return len(self.files)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from vitscope.data.base import Batch, Sample
 from vitscope.data.formats.common import FileDataset, read_rgb, require_files
@@ -27,10 +28,15 @@ class SPair71k(FileDataset):
     """Item i = pair i (files sorted by name). `pair(i)` -> (source, target) Samples with ``keypoints``
     (K, 3) in the same keypoint order, ``bbox``, label = category index, ``extra['kps_ids']``.
     ``batches`` yields the sources with ``extra['target']`` the batch of targets (as
-    `vitscope.data.synthetic_tasks.SyntheticPairs`)."""
+    `vitscope.data.synthetic_tasks.SyntheticPairs`).
+
+    ``n_pairs``: a sample of that many pairs, drawn without replacement with ``seed`` (kept in file order).
+    ``flat=True`` (the form a study pass needs): item 2p is the source and 2p + 1 the target of pair p, with
+    ``extra['pair']``, ``extra['role']``, ``extra['category']`` and ``extra['ref_size']`` = max(h, w) of the
+    object's box in the model input's pixels (the file's box scaled by the resize, before the crop clips it)."""
 
     def __init__(self, root: str | Path, split: str = "test", categories: list[str] | None = None,
-                 name: str | None = None):
+                 name: str | None = None, n_pairs: int | None = None, seed: int = 0, flat: bool = False):
         super().__init__()
         self.root = Path(root)
         if split not in SPLITS:
@@ -60,6 +66,10 @@ class SPair71k(FileDataset):
             self.pairs.append(rec)
         if not self.pairs:
             raise InputError(f"no pairs of categories {categories} in {str(folder)!r}")
+        if n_pairs is not None and n_pairs < len(self.pairs):
+            keep = np.random.default_rng(seed).choice(len(self.pairs), int(n_pairs), replace=False)
+            self.pairs = [self.pairs[i] for i in sorted(keep.tolist())]
+        self.flat = bool(flat)
         self.classes = cats or sorted({p["category"] for p in self.pairs})
         unknown = sorted({p["category"] for p in self.pairs} - set(self.classes))
         if unknown:
@@ -71,7 +81,11 @@ class SPair71k(FileDataset):
         return self.root / "JPEGImages" / rec["category"] / rec[f"{side}_imname"]
 
     def __len__(self) -> int:
-        return len(self.pairs)
+        return 2 * len(self.pairs) if self.flat else len(self.pairs)
+
+    def unit_bounds(self) -> list[int]:
+        """Flat: every pair's source item (a pair is one unit); else every item."""
+        return list(range(0, len(self), 2 if self.flat else 1))
 
     def _side(self, i: int, side: str) -> Sample:
         rec = self.pairs[i]
@@ -83,14 +97,25 @@ class SPair71k(FileDataset):
                       index=i, extra={"path": str(path), "kps_ids": list(rec["kps_ids"]),
                                       **{k: rec[k] for k in _VARIATIONS if k in rec}})
 
-    def load(self, i: int) -> tuple[Sample, Sample]:  # type: ignore[override]
+    def pair(self, i: int) -> tuple[Sample, Sample]:
+        """(source, target) of pair i."""
         return self._side(i, "src"), self._side(i, "trg")
 
-    pair = load
+    def load(self, i: int) -> Sample | tuple[Sample, Sample]:  # type: ignore[override]
+        if self.flat:
+            p, role = divmod(i, 2)
+            s = self._side(p, "trg" if role else "src")
+            s.extra.update(pair=p, role=role, category=self.classes[s.label])
+            s.index = i
+            return s
+        return self.pair(i)
 
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
                 indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch]:
         ids = list(range(len(self))) if indices is None else list(indices)
+        if self.flat:
+            yield from self._flat_batches(batch_size, preprocessing, ids[start:], flip)
+            return
         chunk: list[tuple[Sample, Sample]] = []
         for src, trg in self.items(ids[start:]):
             chunk.append((for_model(src, preprocessing, flip), for_model(trg, preprocessing, flip)))
@@ -99,6 +124,28 @@ class SPair71k(FileDataset):
                 chunk = []
         if chunk:
             yield self._pair_batch(chunk, preprocessing)
+
+    def _flat_batches(self, batch_size: int, pre: Preprocessing, ids: list[int], flip: bool) -> Iterator[Batch]:
+        chunk: list[Sample] = []
+        for s in self.items(ids):
+            side = for_model(s, pre, flip)
+            box = np.asarray(s.bbox, np.float64)
+            side.extra["ref_size"] = float(max(box[2] - box[0], box[3] - box[1]) * abs(side.geometry.sx))
+            chunk.append(side)
+            if len(chunk) == batch_size:
+                yield self._flat_batch(chunk, pre)
+                chunk = []
+        if chunk:
+            yield self._flat_batch(chunk, pre)
+
+    def _flat_batch(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
+        b = self._collate(chunk, pre)
+        b.extra["pair"] = torch.tensor([s.extra["pair"] for s in chunk])
+        b.extra["role"] = torch.tensor([s.extra["role"] for s in chunk])
+        b.extra["ref_size"] = torch.tensor([s.extra["ref_size"] for s in chunk], dtype=torch.float64)
+        b.extra["category"] = [self.classes[s.label] for s in chunk]
+        b.extra["kps_ids"] = [s.extra["kps_ids"] for s in chunk]
+        return b
 
     def _pair_batch(self, chunk: list[tuple[Sample, Sample]], pre: Preprocessing) -> Batch:
         src = self._collate([a for a, _ in chunk], pre)

@@ -126,7 +126,7 @@ def diversity(df: pd.DataFrame) -> Figures:
         extra.append(band_handle())
     legend_outside(fig, handles=handles, extra=extra)
     return [("Representation diversity inside self-attention: high similarity = low diversity (solid: minibatch "
-             f"CKA, dashed: cosine) [{cite('park2023')}; {cite('wang2023')}]", fig)]
+             f"CKA, dashed: cosine) [{cite('park2023')}; {cite('wang_clmm')}]", fig)]
 
 
 def _short(tap: str) -> str:

@@ -1,0 +1,108 @@
+"""Dense downstream tasks: what the tasks cost beside the forward passes they need (ViT-S/16, 224 px, all 12
+blocks, CPU, random init; the weights do not change the cost).
+
+  propagation     one generated video of --frames (50) frames       goal: total <= 2x the forward passes
+  correspondence  --pairs (32) generated pairs (2 images each)      goal: total <= 1.3x
+  retrieval       a generated split (--queries 16, 4 views, 32 distractors)   goal: total <= 1.3x
+
+Total = forward + the analysis's updates + its finalize (retrieval ranks in finalize). The images are made
+before timing. Each task is timed --reps times (interleaved with nothing else); the minimum and the median are
+printed (a shared 2-core machine varies by +-10% and more). Also printed: the propagation state held while
+streaming (one video in progress: first frame + the last 7, all layers), the same whether 1 or 3 videos pass.
+
+    python benchmarks/dense.py [--reps 3] [--frames 50] [--pairs 32] [--queries 16] [--tasks propagation ...]
+                               [--threads 1]
+
+On a heavily shared machine, use --threads 1: with 2 threads each of the propagation's many small elementwise
+ops (masks of 224 x 224 per layer and object) waits for a descheduled second thread; measured at a load average
+of 25 on 2 cores, one binary dilation of 26 masks took 18 ms on 1 thread and 750 ms on 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import vitscope as vs
+from vitscope.analyses import get_analysis
+from vitscope.capture import stream
+from vitscope.data.synthetic_tasks import SyntheticPairs, SyntheticRetrieval, SyntheticVideos
+
+
+def _state_bytes(obj) -> int:
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_state_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_state_bytes(v) for v in obj)
+    return 0
+
+
+def run(vm, name: str, batches: list, peak: list | None = None) -> dict[str, float]:
+    a = get_analysis(name)(vm)
+    timings: dict[str, float] = {}
+    if peak is not None:
+        update = a.update
+
+        def watched(feats, batch):
+            update(feats, batch)
+            peak.append(_state_bytes(a.cur))
+        a.update = watched
+    stream(vm, batches, [a], progress=False, timings=timings)
+    t0 = time.perf_counter()
+    a.finalize()
+    return {"forward": timings["forward"], "analysis": timings[name] + time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--frames", type=int, default=50)
+    ap.add_argument("--pairs", type=int, default=32)
+    ap.add_argument("--queries", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=25)
+    ap.add_argument("--model", default="vit_small_patch16_224")
+    ap.add_argument("--tasks", nargs="+", default=["propagation", "correspondence", "retrieval"])
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    vm = vs.load_model(args.model, pretrained=False)
+    pre = vm.preprocessing
+    data = {
+        "propagation": list(SyntheticVideos(n_videos=1, n_frames=args.frames, seed=0).batches(args.batch, pre)),
+        "correspondence": list(SyntheticPairs(n_pairs=args.pairs, seed=0, flat=True).batches(args.batch, pre)),
+        "retrieval": list(SyntheticRetrieval(n_queries=args.queries, views=4, n_distractors=2 * args.queries,
+                                             seed=0).batches(args.batch, pre)),
+    }
+    goals = {"propagation": 2.0, "correspondence": 1.3, "retrieval": 1.3}
+    print(f"{args.model}, {vm.depth} blocks, grid {vm.grid_size}, torch threads {torch.get_num_threads()}")
+    for name, batches in data.items():
+        if name not in args.tasks:
+            continue
+        n = sum(len(b) for b in batches)
+        ratios, fwd, ana = [], [], []
+        for _ in range(args.reps):
+            t = run(vm, name, batches)
+            fwd.append(t["forward"])
+            ana.append(t["analysis"])
+            ratios.append((t["forward"] + t["analysis"]) / t["forward"])
+        print(f"{name:15s} {n:4d} images  forward {min(fwd):6.2f} s  analysis {min(ana):6.2f} s  "
+              f"total / forward: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x  "
+              f"(goal <= {goals[name]}x)")
+    if "propagation" not in args.tasks:
+        return
+    one, three = [], []
+    run(vm, "propagation", data["propagation"][:1], one)
+    vids = list(SyntheticVideos(n_videos=3, n_frames=12, seed=1).batches(args.batch, pre))
+    run(vm, "propagation", vids, three)
+    print(f"propagation state in progress: peak {max(one) / 2**20:.1f} MB with 1 video, "
+          f"{max(three) / 2**20:.1f} MB with 3 videos (per-video state: bounded by 1 + 7 frames x 12 layers)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,597 @@
+"""Dense downstream tasks with no training, per layer (math in `vitscope.metrics.dense`), after Walmer et al.,
+"Teaching Matters: Investigating the Role of Supervision in Vision Transformers", CVPR 2023 (§6, Tables 1
+and 5): which layer of which model is best for local tasks.
+
+  propagation     video object segmentation by label propagation (DINO's protocol): J, F, J&F
+  correspondence  keypoint correspondence by nearest patch feature: PCK@0.1 / 0.05 / 0.01
+  retrieval       instance retrieval by CLS / spatial-mean cosine: revisited mAP (Easy, Medium, Hard)
+
+Every one reports, per model, its best layer (``metric = 'best_<headline>'``, ``layer`` = the block) beside
+the task's chance level (``<metric>_chance``): propagation with constant features, a uniformly random target
+token, a uniformly random ranking. What each expects of the batches it is fed (the dataset formats in
+`vitscope.data.synthetic_tasks` and `vitscope.data.formats` provide it):
+
+  propagation     ``objects`` (B, H, W) label maps at the model input (0 background, 255 void), ``sequences``
+                  and ``frames``; frames of a video consecutive, in order (a video is one unit).
+  correspondence  flattened pairs: item 2p the source, 2p + 1 the target of pair p, ``extra['pair']`` and
+                  ``extra['role']`` (0 source, 1 target), ``keypoints`` (B, K, 3) with row k the same
+                  semantic keypoint in both images, ``boxes`` (the object's box) or ``extra['ref_size']``
+                  (max(bbox h, w) in the model input's pixels), ``extra['category']`` (names) or ``labels``.
+  retrieval       ``extra['db_index']`` (B,) database index (-1 for queries), ``extra['query_index']`` (B,)
+                  (-1 for database images) and ``extra['gnd']`` (per query: 'easy', 'hard', 'junk'
+                  database indices; None for database images).
+
+Inputs that cannot be scored are counted, never dropped silently: rows ``metric = 'skipped'`` with the
+``reason`` and the count (a video without an annotated first frame, a pair without a keypoint visible in
+both images, a query without positives in a protocol, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.pooled import PooledTable
+from vitscope.capture.views import token_view
+from vitscope.data.tiling import assemble
+from vitscope.errors import VitscopeError
+from vitscope.metrics import dense as D
+
+
+class _Dense(Analysis):
+    """Shared plumbing: layers, taps, patch features, skip accounting, best-layer rows."""
+
+    headline: ClassVar[str] = ""
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, vm: Any, layers: Any = None):
+        super().__init__(vm)
+        self.layers = self.layers_param(layers)
+        self.skipped: Counter[str] = Counter()
+
+    def required_taps(self) -> list[str]:
+        return [f"block{i}.out" for i in self.layers]
+
+    def _patch_features(self, feats: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(B, L, S, D) L2-normalised patch tokens of every layer."""
+        x = torch.stack([token_view(feats[t], "spatial", self.num_prefix_tokens) for t in self.required_taps()], 1)
+        s = self.grid_size[0] * self.grid_size[1]
+        if x.shape[2] != s:
+            raise VitscopeError(f"{self.name}: {x.shape[2]} patch tokens per image, expected {s} for the grid "
+                                f"{self.grid_size}")
+        return F.normalize(x.float(), dim=-1)
+
+    def _items(self, feats: Mapping[str, torch.Tensor], batch: Any
+               ) -> Iterator[tuple[torch.Tensor, tuple[int, int], dict[str, Any]]]:
+        """Per item (image) of the batch: its L2-normalised patch features (L, S, D), its token grid and its
+        annotations (``index``, ``objects``, ``keypoints``, ``bbox``, ``label``, ``frame``, ``sequence``,
+        ``pair``, ``role``, ``category``, ``ref_size``). Tiled batches (`vitscope.data.tiling.TiledDataset`)
+        are assembled into one grid per item."""
+        tiling = batch.extra.get("tiling")
+        if tiling is None:
+            x = self._patch_features(feats)
+            for b in range(len(batch)):
+                yield x[b], self.grid_size, _plain_item(batch, b)
+            return
+        if int(tiling["patch"]) != self.patch_size:
+            raise VitscopeError(f"{self.name}: the tiled dataset was cut for patch size {tiling['patch']}, the model "
+                                f"has {self.patch_size}; set the dataset's option patch: {self.patch_size}")
+        t = int(tiling["tile"]) // self.patch_size
+        spatial = [token_view(feats[tap], "spatial", self.num_prefix_tokens) for tap in self.required_taps()]
+        if spatial[0].shape[1] != t * t:
+            raise VitscopeError(f"{self.name}: {spatial[0].shape[1]} patch tokens per tile, expected {t * t}")
+        for item in tiling["items"]:
+            plan, first = item["plan"], int(item["first"])
+            n = len(plan.tiles)
+            grids = [assemble(plan, f[first:first + n].reshape(n, t, t, -1)) for f in spatial]
+            yield F.normalize(torch.stack(grids).flatten(1, 2).float(), dim=-1), plan.grid, item
+
+    def _table(self, rows: list[dict[str, Any]], *columns: str) -> pd.DataFrame:
+        """`tidy` with the columns every table of this analysis has, present even when empty."""
+        df = self.tidy(rows)
+        for c in (*columns, "reason", "task", "chance", "last_layer_value"):
+            if c not in df.columns:
+                df[c] = None
+        return df
+
+    def _skip_rows(self) -> list[dict[str, Any]]:
+        return [{"metric": "skipped", "reason": r, "value": float(n)} for r, n in sorted(self.skipped.items())]
+
+    def _best_rows(self, rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+        """``best_<metric>``: the best layer (and token view) and its score, with the chance level beside it."""
+        cand = [r for r in rows if r["metric"] == metric and r.get("layer") is not None
+                and not _nan(r["value"]) and r.get("video") is None and r.get("category") is None]
+        if not cand:
+            return []
+        best = max(cand, key=lambda r: (r["value"], -r["layer"]))
+        chance = [r["value"] for r in rows if r["metric"] == f"{metric}_chance"
+                  and r.get("token_view") == best.get("token_view") and r.get("category") is None
+                  and r.get("video") is None]
+        last = [r["value"] for r in cand
+                if r["layer"] == self.layers[-1] and r.get("token_view") == best.get("token_view")]
+        return [{"metric": f"best_{metric}", "layer": best["layer"], "token_view": best.get("token_view"),
+                 "value": best["value"], "chance": chance[0] if chance else float("nan"),
+                 "last_layer_value": last[0] if last else float("nan"), "task": self.name}]
+
+
+def _plain_item(batch: Any, b: int) -> dict[str, Any]:
+    """Item b's annotations from an untiled batch."""
+    ex = batch.extra
+
+    def at(key: str) -> Any:
+        v = ex.get(key)
+        if v is None:
+            return None
+        return v[b].item() if torch.is_tensor(v) else v[b]
+
+    return {"index": int(batch.index[b]),
+            "objects": batch.objects[b] if batch.objects is not None else None,
+            "keypoints": batch.keypoints[b] if batch.keypoints is not None else None,
+            "bbox": batch.boxes[b] if batch.boxes is not None else None,
+            "label": int(batch.labels[b]) if batch.labels is not None else None,
+            "frame": int(batch.frames[b]) if batch.frames is not None else None,
+            "sequence": batch.sequences[b] if batch.sequences is not None else None,
+            "pair": at("pair"), "role": at("role"), "category": at("category"), "ref_size": at("ref_size")}
+
+
+def _nan(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+# ================================================================================================ propagation
+
+
+@register_analysis
+class Propagation(_Dense):
+    """Video object segmentation by label propagation, per layer, with no training (DINO's protocol, Caron et
+    al. 2021, ``eval_video_segmentation.py``): the first frame's annotation is carried to each later frame from
+    the first frame and the last ``n_last_frames`` (7) frames' predictions, by the affinity exp(cos / 0.1) of
+    patch tokens within a neighbourhood of ``radius`` (12) tokens, top ``topk`` (5) kept; J (region IoU), F
+    (boundary F-measure, DAVIS tolerance) and J&F per layer, per video and overall (the mean over objects of
+    every video, DAVIS's global score), multi-object label maps included. Frames 1 .. n-2 are scored, as the
+    DAVIS semi-supervised evaluation does (``skip_last=False`` scores the last frame too). Each frame's
+    features are computed once per layer (one forward) and kept only while they are context. Chance
+    (``*_chance``): the same propagation with constant features (every key in the neighbourhood equally
+    similar: each token gets the mean label of its neighbourhood in the context frames)."""
+
+    name = "propagation"
+    needs = frozenset({"videos", "objects"})
+    headline = "JF"
+    description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
+
+    def __init__(self, vm: Any, layers: Any = None, n_last_frames: int = D.N_LAST_FRAMES,
+                 radius: int = D.NEIGHBOURHOOD, topk: int = D.TOPK, temperature: float = D.TEMPERATURE,
+                 bound_th: float = D.BOUND_TH, skip_last: bool = True):
+        super().__init__(vm, layers)
+        self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
+        self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
+        self._near: dict[tuple[int, int], torch.Tensor] = {}
+        self.videos: list[dict[str, Any]] = []   # finished: per-object mean J and F per layer (+ chance)
+        self.cur: dict[str, Any] | None = None   # the video in progress (bounded: 1 + n_last_frames frames)
+        self.unscored_frames = 0
+
+    # -- streaming -----------------------------------------------------------------------------------
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        for x, grid, it in self._items(feats, batch):
+            self._frame(it["sequence"], it["frame"], x, it["objects"], it["index"], grid)
+            self.n_images += 1
+
+    def near(self, grid: tuple[int, int]) -> torch.Tensor:
+        if grid not in self._near:
+            self._near[grid] = D.neighbourhood(grid, self.radius)
+        return self._near[grid]
+
+    def _frame(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
+               item: int, grid: tuple[int, int]) -> None:
+        cur = self.cur
+        new = cur is None or seq is None or seq != cur["sequence"] or (frame is not None and frame == 0)
+        if not new and frame is not None and cur["last_frame"] is not None and frame != cur["last_frame"] + 1:
+            raise VitscopeError(f"propagation: video {seq!r} jumps from frame {cur['last_frame']} to {frame}; "
+                                "frames of a video must arrive in order (a video is one unit)")
+        if new:
+            self._close()
+            self._start(seq, frame, x, objects, item, grid)
+            return
+        if tuple(cur["grid"]) != tuple(grid):
+            raise VitscopeError(f"propagation: frames of video {seq!r} have token grids {tuple(cur['grid'])} and "
+                                f"{tuple(grid)}; a video's frames must share one size")
+        cur["n_frames"] += 1
+        cur["last_frame"] = frame
+        if cur.get("skip"):
+            return
+        ctx = torch.stack([cur["first_x"]] + [q[0] for q in cur["queue"]], 1)                # (L, n, S, D)
+        lab = torch.stack([cur["first_y"]] + [q[1] for q in cur["queue"]], 1)                # (L, n, C, S)
+        near = self.near(grid)
+        probs = D.propagate(x, ctx, lab, near, self.topk, self.temperature)               # (L, C, S)
+        ones = torch.ones(1, x.shape[1], 1)
+        cprobs = D.propagate(ones, ones[:, None].expand(1, ctx.shape[1], -1, -1),
+                             torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1), near,
+                             self.topk, self.temperature)                                  # (1, C, S)
+        cur["queue"].append((x.clone(), probs, cprobs))  # a copy: not a view that keeps the batch alive
+        if len(cur["queue"]) > self.n_last_frames:
+            cur["queue"].pop(0)
+        cur["last_scored"] = objects is not None
+        if objects is None:
+            self.unscored_frames += 1
+            return
+        ids = torch.tensor([0, *cur["objects"]])
+        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]))]
+        j, f = D.jf_objects(objects.long(), pred, cur["objects"], self.bound_th)            # (L + 1, K)
+        cur["scores"].append((j, f))
+
+    def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
+               item: int, grid: tuple[int, int]) -> None:
+        cur: dict[str, Any] = {"sequence": seq if seq is not None else f"item{item}", "last_frame": frame,
+                               "n_frames": 1, "queue": [], "scores": [], "first_item": item, "grid": list(grid)}
+        self.cur = cur
+        if frame not in (None, 0):
+            cur["skip"] = "video does not start at frame 0"
+        elif objects is None:
+            cur["skip"] = "no annotated first frame"
+        else:
+            ids = [int(k) for k in torch.unique(objects).tolist() if k not in (0, D.VOID)]
+            if not ids:
+                cur["skip"] = "no object in the first frame's annotation"
+            else:
+                y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
+                cur.update(objects=ids, first_x=x.clone(), first_y=y[None].expand(len(self.layers), -1, -1).clone(),
+                           first_c=y[None].clone())
+
+    def _close(self) -> None:
+        cur, self.cur = self.cur, None
+        if cur is None:
+            return
+        if cur.get("skip"):
+            self.skipped[cur["skip"]] += 1
+            return
+        scores = cur["scores"]
+        if self.skip_last and cur.get("last_scored"):
+            scores = scores[:-1]  # DAVIS scores frames 1 .. n-2
+        if not scores:
+            self.skipped["video without a scored frame (DAVIS scores frames 1 .. n-2)" if self.skip_last
+                         else "video without a scored frame"] += 1
+            return
+        j = torch.stack([s[0] for s in scores]).mean(0)  # (L + 1, K): per-object mean over frames
+        f = torch.stack([s[1] for s in scores]).mean(0)
+        self.videos.append({"sequence": cur["sequence"], "n_frames": cur["n_frames"], "objects": cur["objects"],
+                            "scored_frames": len(scores), "J": j, "F": f})
+
+    # -- protocol --------------------------------------------------------------------------------------
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, Propagation) and other.layers == self.layers
+        self._close()
+        other._close()
+        self.videos += other.videos
+        self.skipped.update(other.skipped)
+        self.n_images += other.n_images
+        self.unscored_frames += other.unscored_frames
+
+    def state_dict(self) -> dict[str, Any]:
+        cur = None
+        if self.cur is not None:
+            cur = {k: v for k, v in self.cur.items() if k != "queue"}
+            cur["queue"] = [list(q) for q in self.cur["queue"]]
+        return {"layers": self.layers, "videos": self.videos, "cur": cur, "skipped": dict(self.skipped),
+                "n_images": self.n_images, "unscored_frames": self.unscored_frames}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers = list(state["layers"])
+        self.videos = [dict(v) for v in state["videos"]]
+        cur = state["cur"]
+        self.cur = None if cur is None else {**cur, "queue": [tuple(q) for q in cur["queue"]],
+                                             "scores": [tuple(s) for s in cur["scores"]]}
+        self.skipped = Counter(state["skipped"])
+        self.n_images, self.unscored_frames = int(state["n_images"]), int(state["unscored_frames"])
+
+    def finalize(self) -> pd.DataFrame:
+        self._close()
+        rows: list[dict[str, Any]] = []
+        if self.videos:
+            j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
+            f = torch.cat([v["F"] for v in self.videos], 1)
+            for k, layer in enumerate([*self.layers, None]):
+                sfx = "" if layer is not None else "_chance"
+                jm, fm = float(j[k].mean()), float(f[k].mean())
+                rows += [{"metric": "J" + sfx, "layer": layer, "value": jm},
+                         {"metric": "F" + sfx, "layer": layer, "value": fm},
+                         {"metric": "JF" + sfx, "layer": layer, "value": (jm + fm) / 2}]
+                for v in self.videos:
+                    vj, vf = float(v["J"][k].mean()), float(v["F"][k].mean())
+                    rows += [{"metric": "video_J" + sfx, "layer": layer, "value": vj, "video": v["sequence"]},
+                             {"metric": "video_F" + sfx, "layer": layer, "value": vf, "video": v["sequence"]},
+                             {"metric": "video_JF" + sfx, "layer": layer, "value": (vj + vf) / 2,
+                              "video": v["sequence"]}]
+        for r in rows:
+            r["token_view"] = "spatial"
+        rows += self._best_rows(rows, "JF")
+        rows += self._skip_rows()
+        if self.unscored_frames:
+            rows.append({"metric": "skipped", "reason": "frame without annotation (propagated, not scored)",
+                         "value": float(self.unscored_frames)})
+        df = self._table(rows, "video")
+        df["n_videos"] = len(self.videos)
+        df["n_objects"] = sum(len(v["objects"]) for v in self.videos)
+        return df
+
+
+# ================================================================================================ correspondence
+
+
+@register_analysis
+class Correspondence(_Dense):
+    """Keypoint correspondence per layer with no training (Walmer et al., CVPR 2023, §6.3 / E.1): for each
+    image pair and each source keypoint visible in both images, the nearest neighbour (cosine) of the patch
+    token holding the source keypoint among the target's patch tokens; the prediction is that token's centre.
+    PCK@alpha = share of keypoints predicted within alpha * max(bbox h, w) of the target object (alpha = 0.1,
+    0.05, 0.01), per layer, per category, over all keypoints and as the mean over categories. Keypoints
+    follow the images' resize and crop (the dataset's geometry-tracking transforms), so distances are in
+    the model input's pixels. Chance (``pck@a_chance``): a uniformly random target token."""
+
+    name = "correspondence"
+    needs = frozenset({"pairs", "keypoints"})
+    headline = "pck@0.1"
+    description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
+
+    def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS):
+        super().__init__(vm, layers)
+        self.alphas = tuple(float(a) for a in alphas)
+        self.pending: dict[str, Any] | None = None
+        # per category: correct counts (L, A), chance sums (A,), keypoints, pairs
+        self.cats: dict[str, dict[str, Any]] = {}
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        for x, grid, it in self._items(feats, batch):
+            self.n_images += 1
+            if it["pair"] is None or it["role"] is None:
+                raise VitscopeError("correspondence needs flattened pairs (extra['pair'], extra['role']: item 2p the "
+                                    "source, 2p + 1 the target); use a pairs dataset of the catalog")
+            if it["keypoints"] is None:
+                raise VitscopeError("correspondence needs keypoints (B, K, 3) in the batches")
+            cat = str(it["category"]) if it["category"] is not None else (
+                str(it["label"]) if it["label"] is not None else "all")
+            kp = torch.as_tensor(it["keypoints"]).double()
+            if int(it["role"]) == 0:
+                if self.pending is not None:
+                    self.skipped["source without its target"] += 1
+                tok = self._token_of(kp[:, :2], grid)
+                self.pending = {"pair": int(it["pair"]), "x": x[:, tok], "kp": kp, "cat": cat}
+                continue
+            src, self.pending = self.pending, None
+            if src is None or src["pair"] != int(it["pair"]):
+                self.skipped["target without its source"] += 1
+                continue
+            if it["ref_size"] is not None:
+                size = float(it["ref_size"])
+            elif it["bbox"] is not None:
+                bx = torch.as_tensor(it["bbox"]).double()
+                size = float(max(bx[2] - bx[0], bx[3] - bx[1]))
+            else:
+                raise VitscopeError("correspondence needs the target object's box (boxes) or extra['ref_size']")
+            self._score(src, x, kp, size, cat, grid)
+
+    def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        gh, gw = grid
+        p = self.patch_size
+        col = torch.clamp(torch.floor(xy[:, 0] / p), 0, gw - 1).long()
+        row = torch.clamp(torch.floor(xy[:, 1] / p), 0, gh - 1).long()
+        return row * gw + col
+
+    def centres(self, grid: tuple[int, int]) -> torch.Tensor:
+        """(S, 2) x, y pixel centre of each token of a grid."""
+        p = self.patch_size
+        ys, xs = torch.meshgrid((torch.arange(grid[0]) + 0.5) * p, (torch.arange(grid[1]) + 0.5) * p, indexing="ij")
+        return torch.stack([xs.flatten(), ys.flatten()], 1).double()
+
+    def _score(self, src: dict[str, Any], xt: torch.Tensor, kp: torch.Tensor, size: float, cat: str,
+               grid: tuple[int, int]) -> None:
+        k = min(len(src["kp"]), len(kp))
+        common = (src["kp"][:k, 2] > 0) & (kp[:k, 2] > 0)
+        c = self.cats.setdefault(cat, {"correct": torch.zeros(len(self.layers), len(self.alphas), dtype=torch.long),
+                                       "chance": torch.zeros(len(self.alphas), dtype=torch.float64),
+                                       "keypoints": 0, "pairs": 0})
+        if not common.any():
+            self.skipped["pair without a keypoint visible in both images"] += 1
+            return
+        if not size > 0:
+            self.skipped["pair whose target object has an empty box"] += 1
+            return
+        idx = torch.nonzero(common).flatten()
+        sim = torch.einsum("lkd,lsd->lks", src["x"][:, idx], xt)             # (L, K, S)
+        centres = self.centres(grid)
+        pred = centres[sim.argmax(-1)]                                         # (L, K, 2)
+        gt = kp[idx, :2]
+        d = torch.linalg.vector_norm(pred - gt[None], dim=-1)                  # (L, K)
+        for a, alpha in enumerate(self.alphas):
+            c["correct"][:, a] += (d <= alpha * size).sum(1)
+        ch = D.pck_chance(gt.numpy(), size, centres.numpy(), self.alphas)
+        c["chance"] += torch.tensor([float(ch[a].sum()) for a in self.alphas], dtype=torch.float64)
+        c["keypoints"] += len(idx)
+        c["pairs"] += 1
+
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, Correspondence) and other.layers == self.layers and other.alphas == self.alphas
+        for cat, o in other.cats.items():
+            if cat not in self.cats:
+                self.cats[cat] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in o.items()}
+                continue
+            c = self.cats[cat]
+            c["correct"] = c["correct"] + o["correct"]
+            c["chance"] = c["chance"] + o["chance"]
+            c["keypoints"] += o["keypoints"]
+            c["pairs"] += o["pairs"]
+        self.skipped.update(other.skipped)
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "alphas": list(self.alphas), "pending": self.pending,
+                "cats": {k: dict(v) for k, v in self.cats.items()}, "skipped": dict(self.skipped),
+                "n_images": self.n_images}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.alphas = list(state["layers"]), tuple(state["alphas"])
+        self.pending = state["pending"]
+        self.cats = {k: dict(v) for k, v in state["cats"].items()}
+        self.skipped = Counter(state["skipped"])
+        self.n_images = int(state["n_images"])
+
+    def finalize(self) -> pd.DataFrame:
+        if self.pending is not None:
+            self.skipped["source without its target"] += 1
+            self.pending = None
+        rows: list[dict[str, Any]] = []
+        cats = {k: v for k, v in sorted(self.cats.items()) if v["keypoints"] > 0}
+        if cats:
+            correct = sum(v["correct"] for v in cats.values())
+            n = sum(v["keypoints"] for v in cats.values())
+            chance = sum(v["chance"] for v in cats.values())
+            for a, alpha in enumerate(self.alphas):
+                m = f"pck@{alpha:g}"
+                per_cat = {k: v["correct"][:, a].double() / v["keypoints"] for k, v in cats.items()}
+                for li, layer in enumerate(self.layers):
+                    rows.append({"metric": m, "layer": layer, "value": float(correct[li, a]) / n})
+                    rows.append({"metric": m + "_catmean", "layer": layer,
+                                 "value": float(np.mean([float(p[li]) for p in per_cat.values()]))})
+                    for k, p in per_cat.items():
+                        rows.append({"metric": m, "layer": layer, "value": float(p[li]), "category": k})
+                rows.append({"metric": m + "_chance", "layer": None, "value": float(chance[a]) / n})
+                cat_chance = {k: float(v["chance"][a]) / v["keypoints"] for k, v in cats.items()}
+                rows.append({"metric": m + "_catmean_chance", "layer": None,
+                             "value": float(np.mean(list(cat_chance.values())))})
+                rows += [{"metric": m + "_chance", "layer": None, "value": c, "category": k}
+                         for k, c in cat_chance.items()]
+        for r in rows:
+            r["token_view"] = "spatial"
+        rows += self._best_rows(rows, "pck@0.1")
+        rows += self._skip_rows()
+        df = self._table(rows, "category")
+        df["n_pairs"] = sum(v["pairs"] for v in self.cats.values())
+        df["n_keypoints"] = sum(v["keypoints"] for v in self.cats.values())
+        return df
+
+
+# ================================================================================================ retrieval
+
+
+RETRIEVAL_VIEWS = ("cls", "gap_spatial")
+
+
+@register_analysis
+class Retrieval(_Dense):
+    """Instance retrieval per layer with no training (Walmer et al., CVPR 2023, §6.1): every query ranks the
+    database by the cosine of its CLS token (``cls``) or of its mean patch token (``gap_spatial``); mAP in
+    the revisited protocol of Radenović et al. (CVPR 2018): Easy, Medium and Hard, junk images taken out of
+    the ranking, queries without positives left out of the mean (and counted). Features are kept in a float16
+    store on disk (one vector per image, layer and view). Chance (``mAP_*_chance``): uniformly random
+    rankings."""
+
+    name = "retrieval"
+    needs = frozenset({"retrieval"})
+    headline = "mAP_medium"
+    description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
+
+    def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: int = 32,
+                 seed: int = 0):
+        super().__init__(vm, layers)
+        views = [views] if isinstance(views, str) else list(views)
+        self.views = [v for v in views if v != "cls" or self.has_cls_token]
+        self.chance_repeats, self.seed = int(chance_repeats), int(seed)
+        self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
+        self.gnd: dict[int, dict[str, list[int]]] = {}
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if "tiling" in batch.extra:
+            raise VitscopeError("retrieval ranks whole images (CLS, mean patch token): use the dataset untiled")
+        if "db_index" not in batch.extra or "query_index" not in batch.extra:
+            raise VitscopeError("retrieval needs extra['db_index'] and extra['query_index'] (and extra['gnd'] for "
+                                "queries); use a retrieval dataset of the catalog")
+        db = torch.as_tensor(batch.extra["db_index"]).long()
+        q = torch.as_tensor(batch.extra["query_index"]).long()
+        gnd = batch.extra.get("gnd") or [None] * len(batch)
+        for b in torch.nonzero(q >= 0).flatten().tolist():
+            if gnd[b] is None:
+                raise VitscopeError(f"retrieval: query {int(q[b])} has no ground truth (extra['gnd'])")
+            self.gnd[int(q[b])] = {k: [int(i) for i in gnd[b].get(k, [])] for k in ("easy", "hard", "junk")}
+        is_query = q >= 0
+        ids = torch.where(is_query, q, db)
+        x = [feats[t] for t in self.required_taps()]
+        for v in self.views:
+            self.tables[v].append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for f in x], ids,
+                                  torch.zeros_like(ids), is_query)
+        self.n_images += len(batch)
+
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, Retrieval) and other.layers == self.layers and other.views == self.views
+        for v in self.views:
+            self.tables[v].extend(other.tables[v])
+        self.gnd.update(other.gnd)
+        self.skipped.update(other.skipped)
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "views": self.views,
+                "tables": {v: t.state_dict() for v, t in self.tables.items()},
+                "gnd": {int(k): v for k, v in self.gnd.items()}, "skipped": dict(self.skipped),
+                "n_images": self.n_images}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.views = list(state["layers"]), list(state["views"])
+        self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
+        self.gnd = {int(k): v for k, v in state["gnd"].items()}
+        self.skipped = Counter(state["skipped"])
+        self.n_images = int(state["n_images"])
+
+    def finalize(self) -> pd.DataFrame:
+        rows: list[dict[str, Any]] = []
+        skipped = Counter(self.skipped)
+        n_q = n_db = 0
+        for v in self.views:
+            t = self.tables[v]
+            if not len(t):
+                continue
+            ids, is_q = t.column("ids"), t.column("is_test")
+            q_rows = torch.nonzero(is_q).flatten()
+            q_rows = q_rows[torch.argsort(ids[q_rows])]
+            d_rows = torch.nonzero(~is_q).flatten()
+            d_rows = d_rows[torch.argsort(ids[d_rows])]
+            queries = ids[q_rows].tolist()
+            if not queries or not len(d_rows):
+                continue
+            col = {int(i): c for c, i in enumerate(ids[d_rows].tolist())}  # database index -> column
+            gnd = [self.gnd[q] for q in queries]
+            protocols = D.revisited_protocols(gnd)
+            mapped = {name: [{"ok": [col.get(i, -1) for i in p["ok"]], "junk": [col[i] for i in p["junk"] if i in col]}
+                             for p in prot] for name, prot in protocols.items()}
+            for li, layer in enumerate(self.layers):
+                f = F.normalize(t.layer(li).float(), dim=-1)
+                scores = f[q_rows] @ f[d_rows].T
+                for name, prot in mapped.items():
+                    aps = D.retrieval_aps(scores, prot)
+                    rows.append({"metric": f"mAP_{name}", "layer": layer, "token_view": v,
+                                 "value": float(np.nanmean(aps)) if np.isfinite(aps).any() else float("nan")})
+            for name, prot in mapped.items():
+                rows.append({"metric": f"mAP_{name}_chance", "layer": None, "token_view": v,
+                             "value": D.random_ranking_map(prot, len(d_rows), self.chance_repeats, self.seed)})
+                missing = sum(1 for p in prot for i in p["ok"] if i < 0)
+                if v == self.views[0]:
+                    empty = sum(1 for p in prot if not p["ok"])
+                    if empty:
+                        skipped[f"query without positives ({name}; left out of its mean)"] += empty
+                    if missing:
+                        skipped[f"positive not in the database that was read ({name})"] += missing
+            n_q, n_db = len(queries), len(d_rows)
+        rows += self._best_rows(rows, "mAP_medium")
+        rows += [{"metric": "skipped", "reason": r, "value": float(n)} for r, n in sorted(skipped.items())]
+        df = self._table(rows)
+        df["n_queries"], df["n_database"] = n_q, n_db
+        return df
+
+
+__all__ = ["Correspondence", "Propagation", "Retrieval"]

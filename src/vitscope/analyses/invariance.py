@@ -1,0 +1,475 @@
+"""The invariance lens of Merlin et al., "What happens during finetuning of ViTs: an invariance based
+investigation" (2023): STIR (Nanda et al., ICML 2022) between two models, and for a pretrained -> fine-tuned
+pair learning, forgetting, cka divergence and the Invariance Flow matrix; over a fine-tuning run's checkpoints
+the dynamics and their Pearson correlation with accuracy on corrupted data (their Sec. 4.4).
+
+  stir   a pair analysis (model A, model B; A = the pretrained model when B is ``finetuned_from`` A). Per
+         batch: A and B are inverted at every requested tap (`vitscope.invariance.invert`; A's inversions are
+         kept in the study cache and serve every B compared with A, e.g. every checkpoint of a fine-tuning
+         run), each inversion is measured by both models at every tap, and the unbiased HSIC_1 terms of each
+         (inverted tap, measured tap) are summed over all batches (`StirSums`): exact minibatch CKA, merge and
+         resume by addition.
+
+Rows (model = A, model_b = B; ``layer`` is A's block, ``layer_b`` B's):
+  stir_b|a         STIR(B[layer_b] | A[layer])  (A inverted at ``layer``), with ``spread`` over repeats
+  stir_a|b         STIR(A[layer] | B[layer_b])  (B inverted at ``layer_b``)
+  cka              CKA(A[layer], B[layer_b]) on the clean images
+  forgetting       1 - STIR(B[i] | A[i]);  learning  1 - STIR(A[i] | B[i]);  cka_divergence  1 - CKA(A[i], B[i])
+  forgetting_vs_self / learning_vs_self   the same with the first term of Merlin et al.'s eqs. 2-3 measured,
+                   STIR(A[i] | A[i]) - STIR(B[i] | A[i]) and STIR(B[i] | B[i]) - STIR(A[i] | B[i]), on the same
+                   inversions: the share of 1 - STIR that is due to imperfect inversions cancels
+  invariance_flow  STIR(B[layer_b] | A[layer]) - STIR(B[layer] | A[layer])  (pt layer, ft layer)
+  flow_compression / flow_expansion / flow_compressed_layers / flow_expanded_layers / flow_mean_shift
+  fidelity_a / fidelity_b   CKA of a model's own layer on X and on its inversion X' (measured self-STIR; STIR
+                   of a layer with itself is 1 by definition), inversion_error_a / _b the mean relative error
+  accuracy         B's top-1 accuracy on the clean images and on each corruption (column ``corruption``), when
+                   B has a classifier head for the dataset's labels
+Every row carries the settings it was computed with (iterations, step_size, repeats, images).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from vitscope import invariance as INV
+from vitscope.capture.taps import parse_tap
+from vitscope.capture.views import VIEWS
+from vitscope.errors import VitscopeError
+from vitscope.metrics import invariance as M
+
+if TYPE_CHECKING:
+    from vitscope.data.base import Batch
+    from vitscope.models.adapter import ModelInfo, ViTModel
+
+from vitscope.analyses.base import PairAnalysis, register_analysis
+
+# ---------------------------------------------------------------------------------------------------------------
+# corruptions: a small CIFAR-10-C-like set (Hendrycks & Dietterich 2019 severities for 32-px images), for the
+# dynamics until the robustness issue's `corruptions` analysis is there to replace it
+# ---------------------------------------------------------------------------------------------------------------
+
+CORRUPTIONS: dict[str, tuple[float, ...]] = {
+    "gaussian_noise": (0.04, 0.06, 0.08, 0.09, 0.10),  # std of added noise, pixels in [0, 1]
+    "gaussian_blur": (0.4, 0.6, 0.7, 0.8, 1.0),        # blur sigma in pixels (at 32 px; scaled with size)
+    "contrast": (0.75, 0.5, 0.4, 0.3, 0.15),           # (x - mean) * c + mean
+}
+
+
+def corrupt(u: torch.Tensor, ids: torch.Tensor, kind: str, severity: int, seed: int = 0) -> torch.Tensor:
+    """Corrupted copies of pixels ``u`` (B, 3, H, W) in [0, 1], deterministic per (image id, seed)."""
+    if kind not in CORRUPTIONS:
+        raise VitscopeError(f"unknown corruption {kind!r}; choose one of {', '.join(CORRUPTIONS)}")
+    if not 1 <= severity <= 5:
+        raise VitscopeError(f"corruption severity must be 1..5, got {severity}")
+    c = CORRUPTIONS[kind][severity - 1]
+    if kind == "gaussian_noise":
+        noise = torch.stack([torch.randn(u.shape[1:], generator=torch.Generator().manual_seed(
+            int(seed) * 1_000_003 + int(i) * 7 + severity)) for i in ids.tolist()])
+        out = u + c * noise
+    elif kind == "contrast":
+        m = u.mean(dim=(1, 2, 3), keepdim=True)
+        out = (u - m) * c + m
+    else:
+        sigma = c * u.shape[-1] / 32
+        r = max(1, int(math.ceil(3 * sigma)))
+        t = torch.arange(-r, r + 1, dtype=torch.float32)
+        k = torch.exp(-t**2 / (2 * sigma**2))
+        k = k / k.sum()
+        x = torch.nn.functional.pad(u, (r, r, r, r), mode="reflect")
+        x = torch.nn.functional.conv2d(x, k.view(1, 1, 1, -1).repeat(3, 1, 1, 1), groups=3)
+        out = torch.nn.functional.conv2d(x, k.view(1, 1, -1, 1).repeat(3, 1, 1, 1), groups=3)
+    return out.clamp(0, 1)
+
+
+def _parse_corruptions(spec: Any) -> list[tuple[str, int]]:
+    if spec in (None, "none", False):
+        return []
+    if spec == "default":
+        return [(k, s) for k in CORRUPTIONS for s in (3, 5)]
+    out = []
+    for item in spec:
+        kind, _, sev = str(item).partition(":")
+        sevs = [int(v) for v in sev.split(",")] if sev else [3, 5]
+        for s in sevs:
+            corrupt(torch.zeros(1, 3, 4, 4), torch.zeros(1, dtype=torch.long), kind, s)  # validates
+            out.append((kind, s))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _block(tap: str) -> int | None:
+    return parse_tap(tap)[0]
+
+
+@register_analysis
+class Stir(PairAnalysis):
+    """STIR (Nanda et al., ICML 2022) both ways between a pretrained model A and a model B fine-tuned from it,
+    per layer pair, and Merlin et al.'s learning, forgetting, cka divergence and Invariance Flow; over a
+    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy."""
+
+    name = "stir"
+    description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
+                   "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
+    needs = frozenset()
+    state_version = 2  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder
+    STATE_KEYS = ("ba", "ab", "aa", "bb")
+
+    def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
+                 iterations: int = INV.DEFAULT_ITERATIONS, step_size: float = INV.DEFAULT_STEP, repeats: int = 1,
+                 view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
+                 max_rows: int | None = None, corruptions: Any = "default", **params: Any):
+        params.pop("pairs", None)  # which pairs: the planner's business
+        if params:
+            raise VitscopeError(f"stir: unknown parameter(s) {', '.join(sorted(params))}; it takes layers, tap, "
+                                "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions")
+        super().__init__(info_a, info_b)
+        if info_a.depth != info_b.depth:
+            raise VitscopeError(f"stir: {info_a.name} has {info_a.depth} blocks and {info_b.name} {info_b.depth}; "
+                                "the per-layer comparison needs the same depth")
+        depth = info_a.depth
+        if layers is None or layers == "all":
+            layers = list(range(depth))
+        layers = [layers] if isinstance(layers, int) else list(layers)
+        for i in layers:
+            if not -depth <= int(i) < depth:
+                raise VitscopeError(f"stir: layer {i} is out of range for a {depth}-block model")
+        self.layers = sorted({int(i) % depth for i in layers})
+        from vitscope.capture.taps import BLOCK_TAPS
+
+        if tap not in BLOCK_TAPS:
+            from vitscope.errors import UnknownTapError, close_matches
+
+            hint = close_matches(str(tap), BLOCK_TAPS, n=3)
+            raise UnknownTapError(f"stir: tap {tap!r} is not a per-block tap" + (f"; did you mean {', '.join(hint)}?"
+                                  if hint else "") + f" Choose one of {', '.join(BLOCK_TAPS)}.")
+        self.taps = [f"block{i}.{tap}" for i in self.layers]
+        if view not in VIEWS or match_view not in VIEWS:
+            raise VitscopeError(f"stir: unknown token view {view!r} / {match_view!r}; choose from {', '.join(VIEWS)}")
+        if int(repeats) < 1 or int(iterations) < 0:
+            raise VitscopeError("stir: repeats must be >= 1 and iterations >= 0")
+        self.tap, self.view, self.match_view, self.init = tap, view, match_view, init
+        self.iterations, self.step_size = int(iterations), float(step_size)
+        self.repeats, self.seed = int(repeats), int(seed)
+        self.max_rows = max_rows
+        self.corruptions = _parse_corruptions(corruptions)
+        n = len(self.taps)
+        self.sums = {k: INV.StirSums(self.repeats, n, n) for k in self.STATE_KEYS}
+        self.cka = torch.zeros(n, n, 3, dtype=torch.float64)
+        self.correct = torch.zeros(1 + len(self.corruptions), dtype=torch.long)
+        self.n_images = 0
+        self.same_model: bool | None = None
+        self.has_head: bool | None = None
+        self.cache_hits = 0
+
+    # -- the store of A's inversions ---------------------------------------------------------------------------
+    def _inv_key(self) -> str:
+        return (f"stir-inv-{self.tap}-{'_'.join(map(str, self.layers))}-it{self.iterations}-s{self.step_size:g}-"
+                f"{self.init}-{self.match_view}-seed{self.seed}")
+
+    def _store_dir(self) -> Path:
+        d = Path(self.store(self._inv_key()))
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def _invert(self, vm: ViTModel, x: torch.Tensor, ids: torch.Tensor, r: int, cached: bool) -> INV.Inversion:
+        """Inversions at every tap, as float16 pixels (so a fresh and a cached inversion measure the same)."""
+        from safetensors.torch import load_file, save_file
+
+        d = self._store_dir() if cached else None
+        f = None
+        if d is not None:
+            f = d / f"r{r}-{int(ids[0])}-{int(ids[-1])}-{len(ids)}-{_ids_digest(ids)}.safetensors"
+            if f.exists():
+                t = load_file(str(f))
+                self.cache_hits += 1
+                return self._from_pixels(vm, t["pixels"], t["rel_error"])
+        inv = INV.invert(vm, x, self.taps, iterations=self.iterations, step_size=self.step_size, init=self.init,
+                         seed=self.seed, repeat=r, ids=ids, view=self.match_view, max_rows=self.max_rows)
+        err = torch.where(inv.diverged, torch.full_like(inv.rel_error, math.inf), inv.rel_error)
+        pix = inv.pixels.to(torch.float16)
+        if f is not None:
+            tmp = f.with_suffix(f".tmp{os.getpid()}")
+            save_file({"pixels": pix.contiguous(), "rel_error": err.float().contiguous()}, str(tmp))
+            os.replace(tmp, f)
+        return self._from_pixels(vm, pix, err)
+
+    @staticmethod
+    def _from_pixels(vm: ViTModel, pix: torch.Tensor, err: torch.Tensor) -> INV.Inversion:
+        pre = vm.preprocessing
+        mean = torch.tensor(pre.mean).view(1, 1, 3, 1, 1)
+        std = torch.tensor(pre.std).view(1, 1, 3, 1, 1)
+        p = pix.float()
+        return INV.Inversion(images=(p - mean) / std, pixels=p, rel_error=err.float(),
+                             diverged=~torch.isfinite(err), taps=[])
+
+    # -- accumulation ------------------------------------------------------------------------------------------
+    def _measure_all(self, vm: ViTModel, inv: INV.Inversion) -> list[list[torch.Tensor]]:
+        n_l, b = inv.images.shape[:2]
+        feats = INV.measure(vm, inv.images.flatten(0, 1), self.taps, self.view)
+        return [[f[j * b:(j + 1) * b] for f in feats] for j in range(n_l)]
+
+    def update(self, vm_a: ViTModel, vm_b: ViTModel, batch: Batch) -> None:
+        if self.same_model is None:
+            INV.check_pair(vm_a, vm_b)
+            self.same_model = INV.same_weights(vm_a, vm_b, self.taps)
+        x, ids = batch.images, batch.index.cpu().long()
+        if len(x) < 4:
+            raise VitscopeError(f"stir: a batch of {len(x)} images; the unbiased CKA needs at least 4 per batch")
+        fa = INV.measure(vm_a, x, self.taps, self.view)
+        fb = INV.measure(vm_b, x, self.taps, self.view)
+        for i in range(len(self.taps)):
+            for j in range(len(self.taps)):
+                self.cka[i, j] += M.hsic_terms(fa[i], fb[j])
+        with torch.enable_grad():
+            for r in range(self.repeats):
+                inv_a = self._invert(vm_a, x, ids, r, cached=True)
+                keep_a = ~inv_a.diverged
+                for j, (mb, ma) in enumerate(zip(self._measure_all(vm_b, inv_a), self._measure_all(vm_a, inv_a),
+                                                 strict=True)):
+                    self.sums["ba"].add(r, j, fb, mb, keep_a[j], inv_a.rel_error[j])
+                    self.sums["aa"].add(r, j, fa, ma, keep_a[j], inv_a.rel_error[j])
+                if self.same_model:
+                    inv_b = inv_a
+                else:
+                    inv_b = self._invert(vm_b, x, ids, r, cached=False)
+                keep_b = ~inv_b.diverged
+                for j, (ma, mb) in enumerate(zip(self._measure_all(vm_a, inv_b), self._measure_all(vm_b, inv_b),
+                                                 strict=True)):
+                    self.sums["ab"].add(r, j, fa, ma, keep_b[j], inv_b.rel_error[j])
+                    self.sums["bb"].add(r, j, fb, mb, keep_b[j], inv_b.rel_error[j])
+        self._accuracy(vm_b, batch)
+        self.n_images += len(x)
+
+    def _accuracy(self, vm: ViTModel, batch: Batch) -> None:
+        if batch.labels is None:
+            return
+        if self.has_head is None:
+            n_out = getattr(getattr(vm.model, "head", None), "out_features", None)
+            self.has_head = bool(n_out) and int(batch.labels.max()) < int(n_out)
+        if not self.has_head:
+            return
+        pre = vm.preprocessing
+        mean, std = torch.tensor(pre.mean).view(1, 3, 1, 1), torch.tensor(pre.std).view(1, 3, 1, 1)
+        u = (batch.images.float() * std + mean).clamp(0, 1)
+        xs = [batch.images] + [(corrupt(u, batch.index.cpu(), k, s, self.seed) - mean) / std
+                               for k, s in self.corruptions]
+        with torch.inference_mode():
+            logits = vm.model(torch.cat(xs).to(next(vm.model.parameters()).device)).float().cpu()
+        pred = logits.argmax(-1).view(len(xs), -1)
+        self.correct += (pred == batch.labels.cpu().view(1, -1)).sum(1)
+
+    def merge(self, other: Stir) -> None:
+        for k in self.STATE_KEYS:
+            self.sums[k].merge(other.sums[k])
+        self.cka += other.cka
+        self.correct += other.correct
+        self.n_images += other.n_images
+        self.cache_hits += other.cache_hits
+        for flag in ("same_model", "has_head"):
+            if getattr(self, flag) is None:
+                setattr(self, flag, getattr(other, flag))
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {f"{k}.{n}": v for k in self.STATE_KEYS for n, v in self.sums[k].state_dict().items()}
+        out.update(cka=self.cka.clone(), correct=self.correct.clone(), n_images=self.n_images,
+                   flags=json.dumps({"same_model": self.same_model, "has_head": self.has_head}))
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for k in self.STATE_KEYS:
+            self.sums[k].load_state_dict({n: state[f"{k}.{n}"] for n in ("sums", "batches", "images", "diverged",
+                                                                          "err_sum")})
+        self.cka = torch.as_tensor(state["cka"]).clone()
+        self.correct = torch.as_tensor(state["correct"]).clone()
+        self.n_images = int(state["n_images"])
+        flags = json.loads(state["flags"])
+        self.same_model, self.has_head = flags["same_model"], flags["has_head"]
+
+    # -- results -----------------------------------------------------------------------------------------------
+    def _grid(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        v = self.sums[key].values()  # (R, J inverted, I measured)
+        with np.errstate(all="ignore"):
+            arr = v.numpy()
+            fin = np.isfinite(arr)
+            cnt = fin.sum(0)
+            mean = np.where(cnt > 0, np.nansum(np.where(fin, arr, 0), 0) / np.maximum(cnt, 1), np.nan)
+            if arr.shape[0] > 1:
+                sd = np.nanstd(np.where(fin, arr, np.nan), 0, ddof=1)
+            else:
+                sd = np.where(cnt > 0, 0.0, np.nan)
+        return mean, sd
+
+    def finalize(self) -> pd.DataFrame:
+        import warnings
+
+        base = {"token_view": self.view, "iterations": self.iterations, "step_size": self.step_size,
+                "repeats": self.repeats, "images": self.n_images}
+        rows: list[dict[str, Any]] = []
+        L = self.layers
+        s_ba, sd_ba = self._grid("ba")  # [j A inverted, i B measured]
+        s_ab, sd_ab = self._grid("ab")  # [j B inverted, i A measured]
+        for j, lj in enumerate(L):
+            for i, li in enumerate(L):
+                rows.append({"metric": "stir_b|a", "layer": lj, "layer_b": li, "value": s_ba[j, i],
+                             "spread": sd_ba[j, i]})
+                rows.append({"metric": "stir_a|b", "layer": li, "layer_b": lj, "value": s_ab[j, i],
+                             "spread": sd_ab[j, i]})
+        if self.same_model:  # STIR of a layer with itself is 1 by definition
+            for r in rows:
+                if r["layer"] == r["layer_b"]:
+                    r["value"], r["spread"] = 1.0, 0.0
+            s_ba[np.diag_indices(len(L))] = 1.0
+            s_ab[np.diag_indices(len(L))] = 1.0
+        cka = M.stir_from_sums(self.cka).numpy()
+        for i, li in enumerate(L):
+            for j, lj in enumerate(L):
+                rows.append({"metric": "cka", "layer": li, "layer_b": lj, "value": cka[i, j]})
+        # pretrained (A) -> fine-tuned (B)
+        diag_ba, diag_ab = np.diag(s_ba), np.diag(s_ab)
+        for i, li in enumerate(L):
+            rows.append({"metric": "forgetting", "layer": li, "layer_b": li, "value": float(M.forgetting(diag_ba)[i])})
+            rows.append({"metric": "learning", "layer": li, "layer_b": li, "value": float(M.learning(diag_ab)[i])})
+            rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li,
+                         "value": float(M.cka_divergence(np.diag(cka))[i])})
+        # eqs. 2-3 with their first term measured (the within-model STIR of the same inversions, < 1 when the
+        # inversions are imperfect) instead of its ideal value 1: the inversion-quality floor cancels
+        fid_a, fid_b = np.diag(self._grid("aa")[0]), np.diag(self._grid("bb")[0])
+        if self.same_model:
+            fid_a, fid_b = np.diag(s_ba), np.diag(s_ab)
+        for i, li in enumerate(L):
+            rows.append({"metric": "forgetting_vs_self", "layer": li, "layer_b": li, "value": fid_a[i] - diag_ba[i]})
+            rows.append({"metric": "learning_vs_self", "layer": li, "layer_b": li, "value": fid_b[i] - diag_ab[i]})
+        if np.isfinite(s_ba).all():
+            flow = M.flow_matrix(s_ba)
+            for i, li in enumerate(L):
+                for j, lj in enumerate(L):
+                    rows.append({"metric": "invariance_flow", "layer": li, "layer_b": lj, "value": flow[i, j]})
+            for k, v in M.flow_summary(flow).items():
+                rows.append({"metric": f"flow_{k}", "value": v})
+        for side, key in (("a", "aa"), ("b", "bb")):
+            fid, _ = self._grid(key)
+            s = self.sums[key]
+            for j, lj in enumerate(L):
+                n = int(s.images[:, j].sum())
+                lay = {"layer": lj} if side == "a" else {"layer_b": lj}
+                rows.append({"metric": f"fidelity_{side}", **lay, "value": fid[j, j]})
+                rows.append({"metric": f"inversion_error_{side}", **lay,
+                             "value": float(s.err_sum[:, j].sum() / n) if n else math.nan})
+                if int(s.diverged[:, j].sum()):
+                    rows.append({"metric": f"diverged_{side}", **lay, "value": float(s.diverged[:, j].sum())})
+        if self.has_head and self.n_images:
+            names = ["clean"] + [f"{k}:{s}" for k, s in self.corruptions]
+            for name, c in zip(names, self.correct.tolist(), strict=True):
+                rows.append({"metric": "accuracy", "corruption": name, "value": c / self.n_images})
+        df = pd.DataFrame([{**base, **r} for r in rows])
+        bad = ~np.isfinite(df["value"].astype(float))
+        if bad.any():
+            lost = sorted(set(df.loc[bad, "metric"]))
+            warnings.warn(f"stir {self.model_a} -> {self.model_b}: {int(bad.sum())} values could not be computed "
+                          f"(every inversion diverged, or constant features) and are left out: {', '.join(lost)}",
+                          RuntimeWarning, stacklevel=2)
+            df = df[~bad]
+        if "spread" in df.columns:
+            df["spread"] = df["spread"].astype(float).fillna(0.0) if len(df) else df["spread"]
+        return self.tidy(df.to_dict("records"))
+
+    @classmethod
+    def key_numbers(cls, df: pd.DataFrame) -> pd.DataFrame:
+        """Per pair: mean learning / forgetting / cka divergence over layers, flow compression / expansion,
+        accuracy, the settings; per fine-tuning run: Pearson r (p) of each dynamics series."""
+        rows = []
+        d = df[df["model_b"].notna() & ~df.metric.astype(str).str.startswith(("dynamics:", "pearson"))]
+        for (a, b), g in d.groupby(["model", "model_b"], sort=False):
+            row: dict[str, Any] = {"pair": f"{a} -> {b}"}
+            for m in ("learning", "forgetting", "cka_divergence"):
+                row[m] = g[g.metric == m]["value"].astype(float).mean()
+            for m in ("flow_compression", "flow_expansion"):
+                v = g[g.metric == m]["value"]
+                row[m.replace("flow_", "")] = float(v.iloc[0]) if len(v) else math.nan
+            acc = g[g.metric == "accuracy"]
+            if len(acc):
+                row["accuracy"] = float(acc[acc.corruption == "clean"]["value"].mean())
+                row["corrupted acc."] = float(acc[acc.corruption != "clean"]["value"].mean())
+            r0 = g.iloc[0]
+            row["settings"] = (f"{int(r0.get('images'))} img, {int(r0.get('iterations'))} it, "
+                               f"{int(r0.get('repeats'))} rep, "
+                               f"{len(g[g.metric == 'forgetting'])} layers")
+            rows.append(row)
+        pr = df[df.metric == "pearson_r"]
+        for _, r in pr.iterrows():
+            p = df[(df.metric == "pearson_p") & (df.model_b == r.model_b) & (df.series == r.series)]["value"]
+            rows.append({"pair": f"{r.model} -> {r.model_b} (epochs)", "series": r.series, "pearson r": r.value,
+                         "p": float(p.iloc[0]) if len(p) else math.nan})
+        return pd.DataFrame(rows).head(60)
+
+    # -- dynamics over a fine-tuning run's checkpoints ------------------------------------------------------------
+    @classmethod
+    def cross(cls, analyses: list) -> pd.DataFrame | None:
+        runs: dict[tuple[str, str], list] = {}
+        for a in analyses:
+            if getattr(a, "epoch", None) is None:
+                continue
+            runs.setdefault((a.model_a, a.model_b.split("@")[0]), []).append(a)
+        out = [dynamics(sorted(v, key=lambda a: a.epoch), *k) for k, v in runs.items() if len(v) >= 2]
+        out = [d for d in out if d is not None and len(d)]
+        return pd.concat(out, ignore_index=True) if out else None
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(ids.numpy().astype(np.int64).tobytes()).hexdigest()[:10]
+
+
+def dynamics(runs: Sequence[Stir], model_a: str, model_b: str) -> pd.DataFrame | None:
+    """Per-epoch aggregates of one fine-tuning run (one finished `Stir` per checkpoint) and the Pearson
+    correlation of each with the mean accuracy over the corruptions (Merlin et al. Sec. 4.4: std of forgetting
+    across layers 2..L, their best aggregate, among others)."""
+    frames = [(a.epoch, a.finalize()) for a in runs]
+    series: dict[str, list[float]] = {}
+    acc: list[float] = []
+    epochs = []
+    for ep, df in frames:
+        epochs.append(ep)
+
+        def per_layer(metric: str, df=df) -> np.ndarray:
+            d = df[df.metric == metric].sort_values("layer")
+            return d["value"].to_numpy(dtype=float)
+
+        for metric in ("forgetting", "learning", "cka_divergence"):
+            v = per_layer(metric)
+            series.setdefault(f"{metric}_mean", []).append(float(np.mean(v)) if len(v) else math.nan)
+            series.setdefault(f"{metric}_std", []).append(float(np.std(v)) if len(v) else math.nan)
+            deep = v[1:]  # layers 2..L in the paper's 1-based numbering
+            series.setdefault(f"{metric}_std_from_layer2", []).append(float(np.std(deep)) if len(deep) else math.nan)
+        a = df[(df.metric == "accuracy") & (df.get("corruption", pd.Series(dtype=str)) != "clean")]
+        acc.append(float(a["value"].mean()) if len(a) else math.nan)
+        c = df[(df.metric == "accuracy") & (df.get("corruption", pd.Series(dtype=str)) == "clean")]
+        series.setdefault("clean_accuracy", []).append(float(c["value"].mean()) if len(c) else math.nan)
+    rows = []
+    common = {"model": model_a, "model_b": model_b, "analysis": "stir"}
+    for ep, v in zip(epochs, acc, strict=True):
+        rows.append({**common, "metric": "dynamics:corrupted_accuracy", "epoch": ep, "value": v})
+    for name, vals in series.items():
+        for ep, v in zip(epochs, vals, strict=True):
+            rows.append({**common, "metric": f"dynamics:{name}", "epoch": ep, "value": v})
+        if name == "clean_accuracy":
+            continue
+        r, p = M.pearson(vals, acc)
+        if math.isfinite(r):
+            rows.append({**common, "metric": "pearson_r", "series": name, "target": "corrupted_accuracy",
+                         "value": r, "epochs": len(epochs)})
+            rows.append({**common, "metric": "pearson_p", "series": name, "target": "corrupted_accuracy",
+                         "value": p, "epochs": len(epochs)})
+    return pd.DataFrame(rows)

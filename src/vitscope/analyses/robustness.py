@@ -1,0 +1,654 @@
+"""Robustness lenses per layer (math in `vitscope.metrics.robustness`, perturbations in
+`vitscope.data.perturb`): shape vs texture bias, frequency-band noise, common corruptions.
+
+Every number needs class decisions, from one of two *readouts* (column ``readout``):
+
+- ``head``: the model's own classifier, when its label space covers the dataset's classes: an ImageNet-1k
+  head on the 16 cue-conflict categories through the 16-class mapping of Geirhos et al. (ICLR 2019; the
+  mean probability of each category's ImageNet classes), on a 1000-class ImageNet dataset directly; a zoo
+  model's CIFAR-10 head on CIFAR-10. One decision per image (``layer`` empty).
+- ``probe``: at every layer, a linear probe (`vitscope.metrics.semantics.linear_probe`, as the semantics
+  analysis fits) on the pooled tokens (CLS, else the mean of the patch tokens) of clean images of the same
+  classes: for ``shape_bias`` the ``train`` input (by default the generated `synthetic-shapes`, random
+  textures, so texture carries no class information), for ``band_noise`` / ``corruptions`` the clean
+  images of the dataset's own train split (``batch.is_test``, else ids not a multiple of ``test_every``),
+  scored on its test split, clean and perturbed.
+
+``readout: auto`` computes both where possible (the head where it covers the data; probes where clean
+training images exist), ``head`` / ``probe`` one of them; neither possible fails at configuration with one
+sentence. Perturbations are views of the main dataset (`views()`), one forward pass each, shared by every
+model and cached like the clean pass; the images are generated on the fly, deterministic per (image, view,
+seed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import pandas as pd
+import torch
+
+from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.pooled import PooledTable
+from vitscope.capture.views import token_view
+from vitscope.data import perturb as P
+from vitscope.errors import ConfigError
+from vitscope.metrics import robustness as R
+
+READOUTS = ("auto", "head", "probe")
+HEAD_SPACES = ("imagenet-1k", "cifar10", "none")
+
+
+def head_label_space(vm: Any) -> str | None:
+    """What the model's classifier outputs: 'imagenet-1k' (1000 logits), 'cifar10' (a zoo model's 10-way head:
+    the zoo trains on CIFAR-10), or None (headless, or a label space vitscope does not know)."""
+    model = getattr(vm, "model", None)
+    n = int(getattr(model, "num_classes", 0) or 0) if model is not None else 0
+    if n == 1000:
+        return "imagenet-1k"
+    spec = getattr(vm, "spec", None)
+    if n == 10 and spec is not None and str(getattr(spec, "name", "")).startswith("zoo-"):
+        return "cifar10"
+    return None
+
+
+def known_classes(dataset: str | None) -> list[str] | None:
+    """Class names of the datasets vitscope generates or knows by name (used when the planner does not pass
+    the dataset's classes)."""
+    if not dataset:
+        return None
+    from vitscope.data.synthetic import SHAPES, VARIANT_NAMES
+
+    if dataset in VARIANT_NAMES.values():
+        return list(SHAPES)
+    if dataset.startswith("cifar10") or dataset.startswith("cifar-10"):
+        return list(R.CIFAR10_CLASSES)
+    return None
+
+
+def head_covers(space: str | None, classes: Sequence[str] | None) -> bool:
+    """Whether a head of label space ``space`` decides among ``classes``."""
+    if space is None or classes is None:
+        return False
+    if space == "imagenet-1k":
+        return len(classes) == 1000 or (len(classes) > 1 and set(classes) <= set(R.CATEGORIES_16))
+    if space == "cifar10":
+        return list(classes) == list(R.CIFAR10_CLASSES)
+    return False
+
+
+def head_scores(space: str, classes: Sequence[str], logits: torch.Tensor) -> torch.Tensor:
+    """(N, C) scores over the dataset's ``classes`` from the head's logits."""
+    if space == "imagenet-1k" and len(classes) != 1000:
+        return R.imagenet_to_16(logits, classes)
+    return logits
+
+
+def _decision_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the head's rows, else the last layer's probe rows, with a ``readout`` label saying which."""
+    out = []
+    for _, g in df.groupby("model", sort=False):
+        head = g[g.readout == "head"]
+        if len(head):
+            out.append(head.assign(decision="head"))
+        probe = g[g.readout == "probe"]
+        if len(probe):
+            last = pd.to_numeric(probe["layer"]).max()
+            out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(decision=f"probe, block {int(last)}"))
+    return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(decision=None)
+
+
+def _parse_view(view: str) -> tuple[str, dict[str, str]]:
+    """'kind:a=1,b=2' -> ('kind', {'a': '1', 'b': '2'}); 'clean' -> ('clean', {})."""
+    kind, _, args = str(view).partition(":")
+    out = {}
+    for part in filter(None, args.split(",")):
+        k, _, v = part.partition("=")
+        out[k.strip()] = v.strip()
+    return kind.strip(), out
+
+
+class _Robustness(Analysis):
+    """Shared plumbing: readout choice, pooled features per view (for probes) and head decisions per view."""
+
+    needs: ClassVar[frozenset[str]] = frozenset({"labels"})
+    inputs: ClassVar[dict[str, frozenset[str]]] = {}
+
+    def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
+                 classes: Sequence[str] | None = None, token_view: str | None = None, max_images: int = 5000,
+                 test_every: int = 5, probe_max_iter: int = 100):
+        super().__init__(vm)
+        if readout not in READOUTS:
+            raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
+        if head_classes is not None and head_classes not in HEAD_SPACES:
+            raise ConfigError(f"{self.name}: head_classes {head_classes!r} is not a label space vitscope knows; "
+                              f"choose {', '.join(HEAD_SPACES)}")
+        self.layers = self.layers_param(layers)
+        self.readout_param = readout
+        self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
+        self.classes_param = list(classes) if classes is not None else None
+        self.token_view = token_view or ("cls" if self.has_cls_token else "gap_spatial")
+        self.max_images, self.test_every = int(max_images), int(test_every)
+        self.probe_max_iter = int(probe_max_iter)
+        self.dataset_classes: dict[str, list[str] | None] = {}
+        self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
+        self.use_probe: bool | None = None
+        self.tables: dict[str, PooledTable] = {}
+        self.heads: dict[str, dict[str, list[torch.Tensor]]] = {}
+        self.seen: dict[str, int] = {}
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        """Views of the main dataset this analysis reads (the engine's contract; here: only the clean images)."""
+        return ["clean"]
+
+    # -- configuration ---------------------------------------------------------------------------------------
+    def classes_of(self, slot: str) -> list[str] | None:
+        if slot == "data" and self.classes_param is not None:
+            return self.classes_param
+        got = self.dataset_classes.get(slot)
+        return list(got) if got is not None else known_classes(self.datasets.get(slot))
+
+    def probe_possible(self) -> tuple[bool, str]:
+        """(whether clean training images of the dataset's classes exist, why not)."""
+        return True, ""
+
+    def configure(self, dataset_classes: Mapping[str, Sequence[str] | None] | None = None) -> None:
+        """Decide the readouts from the datasets' class names (``{slot: classes}``, slot 'data' = the main
+        dataset); one sentence when no readout can decide among the dataset's classes."""
+        if dataset_classes:
+            self.dataset_classes = {k: list(v) if v is not None else None for k, v in dataset_classes.items()}
+        classes = self.classes_of("data")
+        head = head_covers(self.head_space, classes)
+        probe, why = self.probe_possible()
+        what = self.datasets.get("data") or "the dataset"
+        if self.readout_param == "head" and not head:
+            space = self.head_space or "no classifier head"
+            raise ConfigError(f"{self.name}: readout 'head' needs a classifier whose label space covers the classes "
+                              f"of {what}; {self.model_name} has {space}" + ("" if classes else
+                                                                             " and the classes are unknown"))
+        if self.readout_param == "probe" and not probe:
+            raise ConfigError(f"{self.name}: readout 'probe' needs clean training images of the same classes; {why}")
+        if not head and not probe:
+            raise ConfigError(f"{self.name}: {self.model_name} has no classifier head covering the classes of {what} "
+                              f"and there are no clean images for a linear probe ({why}); give a dataset of the "
+                              "same classes as the probe's training data or use a model with such a head")
+        self.use_head = head and self.readout_param in ("auto", "head")
+        self.use_probe = probe and self.readout_param in ("auto", "probe")
+
+    def required_taps(self) -> list[str]:
+        taps = [f"block{i}.out" for i in self.layers] if self.use_probe is not False else []
+        return taps + (["logits"] if self.use_head is not False and self.head_space else [])
+
+    # -- accumulation -----------------------------------------------------------------------------------------
+    def _slot(self, batch: Any) -> str:
+        ds = getattr(batch, "dataset", None)
+        for slot, name in self.datasets.items():
+            if slot != "data" and name is not None and name == ds:
+                return slot
+        return "data"
+
+    def _is_test(self, batch: Any, take: int) -> torch.Tensor:
+        ids = batch.index[:take].cpu().long()
+        return batch.is_test[:take].cpu().bool() if batch.is_test is not None else ids % self.test_every == 0
+
+    def _pool(self, feats: Mapping[str, torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
+        return [token_view(feats[f"block{i}.out"][rows], self.token_view, self.num_prefix_tokens, self.has_cls_token)
+                for i in self.layers]
+
+    def _add_pooled(self, key: str, feats: Mapping[str, torch.Tensor], batch: Any, rows: torch.Tensor,
+                    labels: torch.Tensor, is_test: torch.Tensor) -> None:
+        """Pooled features of ``rows`` of the batch at every layer (what the probes read) under ``key``."""
+        if len(rows):
+            self.tables.setdefault(key, PooledTable(len(self.layers))).append(
+                self._pool(feats, rows), batch.index.cpu().long()[rows], labels, is_test)
+
+    def _add_head(self, key: str, feats: Mapping[str, torch.Tensor], batch: Any, rows: torch.Tensor,
+                  labels: torch.Tensor, extra: Mapping[str, torch.Tensor] | None = None) -> None:
+        """The head's decisions among the dataset's classes for ``rows`` of the batch under ``key``."""
+        if not len(rows):
+            return
+        scores = head_scores(self.head_space, self.classes_of("data"), feats["logits"][rows].detach().cpu())
+        h = self.heads.setdefault(key, {"ids": [], "labels": [], "decisions": []})
+        h["ids"].append(batch.index.cpu().long()[rows])
+        h["labels"].append(labels)
+        h["decisions"].append(scores.argmax(1))
+        for k, v in (extra or {}).items():
+            h.setdefault(k, []).append(v)
+
+    def _ensure_configured(self, batch: Any) -> None:
+        """Decide the readouts at the first batch when no one called `configure` (the study runner does not yet):
+        the main dataset's classes come from the parameter ``classes``, ``batch.extra['class_names']`` (set by the
+        file formats and the generated shapes), or its name."""
+        if self.use_head is None or self.use_probe is None:
+            names = batch.extra.get("class_names") if self._slot(batch) == "data" else None
+            self.configure({"data": list(names)} if names is not None and not self.dataset_classes else None)
+
+    # -- protocol -----------------------------------------------------------------------------------------
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, type(self)) and other.layers == self.layers
+        for k, t in other.tables.items():
+            self.tables.setdefault(k, PooledTable(len(self.layers))).extend(t)
+        for k, h in other.heads.items():
+            mine = self.heads.setdefault(k, {c: [] for c in h})
+            for c, v in h.items():
+                mine.setdefault(c, []).extend(v)
+        for k, n in other.seen.items():
+            self.seen[k] = self.seen.get(k, 0) + n
+        self.n_images += other.n_images
+        if self.use_head is None:
+            self.use_head, self.use_probe = other.use_head, other.use_probe
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"layers": self.layers, "token_view": self.token_view, "head_space": self.head_space,
+                "use_head": self.use_head, "use_probe": self.use_probe, "datasets": dict(self.datasets),
+                "dataset_classes": self.dataset_classes,
+                "tables": {k: t.state_dict() for k, t in self.tables.items()},
+                "heads": {k: {c: torch.cat(v) if v else torch.empty(0, dtype=torch.long) for c, v in h.items()}
+                          for k, h in self.heads.items()},
+                "seen": dict(self.seen), "n_images": self.n_images}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.layers, self.token_view = list(state["layers"]), state["token_view"]
+        self.head_space, self.use_head, self.use_probe = state["head_space"], state["use_head"], state["use_probe"]
+        self.datasets = dict(state.get("datasets") or self.datasets)
+        self.dataset_classes = dict(state.get("dataset_classes") or {})
+        self.tables = {k: PooledTable.from_state(t) for k, t in state["tables"].items()}
+        self.heads = {k: {c: [v] for c, v in h.items()} for k, h in state["heads"].items()}
+        self.seen, self.n_images = dict(state["seen"]), int(state["n_images"])
+
+    def _head_column(self, key: str, col: str) -> torch.Tensor:
+        h = self.heads.get(key, {})
+        parts = h.get(col, [])
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def _num_classes(self, *labels: torch.Tensor) -> int:
+        classes = self.classes_of("data")
+        seen = max((int(y.max()) + 1 for y in labels if len(y)), default=1)
+        return max(len(classes) if classes else 0, seen)
+
+
+# ---------------------------------------------------------------- shape vs texture bias
+@register_analysis
+class ShapeBias(_Robustness):
+    """Shape vs texture bias on cue-conflict images (Geirhos et al., ICLR 2019; per model in Park et al., "What do
+    self-supervised ViTs learn?", ICLR 2023, last layer only): among the decisions that are either the shape
+    class or the texture class, the fraction that follow the shape, with the counts (``n_shape``,
+    ``n_texture``, ``n_other``; images whose shape and texture class agree are left out). Per layer from
+    linear probes fitted on the clean ``train`` input (images of the same classes, textures random), and from
+    the model's head where it covers the classes. Rows per (readout, layer): ``shape_bias``, ``n_shape``,
+    ``n_texture``, ``n_other``, ``shape_match`` / ``texture_match`` (fractions of all images), and
+    ``clean_accuracy`` of the probe on held-out clean training images."""
+
+    name = "shape_bias"
+    description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
+    needs = frozenset({"cue_conflict"})
+    inputs = {"train": frozenset({"labels"})}
+
+    def __init__(self, vm: Any, **kw: Any):
+        super().__init__(vm, **kw)
+        self.cue_texture: list[torch.Tensor] = []  # texture class of each row of tables['cue'], in order
+
+    def merge(self, other: Analysis) -> None:
+        super().merge(other)
+        assert isinstance(other, ShapeBias)
+        self.cue_texture.extend(other.cue_texture)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "cue_texture": torch.cat(self.cue_texture) if self.cue_texture
+                else torch.empty(0, dtype=torch.long)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.cue_texture = [state["cue_texture"]] if len(state["cue_texture"]) else []
+
+    def _check_train_classes(self, names: Sequence[str] | None) -> None:
+        """At the first clean training batch (when `configure` was not told the classes): the probe's classes
+        must be the cue-conflict images' classes."""
+        if names is None:
+            return
+        self.dataset_classes["train"] = list(names)
+        ok, why = self.probe_possible()
+        if not ok and self.use_probe:
+            if not self.use_head:
+                raise ConfigError(f"shape_bias: {self.model_name} has no classifier head covering the cue-conflict "
+                                  f"classes and there are no clean images for a linear probe ({why})")
+            self.use_probe = False  # the head decides; no probe rows
+
+    def probe_possible(self) -> tuple[bool, str]:
+        train = self.datasets.get("train")
+        if "train" in self.datasets and train is None:
+            return False, "no dataset provides clean labelled training images"
+        if train is not None and train == self.datasets.get("data"):
+            raise ConfigError(f"shape_bias: its train input is the cue-conflict set {train!r} itself; name a dataset "
+                              "of clean images of the same classes with train_dataset: (e.g. synthetic-shapes)")
+        mine, theirs = self.classes_of("data"), self.classes_of("train")
+        if mine is not None and theirs is not None and list(mine) != list(theirs):
+            return False, (f"the training images ({train}) have other classes than the cue-conflict images "
+                           f"({len(theirs)} vs {len(mine)} classes)")
+        return True, ""
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self._ensure_configured(batch)
+        slot = self._slot(batch)
+        texture = batch.extra.get("texture_labels") if slot == "data" else None
+        if slot == "data" and texture is None and "train" not in self.datasets:
+            slot = "train"  # by hand (no planner): batches without texture labels are the clean training images
+        key = "cue" if slot == "data" else "train"
+        if key == "train" and not self.seen.get("train") and "train" not in self.dataset_classes:
+            self._check_train_classes(batch.extra.get("class_names"))
+        take = min(self.max_images - self.seen.get(key, 0), len(batch))
+        if take <= 0:
+            return
+        rows = torch.arange(take)
+        labels = batch.labels[:take].cpu().long()
+        if key == "cue":
+            tex = torch.as_tensor(texture)[:take].cpu().long()
+            if self.use_probe:
+                self._add_pooled("cue", feats, batch, rows, labels, torch.ones(take, dtype=torch.bool))
+                self.cue_texture.append(tex)
+            if self.use_head:
+                self._add_head("cue", feats, batch, rows, labels, extra={"texture": tex})
+            self.n_images += take
+        elif self.use_probe:
+            self._add_pooled("train", feats, batch, rows, labels, self._is_test(batch, take))
+        self.seen[key] = self.seen.get(key, 0) + take
+
+    @staticmethod
+    def key_numbers(df: pd.DataFrame) -> pd.DataFrame:
+        """Per model and readout (head; last-layer probe): shape bias, its counts, the probe's clean accuracy;
+        and the block where the probes' shape bias peaks."""
+        rows = []
+        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+            v = g.set_index("metric")["value"]
+            row = {"model": model, "readout": decision, "shape bias": v.get("shape_bias"),
+                   "shape / texture / other": f"{int(v.get('n_shape', 0))} / {int(v.get('n_texture', 0))} / "
+                                              f"{int(v.get('n_other', 0))}",
+                   "clean accuracy (probe)": v.get("clean_accuracy", float("nan"))}
+            per = df[(df.model == model) & (df.metric == "shape_bias") & (df.readout == "probe")]
+            if len(per) and decision != "head":
+                row["peak block"] = int(per.loc[per["value"].astype(float).idxmax(), "layer"])
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def finalize(self) -> pd.DataFrame:
+        rows: list[dict[str, Any]] = []
+        if "cue" in self.heads:
+            c = R.shape_bias_counts(self._head_column("cue", "decisions"), self._head_column("cue", "labels"),
+                                    self._head_column("cue", "texture"))
+            rows += [{"metric": k, "readout": "head", "value": float(v)} for k, v in c.items()]
+        cue, train = self.tables.get("cue"), self.tables.get("train")
+        if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
+            shape = cue.column("labels")
+            texture = torch.cat(self.cue_texture) if self.cue_texture else torch.empty(0, dtype=torch.long)
+            ytr, test = train.column("labels"), train.column("is_test")
+            fit = ~test if test.any() and (~test).any() else torch.ones_like(test)
+            c = self._num_classes(ytr, shape, texture)
+            for j, layer in enumerate(self.layers):
+                xtr = train.layer(j)
+                d_cue, d_test = R.probe_decisions(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c,
+                                                  max_iter=self.probe_max_iter)
+                counts = R.shape_bias_counts(d_cue, shape, texture)
+                counts["clean_accuracy"] = R.accuracy(d_test, ytr[test])
+                rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v)}
+                         for k, v in counts.items()]
+        df = self.tidy(rows)
+        df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
+        df["dataset"] = self.datasets.get("data")
+        return df
+
+
+# ---------------------------------------------------------------- accuracy under perturbed views
+class _ViewAccuracy(_Robustness):
+    """Accuracy of each readout on the clean test images and on each perturbed view of them."""
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self._ensure_configured(batch)
+        view = str(getattr(batch, "view", "clean") or "clean")
+        take = min(self.max_images - self.seen.get(view, 0), len(batch))
+        if take <= 0:
+            return
+        labels = batch.labels[:take].cpu().long()
+        if view == "clean" and batch.extra.get("corruption") is not None:  # pre-corrupted images (CorruptedFolder)
+            self._add_precorrupted(feats, batch, take, labels)
+            return
+        is_test = self._is_test(batch, take)
+        head_rows = torch.arange(take)
+        if view == "clean":  # probes learn from the clean train split; everything else is test images only
+            probe_rows = head_rows
+            self.n_images += take
+        else:
+            probe_rows = head_rows[is_test]
+        if self.use_probe:
+            self._add_pooled(view, feats, batch, probe_rows, labels[probe_rows], is_test[probe_rows])
+        if self.use_head:
+            self._add_head(view, feats, batch, head_rows, labels)
+        self.seen[view] = self.seen.get(view, 0) + take
+
+    def _add_precorrupted(self, feats: Mapping[str, torch.Tensor], batch: Any, take: int, labels: torch.Tensor
+                          ) -> None:
+        """Images that come corrupted (``batch.extra['corruption' / 'severity']``): each group is scored like the
+        view that would have made it, by the head (no clean images of the same set exist for a probe)."""
+        if not self.use_head:
+            raise ConfigError(f"{self.name}: {self.datasets.get('data') or 'the dataset'} holds pre-corrupted images, "
+                              f"which only a classifier head covering its classes can score; {self.model_name} has "
+                              f"{'no such head' if self.head_space is None else 'a ' + self.head_space + ' head'}"
+                              " (or the dataset's classes are unknown)")
+        names, sev = batch.extra["corruption"][:take], torch.as_tensor(batch.extra["severity"])[:take]
+        for c, s in dict.fromkeys(zip(names, sev.tolist(), strict=True)):
+            rows = torch.tensor([i for i in range(take) if names[i] == c and int(sev[i]) == s])
+            self._add_head(P.corruption_key(c, s), feats, batch, rows, labels[rows])
+        self.seen["clean"] = self.seen.get("clean", 0) + take
+        self.n_images += take
+
+    def _accuracies(self) -> list[dict[str, Any]]:
+        """Rows (readout, layer, view, accuracy, n_images) for every view seen."""
+        out: list[dict[str, Any]] = []
+        views = [v for v in self._view_order() if v in self.heads or v in self.tables]
+        for v in views:
+            if v in self.heads:
+                d, y = self._head_column(v, "decisions"), self._head_column(v, "labels")
+                out.append({"readout": "head", "layer": None, "view": v, "value": R.accuracy(d, y),
+                            "n_images": len(y)})
+        clean = self.tables.get("clean")
+        if self.use_probe and clean is not None and len(clean) > 1:
+            y, test = clean.column("labels"), clean.column("is_test")
+            if test.any() and (~test).any():
+                tests = {"clean": (lambda j: clean.layer(j)[test], y[test])}
+                for v in views:
+                    if v != "clean" and v in self.tables:
+                        t = self.tables[v]
+                        tests[v] = ((lambda j, t=t: t.layer(j)), t.column("labels"))
+                c = self._num_classes(y)
+                for j, layer in enumerate(self.layers):
+                    xtr = clean.layer(j)[~test]
+                    decs = R.probe_decisions(xtr, y[~test], [f(j) for f, _ in tests.values()], c,
+                                             max_iter=self.probe_max_iter)
+                    for (v, (_, yv)), d in zip(tests.items(), decs, strict=True):
+                        out.append({"readout": "probe", "layer": layer, "view": v, "value": R.accuracy(d, yv),
+                                    "n_images": len(yv)})
+        return out
+
+    def _view_order(self) -> list[str]:
+        seen = list(dict.fromkeys([*self.heads, *self.tables]))
+        return ["clean"] + [v for v in seen if v != "clean"]
+
+
+def _band_of(view: str) -> int | None:
+    kind, args = _parse_view(view)
+    return int(args["band"]) if kind == "band_noise" and "band" in args else None
+
+
+@register_analysis
+class BandNoise(_ViewAccuracy):
+    """Accuracy under frequency-band noise (Park et al., "What do self-supervised ViTs learn?", ICLR 2023, after
+    Park & Kim, "How do vision transformers work?", ICLR 2022): Gaussian noise filtered to an annulus of
+    radial frequency of width ``width`` (0.1 pi), bands 0..``n_bands``-1 from low to high frequency, the same
+    noise energy (``rms`` per pixel, images in [0, 1]) in every band (`vitscope.data.perturb.band_noise`).
+    Rows per (readout, layer, band): ``accuracy`` and ``drop`` (clean accuracy minus it, in accuracy points);
+    ``band`` -1 is the clean accuracy. ``bands``: a subset of the bands to run (default all)."""
+
+    name = "band_noise"
+    description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
+
+    def __init__(self, vm: Any, n_bands: int = P.N_BANDS, bands: Sequence[int] | None = None, rms: float = 0.1,
+                 width: float = P.BAND_WIDTH, **kw: Any):
+        super().__init__(vm, **kw)
+        self.params = {"n_bands": n_bands, "bands": bands, "rms": rms, "width": width}
+        type(self).views(self.params)  # validates
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        n = int(params.get("n_bands", P.N_BANDS))
+        bands = params.get("bands")
+        bands = list(range(n)) if bands is None else [int(b) for b in bands]
+        bad = [b for b in bands if not 0 <= b < n]
+        if bad:
+            raise ConfigError(f"band_noise: bands {bad} do not exist; with n_bands={n} the bands are 0..{n - 1}")
+        rms, width = float(params.get("rms", 0.1)), float(params.get("width", P.BAND_WIDTH))
+        if rms <= 0 or width <= 0:
+            raise ConfigError("band_noise: rms and width must be positive")
+        extra = (f",rms={rms}" if rms != 0.1 else "") + (f",width={width}" if width != P.BAND_WIDTH else "")
+        return ["clean"] + [f"band_noise:band={b},n_bands={n}{extra}" for b in bands]
+
+    @staticmethod
+    def key_numbers(df: pd.DataFrame) -> pd.DataFrame:
+        """Per model and readout (head; last-layer probe): clean accuracy, the drop in the lowest and the highest
+        band, and the band that costs most."""
+        rows = []
+        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+            acc = g[g.metric == "accuracy"].set_index("band")["value"]
+            drop = g[g.metric == "drop"].set_index("band")["value"].sort_index()
+            if drop.empty:
+                continue
+            rows.append({"model": model, "readout": decision, "clean accuracy": acc.get(-1, float("nan")),
+                         f"drop, band {int(drop.index[0])} (low)": drop.iloc[0],
+                         f"drop, band {int(drop.index[-1])} (high)": drop.iloc[-1],
+                         "worst band": int(drop.astype(float).idxmax()), "worst drop": drop.max()})
+        return pd.DataFrame(rows)
+
+    def finalize(self) -> pd.DataFrame:
+        rows = []
+        acc = self._accuracies()
+        clean = {(r["readout"], r["layer"]): r["value"] for r in acc if r["view"] == "clean"}
+        for r in acc:
+            band = -1 if r["view"] == "clean" else _band_of(r["view"])
+            base = {"layer": r["layer"], "readout": r["readout"], "band": band, "n_images": r["n_images"]}
+            rows.append({**base, "metric": "accuracy", "value": r["value"]})
+            if band != -1:
+                c = clean.get((r["readout"], r["layer"]), float("nan"))
+                rows.append({**base, "metric": "drop", "value": R.drop(c, r["value"])})
+        df = self.tidy(rows)
+        df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
+        n = int(self.params["n_bands"])
+        width = float(self.params["width"])
+        df["band_low"] = df["band"].map(lambda b: b * width / math.pi if b >= 0 else float("nan"))
+        df["band_high"] = df["band"].map(lambda b: (b + 1) * width / math.pi if b >= 0 else float("nan"))
+        df["n_bands"] = n
+        return df
+
+
+def _corruption_of(view: str) -> tuple[str, int] | None:
+    kind, args = _parse_view(view)
+    return (args["name"], int(args["severity"])) if kind == "corruption" else None
+
+
+@register_analysis
+class Corruptions(_ViewAccuracy):
+    """Accuracy under the common corruptions of ImageNet-C / CIFAR-10-C (Hendrycks & Dietterich, "Benchmarking
+    Neural Network Robustness to Common Corruptions and Perturbations", ICLR 2019; what Merlin et al., "What
+    happens during finetuning of ViTs: an invariance based investigation" (2023), correlate with what
+    fine-tuning forgets), generated on the fly (`vitscope.data.perturb.corruption`).
+    Rows per (readout, layer): ``accuracy`` per ``corruption`` (with its ``family``) and ``severity`` (0 = clean),
+    ``relative_drop`` from clean per corruption and severity, ``mca`` (mean corruption accuracy over the
+    corruptions and severities run) and ``mca_relative_drop``. ``corruptions``: names, family names
+    ('noise', 'blur', 'weather', 'digital', 'held-out') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
+    ``backend``: 'auto' (torch versions where they exist, else the imagecorruptions-imaug package), 'native',
+    'package'."""
+
+    name = "corruptions"
+    description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
+
+    def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[int] = P.SEVERITIES,
+                 backend: str = "auto", **kw: Any):
+        super().__init__(vm, **kw)
+        self.params = {"corruptions": corruptions, "severities": severities, "backend": backend}
+        type(self).views(self.params)
+
+    def probe_possible(self) -> tuple[bool, str]:
+        if str(self.datasets.get("data") or "").startswith("corrupted"):
+            return False, f"{self.datasets['data']} holds only corrupted images"
+        return True, ""
+
+    @staticmethod
+    def corruption_names(which: Any) -> list[str]:
+        which = [which] if isinstance(which, str) else list(which)
+        out: list[str] = []
+        for w in which:
+            if w == "common":
+                out += P.COMMON
+            elif w == "all":
+                out += P.CORRUPTIONS
+            elif w in P.FAMILIES:
+                out += P.FAMILIES[w]
+            else:
+                P.check_corruption(w, 1)
+                out.append(w)
+        return list(dict.fromkeys(out))
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        try:
+            names = cls.corruption_names(params.get("corruptions", "common"))
+            sev = [int(s) for s in params.get("severities", P.SEVERITIES)]
+            for s, raw in zip(sev, params.get("severities", P.SEVERITIES), strict=True):
+                if s != raw or not 1 <= s <= 5:
+                    raise ConfigError(f"corruptions: severity {raw!r} does not exist; severities are 1..5")
+            backend = params.get("backend", "auto")
+            P.check_backend(names, backend)
+        except ConfigError:
+            raise
+        except Exception as e:  # VitscopeError from perturb: same sentence, config-time type
+            raise ConfigError(f"corruptions: {e}") from e
+        b = "" if backend == "auto" else f",backend={backend}"
+        return ["clean"] + [f"corruption:name={n},severity={s}{b}" for n in names for s in sev]
+
+    @staticmethod
+    def key_numbers(df: pd.DataFrame) -> pd.DataFrame:
+        """Per model and readout (head; last-layer probe): clean accuracy, mean corruption accuracy, its
+        relative drop, and the corruption that costs most (mean over severities)."""
+        rows = []
+        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+            v = g[g.corruption.isna()].set_index("metric")["value"]
+            acc = g[(g.metric == "accuracy") & (g.severity > 0)].groupby("corruption")["value"].mean()
+            clean = g[(g.metric == "accuracy") & (g.severity == 0)]["value"]
+            rows.append({"model": model, "readout": decision,
+                         "clean accuracy": float(clean.iloc[0]) if len(clean) else float("nan"),
+                         "mean corruption accuracy": v.get("mca", float("nan")),
+                         "relative drop": v.get("mca_relative_drop", float("nan")),
+                         "worst corruption": acc.idxmin() if len(acc) else None})
+        return pd.DataFrame(rows)
+
+    def finalize(self) -> pd.DataFrame:
+        rows = []
+        acc = self._accuracies()
+        clean = {(r["readout"], r["layer"]): r["value"] for r in acc if r["view"] == "clean"}
+        per: dict[tuple[str, Any], dict[tuple[str, int], float]] = {}
+        for r in acc:
+            key = (r["readout"], r["layer"])
+            cs = ("clean", 0) if r["view"] == "clean" else _corruption_of(r["view"])
+            base = {"layer": r["layer"], "readout": r["readout"], "corruption": cs[0], "severity": cs[1],
+                    "family": P.FAMILY_OF.get(cs[0], "clean"), "n_images": r["n_images"]}
+            rows.append({**base, "metric": "accuracy", "value": r["value"]})
+            if cs[1]:
+                per.setdefault(key, {})[cs] = r["value"]
+                rows.append({**base, "metric": "relative_drop",
+                             "value": R.relative_drop(clean.get(key, float("nan")), r["value"])})
+        for (readout, layer), a in per.items():
+            s = R.corruption_summary(a, clean.get((readout, layer), float("nan")))
+            rows += [{"metric": k, "layer": layer, "readout": readout, "value": v} for k, v in s.items()]
+        df = self.tidy(rows)
+        df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
+        return df

@@ -1,0 +1,159 @@
+"""Public robustness stimuli in their published layouts.
+
+`CueConflictFolder`: the cue-conflict images of Geirhos et al., "ImageNet-trained CNNs are biased towards
+texture; increasing shape bias improves accuracy and robustness" (ICLR 2019), as distributed in
+``rgeirhos/texture-vs-shape`` (``stimuli/style-transfer-preprocessed-512``) and bethgelab/model-vs-human
+(``cue-conflict``): one folder per shape category holding ``<shape><i>-<texture><j>.png``. Labels are the
+shape's position in the sorted category list, the texture's in ``batch.extra['texture_labels']``.
+
+`CorruptedFolder`: pre-corrupted images, ImageNet-C layout (``root/<corruption>/<severity>/<class>/<image>``,
+Hendrycks & Dietterich, ICLR 2019) or CIFAR-10-C layout (``root/<corruption>.npy``, 5 x 10000 images,
+severity 1 first, and ``root/labels.npy``); each image's corruption and severity in ``batch.extra``
+(``corruption``: list of names, ``severity``: (B,) long).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vitscope.data.base import Batch, Sample
+from vitscope.data.formats.common import FileDataset, image_files, read_rgb
+from vitscope.errors import InputError
+
+CUE_CONFLICT_NAME = re.compile(r"^(?P<shape>[a-z]+)(?P<i>\d+)-(?P<texture>[a-z]+)(?P<j>\d+)$")
+
+
+class CueConflictFolder(FileDataset):
+    """Cue-conflict images in the layout of Geirhos et al.: ``root/<shape>/<shape><i>-<texture><j>.png``.
+    Every file name must parse and name categories that have a folder; one sentence names the first
+    offenders otherwise (at construction, before any model runs)."""
+
+    def __init__(self, root: str | Path, name: str | None = None):
+        super().__init__()
+        self.root = Path(root)
+        self.name = name or "cue-conflict"
+        if not self.root.is_dir():
+            raise InputError(f"expected a cue-conflict folder (root/<shape>/<shape><i>-<texture><j>.png) at "
+                             f"{str(self.root)!r}; it does not exist")
+        self.classes: list[str] = sorted(p.name for p in self.root.iterdir()
+                                         if p.is_dir() and not p.name.startswith("."))
+        if len(self.classes) < 2:
+            raise InputError(f"{str(self.root)!r} holds {len(self.classes)} category folders; a cue-conflict set "
+                             "has one folder per shape category (Geirhos et al.: 16)")
+        index = {c: k for k, c in enumerate(self.classes)}
+        self.files: list[Path] = []
+        self.labels: list[int] = []
+        self.texture_labels: list[int] = []
+        bad: list[str] = []
+        for c in self.classes:
+            for f in image_files(self.root / c):
+                m = CUE_CONFLICT_NAME.match(f.stem)
+                if m is None or m["shape"] != c or m["texture"] not in index:
+                    bad.append(f"{c}/{f.name}")
+                    continue
+                self.files.append(f)
+                self.labels.append(index[c])
+                self.texture_labels.append(index[m["texture"]])
+        if bad:
+            raise InputError(f"{len(bad)} files in {str(self.root)!r} are not named <shape><i>-<texture><j> with the "
+                             f"shape its folder and the texture another category folder, e.g. {', '.join(bad[:3])}")
+        if not self.files:
+            raise InputError(f"{str(self.root)!r} holds no images in its category folders")
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def load(self, i: int) -> Sample:
+        return Sample(image=read_rgb(self.files[i]), label=self.labels[i], index=i,
+                      extra={"path": str(self.files[i]), "texture_label": self.texture_labels[i]})
+
+    def _collate(self, chunk: list[Sample], pre) -> Batch:  # noqa: ANN001 - Preprocessing
+        b = super()._collate(chunk, pre)
+        b.extra["texture_labels"] = torch.tensor([s.extra["texture_label"] for s in chunk], dtype=torch.long)
+        return b
+
+
+class CorruptedFolder(FileDataset):
+    """Pre-corrupted images in the ImageNet-C or the CIFAR-10-C layout (detected); ``corruptions`` /
+    ``severities`` restrict what is read. Class names: the ImageNet-C class folders (sorted), or CIFAR-10's."""
+
+    def __init__(self, root: str | Path, corruptions: list[str] | None = None, severities: list[int] | None = None,
+                 name: str | None = None):
+        from vitscope.data.perturb import CORRUPTIONS
+        from vitscope.metrics.robustness import CIFAR10_CLASSES
+
+        super().__init__()
+        self.root = Path(root)
+        self.name = name or f"corrupted:{self.root.name}"
+        if not self.root.is_dir():
+            raise InputError(f"expected a folder of corrupted images (ImageNet-C or CIFAR-10-C layout) at "
+                             f"{str(self.root)!r}; it does not exist")
+        sev = [int(s) for s in (severities or (1, 2, 3, 4, 5))]
+        if any(not 1 <= s <= 5 for s in sev):
+            raise InputError(f"corruption severities are 1..5; got {severities}")
+        self.entries: list[tuple[str, int, int, Path | int]] = []  # corruption, severity, label, file or row
+        self.arrays: dict[str, np.ndarray] = {}
+        npys = sorted(p.stem for p in self.root.glob("*.npy") if p.stem != "labels")
+        if npys:  # CIFAR-10-C
+            if not (self.root / "labels.npy").is_file():
+                raise InputError(f"{str(self.root)!r} holds .npy files but no labels.npy (the CIFAR-10-C layout)")
+            labels = np.load(self.root / "labels.npy")
+            names = corruptions or npys
+            self._check(names, npys, CORRUPTIONS)
+            self.classes = list(CIFAR10_CLASSES)
+            for c in names:
+                arr = np.load(self.root / f"{c}.npy", mmap_mode="r")
+                per = len(arr) // 5
+                self.arrays[c] = arr
+                for s in sev:
+                    self.entries += [(c, s, int(labels[r]), r) for r in range((s - 1) * per, s * per)]
+        else:  # ImageNet-C
+            present = sorted(p.name for p in self.root.iterdir() if p.is_dir())
+            names = corruptions or [p for p in present if p in CORRUPTIONS]
+            self._check(names, present, CORRUPTIONS)
+            classes: list[str] | None = None
+            for c in names:
+                for s in sev:
+                    d = self.root / c / str(s)
+                    if not d.is_dir():
+                        raise InputError(f"{str(d)!r} does not exist (ImageNet-C layout: <corruption>/<severity>/"
+                                         "<class>/<image>)")
+                    cls = sorted(p.name for p in d.iterdir() if p.is_dir())
+                    if classes is None:
+                        classes = cls
+                    elif cls != classes:
+                        raise InputError(f"{str(d)!r} holds other class folders than {names[0]}/{sev[0]}")
+                    for k, cl in enumerate(cls):
+                        self.entries += [(c, s, k, f) for f in image_files(d / cl)]
+            self.classes = classes or []
+        if not self.entries:
+            raise InputError(f"{str(self.root)!r} holds no corrupted images")
+
+    @staticmethod
+    def _check(names: list[str], present: list[str], known: tuple[str, ...]) -> None:
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise InputError(f"{', '.join(unknown)} are not ImageNet-C / CIFAR-10-C corruptions "
+                             f"({', '.join(known)})")
+        missing = [n for n in names if n not in present]
+        if missing:
+            raise InputError(f"the corruptions {', '.join(missing)} are not in the folder (present: "
+                             f"{', '.join(present) or 'none'})")
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def load(self, i: int) -> Sample:
+        c, s, label, src = self.entries[i]
+        img = np.asarray(self.arrays[c][src]) if isinstance(src, int) else read_rgb(src)
+        return Sample(image=img, label=label, index=i, extra={"corruption": c, "severity": s})
+
+    def _collate(self, chunk: list[Sample], pre) -> Batch:  # noqa: ANN001 - Preprocessing
+        b = super()._collate(chunk, pre)
+        b.extra["corruption"] = [s.extra["corruption"] for s in chunk]
+        b.extra["severity"] = torch.tensor([s.extra["severity"] for s in chunk], dtype=torch.long)
+        return b

@@ -1,0 +1,319 @@
+"""Dense downstream metrics with no training (pure functions on arrays): video object segmentation by label
+propagation and its J / F scores, keypoint correspondence (PCK) and instance retrieval (revisited mAP).
+
+Sources, re-implemented (not copied):
+  * J and F: the DAVIS evaluation, ``davisvideochallenge/davis2017-evaluation``, ``davis2017/metrics.py``
+    (``db_eval_iou``, ``f_measure`` / ``db_eval_boundary``, ``_seg2bmap``): J is the region IoU (1 when both
+    masks are empty); F the boundary F-measure, boundaries as ``_seg2bmap`` draws them and matched within
+    ``ceil(BOUND_TH * image diagonal)`` pixels (a disk), with DAVIS's conventions for empty boundaries.
+  * Propagation: DINO's ``eval_video_segmentation.py`` (Caron et al., 2021; ``label_propagation``,
+    ``restrict_neighborhood``, ``norm_mask``): affinity ``exp(cos / 0.1)`` between the target frame's patch
+    tokens and the context frames' (first frame + the last 7), restricted to a square neighbourhood of
+    radius 12 tokens, the top 5 kept per target token (ties at the 5th value kept, as DINO's threshold does),
+    normalised; labels are the affinity-weighted sum of the context's token labels; bilinear upsampling to
+    pixels, per-channel min-max normalisation, argmax.
+  * mAP: the revisited Oxford / Paris protocol (Radenović et al., "Revisiting Oxford and Paris: Large-Scale
+    Image Retrieval Benchmarking", CVPR 2018; ``filipradenovic/revisitop``, ``python/evaluate.py``
+    ``compute_map`` / ``compute_ap``): junk images are removed from the ranking before AP, AP is the
+    trapezoid rule over recall steps, queries without positives are left out of the mean; Easy = easy
+    positives (hard and junk ignored), Medium = easy + hard (junk ignored), Hard = hard (easy and junk ignored).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+#: DAVIS boundary tolerance: a fraction of the image diagonal (davis2017-evaluation ``bound_th=0.008``)
+BOUND_TH = 0.008
+#: DINO's propagation protocol (``eval_video_segmentation.py`` defaults)
+N_LAST_FRAMES = 7
+NEIGHBOURHOOD = 12
+TOPK = 5
+TEMPERATURE = 0.1
+#: DAVIS label value for pixels that are ignored (not an object, not background)
+VOID = 255
+#: propagation holds at most about this many affinity entries at once (queries are chunked beyond it)
+AFFINITY_CHUNK = 1 << 24
+#: PCK thresholds, fractions of max(bbox h, w) of the target object
+PCK_ALPHAS = (0.1, 0.05, 0.01)
+
+
+# ------------------------------------------------------------------------------------------------ J and F
+
+
+def jaccard(gt: np.ndarray | torch.Tensor, pred: np.ndarray | torch.Tensor,
+            void: np.ndarray | torch.Tensor | None = None) -> float:
+    """Region similarity J: |gt & pred| / |gt | pred| over non-void pixels; 1 when both are empty."""
+    gt, pred = torch.as_tensor(np.asarray(gt)).bool(), torch.as_tensor(np.asarray(pred)).bool()
+    keep = torch.ones_like(gt) if void is None else ~torch.as_tensor(np.asarray(void)).bool()
+    inter = int((gt & pred & keep).sum())
+    union = int(((gt | pred) & keep).sum())
+    return 1.0 if union == 0 else inter / union
+
+
+def boundary_map(masks: torch.Tensor) -> torch.Tensor:
+    """(..., H, W) bool -> (..., H, W) bool one-pixel boundaries as DAVIS's ``_seg2bmap`` draws them: pixel p is
+    on the boundary when the 2x2 block it starts (p, right, below, below-right; the image's last row and
+    column repeated past the edge) is not constant."""
+    m = masks.bool()
+    pad = F.pad(m[None].float() if m.ndim == 2 else m.float().reshape(-1, 1, *m.shape[-2:]),
+                (0, 1, 0, 1), mode="replicate").bool()
+    pad = pad.reshape(*m.shape[:-2], m.shape[-2] + 1, m.shape[-1] + 1)
+    c, e, s, se = pad[..., :-1, :-1], pad[..., :-1, 1:], pad[..., 1:, :-1], pad[..., 1:, 1:]
+    return (c ^ e) | (c ^ s) | (c ^ se)
+
+
+def disk(radius: int) -> torch.Tensor:
+    """(2r+1, 2r+1) bool disk: x^2 + y^2 <= r^2 (skimage.morphology.disk)."""
+    r = int(radius)
+    y, x = torch.meshgrid(torch.arange(-r, r + 1), torch.arange(-r, r + 1), indexing="ij")
+    return (x * x + y * y) <= r * r
+
+
+def _dilate(b: torch.Tensor, radius: int) -> torch.Tensor:
+    """Binary dilation of (..., H, W) by `disk(radius)` (outside the image adds nothing): the OR of the map
+    shifted by every offset of the disk (exact; far faster on CPU than a convolution or pooling)."""
+    r = int(radius)
+    b = b.bool()
+    if r <= 0:
+        return b
+    H, W = b.shape[-2:]
+    pad = F.pad(b.to(torch.uint8), (r, r, r, r)).bool()
+    out = b.clone()
+    for dy, dx in torch.nonzero(disk(r)).tolist():
+        if (dy, dx) != (r, r):
+            out |= pad[..., dy:dy + H, dx:dx + W]
+    return out
+
+
+def bound_pixels(height: int, width: int, bound_th: float = BOUND_TH) -> int:
+    """The matching tolerance in pixels: ``bound_th`` itself when >= 1, else ceil(bound_th * diagonal)."""
+    return int(bound_th) if bound_th >= 1 else int(math.ceil(bound_th * math.hypot(height, width)))
+
+
+def _f_score(n_fg: torch.Tensor, n_gt: torch.Tensor, fg_match: torch.Tensor, gt_match: torch.Tensor) -> torch.Tensor:
+    """F from boundary pixel counts, with davis2017-evaluation's conventions for empty boundaries."""
+    n_fg, n_gt = n_fg.double(), n_gt.double()
+    precision = torch.where(n_fg > 0, fg_match.double() / n_fg.clamp(min=1), torch.ones_like(n_fg))
+    recall = torch.where(n_gt > 0, gt_match.double() / n_gt.clamp(min=1), torch.ones_like(n_gt))
+    precision = torch.where((n_fg > 0) & (n_gt == 0), torch.zeros_like(precision), precision)
+    s = precision + recall
+    return torch.where(s > 0, 2 * precision * recall / s.clamp(min=1e-300), torch.zeros_like(s))
+
+
+def boundary_f_batch(gt: torch.Tensor, pred: torch.Tensor, void: torch.Tensor | None = None,
+                     bound_th: float = BOUND_TH) -> torch.Tensor:
+    """F of each of N mask pairs (N, H, W) -> (N,) float64, as `boundary_f`."""
+    gt, pred = gt.bool(), pred.bool()
+    if void is not None:
+        gt, pred = gt & ~void.bool(), pred & ~void.bool()
+    r = bound_pixels(gt.shape[-2], gt.shape[-1], bound_th)
+    bg, bp = boundary_map(gt), boundary_map(pred)
+    return _f_score(bp.flatten(1).sum(1), bg.flatten(1).sum(1), (bp & _dilate(bg, r)).flatten(1).sum(1),
+                    (bg & _dilate(bp, r)).flatten(1).sum(1))
+
+
+def boundary_f(gt: np.ndarray | torch.Tensor, pred: np.ndarray | torch.Tensor,
+               void: np.ndarray | torch.Tensor | None = None, bound_th: float = BOUND_TH) -> float:
+    """Boundary F-measure of a predicted mask against the ground truth (davis2017-evaluation ``f_measure``):
+    precision = predicted boundary pixels within the tolerance of a true one, recall the converse; no
+    predicted boundary: precision 1, recall 0 (both 1 when neither has one); no true boundary: precision 0,
+    recall 1."""
+    gt = torch.as_tensor(np.asarray(gt))[None]
+    pred = torch.as_tensor(np.asarray(pred))[None]
+    v = None if void is None else torch.as_tensor(np.asarray(void))[None]
+    return float(boundary_f_batch(gt, pred, v, bound_th)[0])
+
+
+def jaccard_batch(gt: torch.Tensor, pred: torch.Tensor, void: torch.Tensor | None = None) -> torch.Tensor:
+    """J of each of N mask pairs (N, H, W) -> (N,) float64."""
+    gt, pred = gt.bool(), pred.bool()
+    if void is not None:
+        gt, pred = gt & ~void.bool(), pred & ~void.bool()
+    inter = (gt & pred).flatten(1).sum(1).double()
+    union = (gt | pred).flatten(1).sum(1).double()
+    return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+
+
+def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: Sequence[int],
+               bound_th: float = BOUND_TH) -> tuple[torch.Tensor, torch.Tensor]:
+    """J and F of each object for N predicted label maps of one frame.
+
+    gt_labels: (H, W) integer ids (0 background, `VOID` ignored); pred_labels: (N, H, W) (e.g. one per layer).
+    Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks' boundaries and their
+    dilation are computed once for all N predictions."""
+    keep = gt_labels != VOID
+    ids = torch.as_tensor(list(object_ids), dtype=gt_labels.dtype)
+    gts = (gt_labels[None] == ids[:, None, None]) & keep                             # (K, H, W)
+    preds = (pred_labels[:, None] == ids[None, :, None, None].to(pred_labels.dtype)) & keep  # (N, K, H, W)
+    inter = (gts[None] & preds).flatten(2).sum(2).double()
+    union = (gts[None] | preds).flatten(2).sum(2).double()
+    j = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
+    r = bound_pixels(gt_labels.shape[-2], gt_labels.shape[-1], bound_th)
+    bg = boundary_map(gts)                                                            # (K, H, W)
+    bg_dil = _dilate(bg, r)
+    bp = boundary_map(preds)                                                          # (N, K, H, W)
+    f = _f_score(bp.flatten(2).sum(2), bg.flatten(1).sum(1)[None].expand(len(bp), -1),
+                 (bp & bg_dil[None]).flatten(2).sum(2), (bg[None] & _dilate(bp, r)).flatten(2).sum(2))
+    return j, f
+
+
+# ------------------------------------------------------------------------------------------------ propagation
+
+
+def neighbourhood(grid: tuple[int, int], radius: int = NEIGHBOURHOOD) -> torch.Tensor:
+    """(S, S) bool: key token within ``radius`` rows and columns of the query token (a square window, as
+    DINO's ``restrict_neighborhood``); radius <= 0: everything."""
+    h, w = grid
+    i, j = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    i, j = i.flatten(), j.flatten()
+    if radius <= 0:
+        return torch.ones(h * w, h * w, dtype=torch.bool)
+    return ((i[:, None] - i[None]).abs() <= radius) & ((j[:, None] - j[None]).abs() <= radius)
+
+
+def labels_to_tokens(labels: torch.Tensor, grid: tuple[int, int], object_ids: Sequence[int]) -> torch.Tensor:
+    """(H, W) integer labels -> (C, S) one-hot token labels, C = 1 + len(object_ids) (channel 0: background;
+    anything not an object, void included, counts as background). Nearest-neighbour downsampling (pixel
+    centre), as DINO reads the first frame's mask at the token grid."""
+    h, w = grid
+    H, W = labels.shape[-2:]
+    rows = torch.clamp(((torch.arange(h) + 0.5) * H / h).long(), max=H - 1)
+    cols = torch.clamp(((torch.arange(w) + 0.5) * W / w).long(), max=W - 1)
+    small = labels[rows][:, cols].flatten()
+    out = torch.zeros(1 + len(object_ids), h * w)
+    out[0] = 1.0
+    for c, k in enumerate(object_ids, start=1):
+        hit = small == k
+        out[c, hit], out[0, hit] = 1.0, 0.0
+    return out
+
+
+def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch.Tensor, near: torch.Tensor,
+              topk: int = TOPK, temperature: float = TEMPERATURE) -> torch.Tensor:
+    """Token labels of a target frame from its context frames (DINO's ``label_propagation``), for L feature
+    sets at once (e.g. layers).
+
+    target: (L, S, D) and context: (L, n, S, D) L2-normalised patch features; context_labels: (L, n, C, S)
+    soft token labels; near: (S, S) bool neighbourhood (query, key). Returns (L, C, S): per target token, the
+    affinity-weighted labels of its top-k context tokens (affinity exp(cos / temperature), zero outside the
+    neighbourhood; every key tied with the k-th largest kept)."""
+    L, n, S, _ = context.shape
+    Q = target.shape[1]
+    labels = context_labels.permute(0, 1, 3, 2).reshape(L, n * S, -1)             # (L, n*S_k, C)
+    # queries in chunks so that the affinity held at once stays near 2^24 entries (large tiled frames)
+    step = max(1, min(Q, AFFINITY_CHUNK // max(1, L * n * S)))
+    out = []
+    for q0 in range(0, Q, step):
+        sim = torch.einsum("lqd,lnkd->lqnk", target[:, q0:q0 + step], context)    # (L, q, n, S_k)
+        aff = torch.exp(sim / temperature) * near[q0:q0 + step, None, :]
+        aff = aff.reshape(L, sim.shape[1], n * S)
+        kth = torch.topk(aff, min(topk, n * S), dim=-1).values[..., -1:]
+        aff = torch.where(aff >= kth, aff, torch.zeros((), dtype=aff.dtype))
+        aff = aff / aff.sum(-1, keepdim=True).clamp(min=1e-30)
+        out.append(torch.bmm(aff, labels))                                        # (L, q, C)
+    return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S_q)
+
+
+def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """(L, C, S) token label scores -> (L, H, W) label indices (0 background, c = the c-th object): bilinear
+    upsampling to ``size``, each channel min-max normalised when its maximum is positive (DINO's
+    ``norm_mask``), argmax."""
+    L, C, _ = probs.shape
+    up = F.interpolate(probs.reshape(L, C, *grid), size=size, mode="bilinear", align_corners=False)
+    lo = up.amin(dim=(-2, -1), keepdim=True)
+    hi = up.amax(dim=(-2, -1), keepdim=True)
+    scale = torch.where(hi > 0, hi - lo, torch.ones_like(hi))
+    up = torch.where(hi > 0, (up - lo) / scale.clamp(min=1e-30), up)
+    return up.movedim(1, -1).contiguous().argmax(-1)  # argmax over a contiguous last dim (much faster on CPU)
+
+
+# ------------------------------------------------------------------------------------------------ PCK
+
+
+def pck(pred_xy: np.ndarray, gt_xy: np.ndarray, ref_size: np.ndarray | float,
+        alphas: Sequence[float] = PCK_ALPHAS) -> dict[float, np.ndarray]:
+    """Per keypoint, correct (bool) at each alpha: ||pred - gt|| <= alpha * ref_size (ref_size = max(bbox h,
+    w) of the target object, per keypoint or one number)."""
+    d = np.linalg.norm(np.asarray(pred_xy, np.float64) - np.asarray(gt_xy, np.float64), axis=-1)
+    ref = np.asarray(ref_size, np.float64)
+    return {a: d <= a * ref for a in alphas}
+
+
+def pck_chance(gt_xy: np.ndarray, ref_size: np.ndarray | float, centres: np.ndarray,
+               alphas: Sequence[float] = PCK_ALPHAS) -> dict[float, np.ndarray]:
+    """Per keypoint, the probability that a uniformly random target token (``centres``: (S, 2) x, y)
+    lands within the threshold: PCK of a matcher that ignores the features."""
+    d = np.linalg.norm(np.asarray(gt_xy, np.float64)[:, None] - np.asarray(centres, np.float64)[None], axis=-1)
+    ref = np.broadcast_to(np.asarray(ref_size, np.float64), (len(d),))[:, None]
+    return {a: (d <= a * ref).mean(1) for a in alphas}
+
+
+# ------------------------------------------------------------------------------------------------ retrieval
+
+
+def average_precision(positions: np.ndarray, n_positives: int) -> float:
+    """AP from the 0-based ranks of the positives once junk is removed (sorted), trapezoid rule over recall
+    steps of 1 / n_positives (revisitop ``compute_ap``)."""
+    ap = 0.0
+    step = 1.0 / n_positives
+    for j, r in enumerate(np.asarray(positions)):
+        p0 = 1.0 if r == 0 else j / r
+        p1 = (j + 1) / (r + 1)
+        ap += (p0 + p1) * step / 2.0
+    return ap
+
+
+def ranked_ap(order: np.ndarray, ok: Sequence[int], junk: Sequence[int] = ()) -> float:
+    """AP of one ranking (database indices, best first) with positives ``ok``; ``junk`` is taken out of the
+    ranking first. NaN when there are no positives."""
+    ok = np.asarray(list(ok), dtype=np.int64)
+    if len(ok) == 0:
+        return float("nan")
+    order = np.asarray(order)
+    keep = ~np.isin(order, np.asarray(list(junk), dtype=np.int64))
+    pos = np.flatnonzero(np.isin(order[keep], ok))
+    return average_precision(pos, len(ok))
+
+
+def revisited_protocols(gnd: Sequence[dict]) -> dict[str, list[dict[str, list[int]]]]:
+    """Easy / Medium / Hard positives and ignored images from easy / hard / junk ground truth (revisitop
+    ``example_evaluate.py``)."""
+    def g(q: dict, k: str) -> list[int]:
+        return [int(x) for x in q.get(k, [])]
+    return {
+        "easy": [{"ok": g(q, "easy"), "junk": g(q, "junk") + g(q, "hard")} for q in gnd],
+        "medium": [{"ok": g(q, "easy") + g(q, "hard"), "junk": g(q, "junk")} for q in gnd],
+        "hard": [{"ok": g(q, "hard"), "junk": g(q, "junk") + g(q, "easy")} for q in gnd],
+    }
+
+
+def retrieval_aps(scores: torch.Tensor, protocol: Sequence[dict]) -> np.ndarray:
+    """(Q, N) similarity of each query to each database image -> (Q,) AP per query (NaN: no positives);
+    ties broken by database index (stable sort)."""
+    order = torch.sort(-scores.double(), dim=1, stable=True).indices.numpy()
+    return np.array([ranked_ap(order[q], p["ok"], p["junk"]) for q, p in enumerate(protocol)])
+
+
+def random_ranking_map(protocol: Sequence[dict], n_database: int, repeats: int = 32, seed: int = 0) -> float:
+    """mAP of uniformly random rankings (the mean over ``repeats`` seeded draws): the chance level."""
+    g = np.random.default_rng(seed)
+    vals = []
+    for _ in range(repeats):
+        aps = [ranked_ap(g.permutation(n_database), p["ok"], p["junk"]) for p in protocol]
+        aps = [a for a in aps if not math.isnan(a)]
+        if aps:
+            vals.append(float(np.mean(aps)))
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+__all__ = ["BOUND_TH", "NEIGHBOURHOOD", "N_LAST_FRAMES", "PCK_ALPHAS", "TEMPERATURE", "TOPK", "VOID",
+           "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch", "boundary_map", "disk",
+           "jaccard", "jaccard_batch", "jf_objects", "labels_to_tokens", "neighbourhood", "pck", "pck_chance",
+           "propagate", "random_ranking_map", "ranked_ap", "retrieval_aps", "revisited_protocols",
+           "tokens_to_labels"]

@@ -1,0 +1,147 @@
+"""The invariance metrics of Merlin et al., "What happens during finetuning of ViTs: an invariance based
+investigation" (2023), on STIR values (Nanda et al., "Measuring Representational Robustness of Neural
+Networks Through Shared Invariances", ICML 2022). Pure functions on arrays, no models, no I/O.
+
+With pt the pretrained and ft the fine-tuned model, layers i, j:
+
+  STIR(m2[i] | m1[j])  = mean over k repeats of CKA(m2[i](X), m2[i](X')), X' inverted from noise so that
+                         m1[j](X') ~ m1[j](X)                                  (Nanda et al. eq. 1)
+  forgetting(ft[i]|pt[i]) = 1 - STIR(ft[i] | pt[i])                            (Merlin et al. eq. 2)
+  learning(ft[i]|pt[i])   = 1 - STIR(pt[i] | ft[i])                            (eq. 3)
+  cka divergence          = 1 - CKA(ft[i], pt[i])                              (eq. 4)
+  Invariance Flow(ft[j], pt[i]) = STIR(ft[j] | pt[i]) - STIR(ft[i] | pt[i])    (eq. 5)
+
+The "1" in eqs. 2-4 is STIR (or CKA) of a layer with itself, 1 by definition (Merlin et al. Sec. 3.2). A
+positive flow at j < i means the invariances of pretrained layer i are found in a shallower fine-tuned layer
+(compression); at j > i in a deeper one (expansion).
+
+STIR's CKA is the minibatch CKA with the unbiased HSIC_1 estimator (`vitscope.metrics.cka`), accumulated over
+every batch: `StirSums` keeps the three per-batch HSIC_1 sums, so merging shards or resuming is an addition.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vitscope.metrics import cka as C
+
+__all__ = [
+    "cka_divergence",
+    "flow_matrix",
+    "flow_summary",
+    "forgetting",
+    "hsic_terms",
+    "learning",
+    "pearson",
+    "stir_from_sums",
+]
+
+
+def _arr(x: Sequence[float] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().double().numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def forgetting(stir_ft_given_pt: Sequence[float] | np.ndarray) -> np.ndarray:
+    """forgetting(ft[i]|pt[i]) = 1 - STIR(ft[i]|pt[i]), elementwise over layers."""
+    return 1.0 - _arr(stir_ft_given_pt)
+
+
+def learning(stir_pt_given_ft: Sequence[float] | np.ndarray) -> np.ndarray:
+    """learning(ft[i]|pt[i]) = 1 - STIR(pt[i]|ft[i]), elementwise over layers."""
+    return 1.0 - _arr(stir_pt_given_ft)
+
+
+def cka_divergence(cka_ft_pt: Sequence[float] | np.ndarray) -> np.ndarray:
+    """cka divergence(ft[i], pt[i]) = 1 - CKA(ft[i], pt[i]), elementwise over layers."""
+    return 1.0 - _arr(cka_ft_pt)
+
+
+def flow_matrix(stir_ft_given_pt: np.ndarray) -> np.ndarray:
+    """Invariance Flow matrix from the STIR grid ``S[i, j] = STIR(ft[j] | pt[i])`` (rows: pretrained layer i,
+    columns: fine-tuned layer j, the same layers in the same order on both axes):
+    ``F[i, j] = S[i, j] - S[i, i]``. Its diagonal is 0."""
+    s = _arr(stir_ft_given_pt)
+    if s.ndim != 2 or s.shape[0] != s.shape[1]:
+        raise ValueError(f"the STIR grid must be square (same layers of both models), got shape {s.shape}")
+    return s - np.diag(s)[:, None]
+
+
+def flow_summary(flow: np.ndarray) -> dict[str, float]:
+    """Compression / expansion read off an Invariance Flow matrix ``F[i, j]`` (pt layer i, ft layer j).
+
+    compression: mean over pretrained layers i of the largest positive flow to a shallower fine-tuned layer
+    (max(0, max_{j<i} F[i, j])); expansion: the same towards deeper layers (j > i); compressed_layers /
+    expanded_layers: how many pretrained layers have their best-matching fine-tuned layer (argmax_j F[i, j],
+    when its flow is positive) shallower / deeper than themselves; mean_shift: mean over i of (best j - i) in
+    layer positions (negative: invariances move to shallower layers)."""
+    f = _arr(flow)
+    n = f.shape[0]
+    comp, exp_, shifts = [], [], []
+    n_comp = n_exp = 0
+    for i in range(n):
+        row = f[i]
+        comp.append(max(0.0, float(np.max(row[:i]))) if i > 0 else 0.0)
+        exp_.append(max(0.0, float(np.max(row[i + 1:]))) if i < n - 1 else 0.0)
+        best = int(np.argmax(row))
+        if row[best] <= 0:
+            best = i
+        shifts.append(best - i)
+        n_comp += best < i
+        n_exp += best > i
+    return {"compression": float(np.mean(comp)), "expansion": float(np.mean(exp_)),
+            "compressed_layers": float(n_comp), "expanded_layers": float(n_exp),
+            "mean_shift": float(np.mean(shifts))}
+
+
+def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """Pearson's r and its two-sided p-value (t test with n - 2 degrees of freedom, as scipy.stats.pearsonr).
+    NaN, NaN when fewer than 3 finite pairs remain or either series is constant."""
+    a, b = _arr(x), _arr(y)
+    if a.shape != b.shape:
+        raise ValueError(f"the two series differ in length: {a.shape} vs {b.shape}")
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    n = len(a)
+    if n < 3:
+        return math.nan, math.nan
+    a, b = a - a.mean(), b - b.mean()
+    den = math.sqrt(float(a @ a) * float(b @ b))
+    if den == 0:
+        return math.nan, math.nan
+    r = max(-1.0, min(1.0, float(a @ b) / den))
+    if abs(r) == 1.0:
+        return r, 0.0
+    from scipy.special import stdtr
+
+    t = r * math.sqrt((n - 2) / (1.0 - r * r))
+    p = 2.0 * float(stdtr(n - 2, -abs(t)))
+    return r, p
+
+
+def hsic_terms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """HSIC_1(K, L), HSIC_1(K, K), HSIC_1(L, L) of one minibatch, K and L the linear Grams of ``x`` (n, F) and
+    ``y`` (n, G), as a float64 (3,) tensor. Each is shifted by its own batch mean before the Gram (HSIC_1 is
+    unchanged by a constant shift; the float32 product keeps its precision)."""
+    grams = []
+    for f in (x, y):
+        f = f.reshape(f.shape[0], -1)
+        grams.append(C.gram_matrix(f.float(), f.double().mean(0).float(), torch.float32).double())
+    k, l_ = grams
+    return torch.stack([C.hsic1(k, l_), C.hsic1(k, k), C.hsic1(l_, l_)])
+
+
+def stir_from_sums(sums: torch.Tensor) -> torch.Tensor:
+    """CKA from summed HSIC_1 terms ``(..., 3)`` (cross, self x, self y): sum cross / sqrt(sum self x *
+    sum self y); NaN where a self term is not positive (constant features)."""
+    s = sums.double()
+    den = s[..., 1] * s[..., 2]
+    out = torch.full(den.shape, math.nan, dtype=torch.float64)
+    ok = den > 0
+    out[ok] = s[..., 0][ok] / torch.sqrt(den[ok])
+    return out

@@ -1,0 +1,122 @@
+"""Robustness (pure functions): class decisions from a head or a probe, shape vs texture bias, accuracy under
+perturbation and its summaries.
+
+Shape bias (Geirhos et al., "ImageNet-trained CNNs are biased towards texture; increasing shape bias improves
+accuracy and robustness", ICLR 2019): on cue-conflict images (shape of class A, texture of class B != A),
+the fraction of shape decisions among the decisions that are either the shape or the texture class.
+Frequency-band noise (Park et al., "What do self-supervised ViTs learn?", ICLR 2023) and common corruptions
+(Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common Corruptions and Perturbations",
+ICLR 2019): accuracy per perturbation, its drop from clean, the mean corruption accuracy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vitscope.metrics.semantics import linear_probe
+
+Tensor = torch.Tensor
+
+# ---------------------------------------------------------------- the 16-class ImageNet mapping
+#: The 16 entry-level categories of Geirhos et al. (ICLR 2019), sorted (the order of the stimuli's folders),
+#: and the ImageNet-1k class indices of each, as published in bethgelab/model-vs-human,
+#: ``modelvshuman/helper/human_categories.py`` (``HumanCategories.<category>_indices``), the code of
+#: Geirhos et al., "Partial success in closing the gap between human and machine vision" (NeurIPS 2021).
+IMAGENET_16_INDICES: dict[str, tuple[int, ...]] = {
+    "airplane": (404,),
+    "bear": (294, 295, 296, 297),
+    "bicycle": (444, 671),
+    "bird": (8, 10, 11, 12, 13, 14, 15, 16, 18, 19, 20, 22, 23, 24, 80, 81, 82, 83, 87, 88, 89, 90, 91, 92, 93,
+             94, 95, 96, 98, 99, 100, 127, 128, 129, 130, 131, 132, 133, 135, 136, 137, 138, 139, 140, 141, 142,
+             143, 144, 145),
+    "boat": (472, 554, 625, 814, 914),
+    "bottle": (440, 720, 737, 898, 899, 901, 907),
+    "car": (436, 511, 817),
+    "cat": (281, 282, 283, 284, 285, 286),
+    "chair": (423, 559, 765, 857),
+    "clock": (409, 530, 892),
+    "dog": (152, 153, 154, 155, 156, 157, 158, 159, 160, 161, 162, 163, 164, 165, 166, 167, 168, 169, 170, 171,
+            172, 173, 174, 175, 176, 177, 178, 179, 180, 181, 182, 183, 184, 185, 186, 187, 188, 189, 190, 191,
+            193, 194, 195, 196, 197, 198, 199, 200, 201, 202, 203, 205, 206, 207, 208, 209, 210, 211, 212, 213,
+            214, 215, 216, 217, 218, 219, 220, 221, 222, 223, 224, 225, 226, 228, 229, 230, 231, 232, 233, 234,
+            235, 236, 237, 238, 239, 240, 241, 243, 244, 245, 246, 247, 248, 249, 250, 252, 253, 254, 255, 256,
+            257, 259, 261, 262, 263, 265, 266, 267, 268),
+    "elephant": (385, 386),
+    "keyboard": (508, 878),
+    "knife": (499,),
+    "oven": (766,),
+    "truck": (555, 569, 656, 675, 717, 734, 864, 867),
+}
+CATEGORIES_16: tuple[str, ...] = tuple(IMAGENET_16_INDICES)
+
+#: torchvision's / the CIFAR-10 files' class order: what a CIFAR-10 head's outputs mean.
+CIFAR10_CLASSES: tuple[str, ...] = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+                                    "truck")
+
+
+def imagenet_to_16(logits: Tensor, categories: Sequence[str] = CATEGORIES_16) -> Tensor:
+    """(N, 1000) ImageNet logits -> (N, len(categories)) scores: the mean softmax probability of each
+    category's ImageNet classes (model-vs-human's ``ImageNetProbabilitiesTo16ClassesMapping``, mean
+    aggregation)."""
+    if logits.shape[-1] != 1000:
+        raise ValueError(f"expected ImageNet-1k logits (N, 1000); got {tuple(logits.shape)}")
+    p = logits.double().softmax(-1)
+    return torch.stack([p[:, list(IMAGENET_16_INDICES[c])].mean(1) for c in categories], dim=1)
+
+
+# ---------------------------------------------------------------- decisions
+def probe_decisions(train: Tensor, train_labels: Tensor, tests: Sequence[Tensor], num_classes: int,
+                    **kw: object) -> list[Tensor]:
+    """Fit one linear probe (`vitscope.metrics.semantics.linear_probe`: multinomial logistic regression on
+    standardised features) on ``train`` and return its class decisions on each of ``tests``."""
+    sizes = [len(t) for t in tests]
+    if not sum(sizes):
+        return [torch.empty(0, dtype=torch.long) for _ in tests]
+    allt = torch.cat([t.float() for t in tests])
+    _, scores = linear_probe(train.float(), train_labels.long(), allt, torch.zeros(len(allt), dtype=torch.long),
+                             num_classes=num_classes, **kw)
+    return list(scores.argmax(1).split(sizes))
+
+
+# ---------------------------------------------------------------- shape bias
+def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor) -> dict[str, float]:
+    """Counts of shape / texture / other decisions on cue-conflict images and the shape bias
+    ``shape / (shape + texture)`` (NaN when no decision is either). Images whose shape and texture class
+    are the same are left out (``n_excluded``), as Geirhos et al. do."""
+    d, s, t = decisions.long(), shape_labels.long(), texture_labels.long()
+    keep = s != t
+    d, s, t = d[keep], s[keep], t[keep]
+    n_shape, n_texture = int((d == s).sum()), int((d == t).sum())
+    n = len(d)
+    cue = n_shape + n_texture
+    return {"shape_bias": n_shape / cue if cue else float("nan"), "n_shape": n_shape, "n_texture": n_texture,
+            "n_other": n - cue, "n_images": n, "n_excluded": int((~keep).sum()),
+            "shape_match": n_shape / n if n else float("nan"), "texture_match": n_texture / n if n else float("nan")}
+
+
+# ---------------------------------------------------------------- accuracy under perturbation
+def accuracy(decisions: Tensor, labels: Tensor) -> float:
+    return float((decisions.long() == labels.long()).double().mean()) if len(labels) else float("nan")
+
+
+def drop(clean: float, perturbed: float) -> float:
+    """Accuracy lost to the perturbation (clean - perturbed), in accuracy points."""
+    return clean - perturbed
+
+
+def relative_drop(clean: float, perturbed: float) -> float:
+    """(clean - perturbed) / clean: the share of the clean accuracy lost (NaN for a clean accuracy of 0)."""
+    return (clean - perturbed) / clean if clean > 0 else float("nan")
+
+
+def corruption_summary(acc: dict[tuple[str, int], float], clean: float) -> dict[str, float]:
+    """From accuracies per (corruption, severity): the mean corruption accuracy (mean over every corruption
+    and severity measured, each corruption weighted by its severities, as ImageNet-C's mean over 1-5) and
+    its relative drop from ``clean``."""
+    names = sorted({c for c, _ in acc})
+    per = [float(np.mean([v for (c, _), v in acc.items() if c == n])) for n in names]
+    mca = float(np.mean(per)) if per else float("nan")
+    return {"mca": mca, "mca_relative_drop": relative_drop(clean, mca)}

@@ -1,0 +1,622 @@
+"""Hugging Face `transformers` ViT checkpoints -> timm models, from config.json and the state dict alone.
+
+A checkpoint is a directory as ``save_pretrained`` writes it (``config.json``, ``model.safetensors`` or
+``pytorch_model.bin``, possibly sharded, and ``preprocessor_config.json``) or a hub id (``org/name``). The
+family comes from ``config.json`` (``model_type``, ``architectures``); the timm architecture is built with
+the config's numbers; the weights are renamed to timm's keys (q/k/v joined, heads kept) and loaded with the
+same strict key accounting as every other layout (`checkpoints.load_into`). `transformers` is never imported.
+
+  model_type                timm model                      what the checkpoint implies
+  vit, vit_mae              VisionTransformer               LayerNorm eps 1e-12; HF pooler (dense+tanh) dropped
+  deit                      VisionTransformer (reg_tokens=1) the distillation token is a second prefix token;
+                            or VisionTransformerDistilled    ... with both heads (logits = mean of the two)
+  dinov2(_with_registers)   VisionTransformer               layer scale, registers, SwiGLU for the giant;
+                                                            classifier on [CLS, mean of patches] (`ClsMeanHead`)
+  clip, clip_vision_model   VisionTransformer               pre-norm, QuickGELU, projection as the head
+  beit, data2vec-vision     Beit                            q/v biases, relative position bias (per block or
+                                                            shared), layer scale, mean pooling into fc_norm
+
+Two architecture arguments are vitscope's own, applied after timm builds the model (`finish_build`):
+``layer_norm_eps`` (transformers' ViTs use 1e-12 where timm uses 1e-6) and ``head_input='cls+mean'``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vitscope.errors import CheckpointError, VitscopeError, WeightsUnavailableError
+from vitscope.models.checkpoints import Converted, read_checkpoint
+from vitscope.models.registry import (
+    CLIP_MEAN,
+    CLIP_STD,
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    INCEPTION_MEAN,
+    INCEPTION_STD,
+    ModelSpec,
+    Preprocessing,
+    WeightSource,
+)
+
+Tensor = torch.Tensor
+
+CONFIG = "config.json"
+PREPROCESSOR = "preprocessor_config.json"
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+# transformers' config defaults (what a config.json may leave out), per family
+_VIT = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072,
+            hidden_act="gelu", layer_norm_eps=1e-12, image_size=224, patch_size=16, num_channels=3, qkv_bias=True)
+_DINOV2 = dict(_VIT, intermediate_size=None, mlp_ratio=4.0, layer_norm_eps=1e-6, patch_size=14,
+               layerscale_value=1.0, use_swiglu_ffn=False)
+_CLIP = dict(_VIT, hidden_act="quick_gelu", layer_norm_eps=1e-5, patch_size=32, projection_dim=512)
+_BEIT = dict(_VIT, use_absolute_position_embeddings=False, use_relative_position_bias=False,
+             use_shared_relative_position_bias=False, layer_scale_init_value=0.1, use_mean_pooling=True)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "vit": _VIT, "deit": _VIT, "vit_mae": _VIT, "dinov2": _DINOV2,
+    "dinov2_with_registers": dict(_DINOV2, patch_size=16, num_register_tokens=4),
+    "clip": _CLIP, "clip_vision_model": _CLIP, "beit": _BEIT, "data2vec-vision": _BEIT,
+}
+SUPPORTED = tuple(DEFAULTS)
+
+# Preprocessing when the checkpoint has no preprocessor_config.json: the family's image processor defaults
+# (DINOv2 and ViT-MAE: the normalisation they were trained with).
+_FAMILY_PRE: dict[str, tuple[tuple[float, ...], tuple[float, ...], float, str]] = {
+    "vit": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bilinear"),
+    "deit": (IMAGENET_MEAN, IMAGENET_STD, 224 / 256, "bicubic"),
+    "vit_mae": (IMAGENET_MEAN, IMAGENET_STD, 1.0, "bicubic"),
+    "dinov2": (IMAGENET_MEAN, IMAGENET_STD, 224 / 256, "bicubic"),
+    "dinov2_with_registers": (IMAGENET_MEAN, IMAGENET_STD, 224 / 256, "bicubic"),
+    "clip": (CLIP_MEAN, CLIP_STD, 1.0, "bicubic"),
+    "clip_vision_model": (CLIP_MEAN, CLIP_STD, 1.0, "bicubic"),
+    "beit": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
+    "data2vec-vision": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
+}
+_PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
+
+_CITATIONS = {
+    "vit": "Dosovitskiy et al., An Image is Worth 16x16 Words: Transformers for Image Recognition at Scale "
+           "(ICLR 2021)",
+    "deit": "Touvron et al., Training data-efficient image transformers & distillation through attention "
+            "(ICML 2021)",
+    "vit_mae": "He et al., Masked Autoencoders Are Scalable Vision Learners (CVPR 2022)",
+    "dinov2": "Oquab et al., DINOv2: Learning Robust Visual Features without Supervision (TMLR 2024)",
+    "dinov2_with_registers": "Oquab et al., DINOv2: Learning Robust Visual Features without Supervision "
+                             "(TMLR 2024); Darcet et al., Vision Transformers Need Registers (ICLR 2024)",
+    "clip": "Radford et al., Learning Transferable Visual Models From Natural Language Supervision (ICML 2021)",
+    "beit": "Bao et al., BEiT: BERT Pre-Training of Image Transformers (ICLR 2022)",
+    "data2vec-vision": "Baevski et al., data2vec: A General Framework for Self-supervised Learning in Speech, "
+                       "Vision and Language (ICML 2022)",
+}
+_CITATIONS["clip_vision_model"] = _CITATIONS["clip"]
+
+_ACT = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+        "relu": "relu", "silu": "silu", "swish": "silu"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+# --------------------------------------------------------------------------------------------------
+# Recognising and reading checkpoints
+
+def is_model_dir(path: str | Path) -> bool:
+    """A directory holding a transformers ``config.json``."""
+    p = Path(str(path))
+    return p.is_dir() and (p / CONFIG).is_file()
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """``org/name`` that is not a local path and not a checkpoint file name."""
+    return bool(_HUB_ID.match(name)) and not Path(name).exists() and not name.endswith(
+        (".pth", ".pt", ".tar", ".safetensors", ".bin", ".json"))
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """config.json with the family's defaults filled in; raises on a model type that is not a supported ViT."""
+    directory = Path(directory)
+    try:
+        raw = json.loads((directory / CONFIG).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"could not read {directory / CONFIG}: {e}") from e
+    model_type = raw.get("model_type")
+    if model_type not in DEFAULTS:
+        arch = ", ".join(raw.get("architectures") or []) or "no architectures listed"
+        raise CheckpointError(
+            f"{directory}: model_type {model_type!r} ({arch}) is not a Vision Transformer vitscope can convert; "
+            f"the supported transformers families are {', '.join(SUPPORTED)}.")
+    vision = raw.get("vision_config") if model_type == "clip" else raw
+    if not isinstance(vision, Mapping):
+        raise CheckpointError(f"{directory / CONFIG}: a CLIP config without a vision_config")
+    cfg = {**DEFAULTS[model_type], **vision}
+    cfg["model_type"] = model_type
+    cfg["architectures"] = list(raw.get("architectures") or [])
+    cfg["id2label"] = raw.get("id2label")
+    cfg["num_labels"] = raw.get("num_labels")
+    return cfg
+
+
+def read_preprocessor(directory: str | Path) -> dict[str, Any] | None:
+    path = Path(directory) / PREPROCESSOR
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"could not read {path}: {e}") from e
+
+
+def weight_files(directory: str | Path) -> list[Path]:
+    """The weight files of a checkpoint directory (all shards when it is sharded), safetensors first."""
+    directory = Path(directory)
+    for name in WEIGHT_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        if name.endswith(".index.json"):
+            index = json.loads(path.read_text())
+            shards = sorted(set(index.get("weight_map", {}).values()))
+            missing = [s for s in shards if not (directory / s).is_file()]
+            if missing:
+                raise CheckpointError(f"{directory}: shards listed in {name} are missing: {', '.join(missing)}")
+            return [directory / s for s in shards]
+        return [path]
+    raise CheckpointError(f"{directory} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
+
+
+def read_state_dict(directory: str | Path) -> dict[str, Tensor]:
+    sd: dict[str, Tensor] = {}
+    for f in weight_files(directory):
+        part = read_checkpoint(f)
+        sd.update(part.get("state_dict", part) if isinstance(part, Mapping) else part)
+    return sd
+
+
+# --------------------------------------------------------------------------------------------------
+# Architecture and preprocessing from the config
+
+def _ratio(hidden: int, dim: int) -> float:
+    """An mlp_ratio for which timm's ``int(dim * ratio)`` gives exactly ``hidden``."""
+    r = hidden / dim
+    return r if int(dim * r) == hidden else (hidden + 0.5) / dim
+
+
+def _num_labels(cfg: Mapping[str, Any]) -> int:
+    if cfg.get("id2label"):
+        return len(cfg["id2label"])
+    return int(cfg.get("num_labels") or 2)  # transformers' default is 2 labels
+
+
+def _has(cfg: Mapping[str, Any], suffix: str) -> bool:
+    return any(a.endswith(suffix) for a in cfg["architectures"])
+
+
+def _activation(cfg: Mapping[str, Any]) -> str:
+    act = cfg["hidden_act"]
+    if act not in _ACT:
+        raise CheckpointError(f"hidden_act {act!r} has no timm counterpart here; supported: {', '.join(_ACT)}")
+    return _ACT[act]
+
+
+def architecture(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The timm architecture and its arguments for a (filled-in) config; `convert` refines them from the
+    weights (head size, pooling), as the other converters do."""
+    mt = cfg["model_type"]
+    dim = int(cfg["hidden_size"])
+    kw: dict[str, Any] = {
+        "img_size": int(cfg["image_size"]), "patch_size": int(cfg["patch_size"]), "in_chans": int(cfg["num_channels"]),
+        "embed_dim": dim, "depth": int(cfg["num_hidden_layers"]), "num_heads": int(cfg["num_attention_heads"]),
+        "layer_norm_eps": float(cfg["layer_norm_eps"]),
+    }
+    if mt in ("beit", "data2vec-vision"):
+        if cfg["hidden_act"] != "gelu":
+            raise CheckpointError(f"a BEiT with hidden_act {cfg['hidden_act']!r} has no timm counterpart")
+        mim = _has(cfg, "ForMaskedImageModeling")
+        mean_pool = bool(cfg["use_mean_pooling"]) and not mim
+        ls = float(cfg["layer_scale_init_value"])
+        kw.update(mlp_ratio=_ratio(int(cfg["intermediate_size"]), dim), qkv_bias=True,
+                  use_abs_pos_emb=bool(cfg["use_absolute_position_embeddings"]),
+                  use_rel_pos_bias=bool(cfg["use_relative_position_bias"]),
+                  use_shared_rel_pos_bias=bool(cfg["use_shared_relative_position_bias"]),
+                  init_values=ls if ls > 0 else 0.0, global_pool="avg" if mean_pool else "token",
+                  num_classes=_num_labels(cfg) if _has(cfg, "ForImageClassification") else 0)
+        return "beit_base_patch16_224", kw
+    kw.update(act_layer=_activation(cfg), qkv_bias=bool(cfg.get("qkv_bias", True)), class_token=True,
+              global_pool="token", num_classes=0)
+    arch = "vit_base_patch16_224"
+    if mt in ("dinov2", "dinov2_with_registers"):
+        hidden = int(dim * float(cfg["mlp_ratio"]))
+        kw["init_values"] = float(cfg["layerscale_value"]) or 1e-6  # always there (0 would drop it in timm)
+        if cfg["use_swiglu_ffn"]:  # transformers keeps 2/3 of the width, rounded up to a multiple of 8
+            hidden = 2 * ((int(hidden * 2 / 3) + 7) // 8 * 8)  # timm's packed SwiGLU: both halves in fc1
+            arch = "vit_giant_patch14_dinov2"  # the timm model that builds a SwiGLU MLP (SiLU gate)
+            kw.pop("act_layer")
+        kw["mlp_ratio"] = _ratio(hidden, dim)
+        if mt == "dinov2_with_registers" and int(cfg["num_register_tokens"]) > 0:
+            kw.update(reg_tokens=int(cfg["num_register_tokens"]), no_embed_class=True)
+        if _has(cfg, "ForImageClassification"):
+            kw.update(num_classes=_num_labels(cfg), global_pool="", head_input="cls+mean")
+        return arch, kw
+    kw["mlp_ratio"] = _ratio(int(cfg["intermediate_size"]), dim)
+    if mt in ("clip", "clip_vision_model"):
+        kw["pre_norm"] = True
+        if _has(cfg, "ForImageClassification"):  # mean of the un-normalised patch tokens, then the classifier
+            kw.update(global_pool="avg", fc_norm=False, final_norm=False, num_classes=_num_labels(cfg))
+        elif _has(cfg, "WithProjection") or "CLIPModel" in cfg["architectures"]:
+            kw["num_classes"] = int(cfg["projection_dim"])
+        return arch, kw
+    if mt == "deit":
+        if _has(cfg, "WithTeacher"):
+            kw["num_classes"] = _num_labels(cfg)
+            return "deit_base_distilled_patch16_224", kw
+        kw["reg_tokens"] = 1  # the distillation token, read by no head here
+    if _has(cfg, "ForImageClassification"):
+        kw["num_classes"] = _num_labels(cfg)
+    return arch, kw
+
+
+def preprocessing(cfg: Mapping[str, Any], pre: Mapping[str, Any] | None) -> Preprocessing:
+    """From preprocessor_config.json when there is one, else the family's defaults at the config's size.
+
+    transformers' ViT/BEiT processors resize both sides to the size (no crop); vitscope resizes the short
+    side and centre-crops, which is the same for square images.
+    """
+    mean, std, crop_pct, interp = _FAMILY_PRE[cfg["model_type"]]
+    size = int(cfg["image_size"])
+    if not pre:
+        return Preprocessing(tuple(mean), tuple(std), size, crop_pct, interp)  # type: ignore[arg-type]
+
+    def side(s: Any) -> int | None:
+        if isinstance(s, int | float):
+            return int(s)
+        if isinstance(s, Mapping):
+            if s.get("shortest_edge"):
+                return int(s["shortest_edge"])
+            if s.get("height") and s.get("width"):
+                return int(min(s["height"], s["width"]))
+        return None
+
+    if pre.get("do_normalize", True):
+        mean = tuple(pre.get("image_mean", mean))
+        std = tuple(pre.get("image_std", std))
+    else:
+        mean, std = (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    resize = side(pre.get("size")) if pre.get("do_resize", True) else None
+    crop = side(pre.get("crop_size")) if pre.get("do_center_crop", False) else None
+    input_size = crop or resize or size
+    crop_pct = input_size / resize if (crop and resize) else 1.0
+    interp = _PIL_RESAMPLE.get(pre.get("resample"), interp)  # type: ignore[arg-type]
+    return Preprocessing(mean, std, input_size, round(crop_pct, 6), interp)  # type: ignore[arg-type]
+
+
+def spec_for(directory: str | Path, name: str, location: str) -> ModelSpec:
+    """An ad-hoc registry entry for a checkpoint directory (``location``: the directory or the hub id)."""
+    cfg = read_config(directory)
+    arch = architecture(cfg)[0]
+    pre = preprocessing(cfg, read_preprocessor(directory))
+    what = ", ".join(cfg["architectures"]) or cfg["model_type"]
+    return ModelSpec(name, arch, "none", "unknown", WeightSource("hf", location, "hf"), pre,
+                     implied_kwargs(cfg, pre),
+                     citation=_CITATIONS[cfg["model_type"]],
+                     notes=f"transformers {what} (model_type {cfg['model_type']}), converted to timm {arch}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Weights: transformers names -> timm names
+
+_BASE_PREFIXES = ("vit.", "deit.", "dinov2.", "dinov2_with_registers.", "beit.", "data2vec_vision.",
+                  "vision_model.")
+_DROP_BASE = [  # (pattern on the base model's keys, reason)
+    (r"^embeddings\.mask_token$", "mask token (masked-image-modelling pretraining only)"),
+    (r"^embeddings\.position_ids$", "position ids (recomputed by the model)"),
+    (r"relative_position_index$", "relative position index (recomputed by the model)"),
+    (r"^pooler\.dense\.", "transformers pooler (dense + tanh on the class token; not part of a timm ViT)"),
+]
+_L = r"^encoder\.layers?\.(\d+)\."  # 'encoder.layer.N.' (ViT, BEiT, DINOv2) or 'encoder.layers.N.' (CLIP)
+_VIT_RULES = [
+    (r"^embeddings\.cls_token$", "cls_token"),
+    (r"^embeddings\.position_embeddings$", "pos_embed"),
+    (r"^embeddings\.patch_embeddings\.projection\.(weight|bias)$", r"patch_embed.proj.\1"),
+    (r"^embeddings\.register_tokens$", "reg_token"),
+    (_L + r"attention\.attention\.(query|key|value)\.(weight|bias)$", r"blocks.\1.attn.\2.\3"),
+    (_L + r"attention\.output\.dense\.(weight|bias)$", r"blocks.\1.attn.proj.\2"),
+    (_L + r"(?:layernorm_before|norm1)\.(weight|bias)$", r"blocks.\1.norm1.\2"),
+    (_L + r"(?:layernorm_after|norm2)\.(weight|bias)$", r"blocks.\1.norm2.\2"),
+    (_L + r"(?:intermediate\.dense|mlp\.fc1|mlp\.weights_in)\.(weight|bias)$", r"blocks.\1.mlp.fc1.\2"),
+    (_L + r"(?:output\.dense|mlp\.fc2|mlp\.weights_out)\.(weight|bias)$", r"blocks.\1.mlp.fc2.\2"),
+    (_L + r"layer_scale1\.lambda1$", r"blocks.\1.ls1.gamma"),
+    (_L + r"layer_scale2\.lambda1$", r"blocks.\1.ls2.gamma"),
+    (r"^layernorm\.(weight|bias)$", r"norm.\1"),
+]
+_CLIP_RULES = [
+    (r"^embeddings\.class_embedding$", "cls_token"),
+    (r"^embeddings\.position_embedding\.weight$", "pos_embed"),
+    (r"^embeddings\.patch_embedding\.weight$", "patch_embed.proj.weight"),
+    (r"^pre_layrnorm\.(weight|bias)$", r"norm_pre.\1"),
+    (_L + r"self_attn\.(q|k|v)_proj\.(weight|bias)$", r"blocks.\1.attn.\2.\3"),
+    (_L + r"self_attn\.out_proj\.(weight|bias)$", r"blocks.\1.attn.proj.\2"),
+    (_L + r"layer_norm1\.(weight|bias)$", r"blocks.\1.norm1.\2"),
+    (_L + r"layer_norm2\.(weight|bias)$", r"blocks.\1.norm2.\2"),
+    (_L + r"mlp\.(fc1|fc2)\.(weight|bias)$", r"blocks.\1.mlp.\2.\3"),
+    (r"^post_layernorm\.(weight|bias)$", r"norm.\1"),
+]
+_BEIT_RULES = [
+    (r"^embeddings\.cls_token$", "cls_token"),
+    (r"^embeddings\.position_embeddings$", "pos_embed"),
+    (r"^embeddings\.patch_embeddings\.projection\.(weight|bias)$", r"patch_embed.proj.\1"),
+    (r"^encoder\.relative_position_bias\.relative_position_bias_table$", "rel_pos_bias.relative_position_bias_table"),
+    (_L + r"attention\.attention\.relative_position_bias\.relative_position_bias_table$",
+     r"blocks.\1.attn.relative_position_bias_table"),
+    (_L + r"attention\.attention\.(query|key|value)\.(weight|bias)$", r"blocks.\1.attn.\2.\3"),
+    (_L + r"attention\.output\.dense\.(weight|bias)$", r"blocks.\1.attn.proj.\2"),
+    (_L + r"layernorm_before\.(weight|bias)$", r"blocks.\1.norm1.\2"),
+    (_L + r"layernorm_after\.(weight|bias)$", r"blocks.\1.norm2.\2"),
+    (_L + r"intermediate\.dense\.(weight|bias)$", r"blocks.\1.mlp.fc1.\2"),
+    (_L + r"output\.dense\.(weight|bias)$", r"blocks.\1.mlp.fc2.\2"),
+    (_L + r"lambda_1$", r"blocks.\1.gamma_1"),
+    (_L + r"lambda_2$", r"blocks.\1.gamma_2"),
+    (r"^layernorm\.(weight|bias)$", r"norm.\1"),
+    (r"^pooler\.layernorm\.(weight|bias)$", r"fc_norm.\1"),
+]
+_QKV = {"query": "q", "key": "k", "value": "v", "q": "q", "k": "k", "v": "v"}
+
+
+def _rename(sd: Mapping[str, Tensor], rules: list[tuple[str, str]]) -> dict[str, Tensor]:
+    """Keys matching a rule are renamed; the others keep their name (and are reported as unexpected)."""
+    compiled = [(re.compile(p), r) for p, r in rules]
+    out: dict[str, Tensor] = {}
+    for k, v in sd.items():
+        for rx, repl in compiled:
+            m = rx.match(k)
+            if m:
+                k = m.expand(repl)
+                break
+        out[k] = v
+    return out
+
+
+def _join_qkv(sd: dict[str, Tensor], beit: bool) -> dict[str, Tensor]:
+    """``blocks.N.attn.{query,key,value}.*`` -> timm's fused ``qkv`` (BEiT: ``q_bias``/``v_bias``, no k bias).
+    Blocks missing one of the three keep the separate names, so the strict report names them."""
+    rx = re.compile(r"^blocks\.(\d+)\.attn\.(query|key|value|q|k|v)\.(weight|bias)$")
+    parts: dict[tuple[str, str], dict[str, str]] = {}
+    for k in sd:
+        m = rx.match(k)
+        if m:
+            parts.setdefault((m.group(1), m.group(3)), {})[_QKV[m.group(2)]] = k
+    for (i, kind), names in parts.items():
+        if kind == "bias" and beit and "k" not in names and set(names) == {"q", "v"}:
+            sd[f"blocks.{i}.attn.q_bias"] = sd.pop(names["q"])
+            sd[f"blocks.{i}.attn.v_bias"] = sd.pop(names["v"])
+        elif set(names) == {"q", "k", "v"}:
+            sd[f"blocks.{i}.attn.qkv.{kind}"] = torch.cat([sd.pop(names[c]) for c in "qkv"])
+    return sd
+
+
+def _split_prefix(sd: Mapping[str, Tensor]) -> tuple[str, dict[str, Tensor], dict[str, Tensor]]:
+    """(prefix, base model keys without it, the task model's own keys: heads, decoders, text tower)."""
+    for p in _BASE_PREFIXES:
+        if any(k.startswith(p + "embeddings.") for k in sd):
+            return (p, {k[len(p):]: v for k, v in sd.items() if k.startswith(p)},
+                    {k: v for k, v in sd.items() if not k.startswith(p)})
+    return "", dict(sd), {}
+
+
+def convert(sd: Mapping[str, Tensor], cfg: Mapping[str, Any]) -> tuple[str, Converted]:
+    """A transformers state dict and its (filled-in) config -> (timm architecture, timm-named weights with
+    the architecture arguments they imply and the keys dropped on purpose)."""
+    mt = cfg["model_type"]
+    arch, kw = architecture(cfg)
+    prefix, base, top = _split_prefix(sd)
+    dropped: dict[str, str] = {}  # under the checkpoint's own names
+    for pattern, reason in _DROP_BASE:
+        rx = re.compile(pattern)
+        for k in [k for k in base if rx.search(k)]:
+            dropped[prefix + k] = reason
+            del base[k]
+    beit = mt in ("beit", "data2vec-vision")
+    clip = mt in ("clip", "clip_vision_model")
+    out = _rename(base, _BEIT_RULES if beit else _CLIP_RULES if clip else _VIT_RULES)
+    out = _join_qkv(out, beit)
+    if clip:
+        if "cls_token" in out:
+            out["cls_token"] = out["cls_token"].reshape(1, 1, -1)
+        if "pos_embed" in out and out["pos_embed"].ndim == 2:
+            out["pos_embed"] = out["pos_embed"].unsqueeze(0)
+    if mt == "deit" and "embeddings.distillation_token" in out:
+        out["dist_token" if arch.startswith("deit") else "reg_token"] = out.pop("embeddings.distillation_token")
+    if kw.get("reg_tokens") and kw.get("no_embed_class") and "pos_embed" in out and "cls_token" in out:
+        # DINOv2 with registers adds the class token's position before inserting the registers, which carry
+        # none; timm's no_embed_class model holds the sum in cls_token (as timm's own DINOv2 filter does)
+        out["cls_token"] = out["cls_token"] + out["pos_embed"][:, :1]
+        out["pos_embed"] = out["pos_embed"][:, 1:]
+
+    for k, v in top.items():  # the task model's own keys
+        if re.match(r"^(classifier|cls_classifier)\.(weight|bias)$", k):
+            out["head." + k.split(".")[-1]] = v
+        elif re.match(r"^distillation_classifier\.(weight|bias)$", k):
+            out["head_dist." + k.split(".")[-1]] = v
+        elif k == "visual_projection.weight":
+            out["head.weight"] = v
+            out["head.bias"] = torch.zeros(v.shape[0], dtype=v.dtype)  # timm's head has a bias; CLIP's none
+        elif k.startswith(("text_model.", "text_projection.")) or k == "logit_scale":
+            dropped[k] = "CLIP text tower"
+        elif k.startswith("lm_head."):
+            dropped[k] = "BEiT visual-token prediction head"
+        elif k.startswith("decoder."):
+            dropped[k] = "MAE pixel decoder" if mt == "vit_mae" else "masked-image-modelling decoder"
+        elif beit and re.match(r"^layernorm\.(weight|bias)$", k):
+            if "norm." + k.split(".")[-1] in out:  # the encoder has its own final norm: this one is the head's
+                dropped[k] = "BEiT MIM head's norm (after the encoder's own)"
+            else:  # BEiT pretraining: the encoder's final norm lives in the MIM model
+                out["norm." + k.split(".")[-1]] = v
+        else:
+            out[k] = v  # reported as unexpected
+
+    # refine what the config implied with what the weights hold (a head the config names but the weights
+    # lack stays in the architecture: the strict report then says it is missing)
+    head = out.get("head.weight")
+    if head is not None and head.ndim == 2:
+        kw["num_classes"] = int(head.shape[0])
+    if clip and "norm.weight" in out and kw.get("final_norm") is False:
+        for k in ("weight", "bias"):
+            if out.pop(f"norm.{k}", None) is not None:
+                dropped[f"{prefix}post_layernorm.{k}"] = "unused by CLIP's classifier (un-normalised patch tokens)"
+    if beit:
+        if "fc_norm.weight" in out:
+            kw["global_pool"] = "avg"
+        elif "norm.weight" in out:
+            kw["global_pool"] = "token"
+        kw["use_shared_rel_pos_bias"] = "rel_pos_bias.relative_position_bias_table" in out
+        kw["use_rel_pos_bias"] = any(k.endswith("attn.relative_position_bias_table") for k in out)
+        kw["use_abs_pos_emb"] = "pos_embed" in out
+    return arch, Converted(out, f"transformers {mt}", dropped, kw)
+
+
+def implied_kwargs(cfg: Mapping[str, Any], pre: Preprocessing) -> dict[str, Any]:
+    """The architecture a checkpoint implies before its weights are read: the config's, built at the size its
+    preprocessing produces (DINOv2's config says 518 px, its processor crops 224, where transformers
+    interpolates the position embeddings on the fly)."""
+    return {**architecture(cfg)[1], "img_size": pre.input_size}
+
+
+def resample_pos_embed(pos: Tensor, old: int, new: int, antialias: bool = False) -> Tensor:
+    """A (1, prefix + old*old, D) position embedding on a new*new grid, prefix rows kept, interpolated the way
+    transformers does on the fly (bicubic, align_corners=False, float32), so both compute the same function."""
+    prefix = pos.shape[1] - old * old
+    grid = pos[:, prefix:].reshape(1, old, old, -1).permute(0, 3, 1, 2)
+    grid = torch.nn.functional.interpolate(grid.float(), size=(new, new), mode="bicubic", align_corners=False,
+                                           antialias=antialias).to(pos.dtype)
+    return torch.cat([pos[:, :prefix], grid.permute(0, 2, 3, 1).reshape(1, new * new, -1)], dim=1)
+
+
+def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> tuple[str, Converted, Preprocessing]:
+    """Read and convert a checkpoint directory: (timm architecture, converted weights with the final
+    architecture arguments, preprocessing).
+
+    entry_kwargs: a registry entry's architecture arguments; those that differ from what the checkpoint
+    implies (e.g. ``img_size=224`` for a 518 px DINOv2) are deliberate and win over the checkpoint's.
+    overrides: the caller's own arguments (``load_model(..., img_size=448)``), which win over both.
+    """
+    cfg = read_config(directory)
+    pre = preprocessing(cfg, read_preprocessor(directory))
+    arch, conv = convert(read_state_dict(directory), cfg)
+    implied = implied_kwargs(cfg, pre)
+    departures = {k: v for k, v in (entry_kwargs or {}).items() if k not in implied or implied[k] != v}
+    conv.model_kwargs.update({"img_size": pre.input_size, **departures, **(overrides or {})})
+    size, patch = conv.model_kwargs["img_size"], int(cfg["patch_size"])
+    pos = conv.state_dict.get("pos_embed")
+    if pos is not None and isinstance(size, int) and size != int(cfg["image_size"]):
+        conv.state_dict["pos_embed"] = resample_pos_embed(pos, int(cfg["image_size"]) // patch, size // patch,
+                                                          antialias=cfg["model_type"] == "dinov2_with_registers")
+        conv.resampled.append("pos_embed")
+    return arch, conv, pre
+
+
+# --------------------------------------------------------------------------------------------------
+# Building: the two arguments timm does not take
+
+BUILD_KWARGS = ("layer_norm_eps", "head_input")
+
+
+class ClsMeanHead(nn.Linear):
+    """transformers' DINOv2 classifier: a linear layer on [class token, mean of the patch tokens]."""
+
+    def __init__(self, dim: int, num_classes: int, num_prefix_tokens: int) -> None:
+        super().__init__(2 * dim, num_classes)
+        self.num_prefix_tokens = num_prefix_tokens
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(torch.cat([x[:, 0], x[:, self.num_prefix_tokens:].mean(1)], dim=-1))
+
+
+def split_build_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(arguments for timm.create_model, vitscope's own build arguments)."""
+    return ({k: v for k, v in kwargs.items() if k not in BUILD_KWARGS},
+            {k: v for k, v in kwargs.items() if k in BUILD_KWARGS})
+
+
+def finish_build(model: nn.Module, extra: Mapping[str, Any]) -> nn.Module:
+    eps = extra.get("layer_norm_eps")
+    if eps is not None:
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.eps = float(eps)
+    head_input = extra.get("head_input")
+    if head_input == "cls+mean":
+        if getattr(model, "global_pool", None) != "" or not isinstance(model.head, nn.Linear):
+            raise VitscopeError("head_input='cls+mean' needs global_pool='' and num_classes > 0")
+        model.head = ClsMeanHead(model.embed_dim, model.head.out_features, model.num_prefix_tokens)
+    elif head_input is not None:
+        raise VitscopeError(f"unknown head_input {head_input!r}; the one supported is 'cls+mean'")
+    return model
+
+
+# --------------------------------------------------------------------------------------------------
+# The hub
+
+def fetch(repo_id: str, name: str, revision: str | None = None, weights: bool = True) -> Path:
+    """The local directory of a hub checkpoint (the hub cache's snapshot), downloading what is missing.
+
+    Offline (``HF_HUB_OFFLINE`` or no connection to the hub within a few seconds) only the cache is used,
+    and a missing file fails at once with the repository and files to fetch by hand.
+    """
+    from vitscope.models import fetch as net
+
+    reason = net.hub_offline()
+    if reason is None:
+        try:
+            return _download(repo_id, revision, weights)
+        except WeightsUnavailableError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a network failure after the probe: fall back to the cache
+            reason = f"{type(e).__name__}: {e}".split("\n")[0]
+    config = net.cached_hub_file(repo_id, [CONFIG], revision)
+    directory = Path(config).parent if config else None
+    if directory is not None and (not weights or any((directory / f).is_file() for f in WEIGHT_FILES)):
+        return directory
+    raise WeightsUnavailableError(
+        f"{name}: {repo_id} is not in the local hub cache and the Hugging Face hub is unreachable ({reason}); "
+        f"download {CONFIG}, {WEIGHT_FILES[0]} (or {WEIGHT_FILES[2]}) and {PREPROCESSOR} if there is one from "
+        f"{net.hub_endpoint()}/{repo_id} into a directory and pass it: vs.load_model('/path/to/dir'), or "
+        "weights='/path/to/dir'.")
+
+
+def _download(repo_id: str, revision: str | None, weights: bool) -> Path:
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        directory = Path(hf_hub_download(repo_id, CONFIG, revision=revision)).parent
+    except RepositoryNotFoundError as e:
+        raise WeightsUnavailableError(
+            f"{repo_id!r} is not a local directory, and the Hugging Face hub has no such repository (or it is "
+            "private or gated: log in with `hf auth login`).") from e
+    try:
+        hf_hub_download(repo_id, PREPROCESSOR, revision=revision)
+    except LocalEntryNotFoundError:  # a connection problem (a subclass of the "no such file" error)
+        raise
+    except EntryNotFoundError:
+        pass
+    if not weights:
+        return directory
+    for name in WEIGHT_FILES:
+        try:
+            path = Path(hf_hub_download(repo_id, name, revision=revision))
+        except LocalEntryNotFoundError:
+            raise
+        except EntryNotFoundError:
+            continue
+        if name.endswith(".index.json"):
+            for shard in sorted(set(json.loads(path.read_text()).get("weight_map", {}).values())):
+                hf_hub_download(repo_id, shard, revision=revision)
+        return directory
+    raise WeightsUnavailableError(f"{repo_id} on the Hugging Face hub has a config.json but none of "
+                                  f"{', '.join(WEIGHT_FILES)}")

@@ -1,0 +1,144 @@
+"""Figures of the dense downstream tasks (`vitscope.analyses.dense`): a per-layer curve figure per task, and
+the best-layer summary across tasks and models (after Walmer et al., "Teaching Matters: Investigating the
+Role of Supervision in Vision Transformers", CVPR 2023, Table 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vitscope.report.figures._common import Figures, grid_layout, layer_lines, plt
+
+TASKS = {  # analysis -> (headline metric, label)
+    "propagation": ("JF", "video propagation J&F"),
+    "correspondence": ("pck@0.1", "keypoint PCK@0.1"),
+    "retrieval": ("mAP_medium", "retrieval mAP (Medium)"),
+}
+
+
+def _panels(df: pd.DataFrame, panels: list[tuple[str, str]], rows: list[tuple[str, pd.DataFrame]],
+            caption: str) -> Figures:
+    panels = [(m, t) for m, t in panels if (df.metric == m).any()]
+    if not panels or not rows:
+        return []
+    fig, axes = plt.subplots(len(rows), len(panels), figsize=(3.6 * len(panels), 2.8 * len(rows)), squeeze=False)
+    for r, (label, d) in enumerate(rows):
+        for c, (metric, title) in enumerate(panels):
+            layer_lines(axes[r][c], d, metric, title=f"{title}{label}", mark_best=True)
+    axes[0][0].legend(fontsize=7)
+    grid_layout(fig)
+    return [(caption, fig)]
+
+
+def _overall(df: pd.DataFrame, column: str) -> pd.DataFrame:
+    return df[df[column].isna()] if column in df.columns else df
+
+
+def propagation(df: pd.DataFrame) -> Figures:
+    """J, F and J&F per layer and model, over every video (star = best layer, dashed = constant features)."""
+    d = _overall(df, "video")
+    return _panels(d, [("J", "J (region IoU)"), ("F", "F (boundary)"), ("JF", "J&F")], [("", d)],
+                   "Video mask propagation per layer (DINO's protocol, no training): J, F and J&F over every "
+                   "video (star = best layer; dashed = the same propagation with constant features, the chance "
+                   "level)")
+
+
+def correspondence(df: pd.DataFrame) -> Figures:
+    """PCK at each threshold per layer and model, over every keypoint."""
+    d = _overall(df, "category")
+    alphas = sorted({m.split("@")[1] for m in d.metric if m.startswith("pck@") and m.count("_") == 0},
+                    key=lambda a: -float(a))
+    return _panels(d, [(f"pck@{a}", f"PCK@{a}") for a in alphas], [("", d)],
+                   "Keypoint correspondence per layer (nearest patch token, no training): PCK at alpha x max(bbox "
+                   "h, w) of the target object, over every keypoint (star = best layer; dashed = a uniformly "
+                   "random target token)")
+
+
+def retrieval(df: pd.DataFrame) -> Figures:
+    """mAP (Medium, Hard, Easy) per layer, model and token view."""
+    views = list(dict.fromkeys(df["token_view"].dropna()))
+    rows = [(f" ({v})", df[df.token_view == v]) for v in views]
+    return _panels(df, [("mAP_medium", "mAP Medium"), ("mAP_hard", "mAP Hard"), ("mAP_easy", "mAP Easy")], rows,
+                   "Instance retrieval per layer (cosine of CLS / mean patch token, no training): revisited mAP "
+                   "(star = best layer; dashed = random rankings)")
+
+
+FIGURES = {"propagation": propagation, "correspondence": correspondence, "retrieval": retrieval}
+
+
+# ------------------------------------------------------------------------------------------------ summary
+
+
+def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, Any] | None = None) -> pd.DataFrame:
+    """One row per (task, model): the best layer, its score, the last layer's score and the chance level,
+    from the ``best_*`` rows of each task's table; ``models`` (the manifest's) adds each model's supervision
+    and, for every trained model, the best score of a random-init model of the same architecture (depth, heads,
+    grid, patch) in the same study."""
+    models = dict(models or {})
+    rows = []
+    for task, (metric, label) in TASKS.items():
+        df = tables.get(task)
+        if df is None or df.empty:
+            continue
+        best = df[df.metric == f"best_{metric}"]
+        for _, r in best.iterrows():
+            rows.append({"task": task, "label": label, "model": r["model"], "best_layer": int(r["layer"]),
+                         "token_view": r["token_view"], "score": float(r["value"]),
+                         "last_layer_score": float(r.get("last_layer_value", np.nan)),
+                         "chance": float(r.get("chance", np.nan))})
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+
+    def arch(m: str) -> tuple:
+        d = models.get(m, {})
+        return (d.get("depth"), d.get("heads"), tuple(d.get("grid") or ()), d.get("patch"))
+
+    out["supervision"] = [models.get(m, {}).get("supervision") for m in out.model]
+    random_score = []
+    for _, r in out.iterrows():
+        peers = [m for m, d in models.items() if d.get("supervision") == "random init" and m != r.model
+                 and arch(m) == arch(r.model) and arch(m) != (None, None, (), None)]
+        s = out[(out.task == r.task) & out.model.isin(peers)].score
+        random_score.append(float(s.max()) if len(s) and r.supervision != "random init" else np.nan)
+    out["random_init_score"] = random_score
+    return out
+
+
+def summary_figure(summary: pd.DataFrame) -> Figures:
+    """Task x model heat table: each cell the best layer's score (colour: score above chance, as a share of
+    the way from chance to 1) and the block it is at."""
+    if summary.empty:
+        return []
+    tasks = [t for t in TASKS if t in set(summary.task)]
+    models = list(dict.fromkeys(summary.model))
+    score = np.full((len(tasks), len(models)), np.nan)
+    gain = np.full_like(score, np.nan)
+    text = [["" for _ in models] for _ in tasks]
+    for _, r in summary.iterrows():
+        i, j = tasks.index(r.task), models.index(r.model)
+        score[i, j] = r.score
+        c = r.chance if np.isfinite(r.chance) else 0.0
+        gain[i, j] = (r.score - c) / max(1 - c, 1e-9)
+        text[i][j] = f"{r.score:.2f}\nblock {r.best_layer}"
+    fig, ax = plt.subplots(figsize=(1.0 + 1.05 * len(models), 0.9 + 0.62 * len(tasks)))
+    im = ax.imshow(gain, cmap="viridis", vmin=0, vmax=max(float(np.nanmax(gain)), 1e-6), aspect="auto")
+    for i in range(len(tasks)):
+        for j in range(len(models)):
+            if text[i][j]:
+                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7,
+                        color="white" if gain[i, j] < 0.6 * np.nanmax(gain) else "black")
+    ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
+    ax.set_yticks(range(len(tasks)), [TASKS[t][1] for t in tasks], fontsize=8)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_label("(score - chance) / (1 - chance)", fontsize=7)
+    cb.ax.tick_params(labelsize=7)
+    fig.tight_layout()
+    return [("Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
+             "block's score and where it is; colour = the score above the task's chance level", fig)]
+
+
+__all__ = ["FIGURES", "TASKS", "best_layer_summary", "summary_figure"]

@@ -1,0 +1,136 @@
+"""Figures of the invariance lens (`vitscope.analyses.invariance`, Merlin et al., "What happens during finetuning
+of ViTs: an invariance based investigation"): learning / forgetting / cka divergence per layer and the
+Invariance Flow matrix, one panel per pretrained -> fine-tuned pair (for a checkpoint list: its last epoch),
+and the dynamics over a run's epochs with their Pearson correlation to accuracy on corrupted data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from vitscope.report.figures._common import Figures, grid_layout, plt
+
+
+def _pairs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """(A, B, rows) per pair; of a checkpoint list (B@epoch) only the last epoch."""
+    d = df[df["model_b"].notna()]
+    out, last = [], {}
+    for (a, b), g in d.groupby(["model", "model_b"], sort=False):
+        run, _, ep = str(b).partition("@")
+        e = float(ep) if ep.replace(".", "", 1).isdigit() else -1.0
+        key = (a, run)
+        if key not in last or e > last[key][0]:
+            last[key] = (e, b, g)
+    for (a, _), (_, b, g) in last.items():
+        out.append((a, b, g))
+    return out
+
+
+def _settings(g: pd.DataFrame) -> str:
+    r = g.iloc[0]
+    def get(c: str) -> object:
+        v = r[c] if c in g.columns and pd.notna(r[c]) else "?"
+        return f"{v:g}" if isinstance(v, float) else v
+    return (f"{get('images')} images, {get('iterations')} inversion iterations (step {get('step_size')}), "
+            f"{get('repeats')} repeat(s), {get('token_view')} token view")
+
+
+def _panels(n: int, w: float = 3.3, h: float = 2.8) -> tuple[plt.Figure, np.ndarray]:
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols + 0.4, h * rows + 0.3), squeeze=False)
+    return fig, axes
+
+
+def stir(df: pd.DataFrame) -> Figures:
+    out: Figures = []
+    pairs = _pairs(df)
+    if not pairs:
+        return out
+    # learning / forgetting / cka divergence per layer
+    fig, axes = _panels(len(pairs))
+    for ax, (a, b, g) in zip(axes.flat, pairs, strict=False):
+        for k, (metric, label) in enumerate((("learning", "learning"), ("forgetting", "forgetting"),
+                                             ("cka_divergence", "cka divergence"))):
+            d = g[g.metric == metric].sort_values("layer")
+            ax.plot(d["layer"].astype(int), d["value"].astype(float), "-o", ms=3, color=f"C{k}", label=label)
+        ax.set_title(f"{a} -> {b}", fontsize=8)
+        ax.set_xlabel("block", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(pairs):]:
+        ax.set_axis_off()
+    axes.flat[0].legend(fontsize=7)
+    grid_layout(fig, left=0.5, right=0.15, top=0.35, bottom=0.5, wspace=0.3, hspace=0.55)
+    out.append(("Learning (1 - STIR(pt[i] | ft[i])), forgetting (1 - STIR(ft[i] | pt[i])) and cka divergence "
+                "(1 - CKA(ft[i], pt[i])) per block, one panel per pretrained -> fine-tuned pair (Merlin et al. "
+                f"eqs. 2-4); {_settings(pairs[0][2])}.", fig))
+    # Invariance Flow matrices
+    flows = [(a, b, g[g.metric == "invariance_flow"]) for a, b, g in pairs]
+    flows = [f for f in flows if len(f[2])]
+    if flows:
+        fig, axes = _panels(len(flows), 3.2, 3.0)
+        vmax = max(float(np.nanmax(np.abs(f[2]["value"].astype(float)))) for f in flows) or 1.0
+        im = None
+        notes = []
+        for ax, (a, b, f) in zip(axes.flat, flows, strict=False):
+            mat = f.pivot_table(index="layer", columns="layer_b", values="value")
+            im = ax.imshow(mat.values, origin="lower", cmap="RdBu_r", vmin=-vmax, vmax=vmax)
+            ax.set_xticks(range(mat.shape[1]), [int(c) for c in mat.columns], fontsize=6)
+            ax.set_yticks(range(mat.shape[0]), [int(c) for c in mat.index], fontsize=6)
+            ax.set_xlabel(f"fine-tuned block j ({b})", fontsize=7)
+            ax.set_ylabel(f"pretrained block i ({a})", fontsize=7)
+            s = pairs[[p[1] for p in pairs].index(b)][2]
+            comp = s[s.metric == "flow_compression"]["value"]
+            exp_ = s[s.metric == "flow_expansion"]["value"]
+            if len(comp) and len(exp_):
+                notes.append(f"{a} -> {b}: compression {float(comp.iloc[0]):.3f}, expansion {float(exp_.iloc[0]):.3f}")
+        for ax in list(axes.flat)[len(flows):]:
+            ax.set_axis_off()
+        fig.colorbar(im, ax=axes, fraction=0.035)
+        grid_layout(fig, left=0.6, right=0.9, top=0.3, bottom=0.55, wspace=0.45, hspace=0.5)
+        out.append(("Invariance Flow matrix STIR(ft[j] | pt[i]) - STIR(ft[i] | pt[i]) (Merlin et al. eq. 5): red "
+                    "below the diagonal (j < i) = invariances of pretrained block i found in a shallower fine-tuned "
+                    "block (compression), above it (j > i) = expansion. " + "; ".join(notes) + ".", fig))
+    # dynamics over epochs
+    dyn = df[df.metric.astype(str).str.startswith("dynamics:")]
+    if len(dyn) and "epoch" in dyn.columns:
+        runs = list(dyn.groupby(["model", "model_b"], sort=False))
+        fig, axes = _panels(len(runs), 3.6, 2.9)
+        caps = []
+        for ax, ((a, b), g) in zip(axes.flat, runs, strict=False):
+            for k, name in enumerate(("forgetting_mean", "learning_mean", "forgetting_std_from_layer2",
+                                      "cka_divergence_mean")):
+                d = g[g.metric == f"dynamics:{name}"].sort_values("epoch")
+                ax.plot(d["epoch"].astype(float), d["value"].astype(float), "-o", ms=3, color=f"C{k}", label=name)
+            acc = g[g.metric == "dynamics:corrupted_accuracy"].sort_values("epoch")
+            if acc["value"].notna().any():
+                ax2 = ax.twinx()
+                ax2.plot(acc["epoch"].astype(float), acc["value"].astype(float), "--s", ms=3, color="k",
+                         label="corrupted accuracy")
+                ax2.set_ylabel("accuracy (corrupted)", fontsize=7)
+            ax.set_title(f"{a} -> {b}", fontsize=8)
+            ax.set_xlabel("epoch", fontsize=8)
+            ax.grid(alpha=0.3)
+            pr = df[(df.metric == "pearson_r") & (df.model == a) & (df.model_b == b)]
+            pp = df[(df.metric == "pearson_p") & (df.model == a) & (df.model_b == b)]
+            for series in ("forgetting_std_from_layer2", "forgetting_mean", "learning_mean", "cka_divergence_std"):
+                r = pr[pr.series == series]["value"]
+                p = pp[pp.series == series]["value"]
+                if len(r):
+                    caps.append(f"{b}: r({series}, corrupted accuracy) = {float(r.iloc[0]):.2f} "
+                                f"(p = {float(p.iloc[0]):.2g})")
+        for ax in list(axes.flat)[len(runs):]:
+            ax.set_axis_off()
+        axes.flat[0].legend(fontsize=6, loc="upper left")
+        grid_layout(fig, left=0.5, right=0.7, top=0.35, bottom=0.5, wspace=0.55, hspace=0.55)
+        out.append(("Fine-tuning dynamics: the metrics per epoch (lines) and the mean accuracy over the corruptions "
+                    "(dashed, right axis), Merlin et al. Sec. 4.4; Pearson over the epochs: "
+                    + ("; ".join(caps) if caps else "not computed (fewer than 3 epochs, or a constant series)")
+                    + ".", fig))
+    return out
+
+
+FIGURES = {"stir": stir}

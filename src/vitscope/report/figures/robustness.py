@@ -1,0 +1,166 @@
+"""Figures of the robustness analyses (`vitscope.analyses.robustness`): shape bias, frequency-band noise,
+corruptions. One figure per kind, a panel per model where panels are per model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from vitscope.report.figures._common import Figures, grid_layout, plt
+
+
+def _last(df: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the rows of its decision: the head where there is one, else the last layer's probe."""
+    out = []
+    for _, g in df.groupby("model", sort=False):
+        head = g[g.readout == "head"]
+        if len(head):
+            out.append(head.assign(where="head"))
+            continue
+        probe = g[g.readout == "probe"]
+        if len(probe):
+            last = pd.to_numeric(probe["layer"]).max()
+            out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(where=f"block {int(last)} probe"))
+    return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(where=None)
+
+
+def shape_bias(df: pd.DataFrame) -> Figures:
+    """Left: the models' shape bias on one axis (Geirhos et al. 2019, Fig. 4 / model-vs-human's plot): head
+    (filled) and last-layer probe (open); right: the probes' shape bias per layer."""
+    d = df[df.metric == "shape_bias"]
+    if d.empty:
+        return []
+    models = list(dict.fromkeys(d["model"]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * max(len(models), 4)),
+                                  gridspec_kw={"width_ratios": [1, 1.3]})
+    for k, m in enumerate(models):
+        g = d[d.model == m]
+        head = g[g.readout == "head"]["value"]
+        probe = g[g.readout == "probe"]
+        if len(head):
+            ax.plot([float(head.iloc[0])], [k], "o", color=f"C{k}", ms=7)
+        if len(probe):
+            last = probe.loc[pd.to_numeric(probe["layer"]).idxmax(), "value"]
+            ax.plot([float(last)], [k], "o", mfc="none", color=f"C{k}", ms=7)
+            per = probe.assign(layer=pd.to_numeric(probe["layer"])).sort_values("layer")
+            ax2.plot(per["layer"], per["value"], "-o", ms=3, color=f"C{k}", label=m)
+    ax.set_yticks(range(len(models)), models, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.axvline(0.5, color="0.6", lw=0.8, ls=":")
+    ax.set_xlabel("fraction of shape decisions (0 = texture, 1 = shape)")
+    ax.set_title("shape bias (filled: head, open: last-layer probe)", fontsize=9)
+    ax.grid(alpha=0.3, axis="x")
+    ax2.set_ylim(0, 1)
+    ax2.axhline(0.5, color="0.6", lw=0.8, ls=":")
+    ax2.set_xlabel("block")
+    ax2.set_ylabel("shape bias (probe)")
+    ax2.set_title("per layer", fontsize=9)
+    ax2.grid(alpha=0.3)
+    if ax2.get_legend_handles_labels()[0]:
+        ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.tight_layout()
+    acc = df[(df.metric == "clean_accuracy") & (df.readout == "probe")]
+    note = ""
+    if len(acc):
+        lo = acc.groupby("model")["value"].max().min()
+        note = (f" The probes' best clean accuracy is {lo:.2f} for the weakest model: read a shape bias only where "
+                "the clean accuracy is well above chance.")
+    return [("Shape vs texture bias on cue-conflict images: among decisions for the shape or the texture class, "
+             "the fraction for the shape (Geirhos et al., ICLR 2019; Park et al., ICLR 2023)." + note, fig)]
+
+
+def band_noise(df: pd.DataFrame) -> Figures:
+    """Heat map of the accuracy drop (band x layer) per model, and the drop per band at each model's last
+    layer (or head), all models on one axis."""
+    d = df[(df.metric == "drop")]
+    if d.empty:
+        return []
+    out: Figures = []
+    probe = d[d.readout == "probe"]
+    models = list(dict.fromkeys(probe["model"]))
+    if models:
+        cols = min(4, len(models))
+        rows = math.ceil(len(models) / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols + 0.8, 2.6 * rows), squeeze=False)
+        vmax = max(float(np.nanmax(np.abs(probe["value"].to_numpy(dtype=float)))), 1e-3)
+        im = None
+        for k, m in enumerate(models):
+            ax = axes[k // cols][k % cols]
+            g = probe[probe.model == m].assign(layer=lambda x: pd.to_numeric(x["layer"]))
+            grid = g.pivot_table(index="band", columns="layer", values="value").sort_index()
+            im = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="RdBu_r", vmin=-vmax,
+                           vmax=vmax, extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5,
+                                              grid.index.min() - 0.5, grid.index.max() + 0.5))
+            ax.set_title(m, fontsize=9)
+            ax.set_xlabel("block")
+            ax.set_ylabel("band (low -> high freq.)")
+        for k in range(len(models), rows * cols):
+            axes[k // cols][k % cols].axis("off")
+        grid_layout(fig, right=0.9)
+        if im is not None:
+            cax = fig.add_axes((1 - 0.75 / fig.get_size_inches()[0], 0.15, 0.12 / fig.get_size_inches()[0], 0.7))
+            fig.colorbar(im, cax=cax, label="accuracy drop")
+        out.append(("Accuracy drop under frequency-band noise (probe per block; red = accuracy lost), band 0 = lowest "
+                    "frequencies (Park et al., ICLR 2023)", fig))
+    last = _last(d)
+    if len(last):
+        fig, ax = plt.subplots(figsize=(6.2, 3.2))
+        for k, (m, g) in enumerate(last.groupby("model", sort=False)):
+            g = g.sort_values("band")
+            ax.plot(g["band_low"].to_numpy(dtype=float) + 0.05, g["value"], "-o", ms=3, color=f"C{k}",
+                    label=f"{m} ({g['where'].iloc[0]})")
+        ax.axhline(0, color="0.6", lw=0.8)
+        ax.set_xlabel("noise frequency (x pi rad / pixel, band centre)")
+        ax.set_ylabel("accuracy drop")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        out.append(("Accuracy drop per noise band at each model's decision (head, else last-layer probe): "
+                    "low-frequency vs high-frequency fragility", fig))
+    return out
+
+
+def corruptions(df: pd.DataFrame) -> Figures:
+    """Accuracy vs severity (mean over the corruptions of each family) at each model's decision, and the mean
+    corruption accuracy per layer (probes)."""
+    d = df[df.metric == "accuracy"]
+    if d.empty:
+        return []
+    last = _last(d)
+    fams = [f for f in ("noise", "blur", "weather", "digital", "held-out") if (last["family"] == f).any()]
+    panels = ["all", *fams]
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(2.9 * (len(panels) + 1) + 1.2, 2.9), squeeze=False)
+    for p, fam in enumerate(panels):
+        ax = axes[0][p]
+        for k, (m, g) in enumerate(last.groupby("model", sort=False)):
+            clean = g[g.severity == 0]["value"].mean()
+            sel = g[(g.severity > 0) & ((g.family == fam) if fam != "all" else True)]
+            per = sel.groupby("severity")["value"].mean()
+            xs, ys = [0, *per.index.astype(int)], [clean, *per.values]
+            ax.plot(xs, ys, "-o", ms=3, color=f"C{k}", label=f"{m} ({g['where'].iloc[0]})")
+        ax.set_title(f"{fam} corruptions" if fam != "all" else "all corruptions", fontsize=9)
+        ax.set_xlabel("severity (0 = clean)")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("accuracy")
+    ax = axes[0][-1]
+    mca = df[(df.metric == "mca") & (df.readout == "probe")]
+    for k, (m, g) in enumerate(mca.groupby("model", sort=False)):
+        g = g.assign(layer=pd.to_numeric(g["layer"])).sort_values("layer")
+        ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=m)
+    ax.set_title("mean corruption accuracy per block (probe)", fontsize=9)
+    ax.set_xlabel("block")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=7, loc="center right")
+    fig.tight_layout(rect=(0, 0, 1 - 1.9 / fig.get_size_inches()[0], 1))
+    return [("Accuracy under common corruptions vs severity (Hendrycks & Dietterich, ICLR 2019), mean over the "
+             "corruptions of each family, at each model's decision (head, else last-layer probe); right: the mean "
+             "corruption accuracy per block", fig)]
+
+
+FIGURES = {"shape_bias": shape_bias, "band_noise": band_noise, "corruptions": corruptions}

@@ -1,0 +1,75 @@
+"""Threads that do not spin: how vitscope keeps a study's CPU time the same on a busy machine.
+
+Measured (issue 20): beside other jobs on 2 cores, the default study took 5x the CPU time it takes on a
+quiet machine. Two kinds of waiting threads spent it: OpenMP threads (torch's and scikit-learn's) spin at
+every barrier before they sleep, and OpenBLAS's threads (numpy, scipy) spin after every call; when a
+partner thread is descheduled by another process, the spinning burns whole time slices. So:
+
+* `OMP_WAIT_POLICY=PASSIVE` is set when vitscope is imported (a waiting OpenMP thread sleeps at once). It
+  must be in the environment before an OpenMP runtime starts, so it takes effect for the runtimes loaded
+  after `import vitscope` (scikit-learn's always; torch's when vitscope is imported first, as the `vitscope`
+  command does). A value the user set is kept; `VITSCOPE_THREADS=off` leaves the environment alone.
+* `few_threads` runs the small dense work of a study (probes, k-means, t-SNE, the report's drawing) on one
+  thread of every pool (BLAS, OpenMP, torch): on arrays of a few hundred rows a second thread saves less
+  than its synchronisation costs, and one thread cannot wait for another.
+
+The forward passes keep torch's threads: they are large enough to gain from them, and with the passive
+policy their waits sleep.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def enabled() -> bool:
+    return os.environ.get("VITSCOPE_THREADS", "on").lower() not in ("off", "0", "false")
+
+
+def set_wait_policy() -> None:
+    """`OMP_WAIT_POLICY=PASSIVE` unless the user chose a policy (or turned vitscope's off)."""
+    if enabled():
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+#: below this many numbers (rows x features) an array's dense work runs on one thread (`few_threads(size)`)
+SMALL = 2**21
+
+
+@contextlib.contextmanager
+def few_threads(size: int = 0) -> Iterator[None]:
+    """One thread in every BLAS / OpenMP pool and in torch for the duration (restored after), when the work's
+    arrays hold fewer than `SMALL` numbers (``size``; 0 = always); larger work keeps every thread."""
+    if not enabled() or size >= SMALL:
+        yield
+        return
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with threadpool_limits(limits=1):
+            yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def single_threaded(fn: F) -> F:
+    """`few_threads` around every call of ``fn`` (whatever its size: for work that is always small)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with few_threads():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+set_wait_policy()  # on import: `vitscope/__init__.py` imports this module before anything loads torch

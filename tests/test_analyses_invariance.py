@@ -1,0 +1,221 @@
+"""The `stir` pair analysis, fed by hand (update / merge / state_dict / finalize), on two tiny models."""
+
+import copy
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import vitscope as vs
+from vitscope.analyses.invariance import Stir, corrupt, dynamics
+from vitscope.data.base import Batch
+from vitscope.errors import InputError, VitscopeError
+
+SMALL = dict(img_size=16, patch_size=4, embed_dim=48, depth=3, num_heads=3, num_classes=4)
+KW = dict(iterations=4, layers=[0, 2], corruptions=["gaussian_noise:3", "contrast:5"])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def model(seed: int, **kw) -> vs.ViTModel:
+    torch.manual_seed(seed)
+    return vs.load_model("vit_small_patch16_224", pretrained=False, seed=seed, **{**SMALL, **kw})
+
+
+def pair():
+    pt = model(0)
+    ft = copy.deepcopy(pt)
+    ft.name = "ft"
+    with torch.no_grad():  # a "fine-tuned" copy: the deeper blocks moved
+        for p in ft.model.blocks[1:].parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    return pt, ft
+
+
+def batches(n_batches: int = 3, b: int = 6):
+    g = torch.Generator().manual_seed(1)
+    for k in range(n_batches):
+        yield Batch(images=torch.randn(b, 3, 16, 16, generator=g).clamp(-2, 2),
+                    index=torch.arange(k * b, (k + 1) * b), labels=torch.randint(0, 4, (b,), generator=g))
+
+
+def run(pt, ft, bs, store=None, **kw):
+    a = Stir(pt.info(), ft.info(), **{**KW, **kw})
+    if store is not None:
+        a.store = store
+    for batch in bs:
+        a.update(pt, ft, batch)
+    return a
+
+
+def test_pair_table_formulas_and_settings():
+    pt, ft = pair()
+    a = run(pt, ft, batches())
+    df = a.finalize()
+    assert not df.isna()[["value"]].any().any()
+    assert set(df.model) == {pt.name} and set(df.model_b) == {"ft"}
+    assert (df.iterations == 4).all() and (df.images == 18).all()
+    v = {(r.metric, r.layer, r.layer_b): r.value for r in df.itertuples() if r.metric != "accuracy"}
+    for i in (0, 2):
+        assert math.isclose(v[("forgetting", i, i)], 1 - v[("stir_b|a", i, i)])
+        assert math.isclose(v[("learning", i, i)], 1 - v[("stir_a|b", i, i)])
+        assert math.isclose(v[("cka_divergence", i, i)], 1 - v[("cka", i, i)])
+    assert math.isclose(v[("invariance_flow", 2, 0)], v[("stir_b|a", 2, 0)] - v[("stir_b|a", 2, 2)])
+    fid = {r.layer: r.value for r in df[df.metric == "fidelity_a"].itertuples()}
+    for i in (0, 2):  # eq. 2 with its first term measured
+        assert math.isclose(v[("forgetting_vs_self", i, i)], fid[i] - v[("stir_b|a", i, i)])
+    # block 0 is untouched by the "fine-tuning": no cka divergence there, some at block 2
+    assert v[("cka_divergence", 0, 0)] < 1e-6 < v[("cka_divergence", 2, 2)]
+    acc = df[df.metric == "accuracy"]
+    assert list(acc.corruption) == ["clean", "gaussian_noise:3", "contrast:5"]
+
+
+def test_same_model_diagonal_is_one():
+    pt, _ = pair()
+    same = copy.deepcopy(pt)
+    with torch.no_grad():  # a new head (a fine-tuning run's epoch 0): the encoder, all the taps read, is the same
+        same.model.head.weight.normal_()
+    df = run(pt, same, batches(2), iterations=2).finalize()
+    s = df[df.metric.isin(["stir_b|a", "stir_a|b"])]
+    assert np.allclose(s[s.layer == s.layer_b].value, 1.0)
+    assert np.allclose(df[df.metric == "forgetting"].value, 0.0)
+    assert np.allclose(df[df.metric == "forgetting_vs_self"].value, 0.0)
+    assert (df[df.metric == "fidelity_a"].value < 0.999).all()  # the measured self-STIR, for the record
+
+
+def test_resume_and_merge_give_the_same_numbers(tmp_path):
+    pt, ft = pair()
+    bs = list(batches(4))
+    full = run(pt, ft, bs).finalize()
+    # interrupted after two batches: state saved, a new accumulator loads it and sees the rest
+    first = run(pt, ft, bs[:2])
+    resumed = Stir(pt.info(), ft.info(), **KW)
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    for b in bs[2:]:
+        resumed.update(pt, ft, b)
+    out = resumed.finalize()
+    assert np.array_equal(out.value.to_numpy(), full.value.to_numpy())
+    # shards merged
+    other = run(pt, ft, bs[2:])
+    first.merge(other)
+    assert np.allclose(first.finalize().value.to_numpy(), full.value.to_numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_pretrained_inversions_are_cached_and_reused(tmp_path):
+    pt, ft = pair()
+    bs = list(batches(2))
+    store = lambda key: tmp_path / key  # noqa: E731
+    first = run(pt, ft, bs, store=store)
+    assert first.cache_hits == 0 and len(list(tmp_path.rglob("*.safetensors"))) == 2
+    ft2 = copy.deepcopy(ft)
+    ft2.name = "ft@e2"
+    again = run(pt, ft2, bs, store=store)
+    assert again.cache_hits == 2  # A's inversions served the second fine-tuned model
+    f1, f2 = first.finalize(), again.finalize()
+    assert np.array_equal(f1.value.to_numpy(), f2.value.to_numpy())
+
+
+def test_dynamics_correlation_over_epochs():
+    import scipy.stats
+
+    pt, ft = pair()
+    finished = []
+    for ep in range(4):
+        m = copy.deepcopy(ft)
+        torch.manual_seed(ep)
+        with torch.no_grad():  # epochs differ in their deep block and their head (so in accuracy)
+            for p in [*m.model.blocks[2].parameters(), *m.model.head.parameters()]:
+                p.add_(torch.randn_like(p) * 0.3 * ep)
+        a = run(pt, m, batches(2), iterations=1, layers=None)
+        a.epoch = ep
+        a.model_b = f"ft@e{ep}"
+        finished.append(a)
+    df = Stir.cross(finished)
+    acc = df[df.metric == "dynamics:corrupted_accuracy"].sort_values("epoch")
+    assert list(acc.epoch) == [0, 1, 2, 3]
+    fstd = df[df.metric == "dynamics:forgetting_std_from_layer2"].sort_values("epoch")
+    ref = scipy.stats.pearsonr(fstd.value, acc.value)
+    r = df[(df.metric == "pearson_r") & (df.series == "forgetting_std_from_layer2")].value.item()
+    p = df[(df.metric == "pearson_p") & (df.series == "forgetting_std_from_layer2")].value.item()
+    assert math.isclose(r, ref[0], rel_tol=1e-9) and math.isclose(p, ref[1], rel_tol=1e-6)
+    assert dynamics(finished, pt.name, "ft") is not None
+
+
+def test_bad_input():
+    pt, ft = pair()
+    other = model(3, img_size=32)
+    a = Stir(pt.info(), other.info(), **KW)
+    with pytest.raises(InputError, match="same input"):
+        a.update(pt, other, next(batches(1)))
+    with pytest.raises(VitscopeError, match="out of range"):
+        Stir(pt.info(), ft.info(), layers=[5])
+    with pytest.raises(VitscopeError, match="did you mean attn_out"):
+        Stir(pt.info(), ft.info(), tap="attn_ot")
+    with pytest.raises(VitscopeError, match="unknown corruption"):
+        Stir(pt.info(), ft.info(), corruptions=["fog"])
+    broken = copy.deepcopy(ft)
+    with torch.no_grad():
+        broken.model.blocks[0].norm1.weight[0] = math.nan
+    a = run(pt, broken, batches(1), corruptions=None)
+    with pytest.warns(RuntimeWarning, match="left out"):
+        df = a.finalize()
+    assert not df.value.isna().any()
+
+
+def test_corruptions_are_deterministic_and_valid():
+    u = torch.rand(3, 3, 32, 32)
+    ids = torch.tensor([4, 5, 6])
+    for kind in ("gaussian_noise", "gaussian_blur", "contrast"):
+        c1, c2 = corrupt(u, ids, kind, 5), corrupt(u, ids, kind, 5)
+        assert torch.equal(c1, c2) and float(c1.min()) >= 0 and float(c1.max()) <= 1
+        assert float((c1 - u).abs().mean()) > float((corrupt(u, ids, kind, 1) - u).abs().mean())
+
+
+def test_in_a_study_with_a_checkpoint_list(tmp_path):
+    """stir as a pair stage of the engine: pt -> each checkpoint of a fine-tuning run, pt's inversions made once,
+    a rerun served from the cache, the dynamics (epochs, Pearson) in the cross-model table."""
+    from vitscope.models.load import save_checkpoint
+    from vitscope.study import load_config, run_study
+
+    run_dir = tmp_path / "ft" / "checkpoints"
+    run_dir.mkdir(parents=True)
+    tiny = dict(img_size=32, patch_size=8, embed_dim=48, depth=2, num_heads=3, num_classes=10)
+    pt = vs.load_model("vit_small_patch16_224", pretrained=False, seed=0, **tiny)
+    for e in range(3):
+        vm = copy.deepcopy(pt)
+        torch.manual_seed(e)
+        with torch.no_grad():
+            for p in vm.model.blocks[1].parameters():
+                p.add_(torch.randn_like(p) * 0.2 * e)
+        save_checkpoint(vm.model, run_dir / f"encoder_epoch{e:03d}.safetensors", vm.spec)
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}"
+    (tmp_path / "s.yaml").write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: pt, pretrained: false, kwargs: {kw}}}
+  - {{label: ft, checkpoints: {tmp_path / 'ft'}, finetuned_from: pt}}
+dataset: {{name: cifar10-test-1k, n_images: 16}}
+analyses:
+  stir: {{iterations: 2, corruptions: ["contrast:5"]}}
+batch_size: 8
+progress: false
+""")
+    cfg = load_config(tmp_path / "s.yaml", [f"output_dir={tmp_path / 'run'}"])
+    out = run_study(cfg)
+    df = pd.read_parquet(next(Path(out).rglob("stir*.parquet")))
+    assert set(df.model_b.dropna()) >= {"ft@0", "ft@1", "ft@2"}
+    pairs = df[df.metric == "forgetting"]
+    assert len(pairs) == 3 * 2 and not pairs.value.isna().any()
+    assert set(df[df.metric == "pearson_r"].series) or df[df.metric.str.startswith("dynamics:")].epoch.nunique() == 3
+    inv = [f for f in tmp_path.rglob("*.safetensors") if "store" in f.parts]
+    assert len(inv) == 2  # pt's inversions, in the study cache: two batches, made once for the three checkpoints
+    again = pd.read_parquet(next(Path(run_study(cfg)).rglob("stir*.parquet")))  # a rerun: from the cache
+    assert np.array_equal(again.value.to_numpy(), df.value.to_numpy())

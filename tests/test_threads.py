@@ -1,0 +1,38 @@
+"""Threads that cannot spin: the wait policy set on import, one thread for small dense work."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from threadpoolctl import threadpool_info
+
+from vitscope.threads import SMALL, few_threads
+
+
+def _pools() -> set[int]:
+    return {p["num_threads"] for p in threadpool_info()}
+
+
+def test_small_work_runs_on_one_thread_and_restores_the_pools():
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = _pools()
+        with few_threads(1000):
+            assert torch.get_num_threads() == 1 and _pools() == {1}
+        assert torch.get_num_threads() == 2 and _pools() == before
+        with few_threads(SMALL):  # large work keeps its threads
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(own)
+
+
+def test_import_sets_a_passive_wait_policy_unless_the_user_chose():
+    code = "import os, vitscope; print(os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "VITSCOPE_THREADS")}
+    run = lambda extra: subprocess.run([sys.executable, "-c", code], env={**env, **extra},  # noqa: E731
+                                       capture_output=True, text=True, check=True).stdout.strip()
+    assert run({}) == "PASSIVE"
+    assert run({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
+    assert run({"VITSCOPE_THREADS": "off"}) == "None"
