@@ -222,7 +222,7 @@ def test_plot_draws_any_figure_from_a_run_or_a_table(run_dir):
 def test_report_states_findings_with_numbers_and_cites_sources_by_name(run_dir):
     html = (run_dir / "report.html").read_text()
     assert "id='summary'" in html and "id='references'" in html
-    assert "Walmer, Suri, Gupta, Shrivastava" in html and not re.search(r"seeds? 00\d", html, re.I)
+    assert "Matthew Walmer, Saksham Suri" in html and not re.search(r"seeds? 00\d", html, re.I)
     summary = html[html.index("id='summary'"):html.index("id='models'")]
     assert re.search(r"attention distance .* \d+(\.\d+)? ± \d", summary)
     # both tiny models are untrained: nothing is compared with an untrained baseline of itself
