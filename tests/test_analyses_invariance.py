@@ -165,10 +165,10 @@ def test_bad_input():
     broken = copy.deepcopy(ft)
     with torch.no_grad():
         broken.model.blocks[0].norm1.weight[0] = math.nan
-    a = run(pt, broken, batches(1), corruptions=None)
-    with pytest.warns(RuntimeWarning, match="left out"):
-        df = a.finalize()
-    assert not df.value.isna().any()
+    from vitscope.capture.engine import NonFiniteError
+
+    with pytest.raises(NonFiniteError, match="non-finite"):  # one sentence naming the model: no NaN in tables
+        run(pt, broken, batches(1), corruptions=None).finalize()
 
 
 def test_corruptions_are_deterministic_and_valid():

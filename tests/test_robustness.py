@@ -446,7 +446,8 @@ def test_default_study_plans_the_robustness_lenses_on_their_datasets():
     plan = {ap.name: ap for ap in make_plan(load_config()).analyses}
     assert plan["shape_bias"].slots == {"data": "cue-conflict", "train": "shapes"}
     assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 11
-    assert len(plan["corruptions"].views) == 1 + 5 * 3
+    corr = load_config().analyses["corruptions"]
+    assert len(plan["corruptions"].views) == 1 + len(corr["corruptions"]) * len(corr["severities"])
     assert plan["semantics"].slots["data"] == "cifar10"  # the other analyses keep their datasets
 
 

@@ -100,7 +100,7 @@ def test_a_view_pass_is_cached_and_a_rerun_runs_nothing(fixtures, tmp_path):
 
 def test_a_killed_view_pass_resumes_to_identical_tables(fixtures, tmp_path):
     cfg = write(tmp_path, TWO_DATASETS)
-    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
 
     class Killed(Exception):
         pass
@@ -112,7 +112,7 @@ def test_a_killed_view_pass_resumes_to_identical_tables(fixtures, tmp_path):
         if len(fed) == 5:  # passes: shapes clean (3 chunks), shapes under the view (3), photos clean (5)
             raise Killed  # after view chunk 1 was fed and saved
 
-    over = [f"output_dir={tmp_path / 'run'}", "save_every=1"]
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c-run'}"]
     with pytest.raises(Killed):
         run_study(load_config(cfg, over), on_batch=kill)
     fed.clear()
@@ -338,7 +338,7 @@ progress: false
 """
     cfg = write(tmp_path, text)
     with pytest.warns(UserWarning):
-        ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}"]))
+        ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
 
     class Killed(Exception):
         pass
@@ -347,7 +347,7 @@ progress: false
         if b == 2:
             raise Killed
 
-    over = [f"output_dir={tmp_path / 'run'}", "save_every=1"]
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c-run'}"]
     with pytest.raises(Killed), pytest.warns(UserWarning):
         run_study(load_config(cfg, over), on_batch=kill)
     with pytest.warns(UserWarning):
