@@ -113,7 +113,7 @@ def _findings(run: Run) -> list[str]:
     for r in table.itertuples():
         iv = "" if pd.isna(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
         rows.append(f"<tr><td>{_esc(r.finding)} {_esc(r.source)}</td><td>{_esc(r.measure)} ({_esc(r.expected)})</td>"
-                    f"<td>{r.contrastive:.3g}</td><td>{r.mim:.3g}</td><td>{r.difference:+.3g}{iv}</td>"
+                    f"<td>{r.contrastive:.4g}</td><td>{r.mim:.4g}</td><td>{r.difference:+.3g}{iv}</td>"
                     f"<td>{_esc(r.verdict)}</td></tr>")
     rows.append("</table><p class='muted'>A finding holds only when the 95 % interval of the difference excludes 0 "
                 "(<code>vitscope.zoo.findings</code> says how it is computed); inconclusive otherwise.</p>")
