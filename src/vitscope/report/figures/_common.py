@@ -41,6 +41,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.artist import Artist  # noqa: E402
+from matplotlib.layout_engine import ConstrainedLayoutEngine  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
@@ -205,7 +206,7 @@ def legend_outside(fig: plt.Figure, handles: Sequence[Artist] | None = None, ext
     handles = [*handles, *extra]
     if not handles:
         return None
-    if fig.get_layout_engine() is None:
+    if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):  # "outside" needs it (tight ignores it)
         fig.set_layout_engine("constrained")
     renderer = fig.canvas.get_renderer()
     w, h = fig.get_size_inches()
