@@ -5,14 +5,17 @@ like one pass, keep bounded state, and their figures draw."""
 from __future__ import annotations
 
 import gc
+import io
 import math
 import warnings
 import weakref
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import pytest
 import torch
+from PIL import Image
 
 import vitscope as vs
 from conftest import tiny
@@ -104,6 +107,27 @@ def _ref_distance(attn, grid, p):
     return out / (B * h * w)
 
 
+def _ref_distance_per_image(attn, grid, p):
+    """(B, H): per image, the mean over queries of sum_k a_qk |pos_q - pos_k| on the unit square, by loops."""
+    B, H = attn.shape[:2]
+    h, w = grid
+    out = torch.zeros(B, H, dtype=torch.float64)
+    for b in range(B):
+        for hd in range(H):
+            for q in range(h * w):
+                row = _spatial_row(attn, b, hd, q, p)
+                qy, qx = divmod(q, w)
+                out[b, hd] += sum(float(row[k]) * math.hypot(qy - k // w, qx - k % w) for k in range(h * w))
+    return out / ((max(h, w) - 1) * h * w)
+
+
+def _sem(values):
+    """numpy's standard error of the mean (ddof 1) along axis 0, NaNs left out."""
+    v = np.asarray(values, dtype=float)
+    n = np.sum(~np.isnan(v), axis=0)
+    return np.nanstd(v, axis=0, ddof=1) / np.sqrt(n)
+
+
 def _ref_nmi(attn, p):
     """(B, H): NMI(q, k) with p(q) = 1/S, by loops over q and k."""
     B, H, T, _ = attn.shape
@@ -159,12 +183,22 @@ def _query_weights(attn, b, hd, query, p):
 def test_cls_attention_maps_average_and_single_images(kind):
     vm = tiny(kind)
     batches = _batches(vm, n=7, bs=3)
-    df = _stream("cls_attention_maps", vm, batches, keep_images=2).finalize()
+    table = _stream("cls_attention_maps", vm, batches, keep_images=2).finalize()
     attn = _attn(vm, batches)
     h, w = vm.grid_size
+    df = table[table.metric == "cls_attention"]
     assert len(df) == 3 * 3 * h * w * (1 + 2)
     assert set(df.columns) >= set(COLUMNS) | {"row", "col", "image", "n_images"}
-    assert (df.metric == "cls_attention").all() and (df.n_images == 7).all()
+    assert (table.n_images == 7).all()
+    # the two kept images as the model saw them: its input with the normalisation undone, 8 bits
+    images = table[table.metric == "input_image"]
+    assert images.image.tolist() == [0, 1] and images.value.isna().all()
+    x = torch.cat([b.images for b in batches])[:2]
+    pre = vm.preprocessing
+    want = (x * torch.tensor(pre.std).view(1, 3, 1, 1) + torch.tensor(pre.mean).view(1, 3, 1, 1)) * 255
+    for k, png in enumerate(images.png):
+        got = torch.from_numpy(np.array(Image.open(io.BytesIO(png)).convert("RGB"))).permute(2, 0, 1).float()
+        assert got.shape == want[k].shape and (got - want[k].clamp(0, 255)).abs().max() <= 0.51
     for i in range(3):
         ref = _ref_cls_maps(attn[i], vm.grid_size, vm.num_prefix_tokens)
         avg = df[(df.layer == i) & df.image.isna()].sort_values(["head", "row", "col"])
@@ -192,6 +226,7 @@ def test_keep_images_is_bounded_and_keeps_the_smallest_indices_in_any_order():
     assert sizes[0][0][0] == 3 and len(set(sizes)) == 1  # state does not grow with the number of images
     assert a.kept_index.tolist() == [0, 1, 2]  # they arrive in the 2nd, 3rd and 1st batch
     df = a.finalize()
+    assert df[df.metric == "input_image"].image.tolist() == [0, 1, 2]
     attn = _attn(vm, batches, [2])[2]
     ref = _ref_cls_maps(attn, vm.grid_size, vm.num_prefix_tokens)
     for img in (0, 1, 2):
@@ -245,9 +280,28 @@ def test_attention_nmi_matches_loop_reference(kind):
     attn = _attn(vm, batches)
     assert (df.metric == "nmi").all() and len(df) == 9 and (df.n_images == 5).all()
     for i in range(3):
-        ref = _ref_nmi(attn[i], vm.num_prefix_tokens).mean(0)
-        got = _values(df, layer=i).sort_values("head").value.to_numpy()
-        assert got == pytest.approx(ref.numpy(), abs=1e-6)
+        per_image = _ref_nmi(attn[i], vm.num_prefix_tokens)
+        got = _values(df, layer=i).sort_values("head")
+        assert got.value.to_numpy() == pytest.approx(per_image.mean(0).numpy(), abs=1e-6)
+        assert got.stderr.to_numpy() == pytest.approx(_sem(per_image.numpy()), rel=1e-4, abs=1e-8)
+        assert got.value_lo.to_numpy() == pytest.approx((got.value - 1.959964 * got.stderr).to_numpy())
+        assert got.value_hi.to_numpy() == pytest.approx((got.value + 1.959964 * got.stderr).to_numpy())
+
+
+@pytest.mark.parametrize("kind", ["vit", "reg"])
+def test_attention_distance_stderr_matches_numpy_over_images(kind):
+    vm = tiny(kind)
+    batches = _batches(vm, n=7, bs=3)
+    df = _stream("attention_distance", vm, batches).finalize()
+    attn = _attn(vm, batches)
+    px = vm.patch_size * (max(vm.grid_size) - 1)
+    for i in range(3):
+        per_image = _ref_distance_per_image(attn[i], vm.grid_size, vm.num_prefix_tokens).numpy()
+        for metric, scale in (("distance", 1.0), ("distance_px", px)):
+            got = _values(df, metric=metric, layer=i).sort_values("head")
+            assert got.value.to_numpy() == pytest.approx(per_image.mean(0) * scale, rel=1e-6)
+            assert got.stderr.to_numpy() == pytest.approx(_sem(per_image) * scale, rel=1e-4)
+            assert (got.value_lo < got.value).all() and (got.value < got.value_hi).all()
 
 
 @pytest.mark.parametrize("kind", ["vit", "reg"])
@@ -263,17 +317,21 @@ def test_saliency_iou_matches_a_sorting_reference(kind):
         merged_attn = attn[i].mean(1, keepdim=True)
         for query in ("cls", "mean"):
             per_head = []
+            per_image = []
             for hd in range(3):
                 ious = [_ref_iou(_query_weights(attn[i], b, hd, query, p), gt[b], 0.6) for b in range(B)]
+                per_image.append(ious)
                 per_head.append(sum(x for x in ious if not math.isnan(x)) / sum(not math.isnan(x) for x in ious))
-            got = _values(df, metric="iou", layer=i, query=query).sort_values("head").value.to_numpy()
-            assert got == pytest.approx(per_head, rel=1e-6)
+            rows = _values(df, metric="iou", layer=i, query=query).sort_values("head")
+            assert rows.value.to_numpy() == pytest.approx(per_head, rel=1e-6)
+            assert rows.stderr.to_numpy() == pytest.approx(_sem(np.array(per_image).T), rel=1e-4, abs=1e-9)
             best = _values(df, metric="iou_best_head", layer=i, query=query)
             assert len(best) == 1 and best.value.iloc[0] == pytest.approx(max(per_head))
             assert per_head[int(best["head"].iloc[0])] == pytest.approx(max(per_head))
             merged = [_ref_iou(_query_weights(merged_attn, b, 0, query, p), gt[b], 0.6) for b in range(B)]
             got_m = _values(df, metric="iou_merged", layer=i, query=query)
             assert got_m.value.iloc[0] == pytest.approx(sum(merged) / B, rel=1e-6)
+            assert got_m.stderr.iloc[0] == pytest.approx(float(_sem(merged)), rel=1e-4, abs=1e-9)
             assert got_m["head"].isna().all()
 
 

@@ -60,6 +60,13 @@ def test_cross_model_last_layer_and_divergence():
     ref = vs.cka(fa, fb, batch_size=BS)
     assert cross[cross.metric == "cka_minibatch"].value.item() == pytest.approx(ref, rel=1e-6)
     assert cross[cross.metric == "cka_divergence"].value.item() == pytest.approx(1 - ref, rel=1e-6)
+    # stderr by batch means: the CKA of each CKA batch (8, 8, 4 images) alone, numpy's standard error
+    per_batch = [vs.cka(fa[s:s + BS], fb[s:s + BS], batch_size=BS) for s in (0, 8, 16)]
+    se = np.std(per_batch, ddof=1) / np.sqrt(3)
+    for metric in ("cka_minibatch", "cka_divergence"):
+        row = cross[cross.metric == metric]
+        assert row.stderr.item() == pytest.approx(se, rel=1e-4)
+        assert row.value_hi.item() - row.value_lo.item() == pytest.approx(2 * 1.959964 * se, rel=1e-4)
 
 
 def test_residual_cka_pairs_skip_path_with_branches():
@@ -105,6 +112,12 @@ def test_diversity_matches_slow_references():
                 tot += float(F.cosine_similarity(heads[b, t, h], heads[b, t, g], dim=0))
                 cnt += 1
     assert df[(df.metric == "cosine_heads") & (df.layer == 0)].value.item() == pytest.approx(tot / cnt, rel=1e-5)
+    # its stderr over images: the per-image means of the same loop, numpy's standard error
+    per_image = [np.mean([float(F.cosine_similarity(heads[b, t, h], heads[b, t, g], dim=0))
+                          for t in range(heads.shape[1]) for h, g in itertools.permutations(range(3), 2)])
+                 for b in range(N)]
+    se = df[(df.metric == "cosine_heads") & (df.layer == 0)].stderr.item()
+    assert se == pytest.approx(np.std(per_image, ddof=1) / np.sqrt(N), rel=1e-4)
     # CKA between heads: every ordered pair through vs.cka
     pairs = [vs.cka(_flat(heads[:, :, h]), _flat(heads[:, :, g]), batch_size=BS)
              for h, g in itertools.permutations(range(3), 2)]
@@ -124,7 +137,14 @@ def test_diversity_matches_slow_references():
             ref, rel=1e-6)
     # depth: block input vs resid_mid
     ref_depth = vs.cka(f["embed"], f["block0.resid_mid"], batch_size=BS)
-    assert df[(df.metric == "cka_depth") & (df.layer == 0)].value.item() == pytest.approx(ref_depth, rel=1e-6)
+    depth = df[(df.metric == "cka_depth") & (df.layer == 0)]
+    assert depth.value.item() == pytest.approx(ref_depth, rel=1e-6)
+    # stderr by batch means, on the heads: each CKA batch's (8, 8, 4 images) mean CKA over head pairs alone,
+    # numpy's standard error of those
+    per_batch = [np.mean([vs.cka(_flat(heads[s:s + BS, :, h]), _flat(heads[s:s + BS, :, g]), batch_size=BS)
+                          for h, g in itertools.permutations(range(3), 2)]) for s in (0, 8, 16)]
+    se = df[(df.metric == "cka_heads") & (df.layer == 0)].stderr.item()
+    assert se == pytest.approx(np.std(per_batch, ddof=1) / np.sqrt(3), rel=1e-4) and se > 1e-4
     ref_cos = F.cosine_similarity(f["embed"].double(), f["block0.resid_mid"].double(), dim=-1).mean()
     assert df[(df.metric == "cosine_depth") & (df.layer == 0)].value.item() == pytest.approx(float(ref_cos), rel=1e-6)
 

@@ -93,8 +93,12 @@ def test_svd_volume_and_fourier_from_the_pipeline_equal_direct_computation(token
                    for s in sp1[ids % token_every == 0]], 0)
     got_tok = df[df.metric == "token_log_eigenvalue"].sort_values("index").value.to_numpy()
     assert got_tok[:8] == pytest.approx(tok[:8], rel=1e-5)
-    vol = df[df.metric == "token_log_volume"].value.item()
-    assert vol == pytest.approx(tok[:4].mean(), rel=1e-5)
+    vol = df[df.metric == "token_log_volume"]
+    assert vol.value.item() == pytest.approx(tok[:4].mean(), rel=1e-5)
+    # its stderr over images: numpy's standard error of the per-image volumes
+    per_image = [np.log(np.maximum(np.sort(np.linalg.eigvalsh(np.cov(s.T)))[::-1][:4], 1e-12)).mean()
+                 for s in sp1[ids % token_every == 0]]
+    assert vol.stderr.item() == pytest.approx(np.std(per_image, ddof=1) / np.sqrt(len(per_image)), rel=1e-4)
     # the chance row is scaled by the tokens' mean channel variance
     mean_var = np.mean([s.var(0, ddof=1).mean() for s in sp1[ids % token_every == 0]])
     assert float(svd.tvar["block1.out"] / svd.ntok["block1.out"]) == pytest.approx(mean_var, rel=1e-6)
@@ -104,7 +108,12 @@ def test_svd_volume_and_fourier_from_the_pipeline_equal_direct_computation(token
     fd = four.finalize()
     curve = fd[fd.metric == "delta_log_amp"].sort_values("freq").value.to_numpy()
     assert curve == pytest.approx(ref - ref[0], abs=1e-6)
-    assert fd[fd.metric == "high_freq_delta_log_amp"].value.item() == pytest.approx(ref[-1] - ref[0], abs=1e-6)
+    high = fd[fd.metric == "high_freq_delta_log_amp"]
+    assert high.value.item() == pytest.approx(ref[-1] - ref[0], abs=1e-6)
+    amps = _numpy_log_amp(sp2, 4, 4)
+    per_image = amps[:, 3, 3] - amps[:, 2, 2]
+    assert high.stderr.item() == pytest.approx(np.std(per_image, ddof=1) / np.sqrt(len(per_image)), rel=1e-4)
+    assert high.value_lo.item() < high.value.item() < high.value_hi.item()
 
 
 @pytest.mark.parametrize("name", ["svd_volume", "fourier"])

@@ -693,3 +693,51 @@ def test_float32_outputs_match_float64():
         out32, out64 = fn(attn32), fn(attn64)
         assert out32.dtype == torch.float32 and out64.dtype == torch.float64
         torch.testing.assert_close(out32.double(), out64, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# head types on the grids of real models: the thresholds scale with the grid
+# ------------------------------------------------------------------------------------------------------------
+
+
+def gaussian_attention(h: int, w: int, sigma: float) -> torch.Tensor:
+    """(S, S): each query attends with weight exp(-d^2 / 2 sigma^2) to the keys d tokens away, by loops."""
+    pts = coords(h, w)
+    A = torch.tensor([[math.exp(-((r - r2) ** 2 + (c - c2) ** 2) / (2 * sigma * sigma)) for r2, c2 in pts]
+                      for r, c in pts], dtype=torch.float64)
+    return A / A.sum(-1, keepdim=True)
+
+
+def peak_over_background(h: int, w: int, local: float) -> torch.Tensor:
+    """(S, S): each query gives ``local`` of its mass evenly to its (clipped) 3x3 neighbourhood and the rest
+    evenly to every key: a local peak on a broad background, like the AAAMs of zoo-simmim's blocks 2-4."""
+    pts = coords(h, w)
+    S = h * w
+    A = torch.full((S, S), (1 - local) / S, dtype=torch.float64)
+    for q, (r, c) in enumerate(pts):
+        near = [k for k, (r2, c2) in enumerate(pts) if abs(r - r2) <= 1 and abs(c - c2) <= 1]
+        A[q, near] += local / len(near)
+    return A
+
+
+@pytest.mark.parametrize("grid", [(8, 8), (14, 14), (16, 16)])
+def test_clearly_local_heads_are_not_global_on_any_grid(grid):
+    h, w = grid
+    S = h * w
+    heads = [gaussian_attention(h, w, 1.0), gaussian_attention(h, w, 1.5), peak_over_background(h, w, 0.3),
+             torch.full((S, S), 1.0 / S, dtype=torch.float64)]
+    attn = torch.stack(heads)[None]
+    aaam = att.aligned_maps(attn, grid, 0)
+    dist = att.attention_distance(attn, grid, 0)
+    types = [t["type"] for t in att.head_types(aaam, distance=dist)]
+    assert types[:3] == ["strict_local", "soft_local", "soft_local"]
+    assert types[3] == "global"
+    # locality by hand: uniform attention's centre-3x3 mass is (3h - 2)(3w - 2) / (h w)^2, its locality 1
+    assert att.uniform_mass_3x3(grid) == pytest.approx((3 * h - 2) * (3 * w - 2) / (h * w) ** 2)
+    stats = att.aam_statistics(aaam)
+    assert stats["locality"][3].item() == pytest.approx(1.0)
+    # the peak over background keeps entropy and spread near uniform's: without the locality rule (the old
+    # classifier) it was called global on every grid
+    assert stats["entropy_norm"][2] > 0.85 and stats["spread_norm"][2] > 0.8
+    old = att.head_types(aaam, distance=dist, thresholds={"global_max_locality": math.inf})
+    assert old[2]["type"] == "global"

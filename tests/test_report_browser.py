@@ -1,4 +1,5 @@
-"""The report renders in a real headless browser: no console errors, every figure decodes."""
+"""The report renders in a real headless browser: no console errors, every figure decodes, and at 1000 px the
+navigation wraps onto more lines instead of running off the page."""
 
 import shutil
 
@@ -18,8 +19,10 @@ def test_report_renders_without_console_errors_and_images_decode(tmp_path):
 
     cfg = tmp_path / "study.yaml"
     cfg.write_text(TINY_YAML)
-    out = run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}", "analyses.diversity={batch_size: 6}",
-                                      "analyses.residual_cka={batch_size: 6}"]))
+    more = ["analyses.diversity={batch_size: 6}", "analyses.residual_cka={batch_size: 6}", "analyses.attention_nmi={}",
+            "analyses.aligned_attention_maps={}", "analyses.cls_attention_maps={keep_images: 1}",
+            "analyses.svd_volume={}", "analyses.fourier={}"]  # enough sections that the navigation must wrap
+    out = run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}", *more]))
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -29,11 +32,19 @@ def test_report_renders_without_console_errors_and_images_decode(tmp_path):
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=opts)
     try:
+        driver.set_window_size(1000, 900)
         driver.get((out / "report.html").resolve().as_uri())
         images = driver.execute_script(
             "return Array.from(document.images).map(i => [i.complete, i.naturalWidth, i.naturalHeight, i.alt]);")
         errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
         title = driver.title
+        nav = driver.execute_script(
+            "const n = document.querySelector('nav'); const links = Array.from(n.querySelectorAll('a'));"
+            "return {width: n.clientWidth, scroll: n.scrollWidth, page: document.documentElement.clientWidth,"
+            " pageScroll: document.documentElement.scrollWidth, window: window.innerWidth,"
+            " rows: new Set(links.map(a => a.offsetTop)).size,"
+            " linksWidth: links.reduce((s, a) => s + a.offsetWidth, 0),"
+            " right: Math.max(...links.map(a => a.getBoundingClientRect().right))};")
     finally:
         driver.quit()
     assert title.startswith("vitscope report")
@@ -41,3 +52,8 @@ def test_report_renders_without_console_errors_and_images_decode(tmp_path):
     undecoded = [alt for complete, w, h, alt in images if not (complete and w > 0 and h > 0)]
     assert undecoded == []
     assert errors == []
+    assert nav["window"] <= 1000
+    assert nav["linksWidth"] > nav["width"]  # the links do not fit on one line at this width ...
+    assert nav["rows"] >= 2  # ... so they wrap
+    assert nav["scroll"] <= nav["width"] and nav["right"] <= nav["page"]  # nothing runs off the page
+    assert nav["pageScroll"] <= nav["page"]  # and the page has no horizontal scroll

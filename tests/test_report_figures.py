@@ -53,3 +53,199 @@ def test_residual_cka_figure_is_one_per_view_with_a_row_per_model():
         g = df[(df.model == model) & (df.metric == f"skip_vs_{branch}")]
         want = g.pivot_table(index="layer", columns="layer_b", values="value").to_numpy()
         np.testing.assert_allclose(np.asarray(ax.images[0].get_array()), want)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# every figure of a real (tiny) run: legends, colour scales, no empty panel; export, plot, summary
+# ------------------------------------------------------------------------------------------------------------
+
+import re  # noqa: E402
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+import vitscope as vs  # noqa: E402
+from vitscope.cli import main  # noqa: E402
+from vitscope.report.figures._common import NOT_COMPUTED_GID  # noqa: E402
+from vitscope.report.run import load_run  # noqa: E402
+from vitscope.study import load_config, run_study  # noqa: E402
+
+ALL_YAML = """
+models:
+  - name: vit_small_patch16_224
+    label: tiny-vit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}
+  - name: beit_base_patch16_224
+    label: tiny-beit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, init_values: 0.1}
+dataset: {name: synthetic-shapes, n_images: 12}
+analyses:
+  attention_distance: {}
+  attention_nmi: {}
+  aligned_attention_maps: {}
+  cls_attention_maps: {keep_images: 1}
+  saliency_iou: {}
+  cka: {batch_size: 6}
+  residual_cka: {batch_size: 6}
+  diversity: {batch_size: 6}
+  svd_volume: {}
+  fourier: {}
+  semantics: {ks: [3], test_every: 3}
+  tsne: {n_images: 2, max_iter: 250}
+batch_size: 6
+progress: false
+"""
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("figures")
+    (d / "study.yaml").write_text(ALL_YAML)
+    return run_study(load_config(d / "study.yaml", [f"output_dir={d / 'run'}"]))
+
+
+def _all_figures(run_dir):
+    """(analysis, caption, figure) of every figure of the run, one at a time (the caller closes each)."""
+    run = load_run(run_dir)
+    seen = set()
+    for name in run.tables:
+        for caption, fig in run.figures(name):
+            seen.add(name)
+            yield name, caption, fig
+    assert seen == set(run.tables)  # every analysis of the run has figures
+
+
+def _data_axes(fig):
+    return [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.get_visible() and ax.axison]
+
+
+def _legend_problems(fig):
+    """Legends that leave the figure or cover a panel (in display pixels after a draw)."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    problems = []
+    legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+    for leg in legends:
+        box = leg.get_window_extent(renderer)
+        if box.x0 < -1 or box.y0 < -1 or box.x1 > fig.bbox.x1 + 1 or box.y1 > fig.bbox.y1 + 1:
+            problems.append(f"legend {box} leaves the figure {fig.bbox}")
+        for ax in _data_axes(fig):
+            if box.overlaps(ax.get_window_extent(renderer)):
+                problems.append(f"legend {box} covers a panel {ax.get_window_extent(renderer)}")
+    return problems
+
+
+def test_no_legend_leaves_its_figure_or_covers_a_panel(run_dir):
+    for name, caption, fig in _all_figures(run_dir):
+        assert _legend_problems(fig) == [], (name, caption)
+        plt.close(fig)
+
+
+def test_every_heat_map_has_a_colour_scale_and_no_panel_is_left_empty(run_dir):
+    for name, caption, fig in _all_figures(run_dir):
+        scales = [ax._colorbar.mappable for ax in fig.axes if ax.get_label() == "<colorbar>"]  # noqa: SLF001
+        for ax in _data_axes(fig):
+            for im in ax.images:
+                if np.asarray(im.get_array()).ndim == 3:  # an RGB photograph under an overlay
+                    continue
+                if im.get_gid() == "categorical":  # head types: one colour per type, named in a legend
+                    assert fig.legends, (name, caption)
+                    continue
+                assert any(s.get_cmap().name == im.get_cmap().name and s.norm.vmin == im.norm.vmin
+                           and s.norm.vmax == im.norm.vmax for s in scales), (name, caption)
+            drawn = ax.lines or ax.collections or ax.images or ax.patches
+            told = any(t.get_gid() == NOT_COMPUTED_GID for t in ax.texts)
+            assert drawn or told, f"{name}: an empty panel in '{caption}'"
+        plt.close(fig)
+
+
+def test_a_view_that_was_not_computed_says_why_in_place(run_dir):
+    (caption, fig), = load_run(run_dir).figures("semantics")
+    texts = {ax.get_title(): [t.get_text().replace("\n", " ") for t in ax.texts if t.get_gid() == NOT_COMPUTED_GID]
+             for ax in fig.axes}
+    # probes run on the CLS and mean-of-spatial views by default: the 'gap' panel says so and how to enable it
+    why = " ".join(texts["linear probe top-1 (gap)"])
+    assert "not computed for the 'gap' view" in why and "analyses.semantics.probe" in why
+    assert texts["linear probe top-1 (cls)"] == []
+    plt.close(fig)
+
+
+def test_export_writes_every_figure_at_a_column_width_with_embedded_fonts(run_dir, tmp_path):
+    n = 0
+    for *_, fig in _all_figures(run_dir):
+        n += 1
+        plt.close(fig)
+    assert main(["report", str(run_dir), "--export", str(tmp_path / "pdf"), "--format", "pdf"]) == 0
+    pdfs = sorted((tmp_path / "pdf").glob("*.pdf"))
+    assert len(pdfs) == n
+    index = (tmp_path / "pdf" / "figures.tsv").read_text().splitlines()
+    assert len(index) == n + 1 and index[0].startswith("file\twidth_in")
+    for line in index[1:]:
+        file, width, height, layout, caption = line.split("\t")
+        data = (tmp_path / "pdf" / file).read_bytes()
+        assert b"/FontFile2" in data  # TrueType fonts embedded (pdf.fonttype 42), not Type 3
+        box = [float(x) for x in re.search(rb"/MediaBox \[([^\]]+)\]", data).group(1).split()]
+        assert box[2] - box[0] == pytest.approx(float(width) * 72, abs=1)
+        assert layout == "own size" or float(width) in (3.5, 7.16)
+        assert caption
+    from vitscope.report.export import _relayout
+
+    for _name, _caption, fig in _all_figures(run_dir):  # the relaid figures keep legends inside, off the panels
+        _relayout(fig, None)
+        assert _legend_problems(fig) == [], _caption
+        plt.close(fig)
+    vs.report.export(run_dir, tmp_path / "svg", "svg", analyses=["attention_distance"])
+    svg = (tmp_path / "svg" / "attention_distance-01.svg").read_text()
+    assert "<path" in svg and "<image" not in svg  # a line figure is all vector
+    vs.report.export(run_dir, tmp_path / "png", "png", columns=1, analyses=["attention_distance"])
+    im = Image.open(tmp_path / "png" / "attention_distance-01.png")
+    assert im.info["dpi"][0] == pytest.approx(300, abs=1) and im.size[0] == pytest.approx(3.5 * 300, abs=2)
+
+
+def test_plot_draws_any_figure_from_a_run_or_a_table(run_dir):
+    figs = vs.plot(run_dir, "attention_distance")
+    assert len(figs) == 1 and figs[0].get_label().startswith("Attention distance")
+    df = pd.read_parquet(run_dir / "results" / "attention_distance.parquet")
+    only = vs.plot(df, models=["tiny-vit"], untrained=["tiny-vit"])[0]
+    labels = [t.get_text() for leg in only.legends for t in leg.get_texts()]
+    assert "tiny-vit (untrained)" in labels and not any("tiny-beit" in x for x in labels)
+    cka = vs.plot(run_dir / "results" / "cka.parquet", token_view="gap")
+    assert len(cka) == 2 and "gap token view" in cka[0].get_label()  # the grid and the divergence, one view
+    with pytest.raises(vs.VitscopeError, match="name the analysis"):
+        vs.plot(run_dir)
+    plt.close("all")
+
+
+def test_report_states_findings_with_numbers_and_cites_sources_by_name(run_dir):
+    html = (run_dir / "report.html").read_text()
+    assert "id='summary'" in html and "id='references'" in html
+    assert "Matthew Walmer, Saksham Suri" in html and not re.search(r"seeds? 00\d", html, re.I)
+    summary = html[html.index("id='summary'"):html.index("id='models'")]
+    assert re.search(r"attention distance .* \d+(\.\d+)? ± \d", summary)
+    # both tiny models are untrained: nothing is compared with an untrained baseline of itself
+    assert "Best 3-NN top-1 (cls token, 95 % binomial interval)" in summary
+
+
+def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model():
+    from vitscope.report.summary import Study, summarize
+
+    study = Study(["good", "weak", "random"], ["random"])
+    sem = pd.DataFrame([
+        {"model": m, "metric": "knn20_top1", "token_view": "cls", "layer": 0, "value": v, "stderr": 0.02,
+         "value_lo": v - 0.04, "value_hi": v + 0.04, "chance": 0.1}
+        for m, v in (("good", 0.6), ("weak", 0.12), ("random", 0.11))])
+    dist = pd.DataFrame([{"model": m, "metric": "distance_px", "layer": layer, "head": 0, "value": v, "stderr": se}
+                         for m, v, se in (("good", 20.0, 0.1), ("weak", 16.6, 0.1), ("random", 16.5, 0.05))
+                         for layer in range(3)])
+    points = {p.analysis: p for p in summarize({"attention_distance": dist, "semantics": sem}, study)}
+    s = points["semantics"]
+    assert "good 0.6 [0.56, 0.64] at block 0" in s.text and "Chance (majority class) is 0.1" in s.text
+    assert "within noise of chance: weak, random" in s.text and "within noise of the untrained random: weak" in s.text
+    assert s.flags == ["chance", "the untrained model"]
+    d = points["attention_distance"]
+    # 16.6 vs 16.5 px with standard errors 0.1 and 0.05: |0.1| <= 1.96 sqrt(0.1² + 0.05²) = 0.22 -> within noise
+    assert "highest good 20.00 ± 0.20 px" in d.text and "Within noise of the untrained model: weak." in d.text
+    assert d.flags == ["the untrained model"]

@@ -378,7 +378,7 @@ def test_shipped_zoo_models_give_the_accuracy_their_card_states(name):
     assert float((votes.argmax(1) == yte).double().mean()) == pytest.approx(knn[f"knn{knn['k']}_cls"], abs=0.011)
 
 
-def test_findings_compare_the_groups_means_and_say_whether_each_holds(tmp_path, capsys):
+def test_findings_compare_the_groups_means_and_decide_only_beyond_their_uncertainty(tmp_path, capsys):
     from vitscope.zoo.findings import check
 
     fam = {"c1": "contrastive", "c2": "contrastive", "m1": "reconstructive", "m2": "reconstructive", "r": "none"}
@@ -387,15 +387,20 @@ def test_findings_compare_the_groups_means_and_say_whether_each_holds(tmp_path, 
         {"models": {m: {"objective_family": f, "depth": 6} for m, f in fam.items()}}))
     rng = torch.Generator().manual_seed(0)
     rows, expected = [], {}
-    for m in fam:  # attention distance: layers 0..5, 2 heads; late layers = 4, 5
+    for m in fam:  # attention distance: layers 0..5, 2 heads; late layers = 4, 5; a small stderr
         vals = torch.rand(6, 2, generator=rng) * 10
         expected[m] = vals[4:].mean().item()
-        rows += [{"model": m, "metric": "distance_px", "layer": layer, "head": h, "value": vals[layer, h].item()}
-                 for layer in range(6) for h in range(2)]
+        rows += [{"model": m, "metric": "distance_px", "layer": layer, "head": h, "value": vals[layer, h].item(),
+                  "stderr": 0.01} for layer in range(6) for h in range(2)]
+    # NMI: the groups differ by 0.01 with standard errors of 0.05 each: within noise, inconclusive
+    rows_nmi = [{"model": m, "metric": "nmi", "layer": layer, "head": 0,
+                 "value": 0.5 + (0.01 if fam[m] == "reconstructive" else 0.0), "stderr": 0.05}
+                for m in fam for layer in range(6)]
     pd.DataFrame(rows).to_parquet(tmp_path / "results" / "attention_distance.parquet")
+    pd.DataFrame(rows_nmi).to_parquet(tmp_path / "results" / "attention_nmi.parquet")
     knn = {"c1": [.2, .3, .5, .6, .7, .8], "c2": [.2, .3, .4, .5, .6, .9], "m1": [.3, .6, .5, .4, .4, .3],
            "m2": [.3, .5, .7, .5, .4, .4], "r": [.1] * 6}
-    sem = [{"model": m, "metric": "knn20_top1", "layer": i, "token_view": "cls", "value": v}
+    sem = [{"model": m, "metric": "knn20_top1", "layer": i, "token_view": "cls", "value": v, "stderr": 0.02}
            for m, vs_ in knn.items() for i, v in enumerate(vs_)]
     pd.DataFrame(sem).to_parquet(tmp_path / "results" / "semantics.parquet")
     cka = {("c1", "c2"): 0.9, ("c1", "m1"): 0.2, ("c1", "m2"): 0.4, ("c2", "m1"): 0.3, ("m2", "c2"): 0.5}
@@ -405,15 +410,48 @@ def test_findings_compare_the_groups_means_and_say_whether_each_holds(tmp_path, 
     dist = t.loc["mean attention distance (px), late layers"]
     assert dist.contrastive == pytest.approx((expected["c1"] + expected["c2"]) / 2)
     assert dist.mim == pytest.approx((expected["m1"] + expected["m2"]) / 2)
-    assert dist.holds == (dist.contrastive > dist.mim)
+    # the difference's interval: one shared deviate per model, se 0.01 each -> se of the difference 0.01
+    assert dist.difference_hi - dist.difference_lo == pytest.approx(2 * 1.96 * 0.01, rel=0.1)
+    assert dist.verdict == ("holds" if dist.contrastive > dist.mim else "contradicted")
+    nmi = t.loc["attention NMI(query, key), late layers"]
+    assert nmi.difference == pytest.approx(-0.01) and nmi.verdict == "inconclusive" and nmi.holds is None
+    assert nmi.difference_lo < 0 < nmi.difference_hi
     last = t.loc["20-NN top-1 (CLS), last block"]
-    assert (last.contrastive, last.mim, last.holds) == (pytest.approx(.85), pytest.approx(.35), True)
+    assert (last.contrastive, last.mim, last.verdict, last.holds) == (pytest.approx(.85), pytest.approx(.35), "holds",
+                                                                    True)
     peak = t.loc["block of the best 20-NN top-1 (CLS)"]
-    assert (peak.contrastive, peak.mim, peak.holds) == (5, 1.5, True)
-    sim = t.iloc[-1]
-    assert (sim.contrastive, sim.mim, sim.holds) == (pytest.approx(.9), pytest.approx(.35), True)
+    assert (peak.contrastive, peak.mim, peak.verdict) == (5, 1.5, "holds")
+    sim = t.iloc[-1]  # the CKA table has no stderr column: no verdict
+    assert (sim.contrastive, sim.mim, sim.verdict, sim.holds) == (pytest.approx(.9), pytest.approx(.35),
+                                                                  "no uncertainty", None)
     assert main(["zoo", "findings", str(tmp_path)]) == 0
-    assert "| contrastive models have the better last-layer k-NN [003]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| contrastive models have the better last-layer k-NN [Walmer et al. 2023]" in out
+    assert "| inconclusive |" in out and "seed" not in out
+
+
+def test_head_types_of_the_shipped_zoo_on_its_8x8_grid():
+    """The head-type rules against the shipped zoo's aligned maps (8x8 grid): zoo-simmim's blocks 2-4 put
+    30-40 % of their attention in the 3x3 around the query (three times uniform attention's share), visibly
+    local in their maps, and are typed local; the untrained zoo-random has no local head."""
+    from vitscope.analyses import get_analysis
+    from vitscope.capture import stream
+    from vitscope.data.formats.shipped import Cifar10Test1k
+
+    data = Cifar10Test1k()
+    types = {}
+    for name in ("zoo-simmim", "zoo-random"):
+        vm = vs.load_model(name)
+        assert vm.grid_size == (8, 8)
+        a = get_analysis("aligned_attention_maps")(vm)
+        stream(vm, data.batches(64, vm.preprocessing, indices=list(range(0, 1000, 16))), [a], progress=False)
+        df = a.finalize()
+        types[name] = df[df.metric == "head_type"].set_index(["layer", "head"])["type"]
+    simmim = types["zoo-simmim"]
+    local = simmim[simmim.index.get_level_values("layer").isin([2, 3, 4])]
+    assert (local != "global").sum() >= 7, local.tolist()
+    assert set(local) <= {"soft_local", "strict_local", "global", "axial", "offset_local"}
+    assert (types["zoo-random"] == "global").all()
 
 
 ZOO_ENTRIES = [n for n in vs.models.registry.REGISTRY if n.startswith("zoo-")]

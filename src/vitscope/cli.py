@@ -18,6 +18,7 @@ EPILOG = """examples:
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
   vitscope datasets                             the dataset formats and what each provides
   vitscope report vitscope-runs/default         rebuild a run's report.html
+  vitscope report RUN_DIR --export figs --format pdf   every figure as a file, sized for a paper
   vitscope zoo train --objective dino --out zoo/dino   train a model of the controlled zoo (docs/ZOO.md)
 """
 
@@ -124,6 +125,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if not any((run_dir / "results").glob("*.parquet")):
         raise VitscopeError(f"{str(run_dir)!r} holds no results/*.parquet, so there is nothing to report: pass "
                             "the output_dir of a finished `vitscope run`")
+    if args.export:
+        from vitscope.report.export import export
+
+        files = export(run_dir, args.export, args.format, args.columns)
+        print(f"{len(files)} figures ({args.format}) in {args.export} (captions: {args.export}/figures.tsv)")
+        return 0
     print(write_report(run_dir))
     return 0
 
@@ -172,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="rebuild report.html of a run directory", parents=[common])
     rep.add_argument("run_dir")
+    rep.add_argument("--export", metavar="DIR", help="write every figure as a file into DIR instead (for a paper)")
+    rep.add_argument("--format", choices=["pdf", "svg", "png"], default="pdf",
+                     help="with --export: vector pdf (fonts embedded), svg, or png at 300 dpi (default: pdf)")
+    rep.add_argument("--columns", type=int, choices=[1, 2],
+                     help="with --export: lay every figure out one (3.5 in) or two (7.16 in) columns wide "
+                          "(default: the narrower that holds it)")
     rep.set_defaults(func=_cmd_report)
 
     add_zoo_parser(sub)

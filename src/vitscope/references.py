@@ -103,3 +103,16 @@ def short_citation(key: str) -> str:
     last = names[0].split()[-1] if names[0].split()[-2:-1] != ["der"] else " ".join(names[0].split()[-3:])
     who = last if len(names) == 1 else f"{last} and {names[1].split()[-1]}" if len(names) == 2 else f"{last} et al."
     return f"{who} {year}".strip()
+
+
+SHORT: dict[str, str] = {k: short_citation(k) for k in REFERENCES}
+"""How the text cites each source inline ('Walmer et al. 2023'), by key."""
+
+
+def cite(key: str, where: str = "") -> str:
+    """Inline citation of ``key`` (a key of :data:`REFERENCES`), optionally with a place: ``"Walmer et al.
+    2023, Fig. 5"``. Report captions and `vitscope zoo findings` cite this way, never by a source document's
+    number; an unknown key is an error, so a typo cannot reach a reader."""
+    if key not in REFERENCES:
+        raise KeyError(f"unknown reference {key!r}; known: {', '.join(REFERENCES)}")
+    return SHORT[key] + (f", {where}" if where else "")

@@ -1,7 +1,7 @@
 """Attention analyses, streamed over the ``block{i}.attn`` taps (math in `vitscope.metrics.attention`).
 
-Sources: seed 003 = Walmer et al., "Teaching Matters: Investigating the Role of Supervision in Vision
-Transformers" (CVPR 2023); seed 001 = Park et al., "What do self-supervised ViTs learn?" (ICLR 2023).
+Sources (full references in `vitscope.references`): Walmer et al. 2023 ("Teaching Matters", CVPR) and Park et
+al. 2023 ("What do self-supervised ViTs learn?", ICLR).
 
 Every analysis here keeps state whose size depends on the model only (sums over images, a count, and at
 most ``keep_images`` per-image maps), so memory does not grow with the dataset, and merging two parts
@@ -19,8 +19,9 @@ analysis against slow loops, and the hot path against the metric functions.
 =========================  ===================================================================================
 analysis                   metrics (extra columns)
 =========================  ===================================================================================
-``attention_distance``     ``distance``, ``distance_px`` per (layer, head) (``n_images``)
-``attention_nmi``          ``nmi`` per (layer, head) (``n_images``)
+``attention_distance``     ``distance``, ``distance_px`` per (layer, head) (``stderr``, ``value_lo``, ``value_hi``,
+                           ``n_images``)
+``attention_nmi``          ``nmi`` per (layer, head) (``stderr``, ``value_lo``, ``value_hi``, ``n_images``)
 ``cls_attention_maps``     ``cls_attention`` per (layer, head, grid cell) (``row``, ``col``, ``image``,
                            ``n_images``); ``image`` is missing for the average, the dataset index otherwise
 ``aligned_attention_maps`` ``aaam`` per (layer, head, canvas cell) (``dy``, ``dx``); ``aam_statistic`` per
@@ -28,8 +29,12 @@ analysis                   metrics (extra columns)
                            ``direction``, ``offset``, ``statistic``, ``statistic_value``, ``distance``);
                            ``head_type_count`` per type (``type``) -- all with ``n_images``
 ``saliency_iou``           ``iou`` per (layer, head), ``iou_best_head`` and ``iou_merged`` per layer
-                           (``query``, ``n_images``, ``n_skipped``)
+                           (``query``, ``stderr``, ``value_lo``, ``value_hi``, ``n_images``, ``n_skipped``)
 =========================  ===================================================================================
+
+Means over images carry their spread: ``stderr`` is the standard error of the mean over images (sample
+standard deviation over sqrt(n), from a streamed sum of squares) and ``value_lo`` / ``value_hi`` the 95 %
+interval ``value ± 1.96 stderr``.
 """
 
 from __future__ import annotations
@@ -151,6 +156,22 @@ class _Spatial:
             return self._get("query_mean", lambda: compute(self.inv))
         return compute(inv)
 
+    def image_distance(self, grid: tuple[int, int], max_elements: int = 1 << 21) -> torch.Tensor:
+        """``(B, H)`` float64 mean attention distance of each image (as
+        :func:`~vitscope.metrics.attention.attention_distance`): ``sum_k R_qk D_qk`` row by row, a few images at
+        a time so the product stays in cache, then scaled by ``inv`` and averaged over the queries."""
+
+        def compute() -> torch.Tensor:
+            R = self.R
+            D = _distance_matrix(grid, R.dtype, R.device)
+            rows = torch.empty(R.shape[:-1], dtype=torch.float64, device=R.device)
+            chunk = max(1, max_elements // max(R[0].numel(), 1))
+            for b in range(0, R.shape[0], chunk):
+                torch.sum(R[b:b + chunk] * D, dim=-1, dtype=torch.float64, out=rows[b:b + chunk])
+            return (rows * self.inv.double()).mean(-1)
+
+        return self._get(f"image_distance{tuple(grid)}", compute)
+
     def row_xlogx(self, max_elements: int = 1 << 24) -> torch.Tensor:
         """``(B, H, S)``: ``sum_k R_qk log R_qk``, in as few chunks of images as keep the one temporary under
         ``max_elements`` (few large ops: on a shared machine every op's thread barrier costs, see
@@ -162,6 +183,22 @@ class _Spatial:
             r = self.R[b:b + chunk]
             torch.nansum(r.log().mul_(r), dim=-1, out=out[b:b + chunk])
         return out
+
+
+_DISTANCES: dict[tuple[tuple[int, int], torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _distance_matrix(grid: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``(S, S)`` distances between patch positions on the unit square (as in `vitscope.metrics.attention`),
+    cached per grid, dtype and device."""
+    key = (tuple(grid), dtype, device)
+    if key not in _DISTANCES:
+        h, w = grid
+        scale = max(max(h, w) - 1, 1)
+        pos = torch.stack(torch.meshgrid(torch.arange(h, dtype=torch.float64), torch.arange(w, dtype=torch.float64),
+                                         indexing="ij"), -1).reshape(-1, 2) / scale
+        _DISTANCES[key] = torch.cdist(pos, pos).to(device=device, dtype=dtype)
+    return _DISTANCES[key]
 
 
 def _canvas_and_distance(sps: Sequence[_Spatial], grid: tuple[int, int], with_canvas: bool = True
@@ -250,37 +287,70 @@ class _LayerAttention(Analysis):
 
 class _PerHeadMean(_LayerAttention):
     """A per-image, per-head statistic of each layer's attention, averaged over images: subclasses define
-    :meth:`batch_sum` (the statistic summed over a batch's images); the state is a float64 ``(layers, heads)``
-    sum and a count."""
+    :meth:`batch_values` (the statistic of each of a batch's images); the state is a float64 ``(layers, heads)``
+    sum, a sum of squares (for the spread over images) and a count."""
+
+    state_version = 2  # 2: sums of squares (stderr over images)
 
     def __init__(self, vm: Any, layers: Any = None):
         super().__init__(vm, layers)
         self.sums = torch.zeros(len(self.layers), self.num_heads, dtype=torch.float64)
+        self.sumsq = torch.zeros_like(self.sums)
 
-    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
-        """``(layers, H)`` float64: the statistic of each layer's attention, summed over the batch's images."""
+    def batch_values(self, sps: list[_Spatial]) -> torch.Tensor:
+        """``(layers, B, H)`` float64: the statistic of each layer's attention for each of the batch's images."""
         raise NotImplementedError
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
-        self.sums += self.batch_sums(sps).cpu()
+        v = self.batch_values(sps).double().cpu()
+        self.sums += v.sum(1)
+        self.sumsq += v.square().sum(1)
         self.n_images += len(batch)
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, _PerHeadMean)
         self.sums += other.sums
+        self.sumsq += other.sumsq
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "sums": self.sums.clone(), "n_images": self.n_images}
+        return {"layers": list(self.layers), "sums": self.sums.clone(), "sumsq": self.sumsq.clone(),
+                "n_images": self.n_images}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.sums, self.n_images = list(state["layers"]), state["sums"].clone(), state["n_images"]
+        self.sumsq = state["sumsq"].clone()
 
     def mean(self) -> torch.Tensor:
         """``(layers, heads)`` float64 mean over the images seen (0 before any image)."""
         return self.sums / max(self.n_images, 1)
+
+    def stderr(self) -> torch.Tensor:
+        """``(layers, heads)`` float64 standard error of the mean over images (sample standard deviation, ddof
+        1, over sqrt(n)); NaN below two images."""
+        return stderr_from_sums(self.sums, self.sumsq, self.n_images)
+
+    def _stat_rows(self, metric: str, mean: torch.Tensor, se: torch.Tensor) -> list[dict[str, Any]]:
+        """Rows of a per-(layer, head) statistic with its stderr and 95 % interval (mean ± 1.96 stderr)."""
+        return [{"metric": metric, "layer": i, "head": h, "value": float(mean[j, h]), "stderr": float(se[j, h]),
+                 "value_lo": float(mean[j, h] - Z95 * se[j, h]), "value_hi": float(mean[j, h] + Z95 * se[j, h])}
+                for j, i in enumerate(self.layers) for h in range(self.num_heads)]
+
+
+Z95 = 1.959964
+"""Two-sided 95 % normal quantile: intervals of means over images are mean ± Z95 · stderr."""
+
+
+def stderr_from_sums(sums: torch.Tensor, sumsq: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+    """Standard error of a mean from the sum and the sum of squares of ``n`` values (elementwise):
+    ``sqrt(var / n)`` with the sample variance ``(sumsq - sums² / n) / (n - 1)`` (clamped at 0 against
+    rounding). NaN where ``n < 2``."""
+    n_t = torch.as_tensor(n, dtype=torch.float64)
+    var = (sumsq - sums.square() / n_t.clamp_min(1)) / (n_t - 1).clamp_min(1)
+    se = torch.sqrt(var.clamp_min(0) / n_t.clamp_min(1))
+    return torch.where(n_t >= 2, se, torch.full_like(se, float("nan")))
 
 
 @register_analysis
@@ -288,22 +358,19 @@ class AttentionDistance(_PerHeadMean):
     """Average attention distance per layer and head [Walmer et al. 2023 §4.3; Park et al. 2023]:
     for each spatial query, sum_k A_qk * ||pos_q - pos_k|| over spatial keys (prefix keys dropped,
     rows renormalised), positions on the unit square; mean over queries and images. Reported in
-    unit-square units (``distance``) and in pixels (``distance_px``)."""
+    unit-square units (``distance``) and in pixels (``distance_px``), each with its standard error over
+    images (``stderr``) and 95 % interval (``value_lo``, ``value_hi``)."""
 
     name = "attention_distance"
     description = "mean attention distance per layer and head"
 
-    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
-        return _canvas_and_distance(sps, self.grid_size, with_canvas=False)[1]
+    def batch_values(self, sps: list[_Spatial]) -> torch.Tensor:
+        return torch.stack([sp.image_distance(self.grid_size) for sp in sps])
 
     def finalize(self) -> pd.DataFrame:
-        mean = self.mean().numpy()
-        px = A.distance_in_pixels(torch.from_numpy(mean), self.grid_size, self.patch_size).numpy()
-        rows = []
-        for j, i in enumerate(self.layers):
-            for h in range(self.num_heads):
-                rows.append({"metric": "distance", "layer": i, "head": h, "value": float(mean[j, h])})
-                rows.append({"metric": "distance_px", "layer": i, "head": h, "value": float(px[j, h])})
+        mean, se = self.mean(), self.stderr()
+        px = A.distance_in_pixels(1.0, self.grid_size, self.patch_size)
+        rows = self._stat_rows("distance", mean, se) + self._stat_rows("distance_px", mean * px, se * px)
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
@@ -312,25 +379,35 @@ class AttentionDistance(_PerHeadMean):
 @register_analysis
 class AttentionNMI(_PerHeadMean):
     """Attention collapse as the normalised mutual information NMI(q, k) between spatial queries and
-    keys, per layer and head [Park et al. 2023 (seed 001), "attention collapse"]: p(q) uniform over the
+    keys, per layer and head [Park et al. 2023, "attention collapse"]: p(q) uniform over the
     spatial queries, p(k|q) the renormalised spatial attention; NMI = MI / sqrt(H(q) H(k)), computed per
     image and averaged over images. Near 0: every query attends alike (collapse); 1: one-to-one.
 
-    Table: metric ``nmi`` per (layer, head), extra column ``n_images``."""
+    Table: metric ``nmi`` per (layer, head), extra columns ``stderr`` (over images), ``value_lo``,
+    ``value_hi`` (95 % interval) and ``n_images``."""
 
     name = "attention_nmi"
     description = "NMI between spatial queries and keys per layer and head (attention collapse)"
 
-    def batch_sums(self, sps: list[_Spatial]) -> torch.Tensor:
-        return _nmi(sps).sum(1)
+    def batch_values(self, sps: list[_Spatial]) -> torch.Tensor:
+        return _nmi(sps)
 
     def finalize(self) -> pd.DataFrame:
         mean = self.mean() if self.n_images else torch.full_like(self.sums, float("nan"))
-        rows = [{"metric": "nmi", "layer": i, "head": h, "value": float(mean[j, h])}
-                for j, i in enumerate(self.layers) for h in range(self.num_heads)]
-        df = self.tidy(rows)
+        df = self.tidy(self._stat_rows("nmi", mean, self.stderr()))
         df["n_images"] = self.n_images
         return df
+
+
+def _png_bytes(pixels: torch.Tensor) -> bytes:
+    """``(3, H, W)`` uint8 -> PNG file bytes."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels.permute(1, 2, 0).contiguous().numpy()).save(buf, format="PNG")
+    return buf.getvalue()
 
 
 def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str, str],
@@ -350,18 +427,22 @@ def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str,
 
 @register_analysis
 class CLSAttentionMaps(_LayerAttention):
-    """Average CLS attention map per layer and head [Walmer et al. 2023 (seed 003) §4.1, Fig. 11-13]:
+    """Average CLS attention map per layer and head [Walmer et al. 2023 §4.1, Fig. 11-13]:
     the CLS query's row over the spatial keys (CLS and register keys dropped, renormalised), on the patch
     grid, averaged over all images (a float64 sum and a count). The maps of single images are kept too,
     for the ``keep_images`` images with the smallest dataset index (bounded memory, independent of the
-    order in which batches or shards arrive).
+    order in which batches or shards arrive), with those images as the model saw them (after its resize
+    and crop, un-normalised, 8 bits), so the report can draw each map over its image.
 
     Table: metric ``cls_attention``, one row per (layer, head, grid cell), extra columns ``row``, ``col``
     (patch grid coordinates), ``image`` (missing for the average over images, the dataset index for a
-    single image's map) and ``n_images`` (images in the average). A model without CLS token has no such
-    map: the analysis captures nothing and returns an empty table, with a warning."""
+    single image's map) and ``n_images`` (images in the average); metric ``input_image``, one row per kept
+    image (``image`` = its index, value missing) whose ``png`` column holds the image as PNG bytes. A model
+    without CLS token has no such map: the analysis captures nothing and returns an empty table, with a
+    warning."""
 
     name = "cls_attention_maps"
+    state_version = 2  # 2: the kept images' pixels
     description = "average (and a few single-image) CLS attention maps per layer and head"
 
     def __init__(self, vm: Any, layers: Any = None, keep_images: int = 4):
@@ -374,6 +455,10 @@ class CLSAttentionMaps(_LayerAttention):
         self.sums = torch.zeros(L, H, h, w, dtype=torch.float64)
         self.kept_index = torch.zeros(0, dtype=torch.long)
         self.kept_maps = torch.zeros(0, L, H, h, w, dtype=torch.float32)
+        self.kept_pixels = torch.zeros(0, 3, 1, 1, dtype=torch.uint8)
+        pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
+        self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
+        self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
 
     def required_taps(self) -> list[str]:
         return super().required_taps() if self.has_cls_token else []
@@ -389,10 +474,30 @@ class CLSAttentionMaps(_LayerAttention):
                             for i in self.layers], dim=1)  # (B, L, H, h, w)
         self.sums += maps.sum(0, dtype=torch.float64).cpu()
         if self.keep_images:
-            self._keep(batch.index.detach().cpu().long(), maps.detach().float().cpu())
+            index = batch.index.detach().cpu().long()
+            # only images that can be kept are converted (the smallest indices seen so far and in this batch)
+            bound = torch.cat([self.kept_index, index]).sort().values[: self.keep_images]
+            take = index <= bound[-1]
+            self._keep(index[take], maps[take.to(maps.device)].detach().float().cpu(),
+                       self._pixels(batch.images[take.to(batch.images.device)]))
 
-    def _keep(self, index: torch.Tensor, maps: torch.Tensor) -> None:
+    def _pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them: normalisation undone with the
+        model's mean and std (each image scaled to its own range when they are not known)."""
+        x = images.detach().float().cpu()
+        if self.pixel_mean is not None and self.pixel_std is not None:
+            x = x * torch.tensor(self.pixel_std).view(1, 3, 1, 1) + torch.tensor(self.pixel_mean).view(1, 3, 1, 1)
+        else:
+            lo = x.amin(dim=(1, 2, 3), keepdim=True)
+            x = (x - lo) / (x.amax(dim=(1, 2, 3), keepdim=True) - lo).clamp_min(1e-12)
+        return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+
+    def _keep(self, index: torch.Tensor, maps: torch.Tensor, pixels: torch.Tensor) -> None:
         """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones."""
+        if len(index) == 0:
+            return
+        if len(self.kept_index) == 0:  # the first images decide the size of the kept pixels
+            self.kept_pixels = torch.zeros(0, *pixels.shape[1:], dtype=torch.uint8)
         idx = torch.cat([self.kept_index, index])
         order = torch.sort(idx, stable=True).indices
         idx = idx[order]
@@ -400,6 +505,7 @@ class CLSAttentionMaps(_LayerAttention):
         first[1:] = idx[1:] != idx[:-1]
         sel = order[first][: self.keep_images]
         self.kept_maps = torch.cat([self.kept_maps, maps])[sel]  # advanced indexing: a copy, not a view
+        self.kept_pixels = torch.cat([self.kept_pixels, pixels])[sel]
         self.kept_index = idx[first][: self.keep_images]
 
     def merge(self, other: Analysis) -> None:
@@ -408,17 +514,18 @@ class CLSAttentionMaps(_LayerAttention):
         self.sums += other.sums
         self.n_images += other.n_images
         if self.keep_images:
-            self._keep(other.kept_index, other.kept_maps)
+            self._keep(other.kept_index, other.kept_maps, other.kept_pixels)
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "keep_images": self.keep_images, "n_images": self.n_images,
-                "sums": self.sums.clone(), "kept_index": self.kept_index.clone(), "kept_maps": self.kept_maps.clone()}
+                "sums": self.sums.clone(), "kept_index": self.kept_index.clone(), "kept_maps": self.kept_maps.clone(),
+                "kept_pixels": self.kept_pixels.clone()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.keep_images = list(state["layers"]), int(state["keep_images"])
         self.n_images = int(state["n_images"])
         self.sums, self.kept_index = state["sums"].clone(), state["kept_index"].clone()
-        self.kept_maps = state["kept_maps"].clone()
+        self.kept_maps, self.kept_pixels = state["kept_maps"].clone(), state["kept_pixels"].clone()
 
     def average(self) -> torch.Tensor:
         """``(layers, heads, h, w)`` float64 average CLS map (zeros before any image)."""
@@ -438,6 +545,10 @@ class CLSAttentionMaps(_LayerAttention):
             return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
         df = pd.concat(frames, ignore_index=True)
         df["metric"] = "cls_attention"
+        if len(self.kept_index):
+            df = pd.concat([df, pd.DataFrame({
+                "metric": "input_image", "image": pd.array(self.kept_index.tolist(), dtype="Int64"),
+                "value": float("nan"), "png": [_png_bytes(p) for p in self.kept_pixels]})], ignore_index=True)
         df["n_images"] = self.n_images
         return self.tidy(cast(Any, df))
 
@@ -445,7 +556,7 @@ class CLSAttentionMaps(_LayerAttention):
 @register_analysis
 class AlignedAttentionMaps(_LayerAttention):
     """Aligned Aggregated Attention Maps (AAAM) and automatic head types per layer and head [Walmer et al.
-    2023 (seed 003) §4.2, Fig. 5-6; the attention distance of §4.3 / Park et al. 2023 (seed 001) feeds the
+    2023 (Walmer et al. 2023) §4.2, Fig. 5-6; the attention distance of §4.3 / Park et al. 2023 feeds the
     ``global`` rule].
 
     Each spatial query's map over the spatial keys (prefix keys dropped, renormalised) is added into a
@@ -472,6 +583,7 @@ class AlignedAttentionMaps(_LayerAttention):
     """
 
     name = "aligned_attention_maps"
+    state_version = 2  # 2: head types with the grid-scaled locality rule (the cached tables held the old ones)
     description = "aligned aggregated attention maps (AAAM) and head types per layer and head"
 
     def __init__(self, vm: Any, layers: Any = None, thresholds: Mapping[str, float] | None = None):
@@ -543,7 +655,7 @@ class AlignedAttentionMaps(_LayerAttention):
 
 @register_analysis
 class SaliencyIoU(_LayerAttention):
-    """Attention-saliency IoU per layer and head [Walmer et al. 2023 (seed 003) §4.4, Fig. 7]: the smallest
+    """Attention-saliency IoU per layer and head [Walmer et al. 2023 §4.4, Fig. 7]: the smallest
     set of spatial tokens holding ``mass`` (60 %) of a query's attention, against the ground-truth
     foreground (``batch.masks``, pixel resolution, area-downsampled to the patch grid), IoU at token
     resolution. Queries: ``"cls"`` (the CLS row over spatial keys) and ``"mean"`` (the mean of all spatial
@@ -557,10 +669,13 @@ class SaliencyIoU(_LayerAttention):
 
     * ``iou``: mean IoU per (layer, head);
     * ``iou_best_head``: per layer, the head with the highest mean IoU (``head`` = its id, value = its IoU);
-    * ``iou_merged``: per layer, mean IoU of the head-averaged attention (``head`` missing).
+    * ``iou_merged``: per layer, mean IoU of the head-averaged attention (``head`` missing);
+
+    each with ``stderr`` over the images scored and the 95 % interval ``value_lo``, ``value_hi``.
     """
 
     name = "saliency_iou"
+    state_version = 2  # 2: sums of squares (stderr over images)
     needs = frozenset({"masks"})
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
@@ -579,7 +694,9 @@ class SaliencyIoU(_LayerAttention):
         Q, L, H = len(self.queries), len(self.layers), self.num_heads
         self.iou_sum = torch.zeros(Q, L, H, dtype=torch.float64)
         self.iou_count = torch.zeros(Q, L, H, dtype=torch.float64)
+        self.iou_sumsq = torch.zeros(Q, L, H, dtype=torch.float64)
         self.merged_sum = torch.zeros(Q, L, dtype=torch.float64)
+        self.merged_sumsq = torch.zeros(Q, L, dtype=torch.float64)
         self.merged_count = torch.zeros(Q, L, dtype=torch.float64)
         self.n_skipped = 0
 
@@ -619,17 +736,23 @@ class SaliencyIoU(_LayerAttention):
         iou = _saliency_iou_of(W, batch.masks.to(W.device), g, self.mass).double().cpu()
         iou = iou.reshape(B, len(self.layers), len(self.queries), H + 1)
         ok = ~torch.isnan(iou)
-        sums, counts = torch.where(ok, iou, 0.0).sum(0).transpose(0, 1), ok.sum(0).transpose(0, 1)  # (Q, L, H+1)
+        vals = torch.where(ok, iou, 0.0)
+        sums, counts = vals.sum(0).transpose(0, 1), ok.sum(0).transpose(0, 1)  # (Q, L, H+1)
+        sumsq = vals.square().sum(0).transpose(0, 1)
         self.iou_sum += sums[..., :H]
+        self.iou_sumsq += sumsq[..., :H]
         self.iou_count += counts[..., :H]
         self.merged_sum += sums[..., H]
+        self.merged_sumsq += sumsq[..., H]
         self.merged_count += counts[..., H]
         self.n_images += B
+
+    _TENSORS = ("iou_sum", "iou_sumsq", "iou_count", "merged_sum", "merged_sumsq", "merged_count")
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, SaliencyIoU)
-        for k in ("iou_sum", "iou_count", "merged_sum", "merged_count"):
+        for k in self._TENSORS:
             getattr(self, k).add_(getattr(other, k))
         self.n_images += other.n_images
         self.n_skipped += other.n_skipped
@@ -637,14 +760,13 @@ class SaliencyIoU(_LayerAttention):
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "queries": list(self.queries), "mass": self.mass,
                 "requested_queries": list(self.requested_queries), "n_images": self.n_images,
-                "n_skipped": self.n_skipped, "iou_sum": self.iou_sum.clone(), "iou_count": self.iou_count.clone(),
-                "merged_sum": self.merged_sum.clone(), "merged_count": self.merged_count.clone()}
+                "n_skipped": self.n_skipped, **{k: getattr(self, k).clone() for k in self._TENSORS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.queries = list(state["layers"]), list(state["queries"])
         self.requested_queries, self.mass = list(state["requested_queries"]), float(state["mass"])
         self.n_images, self.n_skipped = int(state["n_images"]), int(state["n_skipped"])
-        for k in ("iou_sum", "iou_count", "merged_sum", "merged_count"):
+        for k in self._TENSORS:
             setattr(self, k, state[k].clone())
 
     def finalize(self) -> pd.DataFrame:
@@ -658,20 +780,27 @@ class SaliencyIoU(_LayerAttention):
         nan = float("nan")
         per_head = torch.where(self.iou_count > 0, self.iou_sum / self.iou_count.clamp_min(1), nan)
         merged = torch.where(self.merged_count > 0, self.merged_sum / self.merged_count.clamp_min(1), nan)
+        se_head = stderr_from_sums(self.iou_sum, self.iou_sumsq, self.iou_count)
+        se_merged = stderr_from_sums(self.merged_sum, self.merged_sumsq, self.merged_count)
+
+        def stat(value: torch.Tensor, se: torch.Tensor) -> dict[str, float]:
+            v, e = float(value), float(se)
+            return {"value": v, "stderr": e, "value_lo": v - Z95 * e, "value_hi": v + Z95 * e}
+
         rows: list[dict[str, Any]] = []
         for qi, q in enumerate(self.queries):
             for j, i in enumerate(self.layers):
                 v = per_head[qi, j]
-                rows += [{"metric": "iou", "layer": i, "head": h, "query": q, "value": float(v[h])}
+                rows += [{"metric": "iou", "layer": i, "head": h, "query": q, **stat(v[h], se_head[qi, j, h])}
                          for h in range(self.num_heads)]
                 if torch.isnan(v).all():
                     rows.append({"metric": "iou_best_head", "layer": i, "head": None, "query": q, "value": nan})
                 else:
                     best = int(torch.nan_to_num(v, nan=-1.0).argmax())
                     rows.append({"metric": "iou_best_head", "layer": i, "head": best, "query": q,
-                                 "value": float(v[best])})
+                                 **stat(v[best], se_head[qi, j, best])})
                 rows.append({"metric": "iou_merged", "layer": i, "head": None, "query": q,
-                             "value": float(merged[qi, j])})
+                             **stat(merged[qi, j], se_merged[qi, j])})
         df = self.tidy(rows) if rows else self._frame({"query": []})
         df["n_images"] = self.n_images
         df["n_skipped"] = self.n_skipped

@@ -192,7 +192,7 @@ def format_markdown(infos: list[AnalysisInfo]) -> str:
     used = sorted({k for a in infos for k in a.references}, key=lambda k: short_citation(k))
     seed_of = {k: s for s, k in SEEDS.items()}
     out += ["", "## References", "",
-            "The project's source documents are cited in docstrings as seed 000-004; they are marked below.", ""]
+            "The project's five source documents (seed 000-004) are marked.", ""]
     out += [f"- **{short_citation(k)}**{f' (seed {seed_of[k]})' if k in seed_of else ''}: {REFERENCES[k]}"
             for k in used]
     return "\n".join(out) + "\n"

@@ -1,5 +1,5 @@
 """Geometry of representations per layer (math in `vitscope.metrics.geometry`): how much volume tokens and
-images occupy, and how much high-frequency amplitude the token maps carry [seed 001]."""
+images occupy, and how much high-frequency amplitude the token maps carry [Park et al. 2023]."""
 
 from __future__ import annotations
 
@@ -15,6 +15,16 @@ from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import geometry as G
 from vitscope.threads import few_threads
+
+Z95 = 1.959964
+"""Two-sided 95 % normal quantile: intervals of means over images are mean ± Z95 · stderr."""
+
+
+def _stderr(total: float, total_sq: float, n: int) -> float:
+    """Standard error of a mean from the sum and the sum of squares of ``n`` values (ddof 1); NaN below 2."""
+    if n < 2:
+        return float("nan")
+    return math.sqrt(max(total_sq - total * total / n, 0.0) / (n - 1) / n)
 
 
 class _PerTap(Analysis):
@@ -48,7 +58,7 @@ class _PerTap(Analysis):
 
 @register_analysis
 class SVDVolume(_PerTap):
-    """Volume occupied by tokens and images, per layer [seed 001 "SVD analysis"]: token level, the log
+    """Volume occupied by tokens and images, per layer [Park et al. 2023 "SVD analysis"]: token level, the log
     eigenvalues of the covariance of each image's patch tokens, averaged over images; image level, the log
     eigenvalues of the covariance of the images' pooled patch tokens (GAP without prefix), from streamed
     moments. The token level uses the images whose id is a multiple of ``token_every`` (an eigendecomposition
@@ -56,11 +66,14 @@ class SVDVolume(_PerTap):
     (``index`` = rank of the eigenvalue) and ``*_log_volume`` = their mean over the top ``k`` eigenvalues
     (a larger volume = representations spread over more directions), and per layer
     ``*_log_volume_chance``: the same for Gaussian features of the same shape and the same mean variance
-    (isotropic: the most volume that much variance can fill)."""
+    (isotropic: the most volume that much variance can fill). The token level is a mean over images and
+    carries its standard error (``stderr``) and 95 % interval (``value_lo``, ``value_hi``); the image level is
+    one spectrum of all images, without a spread."""
 
     name = "svd_volume"
     description = "token- and image-level covariance spectra (log eigenvalues) per layer"
-    _sums = ("tok", "tvar", "ntok", "sx", "sxx")
+    state_version = 2  # 2: per-image sums of squares of the token-level volume
+    _sums = ("tok", "tvar", "ntok", "sx", "sxx", "tokvol", "tokvol_sq")
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", k: int = 32, seed: int = 0,
                  token_every: int = 4):
@@ -71,6 +84,8 @@ class SVDVolume(_PerTap):
         self.ntok: dict[str, torch.Tensor] = {}  # ... and their number
         self.sx: dict[str, torch.Tensor] = {}
         self.sxx: dict[str, torch.Tensor] = {}
+        self.tokvol: dict[str, torch.Tensor] = {}  # sums of each token-level image's volume (mean top-k log ev.)
+        self.tokvol_sq: dict[str, torch.Tensor] = {}  # ... and of its square
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         sel = (batch.index % self.token_every == 0).to(feats[self.taps[0]].device)
@@ -79,14 +94,20 @@ class SVDVolume(_PerTap):
             some = spatial[sel]
             if len(some):
                 ev = G.covariance_spectrum(some)
-                tok = ev.clamp_min(G.EPS).log().sum(0)
+                logs = ev.clamp_min(G.EPS).log()
+                tok = logs.sum(0)
                 tvar = ev.sum() / spatial.shape[-1]  # each covariance's trace: its mean channel variance x D
+                vol = logs[:, : self.k].mean(1, dtype=torch.float64)  # each image's volume
+                tokvol, tokvol_sq = vol.sum(), vol.square().sum()
             else:
                 tok, tvar = 0.0, torch.zeros((), dtype=torch.float64)
+                tokvol = tokvol_sq = torch.zeros((), dtype=torch.float64)
             pooled = spatial.mean(1, dtype=torch.float64)
             self.tok[t] = self.tok[t] + tok if t in self.tok else torch.as_tensor(tok, dtype=torch.float64)
             self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
             self.ntok[t] = self.ntok[t] + len(some) if t in self.ntok else torch.tensor(len(some))
+            self.tokvol[t] = self.tokvol[t] + tokvol if t in self.tokvol else tokvol
+            self.tokvol_sq[t] = self.tokvol_sq[t] + tokvol_sq if t in self.tokvol_sq else tokvol_sq
             self.sx[t] = self.sx[t] + pooled.sum(0) if t in self.sx else pooled.sum(0)
             self.sxx[t] = self.sxx[t] + pooled.T @ pooled if t in self.sxx else pooled.T @ pooled
         self.n_images += len(batch)
@@ -125,8 +146,13 @@ class SVDVolume(_PerTap):
                     rows.append({"metric": f"{level}_log_eigenvalue", "layer": layer, "tap": t, "index": i,
                                  "value": v})
                 top = spec[: self.k]
-                rows.append({"metric": f"{level}_log_volume", "layer": layer, "tap": t, "index": None,
-                             "value": sum(top) / len(top)})
+                row = {"metric": f"{level}_log_volume", "layer": layer, "tap": t, "index": None,
+                       "value": sum(top) / len(top)}
+                if level == "token":
+                    n_tok = int(self.ntok[t])
+                    se = _stderr(float(self.tokvol[t]), float(self.tokvol_sq[t]), n_tok)
+                    row.update(stderr=se, value_lo=row["value"] - Z95 * se, value_hi=row["value"] + Z95 * se)
+                rows.append(row)
                 rows.append({"metric": f"{level}_log_volume_chance", "layer": layer, "tap": t, "index": None,
                              "value": base + math.log(max(var[level], G.EPS))})
         df = self.tidy(rows)
@@ -136,27 +162,32 @@ class SVDVolume(_PerTap):
 
 @register_analysis
 class Fourier(_PerTap):
-    """Fourier analysis of token maps per layer [seed 001; Park & Kim 2022]: patch tokens as (D, h, w)
+    """Fourier analysis of token maps per layer [Park et al. 2023; Park & Kim 2022]: patch tokens as (D, h, w)
     maps, 2-D DFT per channel, log amplitude averaged over channels and images; Δ log amplitude = log A(f)
     - log A(0) along the diagonal from the centre (only those coefficients are computed and kept). Rows: the
     whole curve (``freq`` in units of π) and ``high_freq_delta_log_amp`` at the highest frequency (closer to 0
     = more high-frequency content); the same for Gaussian white-noise tokens of the same shape as
-    ``*_chance`` rows (no layer)."""
+    ``*_chance`` rows (no layer). ``high_freq_delta_log_amp`` is a mean over images and carries its standard
+    error (``stderr``) and 95 % interval (``value_lo``, ``value_hi``)."""
 
     name = "fourier"
     description = "relative log amplitude of token maps vs spatial frequency, per layer"
-    state_version = 2  # 1 kept whole (h, w) maps; 2 keeps their diagonal
-    _sums = ("amp",)
+    state_version = 3  # 1 kept whole (h, w) maps; 2 keeps their diagonal; 3 the high-frequency sums of squares
+    _sums = ("amp", "high_sq")
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm, taps)
         self.amp: dict[str, torch.Tensor] = {}
+        self.high_sq: dict[str, torch.Tensor] = {}  # sum over images of (Δ log amplitude at the highest freq.)²
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
-            a = G.diagonal_log_amplitude(spatial, self.grid_size).sum(0)
+            per_image = G.diagonal_log_amplitude(spatial, self.grid_size)
+            a = per_image.sum(0)
+            sq = (per_image[:, -1] - per_image[:, 0]).square().sum()
             self.amp[t] = self.amp[t] + a if t in self.amp else a
+            self.high_sq[t] = self.high_sq[t] + sq if t in self.high_sq else sq
         self.n_images += len(batch)
 
     def finalize(self) -> pd.DataFrame:
@@ -166,8 +197,11 @@ class Fourier(_PerTap):
             freq, delta = G.profile_of_diagonal(self.amp[t] / self.n_images, self.grid_size)
             for f, d in zip(freq.tolist(), delta.tolist(), strict=True):
                 rows.append({"metric": "delta_log_amp", "layer": layer, "tap": t, "freq": f, "value": d})
+            high = float(delta[-1])
+            # the delta of the mean diagonal is the mean of the images' deltas: its sum is n x high
+            se = _stderr(high * self.n_images, float(self.high_sq[t]), self.n_images)
             rows.append({"metric": "high_freq_delta_log_amp", "layer": layer, "tap": t, "freq": float(freq[-1]),
-                         "value": float(delta[-1])})
+                         "value": high, "stderr": se, "value_lo": high - Z95 * se, "value_hi": high + Z95 * se})
         if self.taps and self.n_images:
             g = torch.Generator().manual_seed(0)
             h, w = self.grid_size
@@ -185,7 +219,7 @@ class Fourier(_PerTap):
 
 @register_analysis
 class TSNE(Analysis):
-    """Token-level t-SNE [seed 001 "Token-level t-SNE visualization"]: the patch tokens of the first
+    """Token-level t-SNE [Park et al. 2023 "Token-level t-SNE visualization"]: the patch tokens of the first
     ``n_images`` images (by dataset index) at the chosen layers, embedded in 2-D with scikit-learn's t-SNE
     (fixed seed, ``max_iter`` iterations of which the first 250 exaggerate). Rows: one per token with ``x``,
     ``y``, ``image`` (dataset index) and ``token`` (patch index); value = the image's label (or -1). Tokens

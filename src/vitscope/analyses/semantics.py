@@ -1,7 +1,8 @@
 """Which layer knows what (math in `vitscope.metrics.semantics`): per layer and view, a bounded on-disk
 store of pooled features (one float16 vector per image, object or part), then k-NN, a linear probe and
-k-means, each against its random-chance baseline (Gaussian features of the same shape, seed 003 B.3); across models,
-the agreement of the probes' predictions (seed 000 §2.4)."""
+k-means, each against its random-chance baseline (Gaussian features of the same shape, Walmer et al. 2023
+B.3) and with a binomial interval; across models, the agreement of the probes' predictions (Shekhar et al.
+2022 §2.4)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,14 @@ REGION_VIEWS = ("object", "part")  # rows per foreground object / per part: mask
 
 @register_analysis
 class Semantics(Analysis):
-    """k-NN (DINO voting, k in {10, 20, 100, 200}; top-1/top-5), a linear probe (L-BFGS, standardised
-    features) and k-means purity/NMI/ARI (k = number of classes) per layer and view [seed 000 §2.3; seed 003
-    §5.2, §6.1], with chance rows (``*_chance``) computed on Gaussian features of the same shape.
+    """k-NN (DINO voting, k in {10, 20, 100, 200}; top-1, and top-5 when there are more than 5 classes), a
+    linear probe (L-BFGS, standardised features) and k-means purity/NMI/ARI (k = number of classes) per layer
+    and view [Shekhar et al. 2022 §2.3; Walmer et al. 2023 §5.2, §6.1], with chance rows (``*_chance``)
+    computed on Gaussian features of the same shape.
+
+    Accuracies and purity carry a 95 % Wilson (binomial) interval over the images scored (``value_lo``,
+    ``value_hi``) and its standard error (``stderr``); accuracies also the majority-class rate of the test
+    images (``chance``: answering the k most frequent training classes), the level they must beat.
 
     k-NN runs on every view; probes and k-means on the views the sources use them on (``probe``: CLS and the
     mean of the spatial tokens; ``kmeans``: those and the object and part views), as lists of views, or
@@ -41,7 +47,9 @@ class Semantics(Analysis):
 
     name = "semantics"
     needs = frozenset({"labels"})
-    state_version = 2  # 2: probes and k-means on the sources' views by default (1: on every view)
+    # 2: probes and k-means on the sources' views by default (1: on every view); 3: intervals, chance, no top-5
+    # with 5 classes or fewer
+    state_version = 3
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
     def __init__(self, vm: Any, layers: Any = None,
@@ -108,18 +116,32 @@ class Semantics(Analysis):
         self.n_images, self.unlabelled = int(state["n_images"]), int(state["unlabelled"])
 
     def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: float | None, kmeans: bool
-                ) -> dict[str, float]:
-        out: dict[str, float] = {}
+                ) -> dict[str, dict[str, float]]:
+        """{metric: {"value", and where it applies "value_lo", "value_hi", "stderr", "chance"}}."""
+        out: dict[str, dict[str, float]] = {}
         c = int(y.max()) + 1
+        n_classes = len(torch.unique(y))
+        n_test = int(test.sum())
+
+        def scored(acc: float, n: int, chance: float | None = None) -> dict[str, float]:
+            lo, hi, se = S.binomial_interval(acc, n)
+            row = {"value": acc, "value_lo": lo, "value_hi": hi, "stderr": se}
+            return row if chance is None else {**row, "chance": chance}
+
         if test.any() and (~test).any():
+            top1_chance = S.majority_rate(y[~test], y[test], 1)
+            top5_chance = S.majority_rate(y[~test], y[test], 5)
             for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c).items():
-                out[f"knn{k}_top1"], out[f"knn{k}_top5"] = t1, t5
-        if probe is not None:
-            out["probe_top1"] = probe
-        k = len(torch.unique(y))
+                out[f"knn{k}_top1"] = scored(t1, n_test, top1_chance)
+                if n_classes > 5:  # top-5 of 5 classes or fewer is 1 by construction
+                    out[f"knn{k}_top5"] = scored(t5, n_test, top5_chance)
+            if probe is not None:
+                out["probe_top1"] = scored(probe, n_test, top1_chance)
+        k = n_classes
         if kmeans and len(x) > k > 1:
             scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
-            out.update({f"kmeans_{m}": v for m, v in scores.items()})
+            for m, v in scores.items():
+                out[f"kmeans_{m}"] = scored(v, len(x)) if m == "purity" else {"value": v}
         return out
 
     def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor, view: str
@@ -155,7 +177,7 @@ class Semantics(Analysis):
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
                 for metric, val in self._scores(x.float(), y, test, probe, v in self.kmeans_views).items():
-                    rows.append({"metric": metric + suffix, "layer": layer, "token_view": v, "value": val})
+                    rows.append({"metric": metric + suffix, "layer": layer, "token_view": v, **val})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         df["n_test"] = df["token_view"].map(n_test)

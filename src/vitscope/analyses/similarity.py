@@ -7,10 +7,10 @@ models computed in separate runs, is then a batched reduction over batches (`cka
 
 Analyses here:
   cka            every pair of the requested taps per token view, within the model; across models in `cross`
-                 (with `cka_divergence` = 1 - CKA for the same tap in two models, seed 002 eq. 4)
-  residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (seed 003 D.4)
+                 (with `cka_divergence` = 1 - CKA for the same tap in two models, Merlin et al. 2023 eq. 4)
+  residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (Walmer et al. 2023 D.4)
   diversity      similarity between heads, between spatial tokens, and before/after attention, by minibatch
-                 CKA and by cosine similarity (seed 001; seed 004)
+                 CKA and by cosine similarity (Park et al. 2023; Wang 2023)
 """
 
 from __future__ import annotations
@@ -181,9 +181,10 @@ class _GramAnalysis(Analysis):
         self.gram_ids = list(state["gram_ids"])
 
     def cka_matrix(self, keys_a: list[str], keys_b: list[str] | None = None,
-                   other: _GramAnalysis | None = None) -> torch.Tensor:
+                   other: _GramAnalysis | None = None, stderr: bool = False) -> torch.Tensor:
         """(A, B) minibatch CKA between streams ``keys_a`` of this model and ``keys_b`` of ``other`` (this
-        model if None): one batched reduction for the whole grid, self-HSICs computed once per stream."""
+        model if None): one batched reduction for the whole grid, self-HSICs computed once per stream.
+        ``stderr``: its standard error instead, by batch means (`cka_stderr_from_gram_streams`)."""
         a = self._finished()
         b = a if other is None else other._finished()
         order = list(range(len(a.gram_ids)))
@@ -195,7 +196,8 @@ class _GramAnalysis(Analysis):
         streams_b = None
         if keys_b is not None or other is not None:
             streams_b = [[b.grams[k][i] for i in order] for k in (keys_b or keys_a)]
-        return C.cka_from_gram_streams([a.grams[k] for k in keys_a], streams_b)
+        fn = C.cka_stderr_from_gram_streams if stderr else C.cka_from_gram_streams
+        return fn([a.grams[k] for k in keys_a], streams_b)
 
 
 def _alignment(ids_a: list[torch.Tensor], ids_b: list[torch.Tensor]) -> list[int] | None:
@@ -212,16 +214,27 @@ def _key(view: str, tap: str) -> str:
     return f"{view}|{tap}"
 
 
+Z95 = 1.959964
+
+
+def _with_interval(value: float, stderr: float) -> dict[str, float]:
+    """``value``, ``stderr`` and the 95 % interval ``value ± 1.96 stderr``."""
+    return {"value": value, "stderr": stderr, "value_lo": value - Z95 * stderr, "value_hi": value + Z95 * stderr}
+
+
 @register_analysis
 class CKA(_GramAnalysis):
-    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; seed 000 eq. 3-4, 003 D.1] between
-    every pair of the requested taps (block outputs by default; any taps, e.g. ``block*.norm1``,
-    ``block*.qkv``, ``block*.fc1`` for the sub-layer grids of seed 000 Fig. 2), per token view ('cls',
-    'gap', 'gap_spatial', 'spatial' or 'all' = tokens flattened, seed 003 Fig. 6, 19). Across models
+    """Minibatch linear CKA with the unbiased HSIC_1 [Nguyen et al. 2021; Shekhar et al. 2022 eq. 3-4; Walmer et al.
+    2023 D.1] between every pair of the requested taps (block outputs by default; any taps, e.g. ``block*.norm1``,
+    ``block*.qkv``, ``block*.fc1`` for the sub-layer grids of Shekhar et al. 2022 Fig. 2), per token view ('cls',
+    'gap', 'gap_spatial', 'spatial' or 'all' = tokens flattened, Walmer et al. 2023 Fig. 6, 19). Across models
     (`cross`): model A x model B grids and, for taps present in both, ``cka_divergence`` = 1 - CKA
-    (seed 002 eq. 4: pretrained vs fine-tuned)."""
+    (Merlin et al. 2023 eq. 4: pretrained vs fine-tuned). Every value carries ``stderr``, the spread of the
+    per-minibatch CKA over the minibatches (batch means, `metrics.cka.cka_stderr_from_gram_streams`), and the
+    95 % interval ``value_lo``, ``value_hi`` = value ± 1.96 stderr."""
 
     name = "cka"
+    state_version = 2  # 2: stderr columns (the cached tables lacked them)
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out",
@@ -251,10 +264,11 @@ class CKA(_GramAnalysis):
         super().load_state_dict(state)
         self.taps, self.views = list(state["taps"]), list(state["views"])
 
-    def matrix(self, view: str, other: CKA | None = None) -> torch.Tensor:
-        """(A, A') CKA between this model's taps and ``other``'s (itself if None) for one view."""
+    def matrix(self, view: str, other: CKA | None = None, stderr: bool = False) -> torch.Tensor:
+        """(A, A') CKA between this model's taps and ``other``'s (itself if None) for one view (its standard
+        error with ``stderr``)."""
         keys_b = None if other is None else [_key(view, t) for t in other.taps]
-        return self.cka_matrix([_key(view, t) for t in self.taps], keys_b, other)
+        return self.cka_matrix([_key(view, t) for t in self.taps], keys_b, other, stderr=stderr)
 
     def finalize(self) -> pd.DataFrame:
         return self._rows(None)
@@ -266,13 +280,15 @@ class CKA(_GramAnalysis):
             if v not in b.views:
                 continue
             m = self.matrix(v, other).numpy()
+            se = self.matrix(v, other, stderr=True).numpy()
             for i, ta in enumerate(self.taps):
                 for j, tb in enumerate(b.taps):
                     row = {"layer": parse_tap(ta)[0], "token_view": v, "tap": ta, "model_b": b.model_name,
                            "layer_b": parse_tap(tb)[0], "tap_b": tb}
-                    rows.append({**row, "metric": "cka_minibatch", "value": float(m[i, j])})
+                    rows.append({**row, "metric": "cka_minibatch", **_with_interval(float(m[i, j]), float(se[i, j]))})
                     if other is not None and ta == tb:
-                        rows.append({**row, "metric": "cka_divergence", "value": 1.0 - float(m[i, j])})
+                        rows.append({**row, "metric": "cka_divergence",
+                                     **_with_interval(1.0 - float(m[i, j]), float(se[i, j]))})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         df["batch_size"] = self.batch_size
@@ -293,12 +309,13 @@ class CKA(_GramAnalysis):
 
 @register_analysis
 class ResidualCKA(_GramAnalysis):
-    """Residual-connection CKA [seed 003 D.4, Fig. 23]: for every pair of blocks (i, j), CKA between the
+    """Residual-connection CKA [Walmer et al. 2023 D.4, Fig. 23]: for every pair of blocks (i, j), CKA between the
     skip path entering block i (``embed`` for block 0, else ``block{i-1}.out``) and the branch outputs of
     block j as added to the residual stream (``attn_out``, ``mlp_out``), all from the one forward pass.
     A small diagonal means the branch writes something new; a large one, that it mostly echoes the skip."""
 
     name = "residual_cka"
+    state_version = 2  # 2: stderr columns (batch means, as `cka`)
     description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
 
     def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: int = 32):
@@ -322,11 +339,14 @@ class ResidualCKA(_GramAnalysis):
         for v in self.views:
             for branch in ("attn_out", "mlp_out"):
                 branches = [f"block{j}.{branch}" for j in range(self.depth)]
-                m = self.cka_matrix([_key(v, t) for t in skips], [_key(v, t) for t in branches]).numpy()
+                keys = [_key(v, t) for t in skips], [_key(v, t) for t in branches]
+                m = self.cka_matrix(*keys).numpy()
+                se = self.cka_matrix(*keys, stderr=True).numpy()
                 for i, ts in enumerate(skips):
                     for j, tb in enumerate(branches):
                         rows.append({"metric": f"skip_vs_{branch}", "layer": i, "layer_b": j, "token_view": v,
-                                     "tap": ts, "tap_b": tb, "model_b": self.model_name, "value": float(m[i, j])})
+                                     "tap": ts, "tap_b": tb, "model_b": self.model_name,
+                                     **_with_interval(float(m[i, j]), float(se[i, j]))})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
@@ -334,8 +354,8 @@ class ResidualCKA(_GramAnalysis):
 
 @register_analysis
 class Diversity(Analysis):
-    """Representation diversity inside self-attention [seed 001 "The attention collapse reduces the
-    diversity"; seed 004 Fig. 12], per layer, by minibatch CKA and by cosine similarity:
+    """Representation diversity inside self-attention [Park et al. 2023 "The attention collapse reduces the
+    diversity"; Wang 2023 Fig. 12], per layer, by minibatch CKA and by cosine similarity:
 
     heads   between the per-head attention outputs (``block{i}.heads``, attn @ v per head, all tokens
             flattened for CKA; per token for cosine): mean over head pairs h != h'.
@@ -346,9 +366,14 @@ class Diversity(Analysis):
             branch), CKA across images (all tokens flattened) and cosine per token.
     High similarity = low diversity (contrastive models in late layers, per the sources).
     Only sums are kept (HSIC sums per CKA batch group, cosine sums): memory is constant in the images.
+
+    Each value carries ``stderr`` and the 95 % interval ``value_lo``, ``value_hi`` (value ± 1.96 stderr):
+    for the cosines, over images (a sum of squares of the per-image values); for the CKAs, by batch means
+    (the value of each CKA minibatch alone, their spread over the minibatches, as `cka`).
     """
 
     name = "diversity"
+    state_version = 2  # 2: sums of squares (stderr)
     description = "similarity between heads, between spatial tokens, and before/after attention (CKA, cosine)"
 
     def __init__(self, vm: Any, layers: Any = None, batch_size: int = 32):
@@ -364,6 +389,8 @@ class Diversity(Analysis):
         self.cos_heads = torch.zeros(L, dtype=torch.float64)
         self.cos_tokens = torch.zeros(L, dtype=torch.float64)
         self.cos_depth = torch.zeros(L, dtype=torch.float64)
+        self.cos_sq = torch.zeros(3, L, dtype=torch.float64)  # per-image sums of squares: heads, tokens, depth
+        self.cka_group = torch.zeros(2, 3, L, dtype=torch.float64)  # per-group CKA: sums, sums of squares
 
     def _input_tap(self, i: int) -> str:
         return "embed" if i == 0 else f"block{i - 1}.out"
@@ -386,18 +413,23 @@ class Diversity(Analysis):
             # one pass over the heads instead of an H x H contraction
             norm = torch.linalg.vector_norm(per_head, dim=-1, keepdim=True)
             u_sum = (per_head / norm.clamp_min(1e-12)).sum(2)
-            off_diag = u_sum.square().sum(dtype=torch.float64) - (norm > 0).sum()
-            self.cos_heads[j] += off_diag / (H * (H - 1)) / T
+            per_image = (u_sum.square().sum(dim=(1, 2), dtype=torch.float64) - (norm > 0).sum(dim=(1, 2, 3))) \
+                / (H * (H - 1)) / T
+            self.cos_heads[j] += per_image.sum()
+            self.cos_sq[0, j] += per_image.square().sum()
             spatial = feats[f"block{i}.out"][:, P:].float()
             v = torch.nn.functional.normalize(spatial, dim=-1)
             S = v.shape[1]
             tot = (v.sum(1).double().pow(2).sum(-1) - S) / (S * (S - 1))  # mean over pairs p != p' per image
             self.cos_tokens[j] += tot.sum()
+            self.cos_sq[1, j] += tot.square().sum()
             x_in, x_mid = feats[self._input_tap(i)].float(), feats[f"block{i}.resid_mid"].float()
             dot = (x_in * x_mid).sum(-1)
             norms = torch.linalg.vector_norm(x_in, dim=-1) * torch.linalg.vector_norm(x_mid, dim=-1)
             cos = dot / norms.clamp_min(1e-8)
-            self.cos_depth[j] += cos.mean(1, dtype=torch.float64).sum()
+            per_image = cos.mean(1, dtype=torch.float64)
+            self.cos_depth[j] += per_image.sum()
+            self.cos_sq[2, j] += per_image.square().sum()
             streams[f"*h{j}"] = per_head.permute(0, 2, 1, 3)  # (B, H, T, hd): one stream per head
             streams[f"*t{j}"] = spatial  # (B, S, D): one stream per spatial position
             streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
@@ -413,17 +445,25 @@ class Diversity(Analysis):
             self.n_groups += 1
             for j in range(len(self.layers)):
                 gh = grams[f"*h{j}"][:, None]  # (H, 1, n, n)
-                self.hsic_heads[j] += C.hsic1_cross(gh, gh)[:, :, 0]
+                heads = C.hsic1_cross(gh, gh)[:, :, 0]
+                self.hsic_heads[j] += heads
                 gt = grams[f"*t{j}"][:, None]  # (S, 1, n, n)
-                self.hsic_tokens[j] += C.hsic1_cross(gt, gt)[:, :, 0]
+                tokens = C.hsic1_cross(gt, gt)[:, :, 0]
+                self.hsic_tokens[j] += tokens
                 k, m = grams[f"in{j}"], grams[f"mid{j}"]
-                self.hsic_depth[j] += torch.stack([C.hsic1(k, m), C.hsic1(k, k), C.hsic1(m, m)])
+                depth = torch.stack([C.hsic1(k, m), C.hsic1(k, k), C.hsic1(m, m)])
+                self.hsic_depth[j] += depth
+                # this group's own CKA values, for the spread over groups (batch means)
+                one = torch.tensor([_mean_offdiag_cka(heads), _mean_offdiag_cka(tokens), _depth_cka(depth)],
+                                   dtype=torch.float64)
+                self.cka_group[0, :, j] += one
+                self.cka_group[1, :, j] += one.square()
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Diversity) and other.layers == self.layers
         other = other._finished()
         self._reduce(self.groups.flush())
-        for name in ("hsic_heads", "hsic_tokens", "hsic_depth", "cos_heads", "cos_tokens", "cos_depth"):
+        for name in self._TENSORS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.n_groups += other.n_groups
         self.n_images += other.n_images
@@ -434,7 +474,8 @@ class Diversity(Analysis):
         done._reduce(done.groups.flush())
         return done
 
-    _TENSORS = ("hsic_heads", "hsic_tokens", "hsic_depth", "cos_heads", "cos_tokens", "cos_depth")
+    _TENSORS = ("hsic_heads", "hsic_tokens", "hsic_depth", "cos_heads", "cos_tokens", "cos_depth", "cos_sq",
+                "cka_group")
 
     def state_dict(self) -> dict[str, Any]:
         s = {k: getattr(self, k).clone() for k in self._TENSORS}
@@ -452,18 +493,34 @@ class Diversity(Analysis):
     def finalize(self) -> pd.DataFrame:
         d = self._finished()
         n = max(d.n_images, 1)
+        cos_se = _stderr(torch.stack([d.cos_heads, d.cos_tokens, d.cos_depth]), d.cos_sq, d.n_images)
+        cka_se = _stderr(d.cka_group[0], d.cka_group[1], d.n_groups)
         rows = []
         for j, i in enumerate(d.layers):
-            rows.append({"metric": "cosine_heads", "layer": i, "value": float(d.cos_heads[j] / n)})
-            rows.append({"metric": "cosine_tokens", "layer": i, "value": float(d.cos_tokens[j] / n)})
-            rows.append({"metric": "cosine_depth", "layer": i, "value": float(d.cos_depth[j] / n)})
-            rows.append({"metric": "cka_heads", "layer": i, "value": _mean_offdiag_cka(d.hsic_heads[j])})
-            rows.append({"metric": "cka_tokens", "layer": i, "value": _mean_offdiag_cka(d.hsic_tokens[j])})
             kl, kk, ll = d.hsic_depth[j]
-            rows.append({"metric": "cka_depth", "layer": i, "value": float(kl / (kk * ll).sqrt())})
+            values = {"cosine_heads": float(d.cos_heads[j] / n), "cosine_tokens": float(d.cos_tokens[j] / n),
+                      "cosine_depth": float(d.cos_depth[j] / n), "cka_heads": _mean_offdiag_cka(d.hsic_heads[j]),
+                      "cka_tokens": _mean_offdiag_cka(d.hsic_tokens[j]), "cka_depth": _depth_cka(d.hsic_depth[j])}
+            ses = {"cosine_heads": cos_se[0, j], "cosine_tokens": cos_se[1, j], "cosine_depth": cos_se[2, j],
+                   "cka_heads": cka_se[0, j], "cka_tokens": cka_se[1, j], "cka_depth": cka_se[2, j]}
+            rows += [{"metric": k, "layer": i, **_with_interval(v, float(ses[k]))} for k, v in values.items()]
         df = self.tidy(rows)
         df["n_images"] = d.n_images
         return df
+
+
+def _stderr(sums: torch.Tensor, sumsq: torch.Tensor, n: int) -> torch.Tensor:
+    """Standard error of a mean from the sum and sum of squares of ``n`` values (ddof 1); NaN below 2."""
+    if n < 2:
+        return torch.full_like(sums, float("nan"))
+    var = (sumsq - sums.square() / n) / (n - 1)
+    return torch.sqrt(var.clamp_min(0) / n)
+
+
+def _depth_cka(hsic: torch.Tensor) -> float:
+    """CKA from the three HSIC terms (K,L), (K,K), (L,L)."""
+    kl, kk, ll = hsic
+    return float(kl / (kk * ll).sqrt())
 
 
 def _mean_offdiag_cka(hsic: torch.Tensor) -> float:

@@ -600,6 +600,48 @@ def cka_from_gram_streams(
     )
 
 
+def cka_stderr_from_gram_streams(
+    streams_a: Sequence[Sequence[torch.Tensor]],
+    streams_b: Sequence[Sequence[torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """Standard error of the minibatch CKA matrix of :func:`cka_from_gram_streams`, by batch means: the CKA of
+    each minibatch alone (its HSIC_1 terms, :func:`hsic1_cross`), their sample standard deviation over the
+    minibatches (ddof 1) divided by the square root of their number. One minibatch's CKA is noisier than the
+    pooled ratio, so this errs on the large side. Minibatches with fewer than 4 examples are left out, as in
+    the estimate; NaN with fewer than two minibatches.
+
+    Returns:
+        ``(A, C)`` float64.
+    """
+    same = streams_b is None
+    streams_b = streams_a if streams_b is None else streams_b
+    sizes = [int(g.shape[-1]) for g in streams_a[0]]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        if n >= MIN_HSIC1_EXAMPLES:
+            groups.setdefault(n, []).append(i)
+    A, C = len(streams_a), len(streams_b)
+    total = torch.zeros(A, C, dtype=torch.float64)
+    total_sq = torch.zeros(A, C, dtype=torch.float64)
+    count = 0
+    chunks = [idx[k:k + 64] for idx in groups.values() for k in range(0, len(idx), 64)]  # bounded temporaries
+    for idx in chunks:
+        ga = _to_float64(torch.stack([torch.stack([s[i] for i in idx]) for s in streams_a]))  # (A, B, n, n)
+        gb = ga if same else _to_float64(torch.stack([torch.stack([s[i] for i in idx]) for s in streams_b]))
+        cross = hsic1_cross(ga, gb)  # (A, C, B)
+        self_a = hsic1(ga, ga)  # (A, B)
+        self_b = self_a if same else hsic1(gb, gb)
+        denom = self_a[:, None, :] * self_b[None, :, :]
+        per_batch = torch.where(denom > 0, cross / denom.clamp_min(1e-300).sqrt(), torch.nan)
+        total += per_batch.sum(-1)
+        total_sq += per_batch.square().sum(-1)
+        count += len(idx)
+    if count < 2:
+        return torch.full((A, C), math.nan, dtype=torch.float64)
+    var = (total_sq - total.square() / count) / (count - 1)
+    return torch.sqrt(var.clamp_min(0) / count)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Float API on features
 # ----------------------------------------------------------------------------------------------------------

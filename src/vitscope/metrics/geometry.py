@@ -1,6 +1,6 @@
 """Geometry of representations: covariance spectra ("SVD volume") and Fourier amplitude of token maps.
 
-Pure functions (no I/O) after Park et al., "What do self-supervised ViTs learn?" (ICLR 2023, seed 001) and
+Pure functions (no I/O) after Park et al., "What do self-supervised ViTs learn?" (ICLR 2023) and
 Park & Kim, "How do vision transformers work?" (ICLR 2022).
 """
 
@@ -31,14 +31,14 @@ def covariance_spectrum(x: Tensor) -> Tensor:
 
 
 def token_log_spectrum(tokens: Tensor) -> Tensor:
-    """Token-level "SVD volume" [seed 001]: per image, log eigenvalues of the covariance of its patch
+    """Token-level "SVD volume" [Park et al. 2023]: per image, log eigenvalues of the covariance of its patch
     tokens. tokens: (B, S, D) -> (B, min(S, D)) float64, descending."""
     return covariance_spectrum(tokens).clamp_min(EPS).log()
 
 
 def spectrum_from_moments(sum_x: Tensor, sum_xx: Tensor, n: int) -> Tensor:
     """Eigenvalues of the covariance from streamed moments: sum_x (D,), sum_xx (D, D) over n rows, float64,
-    descending. Image-level "SVD volume" = log of these for the pooled features of n images [seed 001]."""
+    descending. Image-level "SVD volume" = log of these for the pooled features of n images [Park et al. 2023]."""
     if n < 2:
         raise ValueError(f"a covariance needs at least 2 rows, got {n}")
     mean = sum_x.double() / n

@@ -1,7 +1,9 @@
 """Which layer knows what: k-NN, linear probes, clustering scores, prediction agreement (pure functions).
 
-Protocols follow the sources: DINO's weighted k-NN (Caron et al. 2021; seed 003 §6.1, seed 000 §2.3),
-k-means purity / NMI / ARI (seed 003 §5.2), Kendall's tau of class rankings and top-1 F1 (seed 000 §2.4).
+Protocols follow the sources: DINO's weighted k-NN (Caron et al. 2021; Walmer et al. 2023 §6.1, Shekhar et al.
+2022 §2.3), k-means purity / NMI / ARI (Walmer et al. 2023 §5.2), Kendall's tau of class rankings and top-1 F1
+(Shekhar et al. 2022 §2.4). Accuracies carry a binomial interval (`binomial_interval`) and a majority-class
+chance level (`majority_rate`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,28 @@ def knn_classify(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
             hits[k][1] += int((top == y).any(1).sum())
     n = max(len(test), 1)
     return {k: (h[0] / n, h[1] / n) for k, h in hits.items()}
+
+
+def binomial_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float, float]:
+    """Wilson score interval of a proportion ``p`` observed on ``n`` trials: (low, high, standard error
+    ``sqrt(p (1 - p) / n)``), 95 % by default. Unlike p ± z·se it stays inside [0, 1] and is not empty at
+    p = 0 or 1. ``n = 0`` gives NaNs."""
+    if n <= 0 or not np.isfinite(p):
+        return float("nan"), float("nan"), float("nan")
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return float(max(0.0, centre - half)), float(min(1.0, centre + half)), float(np.sqrt(p * (1 - p) / n))
+
+
+def majority_rate(train_labels: Tensor, test_labels: Tensor, k: int = 1) -> float:
+    """Top-``k`` accuracy of always answering the ``k`` most frequent training classes: the chance level an
+    accuracy has to beat (1/C for balanced classes)."""
+    if len(test_labels) == 0 or len(train_labels) == 0:
+        return float("nan")
+    classes, counts = torch.unique(train_labels, return_counts=True)
+    top = classes[torch.argsort(counts, descending=True, stable=True)[:k]]
+    return float(torch.isin(test_labels, top).double().mean())
 
 
 def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
@@ -116,7 +140,7 @@ def kmeans_scores(feats: np.ndarray, labels: np.ndarray, k: int, seed: int = 0, 
 
 def prediction_agreement(logits_a: Tensor, logits_b: Tensor, labels: Tensor,
                          ks: tuple[int, ...] = (5, 10, 100)) -> dict[str, float]:
-    """Seed 000 §2.4: for each image, Kendall's tau between the two models' scores on model A's top-k
+    """Shekhar et al. 2022 §2.4: for each image, Kendall's tau between the two models' scores on model A's top-k
     classes, averaged over all, correctly (both right) and incorrectly (both wrong) classified images;
     and the macro F1 of model B's top-1 predictions against model A's."""
     pa, pb = logits_a.argmax(1), logits_b.argmax(1)

@@ -1,6 +1,8 @@
-"""The self-contained HTML report of a run directory: summary, models side by side, then per analysis its
-description, key numbers and figures (PNG inline, with captions). Needs nothing but the run directory:
-`vitscope report RUN_DIR` rebuilds it from the cached tables without touching any model."""
+"""The self-contained HTML report of a run directory: a summary (key findings in sentences with their
+uncertainty, flags on results within noise of chance or of the untrained model), models side by side, then per
+analysis its description, key numbers and figures (PNG inline, with captions), and the references. Needs nothing
+but the run directory: `vitscope report RUN_DIR` rebuilds it from the cached tables without touching any model
+(`vitscope report RUN_DIR --export DIR` writes the figures as files for a paper, `vitscope.report.export`)."""
 
 from __future__ import annotations
 
@@ -8,14 +10,15 @@ import base64
 import hashlib
 import html
 import io
-import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
 
 from vitscope.files import write_atomic
-from vitscope.report.figures import FIGURES
+from vitscope.references import REFERENCES, SHORT
+from vitscope.report.run import Run, load_run
+from vitscope.report.summary import Study, summarize
 from vitscope.threads import single_threaded
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
@@ -25,7 +28,9 @@ figure img{max-width:100%}figcaption{font-size:.85em;color:#555;max-width:34em}
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
 td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
 th{background:#f6f6f6}code{background:#f4f4f4;padding:0 .2em}.muted{color:#777;font-size:.9em}
-nav a{margin-right:1em}"""
+nav{display:flex;flex-wrap:wrap;gap:.3em 1em;max-width:100%}nav a{white-space:nowrap}
+ul.summary li{margin:.3em 0}.flag{background:#fff3cd;color:#7a5b00;border-radius:3px;padding:0 .3em;
+font-size:.85em;white-space:nowrap}ul.refs{font-size:.9em}"""
 
 
 def _png(fig: plt.Figure) -> str:
@@ -75,6 +80,46 @@ def _fmt(v: object) -> str:
     return _esc(v)
 
 
+def _summary(run: Run) -> list[str]:
+    """The summary section: key findings in sentences with their numbers; results within noise of chance or of
+    the untrained model flagged."""
+    points = summarize(run.tables, Study(run.models, run.untrained))
+    if not points:
+        return []
+    parts = ["<h2 id='summary'>Summary</h2><ul class='summary'>"]
+    for p in points:
+        flag = "".join(f" <span class='flag'>within noise of {_esc(f)}</span>" for f in p.flags)
+        parts.append(f"<li{' class=flagged' if p.flags else ''}><a href='#{_esc(p.analysis)}'>{_esc(p.analysis)}</a>: "
+                     f"{_esc(p.text)}{flag}</li>")
+    parts.append("</ul><p class='muted'>± and brackets: 95 % intervals over the images (standard errors in the "
+                 "tables' <code>stderr</code> column; accuracies binomial). Within noise: the difference is at most "
+                 "1.96 standard errors.</p>")
+    parts += _findings(run)
+    return parts
+
+
+def _findings(run: Run) -> list[str]:
+    """The sources' contrastive-vs-MIM findings with their verdicts, when the study has both families."""
+    families = {meta.get("objective_family") for meta in run.manifest.get("models", {}).values()}
+    if not {"contrastive", "reconstructive"} <= families:
+        return []
+    from vitscope.zoo.findings import check
+
+    table = check(run.path)
+    if table.empty:
+        return []
+    rows = ["<h3>Contrastive vs reconstructive (the sources' findings)</h3><table><tr><th>finding</th><th>measure"
+            "</th><th>contrastive</th><th>MIM</th><th>CL - MIM (95 % interval)</th><th>verdict</th></tr>"]
+    for r in table.itertuples():
+        iv = "" if pd.isna(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
+        rows.append(f"<tr><td>{_esc(r.finding)} {_esc(r.source)}</td><td>{_esc(r.measure)} ({_esc(r.expected)})</td>"
+                    f"<td>{r.contrastive:.4g}</td><td>{r.mim:.4g}</td><td>{r.difference:+.3g}{iv}</td>"
+                    f"<td>{_esc(r.verdict)}</td></tr>")
+    rows.append("</table><p class='muted'>A finding holds only when the 95 % interval of the difference excludes 0 "
+                "(<code>vitscope.zoo.findings</code> says how it is computed); inconclusive otherwise.</p>")
+    return rows
+
+
 def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str]:
     """The best-layer summary of the dense downstream tasks: written to results/summary/best_layers.parquet
     (derived from the tasks' tables, rebuilt with the report; in a subfolder, so the study's check that results/
@@ -119,54 +164,60 @@ def report_digest(run_dir: str | Path) -> dict[str, str]:
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
-    run_dir = Path(run_dir)
-    mf = run_dir / "manifest.json"
-    manifest = json.loads(mf.read_text()) if mf.is_file() else {}
-    results = sorted((run_dir / "results").glob("*.parquet"))
-    order = {name: i for i, name in enumerate(ANALYSES)}
-    results.sort(key=lambda p: order.get(p.stem, len(order)))
+    run = load_run(run_dir)
+    run_dir = run.path
+    manifest = run.manifest
     models = manifest.get("models", {})
-    ds = manifest.get("dataset", {})
-    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>vitscope report: "
+    datasets = manifest.get("datasets") or ({"": manifest["dataset"]} if manifest.get("dataset") else {})
+    data_text = ", ".join(f"<b>{_esc(d.get('format', d.get('name', name)))}</b> ({d.get('n_images', '?')} images)"
+                          for name, d in datasets.items()) or "?"
+    names = list(run.tables)
+    nav = ["summary", "models", *names, "references"]
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+             f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>vitscope report: "
              f"{_esc(run_dir.name)}</title><style>{_CSS}</style></head><body>",
              f"<h1>vitscope report: {_esc(run_dir.name)}</h1>",
-             f"<p>{len(models)} model(s) on <b>{_esc(ds.get('name', '?'))}</b> ({ds.get('n_images', '?')} images); "
-             f"{len(results)} analyses; {manifest.get('seconds', '?')} s; "
+             f"<p>{len(models)} model(s) on {data_text}; "
+             f"{len(names)} analyses; {manifest.get('seconds', '?')} s; "
              f"vitscope {_esc(manifest.get('versions', {}).get('vitscope', '?'))}, "
              f"torch {_esc(manifest.get('versions', {}).get('torch', '?'))}, "
              f"timm {_esc(manifest.get('versions', {}).get('timm', '?'))}.</p>",
-             "<nav>" + "".join(f"<a href='#{p.stem}'>{_esc(p.stem)}</a>" for p in results) + "</nav>"]
+             "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>"]
+    parts += _summary(run)
     if models:
-        parts.append("<h2>Models</h2><table><tr><th>model</th><th>source</th><th>blocks</th><th>heads</th>"
+        parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>source</th><th>blocks</th><th>heads</th>"
                      "<th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
         for label, m in models.items():
-            parts.append(f"<tr><td>{_esc(label)}</td><td><code>{_esc(m.get('source'))}</code></td>"
+            parts.append(f"<tr><td>{_esc(label)}{' (untrained)' if label in run.untrained else ''}</td>"
+                         f"<td><code>{_esc(m.get('source'))}</code></td>"
                          f"<td>{_esc(m.get('depth', ''))}</td><td>{_esc(m.get('heads', ''))}</td>"
                          f"<td>{_esc(m.get('grid', ''))}</td><td>{_esc(m.get('patch', ''))}</td>"
                          f"<td>{_esc(m.get('load_report', ''))}</td>"
                          f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-    parts += _dense_summary(run_dir, results, models)
+    parts += _dense_summary(run_dir, [run_dir / "results" / f"{n}.parquet" for n in names], models)
     skipped = manifest.get("skipped_images") or {}
     if isinstance(skipped, list):  # manifests written before datasets were named
         skipped = {"dataset": skipped}
     for name, items in skipped.items():
         parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
                      "manifest.json).</p>")
-    for path in results:
-        name = path.stem
-        raw = path.read_bytes()  # drawn from exactly these bytes; their digest is in the report (results_digest)
-        df = pd.read_parquet(io.BytesIO(raw))
+    for name, df in run.tables.items():
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
         own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
         parts.append(_table(own(df) if callable(own) else key_numbers(df)))
-        for title, fig in FIGURES.get(name, lambda d: [])(df):
+        for title, fig in run.figures(name):
             parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
-        parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{hashlib.sha256(raw).hexdigest()}'>"
-                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(path.name)}')</code>.</p>")
+        # drawn from exactly the bytes whose digest is here (results_digest)
+        parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
+                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>; redraw "
+                     f"any figure with <code>vitscope.plot(run_dir, '{_esc(name)}')</code>, or write them all for a "
+                     "paper with <code>vitscope report RUN_DIR --export DIR --format pdf</code>.</p>")
+    parts.append("<h2 id='references'>References</h2><ul class='refs'>"
+                 + "".join(f"<li><b>{_esc(SHORT[k])}</b>: {_esc(v)}</li>" for k, v in REFERENCES.items()) + "</ul>")
     parts.append("</body></html>")
     out = run_dir / "report.html"
     write_atomic(out, lambda f: f.write("\n".join(parts).encode("utf-8")))

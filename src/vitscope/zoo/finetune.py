@@ -1,5 +1,5 @@
 """Fine-tuning any checkpoint, for classification or for reconstruction (Merlin et al., "What happens
-during finetuning of ViTs: an invariance based investigation"; seed 002, Sec. 4 and App. B).
+during finetuning of ViTs: an invariance based investigation", Sec. 4 and App. B).
 
   * classification: the checkpoint's ViT with a (new, if the class count differs) linear head on the
     CLS token (timm's ``forward_head``), cross-entropy;
@@ -9,7 +9,7 @@ during finetuning of ViTs: an invariance based investigation"; seed 002, Sec. 4 
     (normalised) input; nothing is masked.
 The whole network is trained. The training loop saves the encoder at the epochs asked for
 (``save_epochs``, every epoch by default, and epoch 0 = the checkpoint itself), so the analyses can follow
-the fine-tuning dynamics (seed 002, Sec. 4.4: learning / forgetting per epoch).
+the fine-tuning dynamics (Merlin et al. 2023, Sec. 4.4: learning / forgetting per epoch).
 
 ``init`` is anything `vitscope.load_model` accepts: a zoo checkpoint (``encoder.safetensors``), a
 registry or timm name with its weights. A model with another input size is fed the 32-px views resized

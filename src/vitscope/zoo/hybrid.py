@@ -1,5 +1,5 @@
 """CL + MIM hybrid: L = (1 - lambda) L_MIM + lambda L_CL on one encoder (Park et al., "What do
-self-supervised ViTs learn?", ICLR 2023; seed 001, the "CL + MIM" slide).
+self-supervised ViTs learn?", ICLR 2023, the "CL + MIM" slide).
 
 Here L_MIM is SimMIM's loss and L_CL MoCo v3's, both as in their own modules. Each image gives two
 contrastive views (MoCo v3 augmentations); each view is masked SimMIM-style and goes through the

@@ -1,49 +1,264 @@
-"""Shared plotting helpers: every figure module returns a list of (title, matplotlib Figure)."""
+"""Shared plotting helpers: every figure module returns a list of (caption, matplotlib Figure).
+
+A new figure module needs little more than these; used as below, its figures pass the report's checks
+(tests/test_report_figures.py: no legend over data or cut off, a colour scale on every heat map, a sentence
+instead of an empty panel):
+
+    fig, axes = panels(nrows, ncols, panel=(3.4, 2.6))   constrained layout; axes is always 2-D
+    layer_lines(ax, df, "metric")                         one line per model against the block: 95 % band from
+                                                          the table's value_lo / value_hi (or stderr), the
+                                                          model's ``<metric>_chance`` rows dashed
+    legend_outside(fig, extra=[style_handle("--", "chance: ...")])
+                                                          one legend right of all panels (the figure widens to
+                                                          hold it, in columns when long); explain dashed lines
+    colorbar(fig, image, axes, "label")                   the colour scale of a heat map (one per shared scale)
+    not_computed(ax, "probe not computed ...: enable with ...")
+                                                          an empty panel that says why, in place
+    model_color(m), model_label(m)                        one colour per model in every figure; untrained
+                                                          baselines grey, labelled "(untrained)"
+
+Which models are untrained, the study's model order and the other analyses' tables come from `context`,
+which the report and `vitscope.report.plot` set from the run's manifest; figure functions read them with
+`current()`. A figure built from fixed margins (`grid_layout`, for many small panels) has no layout engine:
+give it a colour bar in a margin it reserved, and no legend.
+"""
 
 from __future__ import annotations
 
+import math
+import os
+import sys
+import textwrap
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
 import matplotlib
 
-matplotlib.use("Agg")
+if "ipykernel" not in sys.modules and not os.environ.get("MPLBACKEND"):
+    matplotlib.use("Agg")  # headless drawing for the report; a notebook keeps its own backend (`vitscope.plot`)
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
+from matplotlib.layout_engine import ConstrainedLayoutEngine  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 Figures = list[tuple[str, plt.Figure]]
 
+Z95 = 1.959964
+"""Two-sided 95 % normal quantile: bands are value ± Z95 · stderr when a table has no value_lo / value_hi."""
+
+UNTRAINED_COLOR = "0.3"
+NOT_COMPUTED_GID = "not-computed"
+
+
+@dataclass
+class Context:
+    """What a figure may know beyond its own table: the study's models in order (stable colours), the
+    untrained ones (drawn grey, labelled), and the other analyses' tables (figures that combine two)."""
+
+    models: list[str] = field(default_factory=list)
+    untrained: set[str] = field(default_factory=set)
+    tables: Mapping[str, pd.DataFrame] = field(default_factory=dict)
+
+
+_CONTEXT = Context()
+
+
+def current() -> Context:
+    """The context figures are drawn in (empty outside `context`)."""
+    return _CONTEXT
+
+
+@contextmanager
+def context(models: Sequence[str] = (), untrained: Iterable[str] = (),
+            tables: Mapping[str, pd.DataFrame] | None = None) -> Iterator[Context]:
+    """Draw figures knowing the study's model order, its untrained models and the other tables."""
+    global _CONTEXT
+    previous = _CONTEXT
+    _CONTEXT = Context(list(models), set(untrained), dict(tables or {}))
+    try:
+        yield _CONTEXT
+    finally:
+        _CONTEXT = previous
+
+
+def models_of(df: pd.DataFrame, column: str = "model") -> list[str]:
+    """The models of a table in the study's order (order of appearance for models the context lacks)."""
+    seen = list(dict.fromkeys(df[column].dropna())) if column in df.columns else []
+    order = {m: i for i, m in enumerate(_CONTEXT.models)}
+    return sorted(seen, key=lambda m: (order.get(m, len(order)), seen.index(m)))
+
+
+def model_color(model: str, models: Sequence[str] | None = None) -> object:
+    """One colour per model, the same in every figure of a report: trained models take tab10 (tab20 beyond
+    ten) in the study's order; untrained ones are grey."""
+    if model in _CONTEXT.untrained:
+        return UNTRAINED_COLOR
+    order = [m for m in (_CONTEXT.models or list(models or [])) if m not in _CONTEXT.untrained]
+    if model not in order:
+        order = [*order, *[m for m in (models or []) if m not in order and m not in _CONTEXT.untrained]]
+    k = order.index(model) if model in order else 0
+    cmap = plt.get_cmap("tab10" if len(order) <= 10 else "tab20")
+    return cmap(k % cmap.N)
+
+
+def model_label(model: str) -> str:
+    return f"{model} (untrained)" if model in _CONTEXT.untrained else str(model)
+
+
+def panels(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (3.6, 2.8), **kw: object
+           ) -> tuple[plt.Figure, np.ndarray]:
+    """A figure of ``nrows x ncols`` panels of about ``panel`` inches each, constrained layout (legends
+    outside, colour bars and labels get their room), axes always a 2-D array."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel[0] * ncols, panel[1] * nrows), squeeze=False,
+                             layout="constrained", **kw)  # type: ignore[arg-type]
+    return fig, axes
+
+
+def _interval(g: pd.DataFrame) -> tuple[pd.Series, pd.Series] | None:
+    """Per-layer 95 % interval of the layer means of ``g``: the means of value_lo and value_hi; else mean ±
+    Z95 x the mean stderr. Averaging stderrs over the heads of a layer bounds the stderr of their mean from
+    above (the heads are measured on the same images, their errors are not independent)."""
+    if {"value_lo", "value_hi"} <= set(g.columns) and g["value_lo"].notna().any():
+        lo = g.groupby("layer")["value_lo"].mean().sort_index()
+        hi = g.groupby("layer")["value_hi"].mean().sort_index()
+        return lo, hi
+    if "stderr" in g.columns and g["stderr"].notna().any():
+        m = g.groupby("layer")["value"].mean().sort_index()
+        se = g.groupby("layer")["stderr"].mean().sort_index()
+        return m - Z95 * se, m + Z95 * se
+    return None
+
 
 def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", label_suffix: str = "",
-                title: str | None = None, mark_best: bool = False) -> None:
+                title: str | None = None, mark_best: bool = False, band: bool = True) -> list[str]:
     """One line per model of ``metric`` against the block index (mean over any other rows of a layer),
-    same colour per model across panels; optionally a star on the best layer. The model's random-chance
-    rows (``<metric>_chance``) are drawn dashed in its colour: a horizontal line when they have no layer,
-    else a line over the layers."""
+    same colour per model across panels and figures, with its 95 % band over images (`_interval`) when the
+    table has one; optionally a star on the best layer. The model's random-chance rows (``<metric>_chance``)
+    are drawn dashed in its colour: a horizontal line when they have no layer, else a line over the layers.
+    Returns the models drawn."""
     d = df[df.metric == metric]
-    for k, (model, g) in enumerate(d.groupby("model", sort=False)):
+    models = models_of(d)
+    for model in models:
+        g = d[d.model == model]
+        color = model_color(model, models)
         per_layer = g.groupby("layer")["value"].mean().sort_index()
-        ax.plot(per_layer.index, per_layer.values, style, ms=3, color=f"C{k}", label=f"{model}{label_suffix}")
-        if mark_best and len(per_layer):
-            ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=f"C{k}")
+        ax.plot(per_layer.index, per_layer.values, style, ms=3, color=color, label=model_label(model) + label_suffix)
+        iv = _interval(g) if band else None
+        if iv is not None:
+            ax.fill_between(iv[0].index.astype(float), iv[0].values.astype(float), iv[1].values.astype(float),
+                            color=color, alpha=0.15, lw=0)
+        if mark_best and per_layer.notna().any():
+            ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=color)
         chance = df[(df.metric == f"{metric}_chance") & (df.model == model)]
         if chance["layer"].notna().any():
             c = chance.groupby("layer")["value"].mean().sort_index()
-            ax.plot(c.index, c.values, "--", lw=1, color=f"C{k}", alpha=0.6)
+            ax.plot(c.index, c.values, "--", lw=1, color=color, alpha=0.6)
         elif len(chance):
-            ax.axhline(float(chance["value"].mean()), ls="--", lw=1, color=f"C{k}", alpha=0.6)
+            ax.axhline(float(chance["value"].mean()), ls="--", lw=1, color=color, alpha=0.6)
     if title:
         ax.set_title(title, fontsize=9)
     ax.set_xlabel("block")
     ax.grid(alpha=0.3)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    return models
 
 
-def layer_figure(df: pd.DataFrame, metric: str, ylabel: str, figsize: tuple[float, float] = (5.5, 3.2)) -> plt.Figure:
-    """One panel of `layer_lines` for ``metric``, with a y label and the models' legend."""
-    fig, ax = plt.subplots(figsize=figsize)
+def has_interval(df: pd.DataFrame) -> bool:
+    """Whether a table carries an uncertainty (value_lo / value_hi or stderr) anywhere."""
+    return any(c in df.columns and df[c].notna().any() for c in ("value_lo", "stderr"))
+
+
+def style_handle(style: str, label: str, color: object = "0.35", **kw: object) -> Line2D:
+    """A legend entry explaining a line style and/or marker, in matplotlib's format-string form (``"--"``,
+    ``"-o"``, ``"*"``), e.g. ``style_handle("--", "dashed: Gaussian features")``."""
+    line = next((ls for ls in ("--", "-.", ":", "-") if style.startswith(ls)), "")
+    marker = style[len(line):] or None
+    return Line2D([], [], linestyle=line or "", marker=marker, color=color, label=label, **kw)
+
+
+def band_handle(label: str = "band: 95 % interval over images") -> Artist:
+    from matplotlib.patches import Patch
+
+    return Patch(color="0.5", alpha=0.25, lw=0, label=label)
+
+
+def legend_outside(fig: plt.Figure, handles: Sequence[Artist] | None = None, extra: Sequence[Artist] = (),
+                   fontsize: float = 7, title: str | None = None) -> object:
+    """One legend for the whole figure, to the right of every panel, never over data nor cut off.
+
+    ``handles``: the entries (default: every labelled artist of every panel, each label once); ``extra`` are
+    appended (e.g. `style_handle` explaining dashed lines). The figure widens by the legend's width so that
+    the panels keep their size, and the legend takes as many columns as it needs to fit the figure's height.
+    Needs a figure with constrained layout (`panels`)."""
+    if handles is None:
+        seen: dict[str, Artist] = {}
+        for ax in fig.axes:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                if lab and not lab.startswith("_"):
+                    seen.setdefault(lab, h)
+        # models in the study's order (a panel per model may meet them in another order), the rest after
+        rank = {model_label(m): i for i, m in enumerate(_CONTEXT.models)}
+        handles = [seen[lab] for lab in sorted(seen, key=lambda lab: (rank.get(lab, len(rank)), list(seen).index(lab)))]
+    handles = [*handles, *extra]
+    if not handles:
+        return None
+    if not isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):  # "outside" needs it (tight ignores it)
+        fig.set_layout_engine("constrained")
+    renderer = fig.canvas.get_renderer()
+    w, h = fig.get_size_inches()
+    ncols = 1
+    while True:
+        leg = fig.legend(handles=handles, loc="outside right upper", fontsize=fontsize, frameon=False, ncols=ncols,
+                         title=title, title_fontsize=fontsize)
+        box = leg.get_window_extent(renderer)
+        if box.height <= 0.96 * h * fig.dpi or ncols >= 6:
+            break
+        leg.remove()
+        ncols += 1
+    if box.height > 0.96 * h * fig.dpi:  # still taller than the figure: make the figure as tall
+        fig.set_size_inches(w, box.height / fig.dpi / 0.96)
+    fig.set_size_inches(w + box.width / fig.dpi + 0.15, fig.get_size_inches()[1])
+    return leg
+
+
+def colorbar(fig: plt.Figure, mappable: object, axes: object, label: str, **kw: object) -> object:
+    """The colour scale of a heat map (or of every heat map sharing ``mappable``'s scale) beside ``axes``."""
+    cb = fig.colorbar(mappable, ax=axes, **({"fraction": 0.046, "pad": 0.03} | kw))  # type: ignore[arg-type]
+    cb.set_label(label, fontsize=7)
+    cb.ax.tick_params(labelsize=6)
+    return cb
+
+
+def not_computed(ax: plt.Axes, why: str, width: int = 34) -> None:
+    """An empty panel that says, in place, why there is nothing to show (and how to get it)."""
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_xlabel("")
+    for s in ax.spines.values():
+        s.set_color("0.8")
+    ax.text(0.5, 0.5, textwrap.fill(why, width), ha="center", va="center", fontsize=7, color="0.35",
+            transform=ax.transAxes, gid=NOT_COMPUTED_GID, wrap=True)
+
+
+def message_figure(caption: str, why: str, size: tuple[float, float] = (4.0, 1.4)) -> tuple[str, plt.Figure]:
+    """A whole figure that only says why it is empty (a figure's data missing altogether)."""
+    fig, ax = plt.subplots(figsize=size, layout="constrained")
+    not_computed(ax, why, width=int(size[0] * 14))
+    return caption, fig
+
+
+def layer_figure(df: pd.DataFrame, metric: str, ylabel: str, figsize: tuple[float, float] = (4.6, 3.2),
+                 extra: Sequence[Artist] = ()) -> plt.Figure:
+    """One panel of `layer_lines` for ``metric``, with a y label and the models' legend outside."""
+    fig, axes = panels(1, 1, panel=figsize)
+    ax = axes[0, 0]
     layer_lines(ax, df, metric)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend_outside(fig, extra=[*([band_handle()] if has_interval(df[df.metric == metric]) else []), *extra])
     return fig
 
 
@@ -54,3 +269,9 @@ def grid_layout(fig: plt.Figure, left: float = 0.55, right: float = 0.12, top: f
     w, h = fig.get_size_inches()
     fig.subplots_adjust(left=left / w, right=1 - right / w, top=1 - top / h, bottom=bottom / h,
                         wspace=wspace, hspace=hspace)
+
+
+def grid_shape(n: int, max_cols: int = 4) -> tuple[int, int]:
+    """(rows, columns) for ``n`` panels, at most ``max_cols`` wide."""
+    cols = min(n, max_cols)
+    return math.ceil(n / max(cols, 1)), max(cols, 1)

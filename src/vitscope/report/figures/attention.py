@@ -7,7 +7,23 @@ import pandas as pd
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 
-from vitscope.report.figures._common import Figures, plt
+from vitscope.references import cite
+from vitscope.report.figures._common import (
+    Z95,
+    Figures,
+    band_handle,
+    colorbar,
+    current,
+    has_interval,
+    legend_outside,
+    model_color,
+    model_label,
+    models_of,
+    not_computed,
+    panels,
+    plt,
+    style_handle,
+)
 
 HEAD_TYPE_COLORS = {"strict_local": "#1b9e77", "soft_local": "#a6d854", "axial": "#7570b3",
                     "offset_local": "#e7298a", "global": "#d95f02", "mixed": "#bdbdbd"}
@@ -18,74 +34,91 @@ _ARROWS = {"right": "\u2192", "up-right": "\u2197", "up": "\u2191", "up-left": "
            "vertical": "\u2195"}
 
 
-def attention_distance(df: pd.DataFrame) -> Figures:
-    """Distance per head (dots) and the per-layer mean (line), one colour per model [seed 003 Fig. 4]."""
-    d = df[df.metric == "distance_px"]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for k, (model, g) in enumerate(d.groupby("model", sort=False)):
-        color = f"C{k}"
+def _heads_and_mean(ax: plt.Axes, d: pd.DataFrame) -> list[str]:
+    """Each head's value (dots, jittered within its block) and the per-layer mean over heads (line) with its
+    95 % band (the heads' mean stderr: an upper bound), one colour per model."""
+    models = models_of(d)
+    for model in models:
+        g = d[d.model == model]
+        color = model_color(model, models)
         jitter = (g["head"] / max(g["head"].max(), 1) - 0.5) * 0.3
-        ax.scatter(g["layer"] + jitter, g["value"], s=9, alpha=0.5, color=color)
+        ax.scatter(g["layer"] + jitter, g["value"], s=9, alpha=0.5, color=color, lw=0)
         mean = g.groupby("layer")["value"].mean()
-        ax.plot(mean.index, mean.values, "-o", ms=3, color=color, label=model)
+        ax.plot(mean.index, mean.values, "-o", ms=3, color=color, label=model_label(model))
+        if "stderr" in g.columns and g["stderr"].notna().any():
+            se = g.groupby("layer")["stderr"].mean()
+            ax.fill_between(mean.index.astype(float), mean - Z95 * se, mean + Z95 * se, color=color, alpha=0.15,
+                            lw=0)
     ax.set_xlabel("block")
-    ax.set_ylabel("mean attention distance (px)")
-    ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return [("Attention distance per head and layer", fig)]
+    return models
+
+
+def attention_distance(df: pd.DataFrame) -> Figures:
+    """Distance per head (dots) and the per-layer mean (line, 95 % band), one colour per model [Walmer et al.
+    2023 Fig. 4]."""
+    d = df[df.metric == "distance_px"]
+    if d.empty:
+        return []
+    fig, axes = panels(1, 1, panel=(5.0, 3.4))
+    _heads_and_mean(axes[0, 0], d)
+    axes[0, 0].set_ylabel("mean attention distance (px)")
+    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else [])]
+    legend_outside(fig, extra=extra)
+    return [(f"Attention distance per head and layer [{cite('walmer2023', 'Fig. 4')}; {cite('park2023')}]", fig)]
 
 
 def _models(df: pd.DataFrame) -> list[str]:
-    return list(dict.fromkeys(df["model"]))
+    return models_of(df)
 
 
 def attention_nmi(df: pd.DataFrame) -> Figures:
-    """NMI(q, k) per head (dots) and its mean over heads per layer (line), one colour per model; low values
-    mean attention collapse, every query attending alike [seed 001]."""
+    """NMI(q, k) per head (dots) and its mean over heads per layer (line, 95 % band), one colour per model;
+    low values mean attention collapse, every query attending alike [Park et al. 2023]."""
     d = df[df.metric == "nmi"]
     if d.empty:
         return []
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for k, model in enumerate(_models(d)):
-        g = d[d.model == model]
-        jitter = (g["head"] / max(g["head"].max(), 1) - 0.5) * 0.3
-        ax.scatter(g["layer"] + jitter, g["value"], s=9, alpha=0.5, color=f"C{k}")
-        mean = g.groupby("layer")["value"].mean()
-        ax.plot(mean.index, mean.values, "-o", ms=3, color=f"C{k}", label=model)
-    ax.set_xlabel("block")
+    fig, axes = panels(1, 1, panel=(5.0, 3.4))
+    ax = axes[0, 0]
+    _heads_and_mean(ax, d)
     ax.set_ylabel("NMI(query, key)")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return [("Attention collapse: NMI between queries and keys per layer (mean over heads)", fig)]
+    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else [])]
+    legend_outside(fig, extra=extra)
+    return [("Attention collapse: NMI between queries and keys per layer (mean over heads) "
+             f"[{cite('park2023')}]", fig)]
 
 
 def saliency_iou(df: pd.DataFrame) -> Figures:
     """IoU of the top-60%-mass attention tokens with the foreground per layer: best head (solid) and heads
-    merged (dashed), one colour per model, one panel per query [seed 003 Fig. 7]."""
+    merged (dashed), one colour per model, one panel per query, 95 % bands [Walmer et al. 2023 Fig. 7]."""
     d = df[df.metric.isin(["iou_best_head", "iou_merged"])]
     queries = [q for q in ("cls", "mean") if q in set(d["query"])]
     if not queries:
         return []
-    fig, axes = plt.subplots(1, len(queries), figsize=(4.2 * len(queries), 3.6), squeeze=False, sharey=True)
+    fig, axes = panels(1, len(queries), panel=(3.6, 3.0), sharey=True)
+    models = _models(d)
     for ax, q in zip(axes[0], queries, strict=True):
-        for k, model in enumerate(_models(d)):
+        for model in models:
             g = d[(d.model == model) & (d["query"] == q)]
+            color = model_color(model, models)
             for metric, style in (("iou_best_head", "-o"), ("iou_merged", "--")):
                 s = g[g.metric == metric].sort_values("layer")
                 if len(s):
-                    label = f"{model} ({'best head' if metric == 'iou_best_head' else 'heads merged'})"
-                    ax.plot(s["layer"], s["value"], style, ms=3, color=f"C{k}", label=label)
+                    ax.plot(s["layer"], s["value"], style, ms=3, color=color,
+                            label=model_label(model) if metric == "iou_best_head" else "_")
+                    if "value_lo" in s.columns and s["value_lo"].notna().any():
+                        ax.fill_between(s["layer"].astype(float), s["value_lo"].astype(float),
+                                        s["value_hi"].astype(float), color=color, alpha=0.12, lw=0)
         ax.set_title(f"query: {'CLS' if q == 'cls' else 'mean of spatial queries'}", fontsize=9)
         ax.set_xlabel("block")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("IoU with foreground")
     axes[0, 0].set_ylim(0, 1)
-    axes[0, -1].legend(fontsize=7)
-    fig.tight_layout()
-    return [("Attention-saliency IoU per layer (best head, heads merged)", fig)]
+    extra = [style_handle("-o", "solid: best head"), style_handle("--", "dashed: heads merged"),
+             *([band_handle()] if has_interval(d) else [])]
+    legend_outside(fig, extra=extra)
+    return [(f"Attention-saliency IoU per layer (best head, heads merged) [{cite('walmer2023', 'Fig. 7')}]", fig)]
 
 
 def _grid_array(d: pd.DataFrame, a: str, b: str) -> tuple[np.ndarray, list[int], list[int], tuple[int, int]]:
@@ -113,9 +146,9 @@ def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
         for j in range(H):
             mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = norm[i, j]
     cell = min(0.75, 8.0 / max(H, 1), 9.0 / max(L, 1))
-    fig, ax = plt.subplots(figsize=(H * cell + 0.6, L * cell + 0.5))
+    fig, ax = plt.subplots(figsize=(H * cell + 1.4, L * cell + 0.5), layout="constrained")
     cm = plt.get_cmap(cmap).with_extremes(bad="white")
-    ax.imshow(mosaic, cmap=cm, vmin=0, vmax=1, interpolation="nearest")
+    im = ax.imshow(mosaic, cmap=cm, vmin=0, vmax=1, interpolation="nearest")
     ax.set_xticks([j * (C + 1) + (C - 1) / 2 for j in range(H)], [f"h{h}" for h in heads], fontsize=6)
     ax.set_yticks([i * (R + 1) + (R - 1) / 2 for i in range(L)], [f"b{b}" for b in layers], fontsize=6)
     ax.tick_params(length=0)
@@ -124,19 +157,103 @@ def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
     for (i, j), text in (labels or {}).items():
         ax.text(j * (C + 1), i * (R + 1), text, fontsize=4.5, va="top", ha="left", color="white",
                 bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.3, "linewidth": 0})
-    fig.tight_layout(pad=0.3)
+    colorbar(fig, im, ax, "attention ÷ the map's maximum", shrink=min(1.0, 3.0 / max(L * cell, 1e-6)))
     return fig
 
 
 def cls_attention_maps(df: pd.DataFrame) -> Figures:
     """Average CLS attention map of every layer (rows) and head (columns), one figure per model, each map on
-    its own colour scale [seed 003 Fig. 11-13]."""
+    its own colour scale [Walmer et al. 2023 Fig. 11-13]; then, for each image the analysis kept, the image
+    with the CLS map over it per layer (mean over heads, and the best saliency head when `saliency_iou` ran)."""
     d = df[(df.metric == "cls_attention") & df["image"].isna()] if "image" in df.columns else df.iloc[0:0]
     out: Figures = []
     for model in _models(d):
         arr, layers, heads, _ = _grid_array(d[d.model == model], "row", "col")
-        out.append((f"Average CLS attention maps, {model} (rows: blocks, columns: heads)",
-                    _map_grid(arr, layers, heads, "viridis")))
+        out.append((f"Average CLS attention maps, {model} (rows: blocks, columns: heads) "
+                    f"[{cite('walmer2023', 'Fig. 11-13')}]", _map_grid(arr, layers, heads, "viridis")))
+    out += overlays(df)
+    return out
+
+
+def _decode_png(data: bytes) -> np.ndarray:
+    """PNG bytes -> (H, W, 3) uint8."""
+    import io
+
+    from PIL import Image
+
+    return np.array(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def _best_saliency_heads() -> dict[tuple[str, int], int]:
+    """(model, layer) -> the head whose CLS attention best matches the foreground (`saliency_iou`, CLS query),
+    from the report's other tables; empty when that analysis did not run."""
+    sal = current().tables.get("saliency_iou")
+    if sal is None or sal.empty or "query" not in sal.columns:
+        return {}
+    best = sal[(sal.metric == "iou_best_head") & (sal["query"] == "cls") & sal["head"].notna()]
+    return {(str(r.model), int(r.layer)): int(r.head) for r in best.itertuples()}
+
+
+def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
+    """Per-image attention overlays [Walmer et al. 2023 Fig. 11-13]: for each of the first ``max_images``
+    images the analysis kept, a row per model with the image as that model saw it, then its CLS attention
+    over the image at every block (mean over heads); under it, when `saliency_iou` ran, the CLS map of the
+    block's best saliency head (its id in the corner). Each map on its own scale (divided by its maximum)."""
+    if "png" not in df.columns or "image" not in df.columns:
+        return []
+    images = df[(df.metric == "input_image") & df["png"].notna()]
+    maps = df[(df.metric == "cls_attention") & df["image"].notna()]
+    if images.empty or maps.empty:
+        return []
+    best = _best_saliency_heads()
+    layers = sorted(int(x) for x in maps["layer"].unique())
+    out: Figures = []
+    for image_id in sorted(int(x) for x in images["image"].unique())[:max_images]:
+        models = models_of(images[images.image == image_id])
+        rows = [(m, kind) for m in models for kind in ("mean", "best")
+                if kind == "mean" or any((m, layer) in best for layer in layers)]
+        size = 0.9
+        fig, axes = plt.subplots(len(rows), len(layers) + 1, figsize=(size * (len(layers) + 1) + 1.6,
+                                                                       size * len(rows) + 0.5),
+                                 squeeze=False, layout="constrained")
+        im = None
+        for r, (model, kind) in enumerate(rows):
+            pix = _decode_png(images[(images.model == model) & (images.image == image_id)]["png"].iloc[0])
+            H, W = pix.shape[:2]
+            pale = (0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)).astype(np.uint8)  # colours under the map
+            axes[r, 0].imshow(pix, interpolation="nearest")
+            label = "CLS, mean of heads" if kind == "mean" else "best saliency head"
+            axes[r, 0].set_ylabel(f"{model_label(model).replace(' (', chr(10) + '(')}\n{label}", fontsize=6,
+                                  rotation=0, ha="right", va="center")
+            g = maps[(maps.model == model) & (maps.image == image_id)]
+            for c, layer in enumerate(layers, start=1):
+                ax = axes[r, c]
+                gl = g[g.layer == layer]
+                if kind == "best":
+                    head = best.get((model, layer))
+                    gl = gl[gl["head"] == head] if head is not None else gl.iloc[0:0]
+                    if head is not None:
+                        ax.text(0.03, 0.97, f"h{head}", transform=ax.transAxes, fontsize=5, va="top", color="white")
+                if len(gl):
+                    grid = gl.pivot_table(index="row", columns="col", values="value", aggfunc="mean").to_numpy()
+                    grid = grid / max(float(np.nanmax(grid)), 1e-12)
+                    ax.imshow(pale, interpolation="nearest")
+                    im = ax.imshow(grid, cmap="inferno", alpha=0.6, vmin=0, vmax=1, interpolation="bilinear",
+                                   extent=(-0.5, W - 0.5, H - 0.5, -0.5))
+                else:
+                    not_computed(ax, "no map", width=8)
+                if r == 0:
+                    ax.set_title(f"block {layer}", fontsize=7)
+        for ax in axes.flat:
+            ax.set_xticks([])
+            ax.set_yticks([])
+        axes[0, 0].set_title(f"image {image_id}", fontsize=7)
+        if im is not None:
+            colorbar(fig, im, axes, "CLS attention ÷ the map's maximum", shrink=0.6)
+        source = "; best saliency head: the block's head with the best IoU with the foreground (saliency_iou)" \
+            if best else "; the best saliency head needs the saliency_iou analysis"
+        out.append((f"Image {image_id} as each model saw it, with its CLS attention over it at every block (mean of "
+                    f"heads{source}) [{cite('walmer2023', 'Fig. 11-13')}]", fig))
     return out
 
 
@@ -149,7 +266,7 @@ def _type_label(row: pd.Series) -> str:
 
 def aligned_attention_maps(df: pd.DataFrame) -> Figures:
     """Per model: the AAAM of every layer and head (query at the centre of each map, type in the corner)
-    [seed 003 Fig. 5], then one map of the automatic head types (layers x heads, one colour per type;
+    [Walmer et al. 2023 Fig. 5], then one map of the automatic head types (layers x heads, one colour per type;
     arrows give the direction of offset and axial heads), all models side by side."""
     out: Figures = []
     aaam = df[df.metric == "aaam"]
@@ -159,14 +276,16 @@ def aligned_attention_maps(df: pd.DataFrame) -> Figures:
         t = types[types.model == model]
         labels = {(layers.index(int(r["layer"])), heads.index(int(r["head"]))): _type_label(r)
                   for _, r in t.iterrows() if int(r["layer"]) in layers and int(r["head"]) in heads}
-        out.append((f"Aligned aggregated attention maps, {model} (rows: blocks, columns: heads)",
-                    _map_grid(arr, layers, heads, "magma", labels)))
+        out.append((f"Aligned aggregated attention maps, {model} (rows: blocks, columns: heads; the query at the "
+                    "centre of each map, its head type in the corner). Uniform attention looks like a centred "
+                    "pyramid here: local heads stand out by a sharp centre "
+                    f"[{cite('walmer2023', 'Fig. 5')}]", _map_grid(arr, layers, heads, "magma", labels)))
     if types.empty:
         return out
     names = list(HEAD_TYPE_COLORS)
     cmap = ListedColormap([HEAD_TYPE_COLORS[n] for n in names])
     models = _models(types)
-    fig, axes = plt.subplots(1, len(models), figsize=(min(3.0 * len(models), 12) + 1.6, 3.6), squeeze=False)
+    fig, axes = panels(1, len(models), panel=(min(3.0, 12 / len(models)), 3.4))
     for ax, model in zip(axes[0], models, strict=True):
         t = types[types.model == model]
         layers = sorted(int(x) for x in t["layer"].unique())
@@ -178,16 +297,19 @@ def aligned_attention_maps(df: pd.DataFrame) -> Figures:
             arrow = _ARROWS.get(r["direction"], "") if isinstance(r["direction"], str) else ""
             if arrow:
                 ax.text(j, i, arrow, ha="center", va="center", fontsize=7, color="white")
-        ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest")
+        ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(names) - 0.5, aspect="auto", interpolation="nearest",
+                  gid="categorical")
         ax.set_xticks(range(len(heads)), [str(h) for h in heads], fontsize=6)
         ax.set_yticks(range(len(layers)), [str(x) for x in layers], fontsize=6)
         ax.set_xlabel("head", fontsize=8)
         ax.set_ylabel("block", fontsize=8)
-        ax.set_title(model, fontsize=9)
-    fig.legend(handles=[Patch(color=HEAD_TYPE_COLORS[n], label=n.replace("_", " ")) for n in names],
-               loc="center right", fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0, 1 - 1.5 / fig.get_figwidth(), 1))
-    out.append(("Head types from the AAAM (strict local, soft local, axial, offset local, global, mixed)", fig))
+        n_local = int(t["type"].isin(["strict_local", "soft_local", "axial", "offset_local"]).sum())
+        ax.set_title(f"{model_label(model)}\n{n_local} of {len(t)} heads local", fontsize=8)
+    legend_outside(fig, handles=[Patch(color=HEAD_TYPE_COLORS[n], label=n.replace("_", " ")) for n in names],
+                   title="head type")
+    out.append(("Head types from the AAAM (strict local, soft local, axial, offset local, global, mixed; rules in "
+                "vitscope.metrics.attention.head_types, scaled to each grid by comparing with uniform attention) "
+                f"[{cite('walmer2023', '§4.2')}]", fig))
     return out
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, grid_layout, layer_lines, plt
+from vitscope.report.figures._common import Figures, grid_layout, layer_lines, legend_outside, plt
 
 TASKS = {  # analysis -> (headline metric, label)
     "propagation": ("JF", "video propagation J&F"),
@@ -28,8 +28,8 @@ def _panels(df: pd.DataFrame, panels: list[tuple[str, str]], rows: list[tuple[st
     for r, (label, d) in enumerate(rows):
         for c, (metric, title) in enumerate(panels):
             layer_lines(axes[r][c], d, metric, title=f"{title}{label}", mark_best=True)
-    axes[0][0].legend(fontsize=7)
     grid_layout(fig)
+    legend_outside(fig)  # beside the panels, never over a curve
     return [(caption, fig)]
 
 

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, grid_layout, plt
+from vitscope.report.figures._common import Figures, grid_layout, legend_outside, plt
 
 
 def _pairs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
@@ -62,8 +62,8 @@ def stir(df: pd.DataFrame) -> Figures:
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(pairs):]:
         ax.set_axis_off()
-    axes.flat[0].legend(fontsize=7)
     grid_layout(fig, left=0.5, right=0.15, top=0.35, bottom=0.5, wspace=0.3, hspace=0.55)
+    legend_outside(fig)  # beside the panels, never over a curve
     out.append(("Learning (1 - STIR(pt[i] | ft[i])), forgetting (1 - STIR(ft[i] | pt[i])) and cka divergence "
                 "(1 - CKA(ft[i], pt[i])) per block, one panel per pretrained -> fine-tuned pair (Merlin et al. "
                 f"eqs. 2-4); {_settings(pairs[0][2])}.", fig))
@@ -124,8 +124,8 @@ def stir(df: pd.DataFrame) -> Figures:
                                 f"(p = {float(p.iloc[0]):.2g})")
         for ax in list(axes.flat)[len(runs):]:
             ax.set_axis_off()
-        axes.flat[0].legend(fontsize=6, loc="upper left")
         grid_layout(fig, left=0.5, right=0.7, top=0.35, bottom=0.5, wspace=0.55, hspace=0.55)
+        legend_outside(fig)  # beside the panels, never over a curve
         out.append(("Fine-tuning dynamics: the metrics per epoch (lines) and the mean accuracy over the corruptions "
                     "(dashed, right axis), Merlin et al. Sec. 4.4; Pearson over the epochs: "
                     + ("; ".join(caps) if caps else "not computed (fewer than 3 epochs, or a constant series)")

@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, grid_layout, layer_figure, layer_lines, plt
+from vitscope.references import cite
+from vitscope.report.figures._common import (
+    Figures,
+    band_handle,
+    colorbar,
+    grid_layout,
+    grid_shape,
+    has_interval,
+    layer_lines,
+    legend_outside,
+    model_color,
+    model_label,
+    models_of,
+    panels,
+    plt,
+    style_handle,
+)
 
 
 def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.cm.ScalarMappable:
@@ -18,9 +34,10 @@ def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.c
 
 def cka(df: pd.DataFrame) -> Figures:
     """Tap x tap CKA heatmaps, one figure per token view: a grid whose cell (A, B) is model A (rows: its
-    taps) against model B (columns), each model against itself on the diagonal [seed 003 Fig. 6, 19]; then
-    CKA divergence per layer between models [seed 002 eq. 4]. One figure per view, not per pair: the
-    figure count stays constant in the number of models."""
+    taps) against model B (columns), each model against itself on the diagonal [Walmer et al. 2023 Fig. 6,
+    19]; then CKA divergence per layer between models [Merlin et al. 2023 eq. 4], a panel per model with a
+    line per other model. One figure per view, not per pair: the figure count stays constant in the number
+    of models."""
     out: Figures = []
     grid = df[df.metric == "cka_minibatch"]
     for view, gv in grid.groupby("token_view", sort=False):
@@ -39,21 +56,39 @@ def cka(df: pd.DataFrame) -> Figures:
             if not ax.images:
                 ax.set_axis_off()
         if im is not None:
-            fig.colorbar(im, ax=axes, fraction=0.03 if n > 1 else 0.046)
+            colorbar(fig, im, axes, "CKA", fraction=0.03 if n > 1 else 0.046)
         out.append((f"CKA between the taps of every pair of models ({view} token view): cell (row A, column B) "
                     "has A's taps on its rows and B's on its columns. Bright = similar representations; a model "
                     "against itself has 1 on its diagonal.", fig))
     div = df[df.metric == "cka_divergence"]
-    if len(div):
-        pairs = div.assign(model=div["model"] + " vs " + div["model_b"] + " (" + div["token_view"] + ")")
-        fig = layer_figure(pairs, "cka_divergence", "1 - CKA (same layer)", figsize=(5.5, 3.4))
-        out.append(("CKA divergence per layer between models (e.g. pretrained vs fine-tuned): "
-                    "higher = the layer changed more", fig))
+    for view, gv in div.groupby("token_view", sort=False):
+        out.append(_divergence(gv, str(view)))
     return out
 
 
+def _divergence(div: pd.DataFrame, view: str) -> tuple[str, plt.Figure]:
+    """1 - CKA of the same layer in two models: one panel per model, a line (with its band) per other model,
+    so no panel holds more lines than there are models."""
+    both = pd.concat([div, div.rename(columns={"model": "model_b", "model_b": "model"})], ignore_index=True)
+    models = models_of(both)
+    rows, cols = grid_shape(len(models), 4)
+    fig, axes = panels(rows, cols, panel=(3.0, 2.3), sharey=True)
+    for ax, model in zip(axes.flat, models, strict=False):
+        g = both[both.model == model]
+        others = g.assign(model=g["model_b"])  # a line per other model, in its own colour
+        layer_lines(ax, others, "cka_divergence", title=f"{model_label(model)} vs ...")
+    for ax in axes.flat[len(models):]:
+        ax.set_axis_off()
+    for ax in axes[:, 0]:
+        ax.set_ylabel("1 - CKA (same layer)")
+    legend_outside(fig, extra=[band_handle()] if has_interval(div) else [])
+    return (f"CKA divergence per layer between models ({view} token view): one panel per model, a line per "
+            "other model; higher = the layer differs more (e.g. pretrained vs fine-tuned) "
+            f"[{cite('merlin2023', 'eq. 4')}]", fig)
+
+
 def residual_cka(df: pd.DataFrame) -> Figures:
-    """Skip path (rows: input of block i) vs branch output (columns: block j) [seed 003 Fig. 23]: one figure
+    """Skip path (rows: input of block i) vs branch output (columns: block j) [Walmer et al. 2023 Fig. 23]: one figure
     per token view, a row of two panels (attention and MLP branch) per model."""
     out: Figures = []
     for view, gv in df.groupby("token_view", sort=False):
@@ -70,7 +105,7 @@ def residual_cka(df: pd.DataFrame) -> Figures:
                 ax.set_ylabel(f"{model}\nskip path into block i", fontsize=8)
                 ax.tick_params(labelsize=6)
         if im is not None:
-            fig.colorbar(im, ax=axes, fraction=0.046)
+            colorbar(fig, im, axes, "CKA")
         out.append((f"Residual-connection CKA ({view} token view), one row per model: the skip path into block i "
                     "against the attention (left) and MLP (right) branch of block j; a dark diagonal means each "
                     "branch adds something the skip path did not carry", fig))
@@ -78,16 +113,20 @@ def residual_cka(df: pd.DataFrame) -> Figures:
 
 
 def diversity(df: pd.DataFrame) -> Figures:
-    """Similarity between heads, between spatial tokens, and before/after attention, per layer [seed 001]."""
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.2), sharey=True)
-    for ax, what in zip(axes, ("heads", "tokens", "depth"), strict=True):
+    """Similarity between heads, between spatial tokens, and before/after attention, per layer, with 95 %
+    bands [Park et al. 2023; Wang 2023]."""
+    fig, axes = panels(1, 3, panel=(3.2, 2.7), sharey=True)
+    for ax, what in zip(axes[0], ("heads", "tokens", "depth"), strict=True):
         for measure, style in (("cka", "-o"), ("cosine", "--s")):
-            layer_lines(ax, df, f"{measure}_{what}", style, label_suffix=f" ({measure})", title=what)
-    axes[0].set_ylabel("similarity")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    return [("Representation diversity inside self-attention: high similarity = low diversity "
-             "(solid: minibatch CKA, dashed: cosine)", fig)]
+            layer_lines(ax, df, f"{measure}_{what}", style, title=what)
+    axes[0, 0].set_ylabel("similarity")
+    handles = [style_handle("-", model_label(m), color=model_color(m, models_of(df))) for m in models_of(df)]
+    extra = [style_handle("-o", "solid: minibatch CKA"), style_handle("--s", "dashed: cosine")]
+    if has_interval(df):
+        extra.append(band_handle())
+    legend_outside(fig, handles=handles, extra=extra)
+    return [("Representation diversity inside self-attention: high similarity = low diversity (solid: minibatch "
+             f"CKA, dashed: cosine) [{cite('park2023')}; {cite('wang_clmm')}]", fig)]
 
 
 def _short(tap: str) -> str:

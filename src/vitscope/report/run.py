@@ -1,0 +1,74 @@
+"""A run directory as the report, the figure export and `plot` read it: its tables in the analyses' order, its
+manifest, and the figure context (model order, untrained models, the other tables)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from vitscope.report.figures import FIGURES
+from vitscope.report.figures._common import context
+
+
+def untrained_models(manifest: dict[str, Any]) -> list[str]:
+    """The models the manifest records as untrained (random initialisation): the baselines."""
+    return [m for m, meta in manifest.get("models", {}).items()
+            if meta.get("objective_family") == "none" or meta.get("supervision") == "random init"]
+
+
+@dataclass
+class Run:
+    path: Path
+    manifest: dict[str, Any] = field(default_factory=dict)
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # sha256 of the bytes each table was read from
+
+    @property
+    def models(self) -> list[str]:
+        return list(self.manifest.get("models", {}))
+
+    @property
+    def untrained(self) -> list[str]:
+        return untrained_models(self.manifest)
+
+    @contextmanager
+    def figure_context(self) -> Iterator[None]:
+        with context(self.models, self.untrained, self.tables):
+            yield
+
+    def figures(self, name: str) -> Iterator[tuple[str, plt.Figure]]:
+        """(caption, figure) of one analysis, drawn in the run's context; each figure's label is its caption."""
+        fn = FIGURES.get(name)
+        if fn is None or name not in self.tables:
+            return
+        with self.figure_context():
+            drawn = fn(self.tables[name])
+        for caption, fig in drawn:
+            fig.set_label(caption)
+            yield caption, fig
+
+
+def load_run(run_dir: str | Path) -> Run:
+    """Read a run directory's manifest and every ``results/*.parquet`` (in the order analyses are registered)."""
+    from vitscope.analyses import ANALYSES
+
+    path = Path(run_dir)
+    mf = path / "manifest.json"
+    manifest = json.loads(mf.read_text()) if mf.is_file() else {}
+    order = {name: i for i, name in enumerate(ANALYSES)}
+    files = sorted((path / "results").glob("*.parquet"), key=lambda p: (order.get(p.stem, len(order)), p.stem))
+    run = Run(path, manifest)
+    for p in files:
+        raw = p.read_bytes()  # one read: the table and its digest come from the same bytes
+        run.tables[p.stem] = pd.read_parquet(io.BytesIO(raw))
+        run.digests[p.stem] = hashlib.sha256(raw).hexdigest()
+    return run

@@ -1,0 +1,235 @@
+"""The report's summary: the key findings of a run in sentences, with their numbers and uncertainty, and a flag
+on each result that is within noise of chance or of the untrained model.
+
+Each analysis with a summary has a function here (keyed by analysis name in ``SUMMARIES``, as figures are
+in ``FIGURES``) taking its table and the study's `Study` facts and returning `Point`s. "Within noise" means
+the difference is at most 1.96 times its standard error: ``sqrt(se_a² + se_b²)`` for two estimates, the
+estimate's own ``se`` against a fixed chance level. Standard errors come from the tables' ``stderr`` column;
+for a mean over the heads of a layer (or layers) the heads' mean stderr, an upper bound (their errors come
+from the same images).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+Z95 = 1.959964
+
+
+@dataclass
+class Study:
+    """What a summary needs to know besides one table: the models in order and which are untrained."""
+
+    models: list[str] = field(default_factory=list)
+    untrained: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Point:
+    """One sentence of the summary; ``flags`` name what it is within noise of ("chance", "the untrained model")."""
+
+    analysis: str
+    text: str
+    flags: list[str] = field(default_factory=list)
+
+
+def within_noise(a: float, se_a: float, b: float, se_b: float = 0.0) -> bool:
+    """|a - b| <= 1.96 sqrt(se_a² + se_b²); False when an error is unknown (NaN)."""
+    se = math.sqrt(se_a ** 2 + se_b ** 2)
+    return bool(np.isfinite(se) and abs(a - b) <= Z95 * se)
+
+
+def _fmt(v: float, se: float, unit: str = "", digits: int = 3) -> str:
+    """``v ± half-width`` of its 95 % interval, both to the half-width's second significant digit."""
+    half = Z95 * se
+    if not np.isfinite(half) or half <= 0:
+        return f"{v:.{digits}g}{unit}"
+    decimals = max(0, 1 - math.floor(math.log10(half)))
+    return f"{v:.{decimals}f} ± {half:.{decimals}f}{unit}"
+
+
+def _models(df: pd.DataFrame, study: Study) -> list[str]:
+    seen = list(dict.fromkeys(df["model"].dropna()))
+    order = {m: i for i, m in enumerate(study.models)}
+    return sorted(seen, key=lambda m: order.get(m, len(order)))
+
+
+def _late_mean(df: pd.DataFrame, metric: str, model: str) -> tuple[float, float, list[int]]:
+    """Mean of ``metric`` over the last third of the model's blocks (and heads) and its (upper-bound) stderr."""
+    d = df[(df.model == model) & (df.metric == metric)]
+    if d.empty:
+        return float("nan"), float("nan"), []
+    depth = int(d["layer"].max()) + 1
+    late = d[d["layer"] >= depth - max(1, depth // 3)]
+    se = float(late["stderr"].mean()) if "stderr" in late.columns else float("nan")
+    return float(late["value"].mean()), se, sorted(int(x) for x in late["layer"].unique())
+
+
+def _vs_untrained(values: Mapping[str, tuple[float, float]], study: Study) -> tuple[list[str], str | None]:
+    """Trained models within noise of the (first) untrained model, and that model's name."""
+    base = next((m for m in study.untrained if m in values), None)
+    if base is None:
+        return [], None
+    b, se_b = values[base]
+    return [m for m, (v, se) in values.items() if m != base and within_noise(v, se, b, se_b)], base
+
+
+def _extremes_sentence(what: str, values: Mapping[str, tuple[float, float]], study: Study, unit: str = "") -> Point:
+    trained = {m: v for m, v in values.items() if m not in study.untrained}
+    pool = trained or dict(values)
+    hi = max(pool, key=lambda m: pool[m][0])
+    lo = min(pool, key=lambda m: pool[m][0])
+    text = f"{what}: highest {hi} {_fmt(*pool[hi], unit)}, lowest {lo} {_fmt(*pool[lo], unit)}"
+    close, base = _vs_untrained(values, study)
+    flags = []
+    if base is not None:
+        text += f"; untrained {base} {_fmt(*values[base], unit)}"
+        if close:
+            text += f". Within noise of the untrained model: {', '.join(close)}"
+            flags.append("the untrained model")
+    return Point("", text + ".", flags)
+
+
+def attention_distance(df: pd.DataFrame, study: Study) -> list[Point]:
+    values, layers = {}, []
+    for m in _models(df, study):
+        v, se, layers = _late_mean(df, "distance_px", m)
+        values[m] = (v, se)
+    if not values:
+        return []
+    span = f"blocks {layers[0]}-{layers[-1]}" if len(layers) > 1 else f"block {layers[0]}" if layers else "late blocks"
+    return [_extremes_sentence(f"Mean attention distance in the late layers ({span}, mean over heads, ± 95 %)",
+                               values, study, " px")]
+
+
+def attention_nmi(df: pd.DataFrame, study: Study) -> list[Point]:
+    values = {}
+    for m in _models(df, study):
+        v, se, _ = _late_mean(df, "nmi", m)
+        values[m] = (v, se)
+    if not values:
+        return []
+    p = _extremes_sentence("Attention NMI(query, key) in the late layers (low = collapse, ± 95 %)", values, study)
+    return [p]
+
+
+def aligned_attention_maps(df: pd.DataFrame, study: Study) -> list[Point]:
+    t = df[df.metric == "head_type"]
+    if t.empty:
+        return []
+    local_kinds = ["strict_local", "soft_local", "axial", "offset_local"]
+    parts = []
+    for m in _models(t, study):
+        g = t[t.model == m]
+        loc = g[g["type"].isin(local_kinds)]
+        blocks = sorted(int(x) for x in loc["layer"].unique())
+        where = f" (blocks {', '.join(map(str, blocks))})" if blocks else ""
+        parts.append(f"{m} {len(loc)} of {len(g)}{where}")
+    return [Point("", "Local attention heads (strict, soft, axial or offset local, from the aligned maps): "
+                  + "; ".join(parts) + ".")]
+
+
+def saliency_iou(df: pd.DataFrame, study: Study) -> list[Point]:
+    d = df[(df.metric == "iou_best_head") & (df["query"] == "cls")] if "query" in df.columns else df.iloc[0:0]
+    if d.empty:
+        return []
+    values = {}
+    for m in _models(d, study):
+        g = d[d.model == m].dropna(subset=["value"])
+        if len(g):
+            r = g.loc[g["value"].idxmax()]
+            values[m] = (float(r["value"]), float(r.get("stderr", float("nan"))))
+    if not values:
+        return []
+    return [_extremes_sentence("Best CLS-attention IoU with the foreground (best head of the best block, ± 95 %)",
+                               values, study)]
+
+
+def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
+    metric = "knn20_top1" if (df.metric == "knn20_top1").any() else next(
+        (m for m in sorted(df.metric.unique()) if m.startswith("knn") and m.endswith("_top1")), None)
+    if metric is None:
+        return []
+    views = [v for v in ("cls", "gap_spatial", "gap") if ((df.metric == metric) & (df.token_view == v)).any()]
+    if not views:
+        return []
+    view = views[0]
+    d = df[(df.metric == metric) & (df.token_view == view) & df["layer"].notna()]
+    points, best = [], {}
+    for m in _models(d, study):
+        g = d[d.model == m]
+        r = g.loc[g["value"].idxmax()]
+        best[m] = (float(r["value"]), float(r.get("stderr", float("nan"))), int(r["layer"]),
+                   float(r.get("chance", float("nan"))), float(r.get("value_lo", float("nan"))),
+                   float(r.get("value_hi", float("nan"))))
+    if not best:
+        return []
+    chance = float(np.nanmean([b[3] for b in best.values()])) if any(np.isfinite(b[3]) for b in best.values()) \
+        else float("nan")
+    k = metric[3:].split("_")[0]
+    parts = [f"{m} {v:.3g} [{lo:.3g}, {hi:.3g}] at block {layer}" for m, (v, _, layer, _, lo, hi) in best.items()]
+    text = f"Best {k}-NN top-1 ({view} token, 95 % binomial interval): " + "; ".join(parts)
+    flags = []
+    if np.isfinite(chance):
+        text += f". Chance (majority class) is {chance:.3g}"
+        at_chance = [m for m, b in best.items() if np.isfinite(b[4]) and b[4] <= b[3]]
+        if at_chance:
+            text += f"; within noise of chance: {', '.join(at_chance)}"
+            flags.append("chance")
+    close, base = _vs_untrained({m: (b[0], b[1]) for m, b in best.items()}, study)
+    if close:
+        text += f"; within noise of the untrained {base}: {', '.join(close)}"
+        flags.append("the untrained model")
+    points.append(Point("", text + ".", flags))
+    return points
+
+
+def cka(df: pd.DataFrame, study: Study) -> list[Point]:
+    d = df[(df.metric == "cka_minibatch") & (df.model != df.model_b)] if "model_b" in df.columns else df.iloc[0:0]
+    if d.empty:
+        return []
+    view = "cls" if (d.token_view == "cls").any() else str(d.token_view.iloc[0])
+    d = d[d.token_view == view]
+    last = {}
+    for (a, b), g in d.groupby(["model", "model_b"], sort=False):
+        depth_a, depth_b = int(g["layer"].max()), int(g["layer_b"].max())
+        r = g[(g.layer == depth_a) & (g.layer_b == depth_b)]
+        if len(r):
+            last[(a, b)] = (float(r["value"].iloc[0]), float(r["stderr"].iloc[0]) if "stderr" in r else float("nan"))
+    trained = {p: v for p, v in last.items() if not (set(p) & set(study.untrained))}
+    if not trained:
+        return []
+    hi = max(trained, key=lambda p: trained[p][0])
+    lo = min(trained, key=lambda p: trained[p][0])
+    if hi == lo:
+        return [Point("", f"Last-block CKA between {hi[0]} and {hi[1]} ({view} token, ± 95 %): {_fmt(*trained[hi])}.")]
+    return [Point("", f"Last-block CKA between models ({view} token, ± 95 %): most alike {hi[0]} and {hi[1]} "
+                      f"{_fmt(*trained[hi])}, least alike {lo[0]} and {lo[1]} {_fmt(*trained[lo])}.")]
+
+
+SUMMARIES: dict[str, Callable[[pd.DataFrame, Study], list[Point]]] = {
+    "attention_distance": attention_distance,
+    "attention_nmi": attention_nmi,
+    "aligned_attention_maps": aligned_attention_maps,
+    "saliency_iou": saliency_iou,
+    "semantics": semantics,
+    "cka": cka,
+}
+
+
+def summarize(tables: Mapping[str, pd.DataFrame], study: Study) -> list[Point]:
+    """The summary's points, analysis by analysis in the order of ``tables``."""
+    out = []
+    for name, df in tables.items():
+        fn = SUMMARIES.get(name)
+        if fn is None or df.empty:
+            continue
+        for p in fn(df, study):
+            p.analysis = name
+            out.append(p)
+    return out
