@@ -1,5 +1,5 @@
 """Study overhead: 2 small models x every registered analysis on 512 synthetic images, or (``--size zoo``) the
-embedded default study itself: the 7 zoo models, its analyses and parameters, 256 images, batch 64.
+embedded default study itself, exactly as `vitscope run` runs it (its models, datasets, views and analyses).
 
 Prints, from one run: the wall time of the study (first run, nothing cached), the sum of bare forward
 passes over the same images (fused attention, batches drawn the same way, data generation included in
@@ -24,7 +24,9 @@ import torch
 import vitscope as vs
 from vitscope.analyses import ANALYSES
 from vitscope.data import SyntheticShapes
+from vitscope.data.catalog import build_dataset
 from vitscope.study import load_config, run_study
+from vitscope.study.plan import make_plan
 
 # The smallest models of the sources' comparisons are ViT-S/16 (DINO, MoCo v3); "ti" is smaller still,
 # where the analyses' per-token work weighs most against a forward pass.
@@ -44,9 +46,8 @@ def main() -> None:
                     help="the model pair (ViT + BEiT, S or Ti), or zoo: the default study as shipped")
     args = ap.parse_args()
     default = load_config()
-    if args.size == "zoo":  # the default study's own models, images, batch size and analysis parameters
+    if args.size == "zoo":
         MODELS = [(m.name, m.label or m.name, {}) for m in default.models]
-        args.images, args.batch = default.dataset.n_images, default.batch_size
         analyses = default.analyses
     else:
         MODELS = PAIRS[args.size]
@@ -54,38 +55,54 @@ def main() -> None:
     vs.capture.engine.tune_allocator()  # the study tunes it too: same conditions for both sides
 
     def bare_forwards() -> float:
+        """Every model's forward over every image of every (dataset, view) pass the study plans (views: the
+        clean images again; a view's perturbation is study work), fused attention, data loading included."""
+        if args.size == "zoo":
+            plan = make_plan(default)
+            passes = list(dict.fromkeys(p for ap in plan.analyses if not ap.pair for p in ap.passes))
+            data = {name: build_dataset(dc) for name, dc in plan.datasets.items()}
+            work = [(data[d], default.batch_size) for d, _view in passes]
+        else:
+            work = [(SyntheticShapes(n=args.images), args.batch)]
         total = 0.0
         for name, _label, kw in MODELS:
             vm = vs.load_model(name, pretrained=args.size == "zoo", **kw)
             t0 = time.perf_counter()
             with torch.inference_mode():
-                for batch in SyntheticShapes(n=args.images).batches(args.batch, vm.preprocessing):
-                    vm.model(batch.images)
+                for ds, bs in work:
+                    for batch in ds.batches(bs, vm.preprocessing):
+                        vm.model(batch.images)
             total += time.perf_counter() - t0
         return total
 
-    bare_before = bare_forwards()
-    with tempfile.TemporaryDirectory() as tmp:
+    def study_config(tmp: str):  # noqa: ANN202
+        overrides = [f"output_dir={tmp}/run", f"cache_dir={tmp}/cache", "progress=false"]
+        if args.size == "zoo":
+            return load_config(None, overrides)
         cfg = Path(tmp) / "study.yaml"
-        pretrained = "true" if args.size == "zoo" else "false"
-        models = "\n".join(f"  - {{name: {n}, label: {lab}, pretrained: {pretrained}, kwargs: {kw or {}}}}"
+        models = "\n".join(f"  - {{name: {n}, label: {lab}, pretrained: false, kwargs: {kw or {}}}}"
                            for n, lab, kw in MODELS)
         cfg.write_text(f"models:\n{models}\ndataset: {{name: synthetic-shapes, n_images: {args.images}}}\n"
                        f"analyses:\n" + "\n".join(f"  {a}: {json.dumps(p or {})}" for a, p in analyses.items())
-                       + f"\nbatch_size: {args.batch}\nprogress: false\n")
-        overrides = [f"output_dir={tmp}/run", f"cache_dir={tmp}/cache"]
+                       + f"\nbatch_size: {args.batch}\n")
+        return load_config(cfg, overrides)
+
+    bare_before = bare_forwards()
+    with tempfile.TemporaryDirectory() as tmp:
         t0, c0 = time.perf_counter(), time.process_time()
-        run_dir = run_study(load_config(cfg, overrides))
+        run_dir = run_study(study_config(tmp))
         first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
         manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
         t0 = time.perf_counter()
-        run_study(load_config(cfg, overrides))
+        run_study(study_config(tmp))
         cached = time.perf_counter() - t0
     bare_after = bare_forwards()  # before and after: a drift in the machine's load shows as a gap between them
     bare = (bare_before + bare_after) / 2
 
-    print(f"{len(MODELS)} models x {len(analyses)} analyses ({', '.join(analyses)}), {args.images} images, "
-          f"batch {args.batch}, {torch.get_num_threads()} threads")
+    what = "the default study's datasets and views" if args.size == "zoo" else \
+        f"{args.images} images, batch {args.batch}"
+    print(f"{len(MODELS)} models x {len(analyses)} analyses ({', '.join(analyses)}), {what}, "
+          f"{torch.get_num_threads()} threads")
     print(f"  bare forward passes (sum): {bare:7.2f} s "
           f"(mean of {bare_before:.2f} s before and {bare_after:.2f} s after)")
     print(f"  study, first run:          {first:7.2f} s = {first / bare:.2f}x the bare forwards "

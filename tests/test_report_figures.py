@@ -19,7 +19,7 @@ def _cka_table(models, views, depth, rng):
     return pd.DataFrame(rows)
 
 
-def test_cka_figure_is_one_grid_per_view_whose_panels_hold_the_table():
+def test_cka_figure_is_one_mosaic_per_view_whose_blocks_hold_the_table_mirrored():
     rng = np.random.default_rng(0)
     models, views, depth = ["m0", "m1", "m2", "m3"], ["cls", "gap"], 5
     df = _cka_table(models, views, depth, rng)
@@ -28,13 +28,22 @@ def test_cka_figure_is_one_grid_per_view_whose_panels_hold_the_table():
     for (caption, fig), view in zip(figs, views, strict=True):
         assert view in caption
         panels = [ax for ax in fig.axes if ax.images and ax.get_label() != "<colorbar>"]
-        assert len(panels) == len(models) * (len(models) + 1) // 2
-        for ax in panels:
-            ma, mb = ax.get_ylabel(), ax.get_xlabel()
-            g = df[(df.model == ma) & (df.model_b == mb) & (df.token_view == view)]
-            want = np.zeros((depth, depth))
-            want[g.layer.to_numpy(), g.layer_b.to_numpy()] = g.value.to_numpy()
-            np.testing.assert_allclose(np.asarray(ax.images[0].get_array()), want)
+        assert len(panels) == 1
+        got = np.asarray(panels[0].images[0].get_array().filled(np.nan), dtype=float)
+        assert got.shape == (len(models) * (depth + 1) - 1,) * 2
+        for i, a in enumerate(models):
+            for j, b in enumerate(models):
+                g = df[(df.model == min(a, b)) & (df.model_b == max(a, b)) & (df.token_view == view)]
+                want = np.zeros((depth, depth))
+                want[g.layer.to_numpy(), g.layer_b.to_numpy()] = g.value.to_numpy()
+                if a > b:  # the table holds each pair once: the other order is its transpose
+                    want = want.T
+                block = got[i * (depth + 1):i * (depth + 1) + depth, j * (depth + 1):j * (depth + 1) + depth]
+                np.testing.assert_allclose(block, want)
+        # the gaps between models are empty (drawn white), not zeros that would read as "dissimilar"
+        assert np.isnan(got[depth, :]).all() and np.isnan(got[:, depth]).all()
+        labels = [t.get_text() for t in panels[0].get_yticklabels()]
+        assert labels == models
 
 
 def test_residual_cka_figure_is_one_per_view_with_a_row_per_model():
@@ -249,3 +258,49 @@ def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model(
     # 16.6 vs 16.5 px with standard errors 0.1 and 0.05: |0.1| <= 1.96 sqrt(0.1² + 0.05²) = 0.22 -> within noise
     assert "highest good 20.00 ± 0.20 px" in d.text and "Within noise of the untrained model: weak." in d.text
     assert d.flags == ["the untrained model"]
+
+
+def test_overlay_mosaic_cells_are_the_image_under_the_mean_cls_map(run_dir):
+    """Each cell of the per-image overlay is the kept image, paled, under its CLS map (mean of heads, divided by
+    its maximum, bilinear to the image's pixels; torch's interpolate here, not the figure's code path)."""
+    import io
+
+    import torch
+
+    run = load_run(run_dir)
+    df = run.tables["cls_attention_maps"]
+    images = df[df.metric == "input_image"]
+    image_id = int(sorted(images["image"].dropna().astype(int))[0])
+    figs = [(c, f) for c, f in run.figures("cls_attention_maps") if c.startswith(f"Image {image_id} ")]
+    assert len(figs) == 1
+    ax = _data_axes(figs[0][1])[0]
+    mosaic = np.asarray(ax.images[0].get_array(), dtype=float)
+    model = images.model.iloc[0]
+    pix = np.asarray(Image.open(io.BytesIO(images[(images.model == model) & (images.image == image_id)]
+                                           ["png"].iloc[0])).convert("RGB"), dtype=float) / 255
+    side = pix.shape[0]
+    np.testing.assert_allclose(mosaic[:side, :side], pix)  # first row, first column: the image itself
+    maps = df[(df.metric == "cls_attention") & (df.image == image_id) & (df.model == model)]
+    layer = sorted(maps.layer.unique())[0]
+    grid = maps[maps.layer == layer].groupby(["row", "col"])["value"].mean().unstack().to_numpy()
+    grid = grid / grid.max()
+    up = torch.nn.functional.interpolate(torch.tensor(grid)[None, None], size=(side, side), mode="bilinear",
+                                         align_corners=False)[0, 0].numpy()
+    heat = plt.get_cmap("inferno")(np.clip(up, 0, 1))[..., :3]
+    pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)
+    n_layers = len(maps.layer.unique())
+    gap = (mosaic.shape[1] - (n_layers + 1) * side) // n_layers  # cells and the white gaps between them
+    step = side + gap
+    assert gap >= 1 and (mosaic[:side, side:step] == 1).all()
+    np.testing.assert_allclose(mosaic[:side, step:step + side], 0.4 * pale + 0.6 * heat, atol=1e-9)
+    plt.close(figs[0][1])
+
+
+def test_report_drawn_in_two_processes_is_the_same_report(run_dir, monkeypatch):
+    from vitscope.report.html import write_report
+
+    monkeypatch.setenv("VITSCOPE_REPORT_WORKERS", "1")
+    one = write_report(run_dir).read_bytes()
+    monkeypatch.setenv("VITSCOPE_REPORT_WORKERS", "2")
+    two = write_report(run_dir).read_bytes()
+    assert one == two and one.count(b"data:image/png;base64,") > 10

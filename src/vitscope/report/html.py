@@ -161,6 +161,51 @@ def report_digest(run_dir: str | Path) -> dict[str, str]:
     return dict(re.findall(r"data-table='([^']*)' data-sha256='([0-9a-f]{64})'", text))
 
 
+def _draw(run: Run, name: str) -> list[tuple[str, str]]:
+    """(caption, base64 PNG) of every figure of one analysis."""
+    return [(title, _png(fig)) for title, fig in run.figures(name)]
+
+
+_FORKED_RUN: Run | None = None  # the run a forked drawing process inherits
+
+
+def _draw_forked(name: str) -> list[tuple[str, str]]:
+    assert _FORKED_RUN is not None
+    return _draw(_FORKED_RUN, name)
+
+
+def report_workers() -> int:
+    """Processes that draw the report's figures: 2 where there are 2 cores and processes can be forked (drawing
+    is single-threaded; a forked process inherits the loaded run and every module, so it starts at once),
+    else 1. ``VITSCOPE_REPORT_WORKERS`` overrides (1 = draw in this process)."""
+    import multiprocessing as mp
+    import os
+
+    env = os.environ.get("VITSCOPE_REPORT_WORKERS", "").strip()
+    if env:
+        return max(1, int(env)) if env.isdigit() else 1
+    if "fork" not in mp.get_all_start_methods():
+        return 1
+    return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+
+
+def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """Every analysis's figures, drawn in `report_workers` processes (the same bytes as drawing them here)."""
+    global _FORKED_RUN
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(report_workers(), len(names))
+    if workers < 2:
+        return {n: _draw(run, n) for n in names}
+    _FORKED_RUN = run
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            return dict(zip(names, pool.map(_draw_forked, names), strict=True))
+    finally:
+        _FORKED_RUN = None
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -202,14 +247,15 @@ def write_report(run_dir: str | Path) -> Path:
     for name, items in skipped.items():
         parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
                      "manifest.json).</p>")
+    drawn = _draw_all(run, names)
     for name, df in run.tables.items():
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
         own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
         parts.append(_table(own(df) if callable(own) else key_numbers(df)))
-        for title, fig in run.figures(name):
-            parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
+        for title, png in drawn[name]:
+            parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
         # drawn from exactly the bytes whose digest is here (results_digest)
         parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"

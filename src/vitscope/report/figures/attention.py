@@ -194,11 +194,31 @@ def _best_saliency_heads() -> dict[tuple[str, int], int]:
     return {(str(r.model), int(r.layer)): int(r.head) for r in best.itertuples()}
 
 
+def _fit(pix: np.ndarray, side: int) -> np.ndarray:
+    """An (H, W, 3) uint8 image resized (bilinear) to ``side`` x ``side``, as floats in [0, 1]."""
+    from PIL import Image
+
+    if pix.shape[0] != side or pix.shape[1] != side:
+        pix = np.asarray(Image.fromarray(pix).resize((side, side), Image.BILINEAR))
+    return pix.astype(np.float64) / 255.0
+
+
+def _upsample(grid: np.ndarray, side: int) -> np.ndarray:
+    """A token grid (R, C) bilinearly upsampled to ``side`` x ``side`` pixels (cell centres aligned, edges held)."""
+    from scipy.ndimage import zoom
+
+    g = np.nan_to_num(np.asarray(grid, dtype=np.float64), nan=0.0)
+    return zoom(g, (side / g.shape[0], side / g.shape[1]), order=1, mode="nearest", grid_mode=True)
+
+
 def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
     """Per-image attention overlays [Walmer et al. 2023 Fig. 11-13]: for each of the first ``max_images``
     images the analysis kept, a row per model with the image as that model saw it, then its CLS attention
     over the image at every block (mean over heads); under it, when `saliency_iou` ran, the CLS map of the
-    block's best saliency head (its id in the corner). Each map on its own scale (divided by its maximum)."""
+    block's best saliency head (its id in the corner). Each map on its own scale (divided by its maximum).
+
+    The cells are composed into one RGB mosaic drawn with a single imshow (a figure of 16 x 9 axes took
+    seconds to lay out and render; the mosaic takes a fraction of one), with the colour scale beside it."""
     if "png" not in df.columns or "image" not in df.columns:
         return []
     images = df[(df.metric == "input_image") & df["png"].notna()]
@@ -207,49 +227,63 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
         return []
     best = _best_saliency_heads()
     layers = sorted(int(x) for x in maps["layer"].unique())
+    cmap = plt.get_cmap("inferno")
+    alpha, gap = 0.6, 0.08  # the map's opacity over the image; white gap between cells, in cells
     out: Figures = []
     for image_id in sorted(int(x) for x in images["image"].unique())[:max_images]:
         models = models_of(images[images.image == image_id])
         rows = [(m, kind) for m in models for kind in ("mean", "best")
                 if kind == "mean" or any((m, layer) in best for layer in layers)]
-        size = 0.9
-        fig, axes = plt.subplots(len(rows), len(layers) + 1, figsize=(size * (len(layers) + 1) + 1.6,
-                                                                       size * len(rows) + 0.5),
-                                 squeeze=False, layout="constrained")
-        im = None
+        pixels = {m: _decode_png(images[(images.model == m) & (images.image == image_id)]["png"].iloc[0])
+                  for m in models}
+        side = int(min(max(p.shape[0] for p in pixels.values()), 112))
+        step = side + max(1, round(gap * side))
+        mosaic = np.ones((len(rows) * step - (step - side), (len(layers) + 1) * step - (step - side), 3))
+        g_all = maps[maps.image == image_id]
+        notes: list[tuple[int, int, str, str]] = []  # (row, column, text, colour)
         for r, (model, kind) in enumerate(rows):
-            pix = _decode_png(images[(images.model == model) & (images.image == image_id)]["png"].iloc[0])
-            H, W = pix.shape[:2]
-            pale = (0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)).astype(np.uint8)  # colours under the map
-            axes[r, 0].imshow(pix, interpolation="nearest")
-            label = "CLS, mean of heads" if kind == "mean" else "best saliency head"
-            axes[r, 0].set_ylabel(f"{model_label(model).replace(' (', chr(10) + '(')}\n{label}", fontsize=6,
-                                  rotation=0, ha="right", va="center")
-            g = maps[(maps.model == model) & (maps.image == image_id)]
+            pix = _fit(pixels[model], side)
+            pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)  # colours under the map
+            y = r * step
+            mosaic[y:y + side, 0:side] = pix
+            g = g_all[g_all.model == model]
             for c, layer in enumerate(layers, start=1):
-                ax = axes[r, c]
                 gl = g[g.layer == layer]
                 if kind == "best":
                     head = best.get((model, layer))
                     gl = gl[gl["head"] == head] if head is not None else gl.iloc[0:0]
                     if head is not None:
-                        ax.text(0.03, 0.97, f"h{head}", transform=ax.transAxes, fontsize=5, va="top", color="white")
+                        notes.append((r, c, f"h{head}", "white"))
+                x = c * step
                 if len(gl):
-                    grid = gl.pivot_table(index="row", columns="col", values="value", aggfunc="mean").to_numpy()
+                    rr, cc = gl["row"].astype(int).to_numpy(), gl["col"].astype(int).to_numpy()
+                    grid = np.zeros((rr.max() + 1, cc.max() + 1))
+                    np.add.at(grid, (rr, cc), gl["value"].to_numpy(dtype=float))
+                    np.divide(grid, np.bincount(rr * grid.shape[1] + cc, minlength=grid.size)
+                              .reshape(grid.shape).clip(min=1), out=grid)  # the mean over heads
                     grid = grid / max(float(np.nanmax(grid)), 1e-12)
-                    ax.imshow(pale, interpolation="nearest")
-                    im = ax.imshow(grid, cmap="inferno", alpha=0.6, vmin=0, vmax=1, interpolation="bilinear",
-                                   extent=(-0.5, W - 0.5, H - 0.5, -0.5))
+                    heat = cmap(np.clip(_upsample(grid, side), 0, 1))[..., :3]
+                    mosaic[y:y + side, x:x + side] = (1 - alpha) * pale + alpha * heat
                 else:
-                    not_computed(ax, "no map", width=8)
-                if r == 0:
-                    ax.set_title(f"block {layer}", fontsize=7)
-        for ax in axes.flat:
-            ax.set_xticks([])
-            ax.set_yticks([])
-        axes[0, 0].set_title(f"image {image_id}", fontsize=7)
-        if im is not None:
-            colorbar(fig, im, axes, "CLS attention ÷ the map's maximum", shrink=0.6)
+                    mosaic[y:y + side, x:x + side] = 0.92
+                    notes.append((r, c, "no map", "0.3"))
+        cell = 0.9
+        fig, ax = plt.subplots(figsize=(cell * (len(layers) + 1) + 2.4, cell * len(rows) + 0.7), layout="constrained")
+        ax.imshow(mosaic, interpolation="nearest")
+        for r, c, text, colour in notes:
+            ax.text(c * step + 0.04 * side, r * step + 0.04 * side, text, fontsize=5, va="top", ha="left",
+                    color=colour)
+        ax.set_xticks([c * step + (side - 1) / 2 for c in range(len(layers) + 1)],
+                      [f"image {image_id}", *(f"block {layer}" for layer in layers)], fontsize=7)
+        ax.xaxis.set_ticks_position("top")
+        labels = [f"{model_label(m).replace(' (', chr(10) + '(')}\n{'CLS, mean of heads' if k == 'mean' else 'best saliency head'}"
+                  for m, k in rows]
+        ax.set_yticks([r * step + (side - 1) / 2 for r in range(len(rows))], labels, fontsize=6)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        mappable = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap=cmap)
+        colorbar(fig, mappable, ax, "CLS attention ÷ the map's maximum", shrink=0.6)
         source = "; best saliency head: the block's head with the best IoU with the foreground (saliency_iou)" \
             if best else "; the best saliency head needs the saliency_iou analysis"
         out.append((f"Image {image_id} as each model saw it, with its CLS attention over it at every block (mean of "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from vitscope.references import cite
@@ -33,37 +34,73 @@ def _heatmap(ax: plt.Axes, mat: pd.DataFrame, xlabel: str, ylabel: str) -> plt.c
 
 
 def cka(df: pd.DataFrame) -> Figures:
-    """Tap x tap CKA heatmaps, one figure per token view: a grid whose cell (A, B) is model A (rows: its
-    taps) against model B (columns), each model against itself on the diagonal [Walmer et al. 2023 Fig. 6,
-    19]; then CKA divergence per layer between models [Merlin et al. 2023 eq. 4], a panel per model with a
-    line per other model. One figure per view, not per pair: the figure count stays constant in the number
-    of models."""
+    """Tap x tap CKA, one figure per token view: one mosaic whose block (A, B) is model A (rows: its taps)
+    against model B (columns), each model against itself on the diagonal, the pairs the table holds once
+    mirrored across it [Walmer et al. 2023 Fig. 6, 19]; then CKA divergence per layer between models
+    [Merlin et al. 2023 eq. 4], a panel per model with a line per other model. One figure per view, not per
+    pair: the figure count stays constant in the number of models. The mosaic is one image (white lines
+    between models), drawn with a single imshow: a grid of n x n panels took seconds to lay out and render."""
     out: Figures = []
     grid = df[df.metric == "cka_minibatch"]
     for view, gv in grid.groupby("token_view", sort=False):
-        models = list(dict.fromkeys([*gv["model"], *gv["model_b"]]))
-        n = len(models)
-        size = 2.3 if n > 1 else 3.4
-        fig, axes = plt.subplots(n, n, figsize=(size * n + 1.1, size * n + 0.3), squeeze=False)
-        grid_layout(fig, left=0.6, right=1.0, top=0.3, bottom=0.55, wspace=0.45, hspace=0.45)
-        im = None
-        for (ma, mb), g in gv.groupby(["model", "model_b"], sort=False):
-            ax = axes[models.index(ma), models.index(mb)]
-            taps_a, taps_b = list(dict.fromkeys(g["tap"])), list(dict.fromkeys(g["tap_b"]))
-            mat = g.pivot_table(index="tap", columns="tap_b", values="value").reindex(index=taps_a, columns=taps_b)
-            im = _heatmap(ax, mat, mb, ma)
-        for ax in axes.flat:
-            if not ax.images:
-                ax.set_axis_off()
-        if im is not None:
-            colorbar(fig, im, axes, "CKA", fraction=0.03 if n > 1 else 0.046)
-        out.append((f"CKA between the taps of every pair of models ({view} token view): cell (row A, column B) "
-                    "has A's taps on its rows and B's on its columns. Bright = similar representations; a model "
-                    "against itself has 1 on its diagonal.", fig))
+        fig = _cka_mosaic(gv)
+        out.append((f"CKA between the taps of every pair of models ({view} token view): block (row A, column B) "
+                    "has A's taps on its rows and B's on its columns, layer 0 at the bottom left. Bright = similar "
+                    "representations; a model against itself has 1 on its diagonal.", fig))
     div = df[df.metric == "cka_divergence"]
     for view, gv in div.groupby("token_view", sort=False):
         out.append(_divergence(gv, str(view)))
     return out
+
+
+def cka_offsets(taps: dict[str, list[str]]) -> dict[str, int]:
+    """Where each model's block starts in the CKA mosaic (one empty row / column between models)."""
+    offsets, at = {}, 0
+    for model, t in taps.items():
+        offsets[model] = at
+        at += len(t) + 1
+    return offsets
+
+
+def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
+    models = list(dict.fromkeys([*gv["model"], *gv["model_b"]]))
+    taps: dict[str, list[str]] = {m: [] for m in models}
+    for col_m, col_t in (("model", "tap"), ("model_b", "tap_b")):
+        for m, t in zip(gv[col_m], gv[col_t], strict=True):
+            if t not in taps[m]:
+                taps[m].append(t)
+    off = cka_offsets(taps)
+    n = off[models[-1]] + len(taps[models[-1]])
+    mosaic = np.full((n, n), np.nan)
+    for (ma, mb), g in gv.groupby(["model", "model_b"], sort=False):
+        ia = g["tap"].map({t: i for i, t in enumerate(taps[ma])}).to_numpy() + off[ma]
+        ib = g["tap_b"].map({t: i for i, t in enumerate(taps[mb])}).to_numpy() + off[mb]
+        values = g["value"].to_numpy(dtype=float)
+        mirror = np.isnan(mosaic[ib, ia]) & (ma != mb)  # the other order, unless the table has it too
+        mosaic[ia, ib] = values
+        mosaic[ib[mirror], ia[mirror]] = values[mirror]
+    side = min(11.0, max(3.2, 0.13 * n + 1.5))
+    fig, ax = plt.subplots(figsize=(side + 1.4, side + 0.6), layout="constrained")
+    im = ax.imshow(mosaic, origin="lower", vmin=0, vmax=1, cmap=plt.get_cmap("magma").with_extremes(bad="white"),
+                   interpolation="nearest")
+    pos = [off[m] + i for m in models for i in range(len(taps[m]))]
+    short = [_short(t) for m in models for t in taps[m]]
+    fs = 6 if n <= 40 else 4.5
+    ax.set_xticks(pos, short, minor=True)
+    ax.set_yticks(pos, short, minor=True)
+    ax.tick_params(which="minor", length=1.5, labelsize=fs)
+    ax.tick_params(axis="x", which="minor", labelrotation=90)
+    centres = [off[m] + (len(taps[m]) - 1) / 2 for m in models]
+    ax.set_xticks(centres, [model_label(m) for m in models], rotation=30, ha="right")
+    ax.set_yticks(centres, [model_label(m) for m in models])
+    pad = 6 + 0.75 * fs * max(len(s) for s in short)  # points: beyond the taps' labels
+    ax.tick_params(which="major", length=0, pad=pad, labelsize=7)
+    ax.set_xlabel("model B (its taps)", fontsize=8)
+    ax.set_ylabel("model A (its taps)", fontsize=8)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    colorbar(fig, im, ax, "CKA", shrink=0.7)
+    return fig
 
 
 def _divergence(div: pd.DataFrame, view: str) -> tuple[str, plt.Figure]:
