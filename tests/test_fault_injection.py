@@ -46,9 +46,12 @@ study, out, cache, kind, n = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4],
 kind, _, only = kind.partition(":")
 counts = {"pass": 0, "write": 0, "report": 0}
 
+MAIN = os.getpid()  # the study's process; a report figure may be drawn in a forked process
+
 def tick(k):
     counts[k] += 1
     if k == kind and counts[k] == n:
+        os.kill(MAIN, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 if kind == "time":

@@ -299,8 +299,8 @@ def test_overlay_mosaic_cells_are_the_image_under_the_mean_cls_map(run_dir):
 def test_report_drawn_in_two_processes_is_the_same_report(run_dir, monkeypatch):
     from vitscope.report.html import write_report
 
-    monkeypatch.setenv("VITSCOPE_REPORT_WORKERS", "1")
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
     one = write_report(run_dir).read_bytes()
-    monkeypatch.setenv("VITSCOPE_REPORT_WORKERS", "2")
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
     two = write_report(run_dir).read_bytes()
     assert one == two and one.count(b"data:image/png;base64,") > 10

@@ -38,6 +38,35 @@ def set_wait_policy() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def workers() -> int:
+    """Processes a study may use on this machine: 2 where two cores are usable (a helper process for the models,
+    two for drawing the report), else 1. ``VITSCOPE_WORKERS`` overrides (1 = everything in one process)."""
+    env = os.environ.get("VITSCOPE_WORKERS", "").strip()
+    if env:
+        return max(1, int(env)) if env.isdigit() else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(2, cores))
+
+
+def die_with_parent() -> None:
+    """Make this (child) process die when its parent does, on Linux (``PR_SET_PDEATHSIG``): a helper or drawing
+    process must not outlive a study killed with SIGKILL (it would hold the study's pipes open and keep
+    working for nobody). Elsewhere a no-op."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the call took effect
+        os._exit(1)
+
+
 #: below this many numbers (rows x features) an array's dense work runs on one thread (`few_threads(size)`)
 SMALL = 2**21
 

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import html
 import io
+import logging
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -19,7 +20,9 @@ from vitscope.files import write_atomic
 from vitscope.references import REFERENCES, SHORT
 from vitscope.report.run import Run, load_run
 from vitscope.report.summary import Study, summarize
-from vitscope.threads import single_threaded
+from vitscope.threads import die_with_parent, single_threaded
+
+log = logging.getLogger(__name__)
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;padding:0 1em;color:#222;
 line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
@@ -175,18 +178,14 @@ def _draw_forked(name: str) -> list[tuple[str, str]]:
 
 
 def report_workers() -> int:
-    """Processes that draw the report's figures: 2 where there are 2 cores and processes can be forked (drawing
-    is single-threaded; a forked process inherits the loaded run and every module, so it starts at once),
-    else 1. ``VITSCOPE_REPORT_WORKERS`` overrides (1 = draw in this process)."""
+    """Processes that draw the report's figures: `vitscope.threads.workers` (2 where there are 2 cores; drawing
+    is single-threaded), where processes can be forked (a forked process inherits the loaded run and every
+    module, so it starts at once), else 1. ``VITSCOPE_WORKERS=1`` draws in this process."""
     import multiprocessing as mp
-    import os
 
-    env = os.environ.get("VITSCOPE_REPORT_WORKERS", "").strip()
-    if env:
-        return max(1, int(env)) if env.isdigit() else 1
-    if "fork" not in mp.get_all_start_methods():
-        return 1
-    return max(1, min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    from vitscope.threads import workers
+
+    return workers() if "fork" in mp.get_all_start_methods() else 1
 
 
 def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
@@ -194,14 +193,18 @@ def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
     global _FORKED_RUN
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
     workers = min(report_workers(), len(names))
     if workers < 2:
         return {n: _draw(run, n) for n in names}
     _FORKED_RUN = run
     try:
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=die_with_parent) as pool:
             return dict(zip(names, pool.map(_draw_forked, names), strict=True))
+    except BrokenProcessPool:  # a drawing process was killed (e.g. out of memory): draw here instead
+        log.warning("a process drawing the report's figures ended abruptly; drawing them in this process")
+        return {n: _draw(run, n) for n in names}
     finally:
         _FORKED_RUN = None
 

@@ -44,6 +44,7 @@ from vitscope.models.load import resolve_spec
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
+from vitscope.study.helper import Helper, delegated
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
 
 log = logging.getLogger(__name__)
@@ -111,25 +112,45 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     infos: dict[str, ModelInfo] = {}
     mkeys: dict[str, str] = {}
     single = [ap for ap in plan.analyses if not ap.pair]
-    for mc in plan.models:
-        label = label_of(mc)
-        t0 = time.perf_counter()
-        info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
-        infos[label], mkeys[label] = info, mmeta["model_key"]
-        for job in jobs:
-            frames[job.name].append(job.frame)
-            by_analysis[job.name].append(job.analysis)
-        manifest["models"][label] = {**mmeta, "seconds": round(time.perf_counter() - t0, 2),
-                                     "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
-        for ap in plan.analyses:  # pair stages in which this model is B: right after its own pass
-            for a, b in ap.pairs:
-                if b == label:
-                    job = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool, on_batch)
-                    frames[ap.name].append(job.frame)
-                    by_analysis[ap.name].append(job.analysis)
-                    manifest["models"][label].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
-                        "from_cache": job.meta.get("from_cache", False)}
-        pool.done_with(label)
+    helper = _start_helper(cfg, plan, single, sources, cache, dist, on_batch)
+    threads = torch.get_num_threads()
+    if helper is not None:  # two processes of one thread each (study/helper.py)
+        torch.set_num_threads(1)
+    try:
+        for mc in plan.models:
+            label = label_of(mc)
+            t0 = time.perf_counter()
+            helped = helper.wait_for(label) if helper is not None and label in helper.labels else None
+            if helper is not None and label == helper.labels[-1]:  # its last model: all threads back here
+                helper.close()
+                helper = None
+                torch.set_num_threads(threads)
+            info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
+            infos[label], mkeys[label] = info, mmeta["model_key"]
+            for job in jobs:
+                frames[job.name].append(job.frame)
+                by_analysis[job.name].append(job.analysis)
+            seconds = round(time.perf_counter() - t0, 2)
+            if helped is not None:  # computed in this run by the helper, read back here
+                for job in jobs:
+                    job.meta["from_cache"] = False
+                mmeta = {**mmeta, "timings": helped["timings"], "helper_process": True}
+                seconds = helped["seconds"]
+            manifest["models"][label] = {**mmeta, "seconds": seconds,
+                                         "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
+            for ap in plan.analyses:  # pair stages in which this model is B: right after its own pass
+                for a, b in ap.pairs:
+                    if b == label:
+                        job = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool, on_batch)
+                        frames[ap.name].append(job.frame)
+                        by_analysis[ap.name].append(job.analysis)
+                        manifest["models"][label].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
+                            "from_cache": job.meta.get("from_cache", False)}
+            pool.done_with(label)
+    finally:
+        if helper is not None:
+            helper.close()
+            torch.set_num_threads(threads)
     pool.clear()
     manifest["seconds"] = round(time.perf_counter() - t_study, 2)
     manifest["skipped_images"] = {n: sorted([p, r] for p, r in s.skipped.items()) for n, s in sources.items()
@@ -508,6 +529,27 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sources: dict[str, Source], cache: Cache,
+                  dist: Dist, on_batch: Callable[[str, int], None] | None) -> Helper | None:
+    """A helper process for every second model with work left, where it pays (`vitscope.study.helper`)."""
+    if dist.world > 1 or on_batch is not None or not single:
+        return None
+    pending = []
+    for mc in plan.models:
+        _spec, mkey = _model_key(mc)
+        for ap in single:
+            akey = digest(mkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, ap.views,
+                          cfg.dtype, cfg.seed)
+            if not cache.path(mkey, ap.name, akey).is_file():
+                pending.append(label_of(mc))
+                break
+    labels = delegated(plan, sources, pending)
+    if not labels:
+        return None
+    _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
+    return Helper(cfg, labels)
 
 
 def _skipped_for(ap: AnalysisPlan, sources: dict[str, Source]) -> dict[str, dict[str, str]]:

@@ -1,0 +1,116 @@
+"""A second process for a study on a machine with two cores: it computes every second model's analyses into the
+cache while the study's own process computes the others, each process on one thread.
+
+Why: a small model's forward passes keep two cores busy, but most of a small-model study is single-threaded
+work around them (the analyses' updates and finalize: probes, k-means, t-SNE); two processes of one thread
+each overlap one model's finalize with another's forwards. The study's process stays the only one that writes
+results: it reads the helper's models back from the cache (exactly as a rerun would) and runs the pair stages,
+the cross-model stage, the tables and the report itself. If the helper fails or dies, the study computes the
+model itself: the helper can cost time, never a result.
+
+When: `vitscope.threads.workers()` is 2 (two usable cores; ``VITSCOPE_WORKERS=1`` turns it off), one process
+(not under torchrun), no ``on_batch`` hook (tests that interrupt runs), and at least `MIN_MODELS` models with
+work left whose passes cover at least `MIN_IMAGES` images each: below that, starting a process (importing
+torch and vitscope, a few seconds) costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MIN_MODELS = 4
+MIN_IMAGES = 1000
+
+
+def _images_per_model(plan: Any, sources: dict[str, Any]) -> int:
+    passes = {p for ap in plan.analyses if not ap.pair for p in ap.passes}
+    return sum(sum(len(c) for c in sources[d].chunks) for d, _view in passes)
+
+
+def delegated(plan: Any, sources: dict[str, Any], pending: list[str]) -> list[str]:
+    """The models (labels, in study order) a helper computes: every second one of those with work left."""
+    from vitscope.threads import workers
+
+    if workers() < 2 or len(pending) < MIN_MODELS or _images_per_model(plan, sources) < MIN_IMAGES:
+        return []
+    return pending[1::2]
+
+
+class Helper:
+    """The helper process: computes ``labels`` in order, reporting each as it is cached."""
+
+    def __init__(self, cfg: Any, labels: list[str]):
+        import multiprocessing as mp
+
+        # spawn, not fork: the study's process has torch's thread pools running
+        ctx = mp.get_context("spawn")
+        self.labels = list(labels)
+        self._queue: Any = ctx.Queue()
+        self._proc = ctx.Process(target=_main, args=(dataclasses.replace(cfg, progress=False), self.labels,
+                                                     self._queue), daemon=True, name="vitscope-helper")
+        self._proc.start()
+        self._done: dict[str, dict[str, Any]] = {}
+        self._failed: str | None = None
+
+    def wait_for(self, label: str) -> dict[str, Any] | None:
+        """Block until the helper has cached ``label`` (its timings), or None when it cannot: it failed or
+        died (the study then computes the model itself)."""
+        while label not in self._done and self._failed is None:
+            try:
+                kind, got, info = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                if not self._proc.is_alive():
+                    self._failed = f"the helper process ended (exit code {self._proc.exitcode})"
+                continue
+            if kind == "done":
+                self._done[got] = info
+            else:
+                self._failed = f"{got}: {info}"
+        if label in self._done:
+            return self._done[label]
+        log.warning("helper process: %s; the study computes %s itself", self._failed, label)
+        return None
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            self._proc.terminate()
+        self._proc.join(timeout=10)
+        self._queue.close()
+
+
+def _main(cfg: Any, labels: list[str], out: Any) -> None:
+    import time
+
+    import torch
+
+    from vitscope.study import run as R
+    from vitscope.study.cache import Cache, default_cache_dir
+    from vitscope.study.distributed import Dist
+    from vitscope.study.plan import label_of, make_plan
+    from vitscope.threads import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)
+    label = "setup"
+    try:
+        plan = make_plan(cfg)
+        dist = Dist()
+        cache = Cache(cfg.cache_dir or default_cache_dir(Path(cfg.output_dir)))
+        sources = {name: R._source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+        single = [ap for ap in plan.analyses if not ap.pair]
+        by_label = {label_of(m): m for m in plan.models}
+        pool = R._ModelPool(cfg, plan)
+        for label in labels:
+            t0 = time.perf_counter()
+            _info, _jobs, mmeta = R._run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)
+            pool.clear()
+            out.put(("done", label, {"seconds": round(time.perf_counter() - t0, 2),
+                                     "timings": mmeta.get("timings", {})}))
+    except BaseException as e:  # noqa: BLE001 - reported to the study, which computes the model itself
+        out.put(("failed", label, f"{type(e).__name__}: {e}"))

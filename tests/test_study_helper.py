@@ -1,0 +1,73 @@
+"""The helper process (study/helper.py): the same tables as one process, and a failing helper costs no result."""
+
+import json
+import logging
+
+import pandas as pd
+import pytest
+
+from vitscope.study import helper as H
+from vitscope.study import load_config, run_study
+
+YAML = """
+models:
+{models}
+dataset: {{name: synthetic-shapes, n_images: 24}}
+analyses:
+  attention_distance: {{}}
+  cka: {{batch_size: 8, views: [gap]}}
+  semantics: {{ks: [3], test_every: 3, views: [cls]}}
+batch_size: 8
+progress: false
+"""
+MODEL = ("  - {{name: vit_small_patch16_224, label: m{i}, pretrained: false, seed: {i}, "
+         "kwargs: {{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}}}}")
+
+
+def _config(tmp_path, name, n_models=4):
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(n_models))))
+    return load_config(cfg, [f"output_dir={tmp_path / name}", f"cache_dir={tmp_path / (name + '-cache')}"])
+
+
+def test_a_study_with_a_helper_process_writes_the_tables_of_one_process(tmp_path, monkeypatch):
+    monkeypatch.setattr(H, "MIN_IMAGES", 0)  # the tiny study would not pay for a process otherwise
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    helped = run_study(_config(tmp_path, "helped"))
+    manifest = json.loads((helped / "manifest.json").read_text())
+    by_helper = [m for m, meta in manifest["models"].items() if meta.get("helper_process")]
+    assert by_helper == ["m1", "m3"]  # every second model
+    assert manifest["analyses_read_from_cache"] == [0, 12]  # computed in this run, not "from the cache"
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
+    alone = run_study(_config(tmp_path, "alone"))
+    assert not any(m.get("helper_process") for m in json.loads((alone / "manifest.json").read_text())["models"]
+                   .values())
+    for name in ("attention_distance", "cka", "semantics"):
+        a = pd.read_parquet(helped / "results" / f"{name}.parquet")
+        b = pd.read_parquet(alone / "results" / f"{name}.parquet")
+        assert len(a) == len(b) > 0 and set(a.model) == {"m0", "m1", "m2", "m3"}
+        pd.testing.assert_series_equal(a.value, b.value, rtol=1e-6, atol=1e-9)
+
+
+def test_no_helper_where_it_cannot_pay(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    run = run_study(_config(tmp_path, "small"))  # 24 images per model: below MIN_IMAGES
+    assert not any(m.get("helper_process") for m in json.loads((run / "manifest.json").read_text())["models"].values())
+
+
+def test_a_failing_helper_is_reported_and_leaves_the_model_to_the_study(tmp_path, caplog):
+    helper = H.Helper(_config(tmp_path, "x"), ["no-such-model"])  # fails in the child: no model of that label
+    try:
+        with caplog.at_level(logging.WARNING, logger="vitscope.study.helper"):
+            assert helper.wait_for("no-such-model") is None
+    finally:
+        helper.close()
+    assert "KeyError" in caplog.text and "computes no-such-model itself" in caplog.text
+
+
+@pytest.mark.parametrize("value,want", [("1", 1), ("2", 2), ("3", 3), ("x", 1), ("0", 1)])
+def test_workers_reads_the_environment(monkeypatch, value, want):
+    from vitscope.threads import workers
+
+    monkeypatch.setenv("VITSCOPE_WORKERS", value)
+    assert workers() == want
