@@ -445,7 +445,9 @@ def test_default_study_plans_the_robustness_lenses_on_their_datasets():
 
     plan = {ap.name: ap for ap in make_plan(load_config()).analyses}
     assert plan["shape_bias"].slots == {"data": "cue-conflict", "train": "shapes"}
-    assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 11
+    bands = load_config().analyses["band_noise"]["bands"]
+    assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 1 + len(bands)
+    assert [v for v in plan["band_noise"].views if v != "clean"] == [f"band_noise:band={b},n_bands=10" for b in bands]
     corr = load_config().analyses["corruptions"]
     assert len(plan["corruptions"].views) == 1 + len(corr["corruptions"]) * len(corr["severities"])
     assert plan["semantics"].slots["data"] == "cifar10"  # the other analyses keep their datasets
