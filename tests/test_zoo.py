@@ -651,7 +651,8 @@ def test_dino_batch_entropy_is_the_entropy_of_the_mean_teacher_output(shapes):
 def test_cli_stop_after_steps_is_a_probe_that_resume_completes(tmp_path, capsys):
     out = tmp_path / "sup"
     args = ["zoo", "train", "--objective", "supervised", "--data", "synthetic", "--synthetic-n", "64", "32",
-            "--budget-views", "128", "--epoch-views", "32", "--batch-size", "16", "--knn-train", "24", "--knn-test", "12",
+            "--budget-views", "128", "--epoch-views", "32", "--batch-size", "16",
+            "--knn-train", "24", "--knn-test", "12",
             "--arch", "img_size=16", "embed_dim=32", "depth=2", "num_heads=2", "--out", str(out),
             "--no-progress", "--threads", "1"]
     assert main([*args, "--stop-after-steps", "3"]) == 0
@@ -661,3 +662,21 @@ def test_cli_stop_after_steps_is_a_probe_that_resume_completes(tmp_path, capsys)
     assert main([*args, "--resume"]) == 0
     assert load_state(out / STATE_FILE)["step"] == 8 and (out / "encoder.safetensors").exists()
     assert pd.read_csv(out / "log.csv")["step"].tolist() == [0, 2, 4, 6, 8]
+
+
+def test_a_state_written_before_an_architecture_field_existed_resumes_with_its_default(tmp_path):
+    cfg = _tiny_cfg(tmp_path, "supervised", budget_views=16 * 4)
+    train(cfg, stop_after_steps=2)
+    path = tmp_path / "supervised" / STATE_FILE
+    st = load_state(path)
+    del st["config"]["arch"]["init"]  # as written before ZooArch.init existed
+    torch.save(st, path)
+    assert train(cfg, resume=True)["budget"]["steps"] == 4
+    train(cfg2 := _tiny_cfg(tmp_path, "supervised", budget_views=16 * 4, out=tmp_path / "m"), stop_after_steps=2)
+    st = load_state(tmp_path / "m" / STATE_FILE)
+    del st["config"]["arch"]["init"]
+    torch.save(st, tmp_path / "m" / STATE_FILE)
+    with pytest.raises(VitscopeError, match="arch"):  # a missing field means the default, not anything
+        train(_tiny_cfg(tmp_path, "supervised", budget_views=16 * 4, out=tmp_path / "m",
+                        arch={**asdict(TINY), "init": "mimetic"}), resume=True)
+    assert cfg2.arch["init"] == "timm"
