@@ -1,6 +1,7 @@
 """Per-block mean attention distance of freshly initialised (untrained) zoo encoders on CIFAR-10 test images.
 
-    PYTHONPATH=src python tools/zoo_init_attention.py '{}' '{"init": "mimetic"}' '{"init": "mimetic", "pos_embed": "sincos"}'
+    PYTHONPATH=src python tools/zoo_init_attention.py '{}' '{"init": "mimetic"}' \\
+        '{"init": "mimetic", "pos_embed": "sincos"}'
 
 Each argument is a JSON dict of `vitscope.zoo.arch.ZooArch` overrides; the encoder is built with
 ``torch.manual_seed(SEED)`` (``--seed``) and measured as the training monitor does
