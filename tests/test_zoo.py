@@ -554,3 +554,129 @@ def test_the_bar_names_every_way_a_model_falls_short():
     sup = {"best_knn20": 0.59, "best_probe": 0.62, "knn20_cls": 0.58, "min_attn_dist": 0.40}
     assert len(passes_bar("supervised", sup, rnd)) == 1
     assert passes_bar("supervised", {**sup, "knn20_cls": 0.61, "best_knn20": 0.61}, rnd) == []
+
+
+def test_mimetic_init_sets_the_attention_products_through_timms_own_layers():
+    """W_q^T W_k = 0.7 Z1 + 0.7 I and W_v^T W_proj^T = 0.4 Z2 - 0.4 I (Trockman & Kolter 2023), read through
+    timm's qkv and proj layers on random tokens (summed over heads), against the same Z drawn here."""
+    from vitscope.zoo.arch import build_encoder
+
+    arch = ZooArch(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, init="mimetic")
+    torch.manual_seed(3)
+    vit = build_encoder(arch, 0)
+    torch.manual_seed(3)
+    timm_init = build_encoder(ZooArch(**{**asdict(arch), "init": "timm"}), 0)  # timm's draws, then the Z's:
+    d, hd = 32, 16
+    zs = [torch.randn(d, d) / d**0.5 for _ in range(2 * arch.depth)]  # per block: Z1 (q-k), Z2 (v-proj)
+    x = torch.randn(5, d)
+    for i, blk in enumerate(vit.blocks):
+        m_qk = 0.7 * zs[2 * i] + 0.7 * torch.eye(d)
+        m_vo = 0.4 * zs[2 * i + 1] - 0.4 * torch.eye(d)
+        qkv = blk.attn.qkv(x) - blk.attn.qkv.bias
+        q, k, v = qkv[:, :d], qkv[:, d:2 * d], qkv[:, 2 * d:]
+        summed = sum(q[:, h * hd:(h + 1) * hd] @ k[:, h * hd:(h + 1) * hd].t() for h in range(blk.attn.num_heads))
+        torch.testing.assert_close(summed, x @ m_qk @ x.t(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(blk.attn.proj(v) - blk.attn.proj.bias, x @ m_vo, rtol=1e-4, atol=1e-4)
+        # everything but the attention weights is timm's init
+        torch.testing.assert_close(blk.mlp.fc1.weight, timm_init.blocks[i].mlp.fc1.weight, rtol=0, atol=0)
+        assert not torch.equal(blk.attn.qkv.weight, timm_init.blocks[i].attn.qkv.weight)
+
+
+def _attention_maps(vit, x):
+    """Each block's attention probabilities softmax(q k^T / sqrt(d_head)), from the block's input."""
+    maps = []
+
+    def hook(m, inp):
+        b, n, c = inp[0].shape
+        qkv = m.qkv(inp[0]).reshape(b, n, 3, m.num_heads, c // m.num_heads).permute(2, 0, 3, 1, 4)
+        maps.append((qkv[0] @ qkv[1].transpose(-2, -1) / (c // m.num_heads) ** 0.5).softmax(-1))
+
+    hs = [blk.attn.register_forward_pre_hook(hook) for blk in vit.blocks]
+    with torch.no_grad():
+        encode(vit, x)
+    for h in hs:
+        h.remove()
+    return maps
+
+
+def test_mimetic_init_makes_untrained_attention_local_and_timm_init_does_not(shapes):
+    """At initialisation, timm's init attends uniformly (mean distance on the 4x4 grid's unit square = the
+    uniform value); the mimetic init attends closer than uniform in every block."""
+    from vitscope.metrics.attention import attention_distance
+    from vitscope.zoo.arch import build_encoder
+
+    pos = torch.stack(torch.meshgrid(torch.arange(4.0), torch.arange(4.0), indexing="ij"), -1).reshape(-1, 2) / 3
+    uniform = float(torch.cdist(pos, pos).mean())  # every query, every key alike
+    x = Augment(ViewSpec(), 16, CIFAR_MEAN, (0.25, 0.25, 0.25), 4).plain(shapes.images[:16])
+    for init in ("timm", "mimetic"):
+        torch.manual_seed(0)
+        vit = build_encoder(ZooArch(img_size=16, patch_size=4, embed_dim=32, depth=2, num_heads=2, init=init), 0)
+        for a in _attention_maps(vit, x):
+            dist = float(attention_distance(a, (4, 4), 1).mean())
+            if init == "mimetic":
+                assert dist < uniform - 0.05, (init, dist, uniform)
+            else:
+                assert abs(dist - uniform) < 0.01, (init, dist, uniform)
+
+
+def test_dino_norm_last_layer_decides_whether_the_prototype_norms_train(shapes):
+    for fixed in (True, False):
+        obj = build_objective("dino", TINY, 12, norm_last_layer=fixed, **SMALL_HEADS["dino"])
+        assert obj.head.last_layer.weight_g.requires_grad is not fixed
+        assert obj.hparams()["norm_last_layer"] is fixed
+        names = [n for n, _ in obj.trainable_named_parameters()]
+        assert ("head.last_layer.weight_g" in names) is not fixed
+        assert "teacher_head.last_layer.weight_g" not in names  # the teacher never trains
+
+
+def test_dino_batch_entropy_is_the_entropy_of_the_mean_teacher_output(shapes):
+    """teacher_batch_entropy = H(mean over the batch of the teacher's distributions), recomputed here from
+    the teacher's logits and the centre as they were before the step's centre update."""
+    import torch.nn.functional as F
+
+    obj = build_objective("dino", TINY, 12, **SMALL_HEADS["dino"])
+    batch = _stream(obj, shapes).batch(0)
+    centre = obj.center.clone()
+    with torch.no_grad():
+        t_raw = obj.teacher_head(encode(obj.teacher, torch.cat(batch.global_views))[:, 0])
+        p = F.softmax((t_raw - centre) / obj.current_teacher_temp, dim=-1)
+        _, m = obj(batch)
+    p_bar = p.mean(0)
+    per_image = float((-(p * p.log()).sum(-1)).mean())
+    assert m["teacher_entropy"] == pytest.approx(per_image, rel=1e-5)
+    assert m["teacher_batch_entropy"] == pytest.approx(float(-(p_bar * p_bar.log()).sum()), rel=1e-5)
+    assert per_image <= m["teacher_batch_entropy"] <= torch.log(torch.tensor(256.0)) + 1e-6  # concavity, log K
+
+
+def test_cli_stop_after_steps_is_a_probe_that_resume_completes(tmp_path, capsys):
+    out = tmp_path / "sup"
+    args = ["zoo", "train", "--objective", "supervised", "--data", "synthetic", "--synthetic-n", "64", "32",
+            "--budget-views", "128", "--epoch-views", "32", "--batch-size", "16",
+            "--knn-train", "24", "--knn-test", "12",
+            "--arch", "img_size=16", "embed_dim=32", "depth=2", "num_heads=2", "--out", str(out),
+            "--no-progress", "--threads", "1"]
+    assert main([*args, "--stop-after-steps", "3"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["step"] == 3
+    assert load_state(out / STATE_FILE)["step"] == 3 and not (out / "encoder.safetensors").exists()
+    assert pd.read_csv(out / "log.csv")["step"].tolist() == [0, 2]  # epochs of 32 views end at steps 2, 4, 6, 8
+    assert main([*args, "--resume"]) == 0
+    assert load_state(out / STATE_FILE)["step"] == 8 and (out / "encoder.safetensors").exists()
+    assert pd.read_csv(out / "log.csv")["step"].tolist() == [0, 2, 4, 6, 8]
+
+
+def test_a_state_written_before_an_architecture_field_existed_resumes_with_its_default(tmp_path):
+    cfg = _tiny_cfg(tmp_path, "supervised", budget_views=16 * 4)
+    train(cfg, stop_after_steps=2)
+    path = tmp_path / "supervised" / STATE_FILE
+    st = load_state(path)
+    del st["config"]["arch"]["init"]  # as written before ZooArch.init existed
+    torch.save(st, path)
+    assert train(cfg, resume=True)["budget"]["steps"] == 4
+    train(cfg2 := _tiny_cfg(tmp_path, "supervised", budget_views=16 * 4, out=tmp_path / "m"), stop_after_steps=2)
+    st = load_state(tmp_path / "m" / STATE_FILE)
+    del st["config"]["arch"]["init"]
+    torch.save(st, tmp_path / "m" / STATE_FILE)
+    with pytest.raises(VitscopeError, match="arch"):  # a missing field means the default, not anything
+        train(_tiny_cfg(tmp_path, "supervised", budget_views=16 * 4, out=tmp_path / "m",
+                        arch={**asdict(TINY), "init": "mimetic"}), resume=True)
+    assert cfg2.arch["init"] == "timm"

@@ -49,10 +49,15 @@ class ZooArch:
     # "learned": timm's learnable position embedding; "sincos": fixed 2-D sine-cosine positions (MoCo v3,
     # MAE), set at init and not trained; the exported ViT is the same timm model either way
     pos_embed: str = "learned"
+    # "timm": timm's default initialisation; "mimetic": the attention weights of every block initialised so
+    # that W_q^T W_k = a Z + b I and W_v^T W_proj^T = a' Z' - b' I (Trockman & Kolter, "Mimetic
+    # initialization of self-attention layers", ICML 2023; a = b = 0.7, a' = b' = 0.4, Z ~ N(0, 1/D)), the
+    # structure of pretrained ViTs' attention, which makes attention local from the start (`mimetic_init`)
+    init: str = "timm"
 
     def kwargs(self, num_classes: int = 0) -> dict[str, Any]:
         """timm keyword arguments (also what the exported checkpoint's ModelSpec stores)."""
-        kw: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("mlp_ratio", "pos_embed")}
+        kw: dict[str, Any] = {k: v for k, v in asdict(self).items() if k not in ("mlp_ratio", "pos_embed", "init")}
         if self.mlp_ratio != 4.0:
             kw["mlp_ratio"] = self.mlp_ratio
         kw["num_classes"] = num_classes
@@ -100,7 +105,40 @@ def build_encoder(arch: ZooArch = ZOO_ARCH, num_classes: int = 0) -> VisionTrans
         model.pos_embed.requires_grad_(False)
     elif arch.pos_embed != "learned":
         raise ValueError(f"pos_embed must be 'learned' or 'sincos', got {arch.pos_embed!r}")
+    if arch.init == "mimetic":
+        mimetic_init(model)
+    elif arch.init != "timm":
+        raise ValueError(f"init must be 'timm' or 'mimetic', got {arch.init!r}")
     return model
+
+
+def _factor(dim: int, alpha: float, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, R) with L @ R = alpha Z + beta I, Z ~ N(0, 1/dim): L = U sqrt(S), R = sqrt(S) V^T from the SVD."""
+    m = alpha * torch.randn(dim, dim) / dim**0.5 + beta * torch.eye(dim)
+    u, sv, vh = torch.linalg.svd(m)
+    r = sv.sqrt()
+    return u * r, r[:, None] * vh
+
+
+@torch.no_grad()
+def mimetic_init(vit: VisionTransformer, qk: tuple[float, float] = (0.7, 0.7), vo: tuple[float, float] = (0.4, -0.4)
+                 ) -> None:
+    """Mimetic initialisation of every attention block (Trockman & Kolter 2023), in place, from the global RNG.
+
+    timm computes q = x W_q^T, k = x W_k^T (``qkv.weight`` rows: q, k, v, each head a block of rows) and the
+    output o W_proj^T, so summed over heads q . k = x W_q^T W_k x^T and the value path is x W_v^T W_proj^T.
+    Sets W_q^T W_k = qk[0] Z1 + qk[1] I and W_v^T W_proj^T = vo[0] Z2 + vo[1] I exactly (full-rank factors,
+    split over the heads); biases are left as timm sets them (zero).
+    """
+    for blk in vit.blocks:
+        attn = blk.attn
+        d = attn.qkv.in_features
+        lq, rk = _factor(d, *qk)   # W_q^T = lq, W_k = rk
+        lv, rp = _factor(d, *vo)   # W_v^T = lv, W_proj^T = rp
+        attn.qkv.weight[:d].copy_(lq.t())
+        attn.qkv.weight[d:2 * d].copy_(rk)
+        attn.qkv.weight[2 * d:].copy_(lv.t())
+        attn.proj.weight.copy_(rp.t())
 
 
 def check_encoder(vit: torch.nn.Module) -> None:

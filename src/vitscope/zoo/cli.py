@@ -68,7 +68,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         synthetic_n=tuple(args.synthetic_n), progress=not args.no_progress, precision=args.precision,
         adamw=args.adamw)
     try:
-        card = train(cfg, resume=args.resume)
+        card = train(cfg, resume=args.resume, stop_after_steps=args.stop_after_steps)
     except (ValueError, FileNotFoundError, TypeError) as e:
         raise VitscopeError(str(e)) from e
     if card.get("status") == "stopped":
@@ -164,6 +164,9 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    t.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
+                   help="stop after N steps in all (the budget's schedule; state written, no export): a short "
+                        "probe of the full run that `--resume` continues")
     t.add_argument("--lam", type=float, default=None, help="hybrid: weight of the contrastive loss (default 0.5)")
     t.add_argument("--init", default=None, help="finetune: checkpoint or model name to start from")
     t.add_argument("--task", choices=["classification", "reconstruction"], default=None,

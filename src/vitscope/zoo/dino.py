@@ -79,12 +79,14 @@ class DINO(Objective):
     def __init__(self, arch: ZooArch = ZOO_ARCH, num_classes: int = 10, n_local: int = 6, out_dim: int = 4096,
                  hidden: int = 1024, bottleneck: int = 128, student_temp: float = 0.1, teacher_temp: float = 0.04,
                  center_momentum: float = 0.9, momentum: float = 0.99, freeze_last_layer_steps: int = 0,
-                 warmup_teacher_temp: float | None = None, teacher_temp_warmup_frac: float = 0.0):
+                 warmup_teacher_temp: float | None = None, teacher_temp_warmup_frac: float = 0.0,
+                 norm_last_layer: bool = True):
         super().__init__(arch)
         self.views = ViewSpec(n_global=2, n_local=n_local, global_scale=(0.4, 1.0), local_scale=(0.05, 0.4),
                               colour=True)
         self.encoder = build_encoder(arch, 0)
-        self.head = DINOHead(arch.embed_dim, out_dim, hidden, bottleneck)
+        self.head = DINOHead(arch.embed_dim, out_dim, hidden, bottleneck, norm_last_layer=norm_last_layer)
+        self.norm_last_layer = norm_last_layer
         self.teacher = frozen_copy(self.encoder)
         self.teacher_head = frozen_copy(self.head)
         self.register_buffer("center", torch.zeros(1, out_dim))
@@ -125,10 +127,15 @@ class DINO(Objective):
             # (Caron et al. 2021, Sec. 5.3): uniform collapse -> entropy = log K, one-hot -> entropy = 0.
             # every teacher view is paired with the same number of student views
             mean_ent = (-(t * torch.log(t.clamp_min(1e-12))).sum(-1)).mean()
+            # entropy of the batch's mean teacher output: how many prototypes the batch uses in all; low
+            # per-image entropy with a high batch entropy is a healthy teacher, both low is one-hot collapse
+            p_bar = t.mean(0)
+            batch_ent = -(p_bar * torch.log(p_bar.clamp_min(1e-12))).sum()
             if self.training:
                 self.center.mul_(self.center_momentum).add_(t_raw.mean(0, keepdim=True),
                                                             alpha=1 - self.center_momentum)
-        return loss, {"teacher_entropy": float(mean_ent), "kl": float(loss.detach() - mean_ent),
+        return loss, {"teacher_entropy": float(mean_ent), "teacher_batch_entropy": float(batch_ent),
+                      "kl": float(loss.detach() - mean_ent),
                       "momentum": self.momentum, "teacher_temp": self.current_teacher_temp}
 
     def before_optimizer_step(self, step: int, total: int) -> None:
@@ -156,4 +163,4 @@ class DINO(Objective):
                 "teacher_temp": self.teacher_temp, "center_momentum": self.center_momentum,
                 "momentum": self.base_momentum, "freeze_last_layer_steps": self.freeze_last_layer_steps,
                 "warmup_teacher_temp": self.warmup_teacher_temp,
-                "teacher_temp_warmup_frac": self.teacher_temp_warmup_frac}
+                "teacher_temp_warmup_frac": self.teacher_temp_warmup_frac, "norm_last_layer": self.norm_last_layer}

@@ -239,6 +239,15 @@ def load_state(path: Path) -> dict[str, Any]:
                             ) from e
 
 
+def _saved_identity(st: dict[str, Any]) -> dict[str, Any]:
+    """A state's settings, with architecture fields added to `ZooArch` after the state was written filled in
+    with their defaults (which is what such a run was built with: e.g. ``init='timm'``)."""
+    conf = dict(st["config"])
+    if isinstance(conf.get("arch"), dict):
+        conf["arch"] = {**json.loads(json.dumps(asdict(ZooArch()), default=str)), **conf["arch"]}
+    return conf
+
+
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -283,7 +292,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     if resume and state_path.exists() and (out / CARD_FILE).exists():  # finished already: nothing to load
         card = json.loads((out / CARD_FILE).read_text())
         st = load_state(state_path)
-        if st["config"] == cfg.identity() and st["step"] >= card["budget"]["steps"]:
+        if _saved_identity(st) == cfg.identity() and st["step"] >= card["budget"]["steps"]:
             return card
     arch = ZooArch(**cfg.arch)
     data = load_data(cfg.data, size=arch.img_size, synthetic_n=tuple(cfg.synthetic_n), seed=cfg.seed)
@@ -303,8 +312,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     count = 0
     if resume and state_path.exists():
         st = load_state(state_path)
-        if st["config"] != cfg.identity():
-            diff = sorted(k for k in st["config"] if st["config"][k] != cfg.identity().get(k))
+        if _saved_identity(st) != cfg.identity():
+            diff = sorted(k for k in st["config"] if _saved_identity(st)[k] != cfg.identity().get(k))
             raise VitscopeError(f"cannot resume {out}: the run was started with other settings ({', '.join(diff)})")
         same_data = ("name", "n_train", "n_test")
         if any(st["data"].get(k) != data.description.get(k) for k in same_data):
