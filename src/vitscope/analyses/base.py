@@ -47,7 +47,10 @@ COLUMNS = ["model", "analysis", "metric", "layer", "head", "token_view", "value"
 PAIR_COLUMNS = ["model_b", "layer_b"]
 
 
-class Analysis(ABC):
+class _Lifecycle(ABC):
+    """What the study engine needs of every analysis, of one model (`Analysis`) or of a pair (`PairAnalysis`):
+    what data it is fed, and a state that merges (resume, shards), saves, loads and finalizes into a table."""
+
     name: ClassVar[str]
     description: ClassVar[str] = ""
     #: raised when the meaning or layout of ``state_dict`` changes: part of the cache key, so states written
@@ -63,6 +66,26 @@ class Analysis(ABC):
         """The views of the main dataset this analysis is fed (`vitscope.data.views` specs), clean first."""
         return ["clean"]
 
+    @abstractmethod
+    def merge(self, other: Any) -> None: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    @abstractmethod
+    def finalize(self) -> pd.DataFrame: ...
+
+    @classmethod
+    def cross(cls, analyses: list[Any]) -> pd.DataFrame | None:
+        """Results across models (one finished analysis per model), e.g. CKA of model A vs model B.
+        None when the analysis has no cross-model part."""
+        return None
+
+
+class Analysis(_Lifecycle):
     def __init__(self, vm: ViTModel, **params: Any):
         self.model_name = vm.name
         self.depth = vm.depth
@@ -99,24 +122,6 @@ class Analysis(ABC):
     @abstractmethod
     def update(self, feats: Mapping[str, torch.Tensor], batch: Batch) -> None: ...
 
-    @abstractmethod
-    def merge(self, other: Analysis) -> None: ...
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
-
-    @abstractmethod
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    @abstractmethod
-    def finalize(self) -> pd.DataFrame: ...
-
-    @classmethod
-    def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
-        """Results across models (one finished analysis per model), e.g. CKA of model A vs model B.
-        None when the analysis has no cross-model part."""
-        return None
-
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
         return tidy_frame(rows, self.model_name, self.name)
 
@@ -133,7 +138,7 @@ def tidy_frame(rows: list[dict[str, Any]], model: str, analysis: str) -> pd.Data
     return df[COLUMNS + extra]
 
 
-class PairAnalysis(ABC):
+class PairAnalysis(_Lifecycle):
     """An analysis of two models at once (A, B), e.g. B's view of A's inversions. Same life cycle as `Analysis`,
     but ``update`` gets both loaded models and may use gradients; states are cached per (A, B, dataset,
     parameters), resumable per batch and merged across shards like any other state.
@@ -143,16 +148,7 @@ class PairAnalysis(ABC):
     reusable by every B (e.g. inversions), keyed by A, the dataset and ``key``.
     """
 
-    name: ClassVar[str]
-    description: ClassVar[str] = ""
-    state_version: ClassVar[int] = 1
-    needs: ClassVar[frozenset[str]] = frozenset()
-    inputs: ClassVar[dict[str, frozenset[str]]] = {}
     pair: ClassVar[bool] = True
-
-    @classmethod
-    def views(cls, params: Mapping[str, Any]) -> list[str]:
-        return ["clean"]
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, **params: Any):
         self.model_a, self.model_b = info_a.name, info_b.name
@@ -176,22 +172,6 @@ class PairAnalysis(ABC):
 
     @abstractmethod
     def update(self, vm_a: ViTModel, vm_b: ViTModel, batch: Batch) -> None: ...
-
-    @abstractmethod
-    def merge(self, other: PairAnalysis) -> None: ...
-
-    @abstractmethod
-    def state_dict(self) -> dict[str, Any]: ...
-
-    @abstractmethod
-    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
-
-    @abstractmethod
-    def finalize(self) -> pd.DataFrame: ...
-
-    @classmethod
-    def cross(cls, analyses: list[PairAnalysis]) -> pd.DataFrame | None:
-        return None
 
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
         df = tidy_frame(rows, self.model_a, self.name)
