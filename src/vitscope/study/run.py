@@ -426,6 +426,12 @@ def _model_key(mc: Any) -> tuple[Any, str]:
     return spec, model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
 
 
+def _analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> str:
+    """The cache key of one analysis of one model: what decides its state."""
+    return digest(mkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, ap.views,
+                  cfg.dtype, cfg.seed)
+
+
 def _dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> dict[str, Any]:
     from vitscope.study.config import study_datasets
 
@@ -449,8 +455,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
     shard = (dist.rank, dist.world)
     jobs = []
     for ap in plans:
-        akey = digest(mkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, ap.views,
-                      cfg.dtype, cfg.seed)
+        akey = _analysis_key(mkey, ap, sources, cfg)
         jobs.append(Job(ap, akey, cache.path(mkey, ap.name, akey), cache.path(mkey, ap.name, akey, shard)))
     info: ModelInfo | None = None
     trained = bool(mc.weights) or (mc.pretrained and spec.weights.kind != "none")
@@ -539,12 +544,8 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
     pending = []
     for mc in plan.models:
         _spec, mkey = _model_key(mc)
-        for ap in single:
-            akey = digest(mkey, _dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, ap.views,
-                          cfg.dtype, cfg.seed)
-            if not cache.path(mkey, ap.name, akey).is_file():
-                pending.append(label_of(mc))
-                break
+        if any(not cache.path(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)).is_file() for ap in single):
+            pending.append(label_of(mc))
     labels = delegated(plan, sources, pending)
     if not labels:
         return None

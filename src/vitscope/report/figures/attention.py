@@ -19,7 +19,6 @@ from vitscope.report.figures._common import (
     model_color,
     model_label,
     models_of,
-    not_computed,
     panels,
     plt,
     style_handle,
@@ -247,20 +246,18 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
             y = r * step
             mosaic[y:y + side, 0:side] = pix
             g = g_all[g_all.model == model]
+            arr, g_layers, g_heads, _ = _grid_array(g, "row", "col") if len(g) else (None, [], [], None)
             for c, layer in enumerate(layers, start=1):
-                gl = g[g.layer == layer]
-                if kind == "best":
-                    head = best.get((model, layer))
-                    gl = gl[gl["head"] == head] if head is not None else gl.iloc[0:0]
-                    if head is not None:
+                grid = None
+                if layer in g_layers:
+                    per_head = arr[g_layers.index(layer)]  # (heads, R, C)
+                    if kind == "mean":  # the mean over the heads that have the cell
+                        grid = np.nansum(per_head, 0) / np.maximum(np.isfinite(per_head).sum(0), 1)
+                    elif (head := best.get((model, layer))) is not None:
                         notes.append((r, c, f"h{head}", "white"))
+                        grid = per_head[g_heads.index(head)] if head in g_heads else None
                 x = c * step
-                if len(gl):
-                    rr, cc = gl["row"].astype(int).to_numpy(), gl["col"].astype(int).to_numpy()
-                    grid = np.zeros((rr.max() + 1, cc.max() + 1))
-                    np.add.at(grid, (rr, cc), gl["value"].to_numpy(dtype=float))
-                    np.divide(grid, np.bincount(rr * grid.shape[1] + cc, minlength=grid.size)
-                              .reshape(grid.shape).clip(min=1), out=grid)  # the mean over heads
+                if grid is not None:
                     grid = grid / max(float(np.nanmax(grid)), 1e-12)
                     heat = cmap(np.clip(_upsample(grid, side), 0, 1))[..., :3]
                     mosaic[y:y + side, x:x + side] = (1 - alpha) * pale + alpha * heat
@@ -276,8 +273,8 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
         ax.set_xticks([c * step + (side - 1) / 2 for c in range(len(layers) + 1)],
                       [f"image {image_id}", *(f"block {layer}" for layer in layers)], fontsize=7)
         ax.xaxis.set_ticks_position("top")
-        labels = [f"{model_label(m).replace(' (', chr(10) + '(')}\n{'CLS, mean of heads' if k == 'mean' else 'best saliency head'}"
-                  for m, k in rows]
+        kinds = {"mean": "CLS, mean of heads", "best": "best saliency head"}
+        labels = [f"{model_label(m).replace(' (', chr(10) + '(')}\n{kinds[k]}" for m, k in rows]
         ax.set_yticks([r * step + (side - 1) / 2 for r in range(len(rows))], labels, fontsize=6)
         ax.tick_params(length=0)
         for spine in ax.spines.values():

@@ -53,7 +53,7 @@ def cka(df: pd.DataFrame) -> Figures:
     return out
 
 
-def cka_offsets(taps: dict[str, list[str]]) -> dict[str, int]:
+def _cka_offsets(taps: dict[str, list[str]]) -> dict[str, int]:
     """Where each model's block starts in the CKA mosaic (one empty row / column between models)."""
     offsets, at = {}, 0
     for model, t in taps.items():
@@ -69,7 +69,7 @@ def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
         for m, t in zip(gv[col_m], gv[col_t], strict=True):
             if t not in taps[m]:
                 taps[m].append(t)
-    off = cka_offsets(taps)
+    off = _cka_offsets(taps)
     n = off[models[-1]] + len(taps[models[-1]])
     mosaic = np.full((n, n), np.nan)
     for (ma, mb), g in gv.groupby(["model", "model_b"], sort=False):
