@@ -1,7 +1,8 @@
 """Copy a finished zoo run into the package: weights, log, and the card with paths made relative.
 
     python tools/ship_zoo.py RUN_DIR OBJECTIVE [--checkpoints]    (after `vitscope zoo evaluate RUN_DIR`)
-    python tools/ship_zoo.py --eval-random          (once: zoo-random's per-block evaluation, the bar's reference)
+    python tools/ship_zoo.py --random               (once: zoo-random, the zoo's initialisation untrained (seed 0),
+                                                     its card and per-block evaluation, the bar's reference)
 
 A run is shipped only if it passes the zoo's bar (issue 18; `vitscope.zoo.evaluate.passes_bar`): best-block
 20-NN and probe over zoo-random's, zoo-sup's 20-NN, and a block with local attention. A run that fails is not
@@ -25,12 +26,19 @@ def main() -> int:
     ap.add_argument("objective", nargs="?")
     ap.add_argument("--force", action="store_true", help="ship even if the run fails the bar")
     ap.add_argument("--checkpoints", action="store_true", help="also copy the run's per-epoch encoders")
-    ap.add_argument("--eval-random", action="store_true", help=f"evaluate zoo-random into {RANDOM_EVAL}")
+    ap.add_argument("--random", action="store_true",
+                    help=f"write zoo-random (the zoo's initialisation at seed 0, untrained) and evaluate it into {RANDOM_EVAL}")
     args = ap.parse_args()
     from vitscope.zoo.evaluate import evaluate, passes_bar
 
-    if args.eval_random:
-        RANDOM_EVAL.write_text(json.dumps(evaluate("zoo-random"), indent=2) + "\n")
+    if args.random:
+        from vitscope.zoo.evaluate import write_untrained
+
+        write_untrained(WEIGHTS / "random")
+        ev = evaluate("zoo-random")
+        RANDOM_EVAL.write_text(json.dumps(ev, indent=2) + "\n")
+        card = json.loads((WEIGHTS / "random" / "card.json").read_text())
+        (WEIGHTS / "random" / "card.json").write_text(json.dumps({**card, "eval": ev}, indent=2) + "\n")
         print(RANDOM_EVAL)
         return 0
     if not args.run or not args.objective:
@@ -59,6 +67,10 @@ def main() -> int:
         for f in sorted((run / "checkpoints").glob("encoder_epoch*.safetensors")):
             shutil.copyfile(f, dst / "checkpoints" / f.name)
     card["weights"], card["log"] = "encoder.safetensors", "log.csv"
+    if (run / "train_state.pt").is_file():  # the architecture as trained (init, positions), for cards written before
+        from vitscope.zoo.train import load_state  # the card recorded it
+
+        card.setdefault("zoo_arch", load_state(run / "train_state.pt")["config"]["arch"])
     card["data"]["path"] = "../shared/data/cifar10" if card["data"].get("path") else None
     card["bar"] = {"passes": not why, "why_not": why}
     (dst / "card.json").write_text(json.dumps(card, indent=2) + "\n")

@@ -86,18 +86,22 @@ def head_scores(space: str, classes: Sequence[str], logits: torch.Tensor) -> tor
     return logits
 
 
-def _decision_rows(df: pd.DataFrame) -> pd.DataFrame:
-    """Per model, the head's rows, else the last layer's probe rows, with a ``readout`` label saying which."""
+def decision_rows(df: pd.DataFrame, head_only: bool = False, column: str = "decision") -> pd.DataFrame:
+    """Per model, the head's rows and the last layer's probe rows, labelled in ``column`` ("head" or "probe,
+    block N"); ``head_only``: the probe rows only for a model without a head (one decision per model, as the
+    figures show it)."""
     out = []
     for _, g in df.groupby("model", sort=False):
         head = g[g.readout == "head"]
         if len(head):
-            out.append(head.assign(decision="head"))
+            out.append(head.assign(**{column: "head"}))
+            if head_only:
+                continue
         probe = g[g.readout == "probe"]
         if len(probe):
             last = pd.to_numeric(probe["layer"]).max()
-            out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(decision=f"probe, block {int(last)}"))
-    return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(decision=None)
+            out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(**{column: f"probe, block {int(last)}"}))
+    return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(**{column: None})
 
 
 def _parse_view(view: str) -> tuple[str, dict[str, str]]:
@@ -361,7 +365,7 @@ class ShapeBias(_Robustness):
         """Per model and readout (head; last-layer probe): shape bias, its counts, the probe's clean accuracy;
         and the block where the probes' shape bias peaks."""
         rows = []
-        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+        for (model, decision), g in decision_rows(df).groupby(["model", "decision"], sort=False):
             v = g.set_index("metric")["value"]
             row = {"model": model, "readout": decision, "shape bias": v.get("shape_bias"),
                    "shape / texture / other": f"{int(v.get('n_shape', 0))} / {int(v.get('n_texture', 0))} / "
@@ -518,7 +522,7 @@ class BandNoise(_ViewAccuracy):
         """Per model and readout (head; last-layer probe): clean accuracy, the drop in the lowest and the highest
         band, and the band that costs most."""
         rows = []
-        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+        for (model, decision), g in decision_rows(df).groupby(["model", "decision"], sort=False):
             acc = g[g.metric == "accuracy"].set_index("band")["value"]
             drop = g[g.metric == "drop"].set_index("band")["value"].sort_index()
             if drop.empty:
@@ -620,7 +624,7 @@ class Corruptions(_ViewAccuracy):
         """Per model and readout (head; last-layer probe): clean accuracy, mean corruption accuracy, its
         relative drop, and the corruption that costs most (mean over severities)."""
         rows = []
-        for (model, decision), g in _decision_rows(df).groupby(["model", "decision"], sort=False):
+        for (model, decision), g in decision_rows(df).groupby(["model", "decision"], sort=False):
             v = g[g.corruption.isna()].set_index("metric")["value"]
             acc = g[(g.metric == "accuracy") & (g.severity > 0)].groupby("corruption")["value"].mean()
             clean = g[(g.metric == "accuracy") & (g.severity == 0)]["value"]

@@ -230,10 +230,12 @@ for _name, _objective, _family, _citation in [
         citation=_citation,
         notes=f"vitscope controlled zoo, trained on CIFAR-10 (card: zoo/weights/{_objective}/card.json); "
               f"retrain: vitscope zoo train --objective {_objective} --out DIR"))
-register(ModelSpec(
-    "zoo-random", ZOO_TIMM_ARCH, "none", "random init", WeightSource("none"), _ZOO_PRE,
+register(ModelSpec(  # a file, not a seeded timm init: the zoo initialises mimetically with fixed sin-cos positions
+    "zoo-random", ZOO_TIMM_ARCH, "none", "random init",
+    WeightSource("file", "zoo/weights/random/encoder.safetensors", "timm"), _ZOO_PRE,
     {**ZOO_ARCH_KWARGS, "num_classes": 0, "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 0)}, citation="",
-    notes="the zoo's architecture, randomly initialised (seeded): what the architecture gives for free"))
+    notes="the zoo's architecture as every objective starts it (seed 0), untrained: what the architecture gives for "
+          "free; written by tools/ship_zoo.py --random"))
 
 # Fine-tuned zoo models, the experiments of Merlin et al. on the zoo (docs/INVARIANCE.md): a contrastive
 # (MoCo v3), a masked-modelling (MAE) and the untrained start, fine-tuned on CIFAR-10 for classification

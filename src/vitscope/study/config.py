@@ -71,6 +71,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
     Overrides are ``key=value`` (OmegaConf dotlist, e.g. ``analyses.cka.views=[gap]``) or ``~key`` to remove
     an entry (e.g. ``~analyses.cka``). Every error is one ConfigError sentence; nothing is loaded."""
+    embedded = path is None
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -100,7 +101,31 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config {path.name}: {e}".replace("\n", "; ")) from e
     validate(obj)
+    if embedded:
+        obj.models = _zoo_models_that_pass_the_bar(obj.models)
     return obj
+
+
+def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig]:
+    """The embedded study's models without the shipped zoo models whose card says they fail the zoo's bar (issue 18:
+    a model that barely beats the untrained network is no basis for a finding), nor the models fine-tuned from
+    them; each one left out is named with the reason, as a ResultWarning."""
+    import warnings
+
+    from vitscope.errors import ResultWarning
+    from vitscope.zoo.evaluate import shipped_bar_failures
+
+    dropped: dict[str, str] = {}
+    for m in models:
+        why = shipped_bar_failures(m.name)
+        if why:
+            dropped[m.label or m.name] = "it fails the zoo's bar: " + "; ".join(why)
+    for m in models:
+        if m.finetuned_from in dropped and (m.label or m.name) not in dropped:
+            dropped[m.label or m.name] = f"it was fine-tuned from {m.finetuned_from}, which is left out"
+    for name, why in dropped.items():
+        warnings.warn(f"{name} is left out of the default study: {why} (docs/ZOO.md)", ResultWarning, stacklevel=3)
+    return [m for m in models if (m.label or m.name) not in dropped]
 
 
 def _yaml(load: Any, what: str) -> Any:

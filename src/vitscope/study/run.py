@@ -116,15 +116,21 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     threads = torch.get_num_threads()
     if helper is not None:  # two processes of one thread each (study/helper.py)
         torch.set_num_threads(1)
+
+    def release_helper() -> None:  # the helper's work is done or abandoned: all threads back to this process
+        nonlocal helper
+        if helper is not None:
+            helper.close()
+            helper = None
+            torch.set_num_threads(threads)
+
     try:
         for mc in plan.models:
             label = label_of(mc)
             t0 = time.perf_counter()
             helped = helper.wait_for(label) if helper is not None and label in helper.labels else None
-            if helper is not None and label == helper.labels[-1]:  # its last model: all threads back here
-                helper.close()
-                helper = None
-                torch.set_num_threads(threads)
+            if helper is not None and label == helper.labels[-1]:  # its last model
+                release_helper()
             info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
             infos[label], mkeys[label] = info, mmeta["model_key"]
             for job in jobs:
@@ -148,9 +154,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
                             "from_cache": job.meta.get("from_cache", False)}
             pool.done_with(label)
     finally:
-        if helper is not None:
-            helper.close()
-            torch.set_num_threads(threads)
+        release_helper()
     pool.clear()
     manifest["seconds"] = round(time.perf_counter() - t_study, 2)
     manifest["skipped_images"] = {n: sorted([p, r] for p, r in s.skipped.items()) for n, s in sources.items()

@@ -136,8 +136,14 @@ def _cmd_list(args: argparse.Namespace) -> int:
         c = json.loads(card.read_text())
         e = c.get("eval") or {}
         acc = f"20-NN CLS {e['knn20_cls']:.3f}, probe CLS {e['probe_cls']:.3f}" if e else \
-            f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)"
-        print(f"  {name:11s} {c['image_views']:,} image-views of {c['data']['name']}: {acc}")
+            f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)" if c.get("final_knn") else "not evaluated"
+        if "best_knn20" in e:
+            acc += f"; best block {e['best_knn20']:.3f} / {e['best_probe']:.3f}"
+        bar = c.get("bar") or {}
+        if bar and not bar.get("passes"):
+            acc += " [fails the bar: not in the default study]"
+        seen = f"{c['image_views']:,} image-views of {c['data']['name']}" if c.get("image_views") else "untrained"
+        print(f"  {name:11s} {seen}: {acc}")
     return 0
 
 

@@ -7,14 +7,19 @@ teacher that sees only the global views:
     different views is a cross-entropy term, averaged (``DINOLoss``);
   * teacher output: softmax((t - c) / tau_t) with tau_t = 0.04 (sharpening) and the centre c an EMA
     (0.9) of the teacher's batch means (centring); student: log-softmax(s / 0.1);
-  * DINO head: 3-layer MLP (GELU) -> L2-normalised bottleneck -> weight-normalised linear layer whose
-    norm is fixed to 1 (``norm_last_layer=True``);
+  * DINO head: 3-layer MLP (Linear-BN-GELU, DINO's ``use_bn_in_head``) -> L2-normalised bottleneck ->
+    weight-normalised linear layer whose norm is fixed to 1 (``norm_last_layer=True``). Batch norm in the
+    head is what lets the teacher sharpen at this scale: an untrained ViT's CLS tokens are nearly alike, so
+    without it every image lands on the same prototypes, centring cancels them and the teacher's output stays
+    near uniform (the first zoo-dino: entropy 7.2 of log 4096 = 8.3); batch norm spreads the batch over the
+    prototypes from the first step (docs/ZOO.md, round 3 of issue 18);
   * teacher <- EMA of the student, momentum on a cosine from ``momentum`` to 1 (the paper: 0.996 for
     100+ epochs; 0.99 here because the zoo budget is about a thousand steps: the teacher averages over
     ~100 steps rather than ~250 of ~1000);
   * the exported model is the teacher's backbone, as in DINO's released weights.
-Head sizes are scaled down for the small model (hidden 1024, bottleneck 128, 4096 prototypes; the paper:
-2048, 256, 65536).
+Head sizes are scaled down for the small model (hidden 1024, bottleneck 128, 1024 prototypes; the paper:
+2048, 256, 65536): the teacher scores 2 x 128 global views per step, and a sharp, diverse target needs
+prototypes of the order of the batch, not 30 times more.
 """
 
 from __future__ import annotations
@@ -51,12 +56,13 @@ class DINOHead(nn.Module):
     """MLP -> L2-normalised bottleneck -> weight-normalised prototypes (``dino/vision_transformer.py``)."""
 
     def __init__(self, in_dim: int, out_dim: int = 4096, hidden: int = 1024, bottleneck: int = 128,
-                 layers: int = 3, norm_last_layer: bool = True):
+                 layers: int = 3, norm_last_layer: bool = True, use_bn: bool = False):
         super().__init__()
         mods: list[nn.Module] = []
         d = in_dim
         for _ in range(layers - 1):
-            mods += [nn.Linear(d, hidden), nn.GELU()]
+            # use_bn: DINO's ``use_bn_in_head`` (Linear-BN-GELU), the official option for small batches / ResNets
+            mods += [nn.Linear(d, hidden), *([nn.BatchNorm1d(hidden)] if use_bn else []), nn.GELU()]
             d = hidden
         mods.append(nn.Linear(d, bottleneck))
         self.mlp = nn.Sequential(*mods)
@@ -76,17 +82,18 @@ class DINO(Objective):
     citation = "Caron et al., Emerging Properties in Self-Supervised Vision Transformers (ICCV 2021)"
     summary = "self-distillation: EMA teacher, centring + sharpening, multi-crop (2 global + local)"
 
-    def __init__(self, arch: ZooArch = ZOO_ARCH, num_classes: int = 10, n_local: int = 6, out_dim: int = 4096,
+    def __init__(self, arch: ZooArch = ZOO_ARCH, num_classes: int = 10, n_local: int = 6, out_dim: int = 1024,
                  hidden: int = 1024, bottleneck: int = 128, student_temp: float = 0.1, teacher_temp: float = 0.04,
                  center_momentum: float = 0.9, momentum: float = 0.99, freeze_last_layer_steps: int = 0,
                  warmup_teacher_temp: float | None = None, teacher_temp_warmup_frac: float = 0.0,
-                 norm_last_layer: bool = True):
+                 norm_last_layer: bool = True, use_bn: bool = True):
         super().__init__(arch)
         self.views = ViewSpec(n_global=2, n_local=n_local, global_scale=(0.4, 1.0), local_scale=(0.05, 0.4),
                               colour=True)
         self.encoder = build_encoder(arch, 0)
-        self.head = DINOHead(arch.embed_dim, out_dim, hidden, bottleneck, norm_last_layer=norm_last_layer)
-        self.norm_last_layer = norm_last_layer
+        self.head = DINOHead(arch.embed_dim, out_dim, hidden, bottleneck, norm_last_layer=norm_last_layer,
+                             use_bn=use_bn)
+        self.norm_last_layer, self.use_bn = norm_last_layer, use_bn
         self.teacher = frozen_copy(self.encoder)
         self.teacher_head = frozen_copy(self.head)
         self.register_buffer("center", torch.zeros(1, out_dim))
@@ -163,4 +170,5 @@ class DINO(Objective):
                 "teacher_temp": self.teacher_temp, "center_momentum": self.center_momentum,
                 "momentum": self.base_momentum, "freeze_last_layer_steps": self.freeze_last_layer_steps,
                 "warmup_teacher_temp": self.warmup_teacher_temp,
-                "teacher_temp_warmup_frac": self.teacher_temp_warmup_frac, "norm_last_layer": self.norm_last_layer}
+                "teacher_temp_warmup_frac": self.teacher_temp_warmup_frac, "norm_last_layer": self.norm_last_layer,
+                "use_bn": self.use_bn}

@@ -144,6 +144,50 @@ def passes_bar(objective: str, ev: dict[str, Any], random_ev: dict[str, Any], k:
     return why
 
 
+def shipped_bar_failures(name: str) -> list[str]:
+    """Why the shipped zoo model ``name`` fails the bar, as its card records it (`tools/ship_zoo.py` writes
+    ``bar``); empty for a model that passes, one that is not a shipped zoo model, or a card without the record."""
+    from vitscope.models.load import package_file
+    from vitscope.models.registry import REGISTRY
+
+    spec = REGISTRY.get(name)
+    if spec is None or not name.startswith("zoo-") or spec.weights.kind != "file":
+        return []
+    card = package_file(spec.weights.location).parent / CARD_FILE
+    try:
+        bar = json.loads(card.read_text()).get("bar") or {}
+    except (OSError, ValueError):
+        return []
+    return [] if bar.get("passes", True) else list(bar.get("why_not") or ["(no reason recorded)"])
+
+
+def write_untrained(out: str | Path, seed: int = 0) -> Path:
+    """zoo-random: the zoo's encoder as initialised at ``seed`` (`ZOO_ARCH`: mimetic attention, sin-cos positions),
+    untrained, written like a trained zoo model (float16 ``encoder.safetensors`` + ``card.json``). It is the
+    encoder every self-supervised objective starts from at that seed (`build_objective` builds it first)."""
+    from dataclasses import asdict
+
+    from vitscope.models import save_checkpoint
+    from vitscope.models.registry import ModelSpec, WeightSource
+    from vitscope.zoo.arch import TIMM_ARCH, ZOO_ARCH, build_encoder, zoo_preprocessing
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        vit = build_encoder(ZOO_ARCH, 0)
+    spec = ModelSpec(f"zoo-random-s{seed}", TIMM_ARCH, "none", "random init", WeightSource("none"),
+                     zoo_preprocessing(ZOO_ARCH.img_size), ZOO_ARCH.kwargs(0),
+                     notes=f"vitscope controlled zoo: the architecture as initialised at seed {seed}, untrained")
+    save_checkpoint(vit, out / WEIGHTS_FILE, spec, half=True)
+    card = {"name": spec.name, "objective": "none", "family": "none", "supervision": "random init", "seed": seed,
+            "arch": {"timm": TIMM_ARCH, **{k: v for k, v in spec.model_kwargs.items()
+                                           if k != "pretrained_cfg_overlay"}},
+            "zoo_arch": asdict(ZOO_ARCH), "image_views": 0, "weights": WEIGHTS_FILE}
+    write_card(out, card)
+    return out / WEIGHTS_FILE
+
+
 def add_to_card(run_dir: str | Path, data: str | Path | None = None,
                 synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
     """Evaluate ``run_dir/encoder.safetensors`` and write the result into ``run_dir/card.json`` under 'eval'."""

@@ -45,11 +45,11 @@ from vitscope.zoo.objectives import build_objective
 log = logging.getLogger(__name__)
 
 ZOO_BATCH_SIZE = 128
-# The common budget (docs/ZOO.md has the arithmetic): the slowest objectives (hybrid, MoCo v3, DINO) run at
-# about 180 image-views/s at best on the 2-core machine (benchmarks/zoo_throughput.py), 180 x 2700 s = 486k,
-# and at 130-145 with another job on the machine; 7 epochs of 50,000 views keep the slowest run, with its
-# k-NN evaluations, at about 35 min on an idle machine and under 50 min on a busy one.
-ZOO_BUDGET_VIEWS = 350_000
+# The common budget (docs/ZOO.md has the arithmetic): on one core of the 2-core machine the slowest objective
+# (DINO) runs at about 130-145 image-views/s, the others at 130-350 (benchmarks/zoo_throughput.py --threads 1);
+# 250,000 image-views keep every objective under about 35 CPU-minutes, so the whole zoo (six objectives, two
+# at a time, one thread each) trains in about 75 minutes of a 2-core machine.
+ZOO_BUDGET_VIEWS = 250_000
 
 STATE_FILE = "train_state.pt"
 WEIGHTS_FILE = "encoder.safetensors"
@@ -419,6 +419,7 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
         "name": spec.name, "objective": cfg.objective, "family": spec.family, "supervision": spec.supervision,
         "citation": spec.citation, "hparams": obj.hparams(), "seed": cfg.seed,
         "arch": {"timm": spec.arch, **{k: v for k, v in spec.model_kwargs.items() if k != "pretrained_cfg_overlay"}},
+        "zoo_arch": dict(cfg.arch),  # incl. what timm's kwargs do not say: initialisation and position embedding
         "data": data.description,
         "budget": {"image_views": plan.budget_views, "views_per_image": plan.views_per_image,
                    "batch_size": cfg.batch_size, "steps": plan.total_steps, "epochs": plan.n_epochs,

@@ -8,22 +8,13 @@ import math
 import numpy as np
 import pandas as pd
 
+from vitscope.analyses.robustness import decision_rows
 from vitscope.report.figures._common import Figures, grid_layout, plt
 
 
 def _last(df: pd.DataFrame) -> pd.DataFrame:
     """Per model, the rows of its decision: the head where there is one, else the last layer's probe."""
-    out = []
-    for _, g in df.groupby("model", sort=False):
-        head = g[g.readout == "head"]
-        if len(head):
-            out.append(head.assign(where="head"))
-            continue
-        probe = g[g.readout == "probe"]
-        if len(probe):
-            last = pd.to_numeric(probe["layer"]).max()
-            out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(where=f"block {int(last)} probe"))
-    return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(where=None)
+    return decision_rows(df, head_only=True, column="where")
 
 
 def shape_bias(df: pd.DataFrame) -> Figures:
