@@ -84,7 +84,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--iterations", type=int, default=50)
-    ap.add_argument("--ft", default=None, help="fine-tuned checkpoint of zoo-mocov3 (default: zoo-mocov3-ft-cls)")
+    ap.add_argument("--pt", default="zoo-random", help="the pretrained model (default: zoo-random)")
+    ap.add_argument("--ft", default="zoo-random-ft-cls", help="its fine-tuned model (default: zoo-random-ft-cls)")
     ap.add_argument("--skip-vits", action="store_true")
     ap.add_argument("--skip-stir", action="store_true")
     ap.add_argument("--skip-zoo", action="store_true")
@@ -92,18 +93,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch threads {args.threads}; load average {os.getloadavg()}")
-    zoo = vs.load_model("zoo-mocov3")
+    zoo = vs.load_model(args.pt)
     if not args.skip_zoo:
-        throughput("zoo-mocov3", zoo, 32, 10)
+        throughput(args.pt, zoo, 32, 10)
     if not args.skip_vits:
         vits = vs.load_model("vit_small_patch16_224", pretrained=False)
         throughput("ViT-S/16", vits, 8, args.vits_iterations)
     if args.skip_stir:
         return
-    ft = vs.load_model(args.ft) if args.ft else vs.load_model("zoo-mocov3-ft-cls")
+    ft = vs.load_model(args.ft)
     n, it = args.images, args.iterations
     t8 = stir_time(zoo, ft, n, list(range(8)), it)
-    print(f"STIR zoo-mocov3 -> {ft.name}: {n} images, 8 layers, {it} iterations, 1 repeat: {t8:.1f} s "
+    print(f"STIR {args.pt} -> {ft.name}: {n} images, 8 layers, {it} iterations, 1 repeat: {t8:.1f} s "
           f"({t8 / n:.2f} s per image; 500 images ~ {t8 / n * 500 / 60:.0f} min)")
     t2 = stir_time(zoo, ft, n, [1, 7], it)
     print(f"  layers [1, 7]: {t2:.1f} s;  layers [1]:", end=" ")
