@@ -661,16 +661,16 @@ def test_the_three_tasks_run_in_a_study_resume_mid_video_and_land_in_the_report(
 
 
 def test_a_briefly_trained_tiny_vit_beats_its_untrained_architecture_at_some_layer():
-    """The shipped zoo's DINO model (the zoo's 8-block, 32 px ViT after a short DINO training on CIFAR-10)
-    against the same architecture untrained (zoo-random): mask propagation on generated videos improves with
-    depth (the untrained network is flat across blocks), and its best block is well above the untrained one's
-    best. Measured: 0.33 at the last block against at most 0.25 (4 videos x 8 frames)."""
+    """The shipped zoo's supervised model (the zoo's 8-block, 32 px ViT after a short training on CIFAR-10)
+    against the same architecture untrained (zoo-random): mask propagation on generated videos peaks in a middle
+    block (the untrained network is best at block 0 and falls with depth), well above the untrained one's best.
+    Measured: 0.39 at block 3 against at most 0.28 (4 videos x 8 frames)."""
     import vitscope as vs
     from vitscope.capture import stream
 
     videos = SyntheticVideos(n_videos=4, n_frames=8, seed=21)
     best = {}
-    for name in ("zoo-dino", "zoo-random"):
+    for name in ("zoo-sup", "zoo-random"):
         vm = vs.load_model(name)
         a = get_analysis("propagation")(vm)
         stream(vm, videos.batches(32, vm.preprocessing), [a], progress=False)
@@ -678,6 +678,6 @@ def test_a_briefly_trained_tiny_vit_beats_its_untrained_architecture_at_some_lay
         jf = df[(df.metric == "JF") & df.video.isna()].set_index("layer").value
         best[name] = (jf.max(), jf.idxmax(), jf)
         assert jf.max() > df[df.metric == "JF_chance"].value.item() + 0.1
-    trained, untrained = best["zoo-dino"], best["zoo-random"]
-    assert trained[0] > untrained[0] + 0.04, (trained[2], untrained[2])
+    trained, untrained = best["zoo-sup"], best["zoo-random"]
+    assert trained[0] > untrained[0] + 0.05, (trained[2], untrained[2])
     assert trained[1] > 0  # not the first block

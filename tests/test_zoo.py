@@ -432,27 +432,33 @@ def test_findings_compare_the_groups_means_and_decide_only_beyond_their_uncertai
 
 
 def test_head_types_of_the_shipped_zoo_on_its_8x8_grid():
-    """The head-type rules against the shipped zoo's aligned maps (8x8 grid): zoo-simmim's blocks 2-4 put
-    30-40 % of their attention in the 3x3 around the query (three times uniform attention's share), visibly
-    local in their maps, and are typed local; the untrained zoo-random has no local head."""
+    """The head-type rules against the shipped zoo's aligned maps (8x8 grid, 64 CIFAR-10 test photographs), where
+    the objectives differ as the sources report (Walmer et al. 2023; Park et al. 2023): zoo-mae (masked image
+    modelling) has no global head in blocks 1-7 and strictly local heads in most of them (measured: 6 of the
+    7 blocks); zoo-dino (self-
+    distillation) turns global, with every head of its last two blocks global; zoo-random (the mimetic
+    initialisation, untrained) has softly local heads but no strictly local one, so locality at init is not what
+    MAE shows."""
     from vitscope.analyses import get_analysis
     from vitscope.capture import stream
     from vitscope.data.formats.shipped import Cifar10Test1k
 
     data = Cifar10Test1k()
     types = {}
-    for name in ("zoo-simmim", "zoo-random"):
+    for name in ("zoo-mae", "zoo-dino", "zoo-random"):
         vm = vs.load_model(name)
         assert vm.grid_size == (8, 8)
         a = get_analysis("aligned_attention_maps")(vm)
         stream(vm, data.batches(64, vm.preprocessing, indices=list(range(0, 1000, 16))), [a], progress=False)
         df = a.finalize()
         types[name] = df[df.metric == "head_type"].set_index(["layer", "head"])["type"]
-    simmim = types["zoo-simmim"]
-    local = simmim[simmim.index.get_level_values("layer").isin([2, 3, 4])]
-    assert (local != "global").sum() >= 7, local.tolist()
-    assert set(local) <= {"soft_local", "strict_local", "global", "axial", "offset_local"}
-    assert (types["zoo-random"] == "global").all()
+    mae, dino, rnd = types["zoo-mae"], types["zoo-dino"], types["zoo-random"]
+    mid = mae[mae.index.get_level_values("layer") >= 1]
+    assert (mid != "global").all(), mid.tolist()
+    assert (mid == "strict_local").sum() >= 5, mid.tolist()
+    late = dino[dino.index.get_level_values("layer") >= 6]
+    assert (late == "global").all(), late.tolist()
+    assert (rnd == "soft_local").sum() >= 8 and not (rnd == "strict_local").any(), rnd.tolist()
 
 
 ZOO_ENTRIES = [n for n in vs.models.registry.REGISTRY if n.startswith("zoo-")]
