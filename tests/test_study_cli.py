@@ -236,3 +236,30 @@ def test_quiet_is_taken_before_or_after_the_command(argv, quiet):
 
     args = build_parser().parse_args(argv)
     assert args.quiet is quiet and args.verbose is False
+
+
+def test_a_result_warning_reaches_the_command_line_as_one_line(capsys, monkeypatch):
+    """`vitscope run` on the embedded study warns about each zoo model it leaves out, and the command line prints a
+    ResultWarning as one line of its own (other warnings keep Python's format)."""
+    import warnings
+
+    import vitscope.zoo.evaluate as ev
+    from vitscope.cli import main
+    from vitscope.errors import ResultWarning, VitscopeError
+
+    def stop(cfg, overwrite=False):
+        raise VitscopeError("stop here")
+
+    monkeypatch.setattr(ev, "shipped_bar_failures", lambda name: ["a reason"] if name == "zoo-sup" else [])
+    monkeypatch.setattr("vitscope.study.run_study", stop)
+    saved = warnings.formatwarning
+    try:
+        with pytest.warns(ResultWarning, match="zoo-sup is left out of the default study: .*a reason"):
+            assert main(["run"]) == 2
+        one = warnings.formatwarning("zoo-x is left out", ResultWarning, "/some/file.py", 89, "cfg = load(...)")
+        other = warnings.formatwarning("plain", UserWarning, "/some/file.py", 89, "x = 1")
+    finally:
+        warnings.formatwarning = saved
+    assert one == "vitscope: warning: zoo-x is left out\n"
+    assert "UserWarning: plain" in other and "file.py:89" in other
+    assert "vitscope: error: stop here" in capsys.readouterr().err

@@ -27,10 +27,11 @@ def main() -> int:
     ap.add_argument("--force", action="store_true", help="ship even if the run fails the bar")
     ap.add_argument("--checkpoints", action="store_true", help="also copy the run's per-epoch encoders")
     ap.add_argument("--finetuned", action="store_true",
-                    help="a fine-tuned model (a pair's B for the invariance lens): not judged by the bar, no evaluation "
-                         "needed")
+                    help="a fine-tuned model (a pair's B for the invariance lens): not judged by the bar, no "
+                         "evaluation needed")
     ap.add_argument("--random", action="store_true",
-                    help=f"write zoo-random (the zoo's initialisation at seed 0, untrained) and evaluate it into {RANDOM_EVAL}")
+                    help="write zoo-random (the zoo's initialisation at seed 0, untrained) and evaluate it into "
+                         f"{RANDOM_EVAL}")
     args = ap.parse_args()
     from vitscope.zoo.evaluate import evaluate, passes_bar
 

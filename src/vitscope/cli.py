@@ -191,10 +191,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line_result_warnings() -> None:
+    """A ResultWarning reaches the command line as one line, ``vitscope: warning: ...`` (not Python's file, line
+    and source-line preamble); other warnings keep Python's format."""
+    import warnings
+
+    from vitscope.errors import ResultWarning
+
+    python_format = warnings.formatwarning
+
+    def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001, ANN202 - warnings' signature
+        if issubclass(category, ResultWarning):
+            return f"vitscope: warning: {message}\n"
+        return python_format(message, category, filename, lineno, line)
+
+    warnings.formatwarning = fmt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
+    _one_line_result_warnings()
     try:
         return int(args.func(args) or 0)
     except VitscopeError as e:

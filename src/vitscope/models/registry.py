@@ -248,7 +248,8 @@ for _init, _task in [("mocov3", "cls"), ("mae", "cls"), ("random", "cls"), ("moc
     register(ModelSpec(  # family and supervision as the fine-tuning trainer writes them into the file
         f"zoo-{_init}-ft-{_task}", ZOO_TIMM_ARCH,
         {"mocov3": "contrastive", "mae": "reconstructive", "random": "none"}[_init],
-        f"{'random init' if _init == 'random' else _init}+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
+        f"{'random init' if _init == 'random' else _init}"
+        f"+ft-{'classification' if _task == 'cls' else 'reconstruction'}",
         WeightSource("file", f"zoo/weights/{_init}-ft-{_task}/encoder.safetensors", "timm"), _ZOO_PRE,
         {**ZOO_ARCH_KWARGS, "num_classes": 10 if _task == "cls" else 0,
          "pretrained_cfg_overlay": zoo_pretrained_cfg_overlay(32, 10 if _task == "cls" else 0)}, citation=_MERLIN,
