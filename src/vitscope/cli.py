@@ -198,6 +198,8 @@ def _one_line_result_warnings() -> None:
 
     from vitscope.errors import ResultWarning
 
+    if getattr(warnings.formatwarning, "_vitscope", False):  # installed already (main called again)
+        return
     python_format = warnings.formatwarning
 
     def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001, ANN202 - warnings' signature
@@ -205,6 +207,7 @@ def _one_line_result_warnings() -> None:
             return f"vitscope: warning: {message}\n"
         return python_format(message, category, filename, lineno, line)
 
+    fmt._vitscope = True  # type: ignore[attr-defined]
     warnings.formatwarning = fmt
 
 
