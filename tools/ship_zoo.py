@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 WEIGHTS = Path("src/vitscope/zoo/weights")
-RANDOM_EVAL = WEIGHTS / "random-eval.json"
+RANDOM = WEIGHTS / "random"  # zoo-random: the bar's reference is the evaluation in its card
 
 
 def main() -> int:
@@ -30,20 +30,15 @@ def main() -> int:
                     help="a fine-tuned model (a pair's B for the invariance lens): not judged by the bar, no "
                          "evaluation needed")
     ap.add_argument("--random", action="store_true",
-                    help="write zoo-random (the zoo's initialisation at seed 0, untrained) and evaluate it into "
-                         f"{RANDOM_EVAL}")
+                    help=f"write zoo-random (the zoo's initialisation at seed 0, untrained) to {RANDOM} and evaluate "
+                         "it into its card")
     args = ap.parse_args()
-    from vitscope.zoo.evaluate import evaluate, passes_bar
+    from vitscope.zoo.evaluate import add_to_card, passes_bar, write_untrained
 
     if args.random:
-        from vitscope.zoo.evaluate import write_untrained
-
-        write_untrained(WEIGHTS / "random")
-        ev = evaluate("zoo-random")
-        RANDOM_EVAL.write_text(json.dumps(ev, indent=2) + "\n")
-        card = json.loads((WEIGHTS / "random" / "card.json").read_text())
-        (WEIGHTS / "random" / "card.json").write_text(json.dumps({**card, "eval": ev}, indent=2) + "\n")
-        print(RANDOM_EVAL)
+        write_untrained(RANDOM)
+        add_to_card(RANDOM)
+        print(RANDOM / "card.json")
         return 0
     if not args.run or not args.objective:
         ap.error("RUN_DIR and OBJECTIVE are required")
@@ -55,11 +50,12 @@ def main() -> int:
     elif not ev or "best_knn20" not in ev:
         print(f"{run}: no per-block evaluation in its card; run `vitscope zoo evaluate {run}` first", file=sys.stderr)
         return 2
-    elif not RANDOM_EVAL.is_file():
-        print(f"no {RANDOM_EVAL}: run `python tools/ship_zoo.py --random` first", file=sys.stderr)
+    elif "best_knn20" not in (random_ev := _card_eval(RANDOM)):
+        print(f"no evaluation of zoo-random in {RANDOM}: run `python tools/ship_zoo.py --random` first",
+              file=sys.stderr)
         return 2
     else:
-        why = passes_bar(card["objective"], ev, json.loads(RANDOM_EVAL.read_text()))
+        why = passes_bar(card["objective"], ev, random_ev)
     if why:
         print(f"{run} ({obj}) fails the zoo's bar:\n  " + "\n  ".join(why), file=sys.stderr)
         if not args.force:
@@ -74,10 +70,6 @@ def main() -> int:
         for f in sorted((run / "checkpoints").glob("encoder_epoch*.safetensors")):
             shutil.copyfile(f, dst / "checkpoints" / f.name)
     card["weights"], card["log"] = "encoder.safetensors", "log.csv"
-    if (run / "train_state.pt").is_file():  # the architecture as trained (init, positions), for cards written before
-        from vitscope.zoo.train import load_state  # the card recorded it
-
-        card.setdefault("zoo_arch", load_state(run / "train_state.pt")["config"]["arch"])
     card["data"]["path"] = "../shared/data/cifar10" if card["data"].get("path") else None
     if not args.finetuned:
         card["bar"] = {"passes": not why, "why_not": why}
@@ -85,6 +77,11 @@ def main() -> int:
     print(dst, (ev or {}).get("knn20_cls"), "fine-tuned" if args.finetuned else
           "passes the bar" if not why else "FAILS the bar")
     return 0
+
+
+def _card_eval(folder: Path) -> dict:
+    card = folder / "card.json"
+    return (json.loads(card.read_text()).get("eval") or {}) if card.is_file() else {}
 
 
 if __name__ == "__main__":

@@ -124,6 +124,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     print("\nshipped (load with vitscope.load_model(name)):")
     from vitscope.models.load import package_file
     from vitscope.models.registry import REGISTRY
+    from vitscope.zoo.evaluate import bar_failures
     from vitscope.zoo.train import CARD_FILE
 
     for name, spec in REGISTRY.items():
@@ -139,8 +140,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
             f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)" if c.get("final_knn") else "not evaluated"
         if "best_knn20" in e:
             acc += f"; best block {e['best_knn20']:.3f} / {e['best_probe']:.3f}"
-        bar = c.get("bar") or {}
-        if bar and not bar.get("passes"):
+        if bar_failures(c):
             acc += " [fails the bar: not in the default study]"
         seen = f"{c['image_views']:,} image-views of {c['data']['name']}" if c.get("image_views") else "untrained"
         print(f"  {name:11s} {seen}: {acc}")

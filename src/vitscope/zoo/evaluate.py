@@ -144,21 +144,33 @@ def passes_bar(objective: str, ev: dict[str, Any], random_ev: dict[str, Any], k:
     return why
 
 
-def shipped_bar_failures(name: str) -> list[str]:
-    """Why the shipped zoo model ``name`` fails the bar, as its card records it (`tools/ship_zoo.py` writes
-    ``bar``); empty for a model that passes, one that is not a shipped zoo model, or a card without the record."""
+def shipped_card(name: str) -> dict[str, Any] | None:
+    """The card of the shipped zoo model ``name`` (beside its weights in the package), or None: not a zoo entry
+    with a file, not trained yet, or an unreadable card."""
     from vitscope.models.load import package_file
     from vitscope.models.registry import REGISTRY
 
     spec = REGISTRY.get(name)
     if spec is None or not name.startswith("zoo-") or spec.weights.kind != "file":
-        return []
-    card = package_file(spec.weights.location).parent / CARD_FILE
+        return None
     try:
-        bar = json.loads(card.read_text()).get("bar") or {}
+        return json.loads((package_file(spec.weights.location).parent / CARD_FILE).read_text())
     except (OSError, ValueError):
-        return []
+        return None
+
+
+def bar_failures(card: dict[str, Any]) -> list[str]:
+    """Why a card's model fails the bar, as `tools/ship_zoo.py` recorded it under ``bar``; empty for a model that
+    passes or a card without the record."""
+    bar = card.get("bar") or {}
     return [] if bar.get("passes", True) else list(bar.get("why_not") or ["(no reason recorded)"])
+
+
+def shipped_bar_failures(name: str) -> list[str]:
+    """Why the shipped zoo model ``name`` fails the bar (its card's record); empty when it passes or is not a
+    shipped zoo model."""
+    card = shipped_card(name)
+    return bar_failures(card) if card is not None else []
 
 
 def write_untrained(out: str | Path, seed: int = 0) -> Path:

@@ -45,10 +45,11 @@ from vitscope.zoo.objectives import build_objective
 log = logging.getLogger(__name__)
 
 ZOO_BATCH_SIZE = 128
-# The common budget (docs/ZOO.md has the arithmetic): on one core of the 2-core machine the slowest objective
-# (DINO) runs at about 130-145 image-views/s, the others at 130-350 (benchmarks/zoo_throughput.py --threads 1);
-# 250,000 image-views keep every objective under about 35 CPU-minutes, so the whole zoo (six objectives, two
-# at a time, one thread each) trains in about 75 minutes of a 2-core machine.
+# The common budget (docs/ZOO.md): every run must end within the session that starts it (no training state
+# survives between sessions here). At 250,000 image-views the round-3 runs took 26-59 min of wall time each, on
+# one thread of the 2-core machine shared by two to five runs and evaluations (their cards), so the six
+# objectives fit one session; idle, one thread runs a supervised step of 128 images in 0.73 s
+# (benchmarks/zoo_throughput.py --threads 1), 24 CPU-minutes for this budget.
 ZOO_BUDGET_VIEWS = 250_000
 
 STATE_FILE = "train_state.pt"
