@@ -496,3 +496,64 @@ def test_geirhos_folder_through_a_study_uses_an_imagenet_head_and_refuses_a_head
     p.write_text(STUDY.format(label="headless", nc=0, root=tmp_path / "stimuli"))
     with pytest.raises(ConfigError, match="no classifier head covering the classes of stimuli"):
         run_study(load_config(p, [f"output_dir={tmp_path / 'run2'}"]))
+
+
+def _hsv_value_plus(img: np.ndarray, c: float) -> np.ndarray:
+    """make_cifar_c.py's brightness, per pixel through colorsys: HSV value + c, clipped."""
+    import colorsys
+
+    out = np.empty_like(img)
+    for idx in np.ndindex(img.shape[:2]):
+        h, s, v = colorsys.rgb_to_hsv(*img[idx])
+        out[idx] = colorsys.hsv_to_rgb(h, s, min(v + c, 1.0))
+    return out
+
+
+@pytest.mark.parametrize("name", ["contrast", "gaussian_blur", "brightness"])
+def test_cifar_table_is_cifar10c_as_make_cifar_c_writes_it(name):
+    """CIFAR-10-C's constants (hendrycks/robustness, ImageNet-C/create_c/make_cifar_c.py), each corruption
+    re-implemented here from that script's formulas with numpy / scipy."""
+    from scipy.ndimage import gaussian_filter
+
+    constants = {"contrast": [.75, .5, .4, .3, 0.15], "gaussian_blur": [.4, .6, 0.7, .8, 1],
+                 "brightness": [.05, .1, .15, .2, .3]}[name]
+    rng = np.random.default_rng(0)
+    x = rng.random((2, 32, 32, 3))
+    for s in (1, 3, 5):
+        ours = P.corrupt_batch(torch.from_numpy(x).permute(0, 3, 1, 2).float(), torch.arange(2), 0, name, s,
+                               table="cifar").permute(0, 2, 3, 1).double().numpy()
+        c = constants[s - 1]
+        for i in range(2):
+            if name == "contrast":
+                ref = (x[i] - x[i].mean(axis=(0, 1), keepdims=True)) * c + x[i].mean(axis=(0, 1), keepdims=True)
+            elif name == "gaussian_blur":  # skimage.filters.gaussian: scipy's filter, 'nearest', truncate 4
+                ref = np.stack([gaussian_filter(x[i][..., k], c, mode="nearest", truncate=4.0) for k in range(3)], -1)
+            else:
+                ref = _hsv_value_plus(x[i], c)
+            np.testing.assert_allclose(ours[i], np.clip(ref, 0, 1), atol=2e-6)
+
+
+def test_cifar_table_noise_has_cifar10c_strength_and_is_milder_than_imagenet_c():
+    x = torch.full((64, 3, 32, 32), 0.5)
+    ids = torch.arange(64)
+    for s, c in zip(P.SEVERITIES, [0.04, 0.06, .08, .09, .10], strict=True):
+        noise = P.corrupt_batch(x, ids, 0, "gaussian_noise", s, table="cifar") - x
+        assert abs(float(noise.std()) - c) < 0.05 * c  # make_cifar_c.py: normal noise of std c (none clipped at 0.5)
+    for name in P.NATIVE:
+        for s in (1, 5):
+            d = {t: float((P.corrupt_batch(torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1)),
+                                           torch.arange(4), 0, name, s, table=t) -
+                           torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))).abs().mean())
+                 for t in ("cifar", "imagenet")}
+            assert d["cifar"] < d["imagenet"], (name, s, d)
+
+
+def test_cifar_table_without_its_constants_is_one_sentence_at_config_time():
+    from vitscope.analyses.robustness import Corruptions
+
+    assert Corruptions.views({"corruptions": ["contrast"], "severities": [3], "table": "cifar"}) == [
+        "clean", "corruption:name=contrast,severity=3,table=cifar"]
+    with pytest.raises(ConfigError, match="the cifar table holds the native corruptions only.*fog"):
+        Corruptions.views({"corruptions": ["fog"], "severities": [3], "table": "cifar"})
+    with pytest.raises(ConfigError, match="corruption table 'cifra' does not exist"):
+        Corruptions.views({"corruptions": ["contrast"], "severities": [3], "table": "cifra"})

@@ -43,6 +43,7 @@ import torch
 from vitscope import invariance as INV
 from vitscope.capture.taps import parse_tap
 from vitscope.capture.views import VIEWS
+from vitscope.data import perturb as P
 from vitscope.errors import VitscopeError
 from vitscope.metrics import invariance as M
 
@@ -52,55 +53,26 @@ if TYPE_CHECKING:
 
 from vitscope.analyses.base import PairAnalysis, register_analysis
 
-# ---------------------------------------------------------------------------------------------------------------
-# corruptions: a small CIFAR-10-C-like set (Hendrycks & Dietterich 2019 severities for 32-px images), for the
-# dynamics until the robustness issue's `corruptions` analysis is there to replace it
-# ---------------------------------------------------------------------------------------------------------------
-
-CORRUPTIONS: dict[str, tuple[float, ...]] = {
-    "gaussian_noise": (0.04, 0.06, 0.08, 0.09, 0.10),  # std of added noise, pixels in [0, 1]
-    "gaussian_blur": (0.4, 0.6, 0.7, 0.8, 1.0),        # blur sigma in pixels (at 32 px; scaled with size)
-    "contrast": (0.75, 0.5, 0.4, 0.3, 0.15),           # (x - mean) * c + mean
-}
-
-
-def corrupt(u: torch.Tensor, ids: torch.Tensor, kind: str, severity: int, seed: int = 0) -> torch.Tensor:
-    """Corrupted copies of pixels ``u`` (B, 3, H, W) in [0, 1], deterministic per (image id, seed)."""
-    if kind not in CORRUPTIONS:
-        raise VitscopeError(f"unknown corruption {kind!r}; choose one of {', '.join(CORRUPTIONS)}")
-    if not 1 <= severity <= 5:
-        raise VitscopeError(f"corruption severity must be 1..5, got {severity}")
-    c = CORRUPTIONS[kind][severity - 1]
-    if kind == "gaussian_noise":
-        noise = torch.stack([torch.randn(u.shape[1:], generator=torch.Generator().manual_seed(
-            int(seed) * 1_000_003 + int(i) * 7 + severity)) for i in ids.tolist()])
-        out = u + c * noise
-    elif kind == "contrast":
-        m = u.mean(dim=(1, 2, 3), keepdim=True)
-        out = (u - m) * c + m
-    else:
-        sigma = c * u.shape[-1] / 32
-        r = max(1, int(math.ceil(3 * sigma)))
-        t = torch.arange(-r, r + 1, dtype=torch.float32)
-        k = torch.exp(-t**2 / (2 * sigma**2))
-        k = k / k.sum()
-        x = torch.nn.functional.pad(u, (r, r, r, r), mode="reflect")
-        x = torch.nn.functional.conv2d(x, k.view(1, 1, 1, -1).repeat(3, 1, 1, 1), groups=3)
-        out = torch.nn.functional.conv2d(x, k.view(1, 1, -1, 1).repeat(3, 1, 1, 1), groups=3)
-    return out.clamp(0, 1)
+# corruptions of the dynamics: the robustness lens's (`vitscope.data.perturb`), with CIFAR-10-C's constants
+# (made for 32-px images); default Gaussian noise, Gaussian blur and contrast at severities 3 and 5
+DEFAULT_CORRUPTIONS = ("gaussian_noise", "gaussian_blur", "contrast")
+CORRUPTION_TABLE = "cifar"
 
 
 def _parse_corruptions(spec: Any) -> list[tuple[str, int]]:
     if spec in (None, "none", False):
         return []
     if spec == "default":
-        return [(k, s) for k in CORRUPTIONS for s in (3, 5)]
+        spec = DEFAULT_CORRUPTIONS
     out = []
     for item in spec:
         kind, _, sev = str(item).partition(":")
         sevs = [int(v) for v in sev.split(",")] if sev else [3, 5]
         for s in sevs:
-            corrupt(torch.zeros(1, 3, 4, 4), torch.zeros(1, dtype=torch.long), kind, s)  # validates
+            if s == 0:
+                raise VitscopeError(f"stir: corruption {item!r}: severity 0 is the clean image; severities are 1..5")
+            P.check_corruption(kind, s)
+            P.check_backend([kind], "native", CORRUPTION_TABLE)
             out.append((kind, s))
     return out
 
@@ -122,7 +94,8 @@ class Stir(PairAnalysis):
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
     needs = frozenset()
-    state_version = 2  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder
+    state_version = 3  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
+    # corruptions are the robustness lens's (CIFAR-10-C table)
     STATE_KEYS = ("ba", "ab", "aa", "bb")
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
@@ -262,8 +235,8 @@ class Stir(PairAnalysis):
         pre = vm.preprocessing
         mean, std = torch.tensor(pre.mean).view(1, 3, 1, 1), torch.tensor(pre.std).view(1, 3, 1, 1)
         u = (batch.images.float() * std + mean).clamp(0, 1)
-        xs = [batch.images] + [(corrupt(u, batch.index.cpu(), k, s, self.seed) - mean) / std
-                               for k, s in self.corruptions]
+        xs = [batch.images] + [(P.corrupt_batch(u, batch.index.cpu(), self.seed, k, s, "native", CORRUPTION_TABLE)
+                                - mean) / std for k, s in self.corruptions]
         with torch.inference_mode():
             logits = vm.model(torch.cat(xs).to(next(vm.model.parameters()).device)).float().cpu()
         pred = logits.argmax(-1).view(len(xs), -1)

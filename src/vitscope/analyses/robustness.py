@@ -570,15 +570,16 @@ class Corruptions(_ViewAccuracy):
     corruptions and severities run) and ``mca_relative_drop``. ``corruptions``: names, family names
     ('noise', 'blur', 'weather', 'digital', 'held-out') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
     ``backend``: 'auto' (torch versions where they exist, else the imagecorruptions-imaug package), 'native',
-    'package'."""
+    'package'. ``table``: the constants, 'imagenet' (ImageNet-C's, made for 224-px images) or 'cifar'
+    (CIFAR-10-C's, made for 32-px images; the native corruptions only)."""
 
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
 
     def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[int] = P.SEVERITIES,
-                 backend: str = "auto", **kw: Any):
+                 backend: str = "auto", table: str = "imagenet", **kw: Any):
         super().__init__(vm, **kw)
-        self.params = {"corruptions": corruptions, "severities": severities, "backend": backend}
+        self.params = {"corruptions": corruptions, "severities": severities, "backend": backend, "table": table}
         type(self).views(self.params)
 
     def probe_possible(self) -> tuple[bool, str]:
@@ -610,13 +611,13 @@ class Corruptions(_ViewAccuracy):
             for s, raw in zip(sev, params.get("severities", P.SEVERITIES), strict=True):
                 if s != raw or not 1 <= s <= 5:
                     raise ConfigError(f"corruptions: severity {raw!r} does not exist; severities are 1..5")
-            backend = params.get("backend", "auto")
-            P.check_backend(names, backend)
+            backend, table = params.get("backend", "auto"), params.get("table", "imagenet")
+            P.check_backend(names, backend, table)
         except ConfigError:
             raise
         except Exception as e:  # VitscopeError from perturb: same sentence, config-time type
             raise ConfigError(f"corruptions: {e}") from e
-        b = "" if backend == "auto" else f",backend={backend}"
+        b = ("" if backend == "auto" else f",backend={backend}") + ("" if table == "imagenet" else f",table={table}")
         return ["clean"] + [f"corruption:name={n},severity={s}{b}" for n in names for s in sev]
 
     @staticmethod

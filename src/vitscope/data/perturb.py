@@ -183,19 +183,33 @@ def _pixelate(img, c: float):
     return img.resize((int(w * c), int(h * c)), Image.BOX).resize((w, h), Image.NEAREST)
 
 
-def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tensor:
-    """The corruptions defined by a few array operations, with the package's (ImageNet-C's) constants."""
+# The constants of the corruptions with a native version, per severity 1..5, for each table: "imagenet" =
+# ImageNet-C (the imagecorruptions package, made for 224-px images), "cifar" = CIFAR-10-C (Hendrycks &
+# Dietterich's make_cifar_c.py, github.com/hendrycks/robustness, ImageNet-C/create_c/: made for 32-px images).
+TABLES: dict[str, dict[str, tuple[float, ...]]] = {
+    "imagenet": {"gaussian_noise": (.08, .12, .18, .26, .38), "speckle_noise": (.15, .2, .35, .45, .6),
+                 "shot_noise": (60, 25, 12, 5, 3), "impulse_noise": (.03, .06, .09, .17, .27),
+                 "gaussian_blur": (1, 2, 3, 4, 6), "contrast": (.4, .3, .2, .1, .05),
+                 "brightness": (.1, .2, .3, .4, .5), "jpeg_compression": (25, 18, 15, 10, 7),
+                 "pixelate": (.6, .5, .4, .3, .25)},
+    "cifar": {"gaussian_noise": (.04, .06, .08, .09, .10), "speckle_noise": (.06, .1, .12, .16, .2),
+              "shot_noise": (500, 250, 100, 75, 50), "impulse_noise": (.01, .02, .03, .05, .07),
+              "gaussian_blur": (.4, .6, .7, .8, 1), "contrast": (.75, .5, .4, .3, .15),
+              "brightness": (.05, .1, .15, .2, .3), "jpeg_compression": (80, 65, 58, 50, 40),
+              "pixelate": (.95, .9, .85, .75, .65)},
+}
+
+
+def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int, table: str = "imagenet") -> Tensor:
+    """The corruptions defined by a few array operations, with the constants of ``table``."""
+    c = TABLES[table][name][s - 1]
     if name == "gaussian_noise":
-        c = (.08, .12, .18, .26, .38)[s - 1]
         return x + c * torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
     if name == "speckle_noise":
-        c = (.15, .2, .35, .45, .6)[s - 1]
         return x + x * c * torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
     if name == "shot_noise":
-        c = (60, 25, 12, 5, 3)[s - 1]
         return torch.stack([torch.poisson(xi * c, generator=g) for xi, g in zip(x, gens, strict=True)]) / c
     if name == "impulse_noise":  # skimage's 's&p': each value flipped with prob. c, to 1 or 0 with prob. 1/2
-        c = (.03, .06, .09, .17, .27)[s - 1]
         out = x.clone()
         for xi, oi, g in zip(x, out, gens, strict=True):
             u = torch.rand((2, *xi.shape), generator=g)
@@ -203,37 +217,40 @@ def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tensor
             oi[flip] = (u[1][flip] < 0.5).to(x.dtype)
         return out
     if name == "gaussian_blur":
-        return _blur(x, (1, 2, 3, 4, 6)[s - 1])
+        return _blur(x, c)
     if name == "contrast":
-        c = (.4, .3, .2, .1, .05)[s - 1]
         mean = x.mean(dim=(2, 3), keepdim=True)
         return (x - mean) * c + mean
     if name == "brightness":  # HSV value + c: with hue and saturation fixed, RGB scales by V' / V (grey at V = 0)
-        c = (.1, .2, .3, .4, .5)[s - 1]
         v = x.amax(dim=1, keepdim=True)
         v2 = (v + c).clamp(max=1.0)
         return torch.where(v > 0, x * (v2 / v.clamp_min(1e-12)), v2.expand_as(x))
     if name == "jpeg_compression":
-        q = (25, 18, 15, 10, 7)[s - 1]
-        return _per_image_pil(x, lambda im: _jpeg(im, q))
+        return _per_image_pil(x, lambda im: _jpeg(im, int(c)))
     if name == "pixelate":
-        c = (.6, .5, .4, .3, .25)[s - 1]
         return _per_image_pil(x, lambda im: _pixelate(im, c))
     raise KeyError(name)
 
 
-NATIVE = ("gaussian_noise", "speckle_noise", "shot_noise", "impulse_noise", "gaussian_blur", "brightness", "contrast",
-          "jpeg_compression", "pixelate")
+NATIVE = tuple(TABLES["imagenet"])
 
 
 def needs_package(name: str, backend: str = "auto") -> bool:
     return backend == "package" or name not in NATIVE
 
 
-def check_backend(names: list[str], backend: str = "auto") -> None:
-    """Config-time check: the corruptions asked for can run here."""
+def check_backend(names: list[str], backend: str = "auto", table: str = "imagenet") -> None:
+    """Config-time check: the corruptions asked for can run here, with the constants of ``table``."""
     if backend not in ("auto", "package", "native"):
         raise VitscopeError(f"corruption backend {backend!r} does not exist; choose auto, native or package")
+    if table not in TABLES:
+        raise VitscopeError(f"corruption table {table!r} does not exist; choose {' or '.join(TABLES)}")
+    if table != "imagenet":  # the package knows ImageNet-C's constants only
+        if backend == "package" or any(n not in NATIVE for n in names):
+            raise VitscopeError(f"the {table} table holds the native corruptions only ({', '.join(NATIVE)}); "
+                                f"{', '.join(n for n in names if n not in NATIVE) or 'backend package'} "
+                                "need the ImageNet-C table")
+        return
     if backend == "native" and any(n not in NATIVE for n in names):
         raise VitscopeError(f"corruptions {', '.join(n for n in names if n not in NATIVE)} have no native "
                             f"implementation (native: {', '.join(NATIVE)}); use backend 'auto' or 'package'")
@@ -266,20 +283,24 @@ def corruption_key(name: str, severity: int) -> str:
 
 
 def corrupt_batch(x01: Tensor, index: Tensor, seed: int, name: str, severity: int,
-                  backend: str = "auto") -> Tensor:
-    """Corruption ``name`` at ``severity`` (0 = identity) of a batch in [0, 1], clamped to [0, 1]."""
+                  backend: str = "auto", table: str = "imagenet") -> Tensor:
+    """Corruption ``name`` at ``severity`` (0 = identity) of a batch in [0, 1], clamped to [0, 1]; ``table``:
+    the constants, "imagenet" (ImageNet-C, for 224-px images) or "cifar" (CIFAR-10-C, for 32-px images)."""
     check_corruption(name, severity)
     s = int(severity)
     if s == 0 or not len(x01):
         return x01
+    if table != "imagenet":
+        check_backend([name], backend, table)
     gens = [image_generator(seed, corruption_key(name, s), int(i)) for i in index.tolist()]
     x = x01.detach().to(torch.float32).cpu()
-    out = _package(name, x, gens, s) if needs_package(name, backend) else _native(name, x, gens, s)
+    out = _package(name, x, gens, s) if needs_package(name, backend) else _native(name, x, gens, s, table)
     return out.clamp_(0, 1).to(x01.dtype)
 
 
 @register_view("corruption")
-def corruption(x01: Tensor, index: Tensor, seed: int, *, name: str, severity: int, backend: str = "auto") -> Tensor:
+def corruption(x01: Tensor, index: Tensor, seed: int, *, name: str, severity: int, backend: str = "auto",
+               table: str = "imagenet") -> Tensor:
     """ImageNet-C / CIFAR-10-C corruption ``name`` at ``severity`` 1..5 (Hendrycks & Dietterich, ICLR 2019)."""
-    return corrupt_batch(x01, index, seed, name, severity, backend)
+    return corrupt_batch(x01, index, seed, name, severity, backend, table)
 

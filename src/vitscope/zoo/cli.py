@@ -177,7 +177,7 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--init", default=None, help="finetune: checkpoint or model name to start from")
     t.add_argument("--task", choices=["classification", "reconstruction"], default=None,
                    help="finetune: the task (default classification)")
-    t.add_argument("--n-local", type=int, default=None, help="dino: number of 16-px local crops (default 6)")
+    t.add_argument("--n-local", type=int, default=None, help="dino: number of 16-px local crops (default 2)")
     t.add_argument("--mask-ratio", type=float, default=None, help="mae / simmim / hybrid: fraction masked")
     t.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="objective hyper-parameters, e.g. teacher_temp=0.04 (`vitscope zoo list` names them)")
