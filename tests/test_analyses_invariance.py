@@ -147,6 +147,10 @@ def test_dynamics_correlation_over_epochs():
     r = df[(df.metric == "pearson_r") & (df.series == "forgetting_std_from_layer2")].value.item()
     p = df[(df.metric == "pearson_p") & (df.series == "forgetting_std_from_layer2")].value.item()
     assert math.isclose(r, ref[0], rel_tol=1e-9) and math.isclose(p, ref[1], rel_tol=1e-6)
+    # the baseline any series that grows with training meets: clean accuracy's own correlation
+    clean = df[df.metric == "dynamics:clean_accuracy"].sort_values("epoch")
+    r = df[(df.metric == "pearson_r") & (df.series == "clean_accuracy")].value.item()
+    assert math.isclose(r, scipy.stats.pearsonr(clean.value, acc.value)[0], rel_tol=1e-9)
     assert dynamics(finished, pt.name, "ft") is not None
 
 
@@ -169,6 +173,28 @@ def test_bad_input():
 
     with pytest.raises(NonFiniteError, match="non-finite"):  # one sentence naming the model: no NaN in tables
         run(pt, broken, batches(1), corruptions=None).finalize()
+
+
+def test_every_derived_metric_carries_its_spread_over_the_repeats():
+    """learning / forgetting / flow are computed per repeat; their spread is the sample std over the repeats
+    (checked against `statistics.stdev` of the per-repeat STIR grids), not 0."""
+    import statistics
+
+    pt, ft = pair()
+    a = run(pt, ft, batches(2), repeats=3, corruptions=None)
+    df = a.finalize()
+    per_r = a.sums["ba"].values().numpy()  # (R, J inverted at A, I measured at B) over layers [0, 2]
+    per_r_aa = a.sums["aa"].values().numpy()
+    row = {(r.metric, r.layer, r.layer_b): r for r in df.itertuples()}
+    for k, i in enumerate((0, 2)):
+        want = statistics.stdev(1 - per_r[r, k, k] for r in range(3))
+        assert want > 0 and math.isclose(row[("forgetting", i, i)].spread, want, rel_tol=1e-9)
+        want = statistics.stdev(per_r_aa[r, k, k] - per_r[r, k, k] for r in range(3))
+        assert math.isclose(row[("forgetting_vs_self", i, i)].spread, want, rel_tol=1e-9)
+        assert row[("cka_divergence", i, i)].spread == 0  # no inversion in it
+    want = statistics.stdev(per_r[r, 1, 0] - per_r[r, 1, 1] for r in range(3))
+    assert want > 0 and math.isclose(row[("invariance_flow", 2, 0)].spread, want, rel_tol=1e-9)
+    assert not df.spread.isna().any()
 
 
 def test_the_dynamics_use_the_robustness_lens_corruptions_with_cifar10c_constants():

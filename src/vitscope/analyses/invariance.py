@@ -80,6 +80,19 @@ def _parse_corruptions(spec: Any) -> list[tuple[str, int]]:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _mean_spread(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and sample standard deviation over axis 0 (the repeats), NaN-aware; the spread of one repeat is 0."""
+    with np.errstate(all="ignore"):
+        fin = np.isfinite(arr)
+        cnt = fin.sum(0)
+        mean = np.where(cnt > 0, np.nansum(np.where(fin, arr, 0), 0) / np.maximum(cnt, 1), np.nan)
+        if arr.shape[0] > 1:
+            sd = np.nanstd(np.where(fin, arr, np.nan), 0, ddof=1)
+        else:
+            sd = np.where(cnt > 0, 0.0, np.nan)
+    return mean, sd
+
+
 def _block(tap: str) -> int | None:
     return parse_tap(tap)[0]
 
@@ -94,8 +107,8 @@ class Stir(PairAnalysis):
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
     needs = frozenset()
-    state_version = 3  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
-    # corruptions are the robustness lens's (CIFAR-10-C table)
+    state_version = 4  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
+    # corruptions are the robustness lens's (CIFAR-10-C table); 4: derived metrics carry their spread
     STATE_KEYS = ("ba", "ab", "aa", "bb")
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
@@ -271,17 +284,16 @@ class Stir(PairAnalysis):
 
     # -- results -----------------------------------------------------------------------------------------------
     def _grid(self, key: str) -> tuple[np.ndarray, np.ndarray]:
-        v = self.sums[key].values()  # (R, J inverted, I measured)
-        with np.errstate(all="ignore"):
-            arr = v.numpy()
-            fin = np.isfinite(arr)
-            cnt = fin.sum(0)
-            mean = np.where(cnt > 0, np.nansum(np.where(fin, arr, 0), 0) / np.maximum(cnt, 1), np.nan)
-            if arr.shape[0] > 1:
-                sd = np.nanstd(np.where(fin, arr, np.nan), 0, ddof=1)
-            else:
-                sd = np.where(cnt > 0, 0.0, np.nan)
-        return mean, sd
+        """STIR over the repeats: (mean, spread) of the (J inverted, I measured) grid."""
+        return _mean_spread(self.sums[key].values().numpy())
+
+    def _per_repeat(self, key: str) -> np.ndarray:
+        """(R, J inverted, I measured) STIR per repeat; with a model compared with itself, the diagonal is 1."""
+        arr = self.sums[key].values().numpy().copy()
+        if self.same_model:
+            idx = np.arange(arr.shape[1])
+            arr[:, idx, idx] = 1.0
+        return arr
 
     def finalize(self) -> pd.DataFrame:
         import warnings
@@ -308,28 +320,37 @@ class Stir(PairAnalysis):
         for i, li in enumerate(L):
             for j, lj in enumerate(L):
                 rows.append({"metric": "cka", "layer": li, "layer_b": lj, "value": cka[i, j]})
-        # pretrained (A) -> fine-tuned (B)
-        diag_ba, diag_ab = np.diag(s_ba), np.diag(s_ab)
-        for i, li in enumerate(L):
-            rows.append({"metric": "forgetting", "layer": li, "layer_b": li, "value": float(M.forgetting(diag_ba)[i])})
-            rows.append({"metric": "learning", "layer": li, "layer_b": li, "value": float(M.learning(diag_ab)[i])})
-            rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li,
-                         "value": float(M.cka_divergence(np.diag(cka))[i])})
+        # pretrained (A) -> fine-tuned (B); each metric per repeat, then its mean and spread over the repeats
+        r_ba, r_ab = self._per_repeat("ba"), self._per_repeat("ab")
+        d_ba, d_ab = np.diagonal(r_ba, axis1=1, axis2=2), np.diagonal(r_ab, axis1=1, axis2=2)  # (R, L)
         # eqs. 2-3 with their first term measured (the within-model STIR of the same inversions, < 1 when the
         # inversions are imperfect) instead of its ideal value 1: the inversion-quality floor cancels
-        fid_a, fid_b = np.diag(self._grid("aa")[0]), np.diag(self._grid("bb")[0])
         if self.same_model:
-            fid_a, fid_b = np.diag(s_ba), np.diag(s_ab)
+            f_a, f_b = d_ba, d_ab
+        else:
+            f_a = np.diagonal(self._per_repeat("aa"), axis1=1, axis2=2)
+            f_b = np.diagonal(self._per_repeat("bb"), axis1=1, axis2=2)
+        per_layer = {"forgetting": M.forgetting(d_ba), "learning": M.learning(d_ab),
+                     "forgetting_vs_self": f_a - d_ba, "learning_vs_self": f_b - d_ab}
+        div = M.cka_divergence(np.diag(cka))  # no inversion in it: exact, no spread
         for i, li in enumerate(L):
-            rows.append({"metric": "forgetting_vs_self", "layer": li, "layer_b": li, "value": fid_a[i] - diag_ba[i]})
-            rows.append({"metric": "learning_vs_self", "layer": li, "layer_b": li, "value": fid_b[i] - diag_ab[i]})
+            for name, per_r in per_layer.items():
+                m, sd = _mean_spread(per_r[:, i])
+                rows.append({"metric": name, "layer": li, "layer_b": li, "value": float(m), "spread": float(sd)})
+            rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li, "value": float(div[i]),
+                         "spread": 0.0})
         if np.isfinite(s_ba).all():
-            flow = M.flow_matrix(s_ba)
+            flow = M.flow_matrix(s_ba)  # linear in STIR: the flow of the mean = the mean of the repeats' flows
+            flows = np.stack([M.flow_matrix(r) for r in r_ba])
+            flow_sd = _mean_spread(flows)[1]
             for i, li in enumerate(L):
                 for j, lj in enumerate(L):
-                    rows.append({"metric": "invariance_flow", "layer": li, "layer_b": lj, "value": flow[i, j]})
+                    rows.append({"metric": "invariance_flow", "layer": li, "layer_b": lj, "value": flow[i, j],
+                                 "spread": flow_sd[i, j]})
+            per_r = [M.flow_summary(f) for f in flows] if np.isfinite(flows).all() else []
             for k, v in M.flow_summary(flow).items():
-                rows.append({"metric": f"flow_{k}", "value": v})
+                sd = _mean_spread(np.array([p[k] for p in per_r], dtype=float))[1] if per_r else 0.0
+                rows.append({"metric": f"flow_{k}", "value": v, "spread": float(sd)})
         for side, key in (("a", "aa"), ("b", "bb")):
             fid, _ = self._grid(key)
             s = self.sums[key]
@@ -437,9 +458,7 @@ def dynamics(runs: Sequence[Stir], model_a: str, model_b: str) -> pd.DataFrame |
     for name, vals in series.items():
         for ep, v in zip(epochs, vals, strict=True):
             rows.append({**common, "metric": f"dynamics:{name}", "epoch": ep, "value": v})
-        if name == "clean_accuracy":
-            continue
-        r, p = M.pearson(vals, acc)
+        r, p = M.pearson(vals, acc)  # clean accuracy too: the baseline any series that grows with training meets
         if math.isfinite(r):
             rows.append({**common, "metric": "pearson_r", "series": name, "target": "corrupted_accuracy",
                          "value": r, "epochs": len(epochs)})

@@ -51,14 +51,16 @@ def stir(df: pd.DataFrame) -> Figures:
         return out
     # learning / forgetting / cka divergence per layer
     fig, axes = _panels(len(pairs))
+    shown = pd.concat([g[g.metric.isin(["learning", "forgetting", "cka_divergence"])] for _, _, g in pairs])
+    top = float(np.nanmax(shown["value"].astype(float))) if len(shown) else 1.0
     for ax, (a, b, g) in zip(axes.flat, pairs, strict=False):
         for k, (metric, label) in enumerate((("learning", "learning"), ("forgetting", "forgetting"),
                                              ("cka_divergence", "cka divergence"))):
             d = g[g.metric == metric].sort_values("layer")
             ax.plot(d["layer"].astype(int), d["value"].astype(float), "-o", ms=3, color=f"C{k}", label=label)
-        ax.set_title(f"{a} -> {b}", fontsize=8)
+        ax.set_title(f"{a} ->\n{b}", fontsize=8)
         ax.set_xlabel("block", fontsize=8)
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(top, 0.05) * 1.05)  # one scale for every pair: panels compare
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(pairs):]:
         ax.set_axis_off()
@@ -116,12 +118,14 @@ def stir(df: pd.DataFrame) -> Figures:
             ax.grid(alpha=0.3)
             pr = df[(df.metric == "pearson_r") & (df.model == a) & (df.model_b == b)]
             pp = df[(df.metric == "pearson_p") & (df.model == a) & (df.model_b == b)]
-            for series in ("forgetting_std_from_layer2", "forgetting_mean", "learning_mean", "cka_divergence_std"):
+            for series in ("forgetting_std_from_layer2", "forgetting_mean", "learning_mean", "cka_divergence_std",
+                           "clean_accuracy"):
                 r = pr[pr.series == series]["value"]
                 p = pp[pp.series == series]["value"]
                 if len(r):
+                    base = " (the baseline: clean accuracy itself)" if series == "clean_accuracy" else ""
                     caps.append(f"{b}: r({series}, corrupted accuracy) = {float(r.iloc[0]):.2f} "
-                                f"(p = {float(p.iloc[0]):.2g})")
+                                f"(p = {float(p.iloc[0]):.2g}){base}")
         for ax in list(axes.flat)[len(runs):]:
             ax.set_axis_off()
         grid_layout(fig, left=0.5, right=0.7, top=0.35, bottom=0.5, wspace=0.55, hspace=0.55)
