@@ -165,10 +165,15 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     n_jobs = sum(len(m["analyses_from_cache"]) for m in manifest["models"].values())
     total = len(plan.models) * len(single)
     manifest["analyses_read_from_cache"] = [n_jobs, total]
-    results_key = digest(config_key, sorted(mkeys.values()))
+    # what the tables were computed from: the config, the models and every analysis's version (a new version
+    # of an analysis makes the tables written by the old one stale, even when its states come from the cache)
+    results_key = digest(config_key, sorted(mkeys.values()),
+                         sorted((ap.name, ap.cls.state_version) for ap in plan.analyses))
     previous = _read_manifest(out)
-    unchanged = n_jobs == total and previous.get("results_key") == results_key and previous.get("report_done") \
-        and (out / "report.html").is_file() and _tables_match(out, frames) and _report_is_of(out)
+    pairs_cached = all(p["from_cache"] for m in manifest["models"].values() for p in m.get("pairs", {}).values())
+    unchanged = n_jobs == total and pairs_cached and previous.get("results_key") == results_key \
+        and previous.get("report_done") and (out / "report.html").is_file() and _tables_match(out, frames) \
+        and _report_is_of(out)
     if total:
         _say(cfg, dist, f"{n_jobs} of {total} analyses (models x analyses) read from the cache")
     timings: dict[str, Any] = {}
