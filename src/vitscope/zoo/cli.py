@@ -86,7 +86,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n))
+    card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n), per_block=not args.final_only)
     e = card["eval"]
     print(f"{card['name']} on {e['data']} ({e['n_train']} train / {e['n_test']} test images): "
           f"20-NN CLS {e['knn20_cls']:.3f} GAP {e['knn20_gap']:.3f}, linear probe CLS {e['probe_cls']:.3f} "
@@ -206,6 +206,8 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ev.add_argument("--synthetic-n", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"),
                     help="sizes of the generated set when no CIFAR-10 is used")
+    ev.add_argument("--final-only", action="store_true",
+                    help="the final block only, not every block (a fine-tuned model: no bar to judge)")
     ev.set_defaults(func=_cmd_evaluate)
 
     fi = zsub.add_parser("findings", help="which of the sources' findings (contrastive vs MIM) hold in a study")

@@ -201,10 +201,10 @@ def write_untrained(out: str | Path, seed: int = 0) -> Path:
 
 
 def add_to_card(run_dir: str | Path, data: str | Path | None = None,
-                synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
+                synthetic_n: tuple[int, int] = (5000, 1000), per_block: bool = True) -> dict[str, Any]:
     """Evaluate ``run_dir/encoder.safetensors`` and write the result into ``run_dir/card.json`` under 'eval'."""
     run_dir = Path(run_dir)
     card = json.loads((run_dir / CARD_FILE).read_text())
-    card["eval"] = evaluate(run_dir / WEIGHTS_FILE, data, synthetic_n=synthetic_n)
+    card["eval"] = evaluate(run_dir / WEIGHTS_FILE, data, synthetic_n=synthetic_n, per_block=per_block)
     write_card(run_dir, card)
     return card
