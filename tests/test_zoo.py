@@ -334,7 +334,8 @@ def test_evaluate_writes_knn_and_probe_to_the_card_and_they_match_a_direct_compu
     assert 0 <= e["probe_cls"] <= 1 and 0 <= e["probe_gap"] <= 1
     assert "blocks" in e and len(e["blocks"]["knn20_cls"]) == vm.depth  # every block, for the bar
     # --final-only (a fine-tuned model: no bar): the same final numbers, no per-block evaluation
-    assert main(["zoo", "evaluate", str(run), "--data", "synthetic", "--synthetic-n", "240", "120", "--final-only"]) == 0
+    args = ["zoo", "evaluate", str(run), "--data", "synthetic", "--synthetic-n", "240", "120"]
+    assert main([*args, "--final-only"]) == 0
     f = json.loads((run / "card.json").read_text())["eval"]
     assert "blocks" not in f and f["knn20_cls"] == e["knn20_cls"] and f["probe_cls"] == e["probe_cls"]
 
