@@ -302,26 +302,20 @@ class Stir(PairAnalysis):
                 "repeats": self.repeats, "images": self.n_images}
         rows: list[dict[str, Any]] = []
         L = self.layers
-        s_ba, sd_ba = self._grid("ba")  # [j A inverted, i B measured]
-        s_ab, sd_ab = self._grid("ab")  # [j B inverted, i A measured]
+        # per repeat (a model compared with itself: its diagonal 1 by definition), then mean and spread
+        r_ba, r_ab = self._per_repeat("ba"), self._per_repeat("ab")  # [r, j inverted, i measured]
+        (s_ba, sd_ba), (s_ab, sd_ab) = _mean_spread(r_ba), _mean_spread(r_ab)
         for j, lj in enumerate(L):
             for i, li in enumerate(L):
                 rows.append({"metric": "stir_b|a", "layer": lj, "layer_b": li, "value": s_ba[j, i],
                              "spread": sd_ba[j, i]})
                 rows.append({"metric": "stir_a|b", "layer": li, "layer_b": lj, "value": s_ab[j, i],
                              "spread": sd_ab[j, i]})
-        if self.same_model:  # STIR of a layer with itself is 1 by definition
-            for r in rows:
-                if r["layer"] == r["layer_b"]:
-                    r["value"], r["spread"] = 1.0, 0.0
-            s_ba[np.diag_indices(len(L))] = 1.0
-            s_ab[np.diag_indices(len(L))] = 1.0
         cka = M.stir_from_sums(self.cka).numpy()
         for i, li in enumerate(L):
             for j, lj in enumerate(L):
                 rows.append({"metric": "cka", "layer": li, "layer_b": lj, "value": cka[i, j]})
         # pretrained (A) -> fine-tuned (B); each metric per repeat, then its mean and spread over the repeats
-        r_ba, r_ab = self._per_repeat("ba"), self._per_repeat("ab")
         d_ba, d_ab = np.diagonal(r_ba, axis1=1, axis2=2), np.diagonal(r_ab, axis1=1, axis2=2)  # (R, L)
         # eqs. 2-3 with their first term measured (the within-model STIR of the same inversions, < 1 when the
         # inversions are imperfect) instead of its ideal value 1: the inversion-quality floor cancels
