@@ -12,13 +12,16 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from vitscope.data.transforms import normalize
 from vitscope.metrics import semantics as S
 from vitscope.zoo.train import CARD_FILE, WEIGHTS_FILE, write_card
+
+if TYPE_CHECKING:
+    from vitscope.zoo.arch import ZooArch
 
 SUBSET = (500, 200)  # train, test images of the quick check (class-balanced, first files of each class)
 
@@ -173,29 +176,31 @@ def shipped_bar_failures(name: str) -> list[str]:
     return bar_failures(card) if card is not None else []
 
 
-def write_untrained(out: str | Path, seed: int = 0) -> Path:
-    """zoo-random: the zoo's encoder as initialised at ``seed`` (`ZOO_ARCH`: mimetic attention, sin-cos positions),
-    untrained, written like a trained zoo model (float16 ``encoder.safetensors`` + ``card.json``). It is the
-    encoder every self-supervised objective starts from at that seed (`build_objective` builds it first)."""
+def write_untrained(out: str | Path, seed: int = 0, arch: ZooArch | None = None) -> Path:
+    """zoo-random: the zoo's encoder as initialised at ``seed`` (``arch``, default `ZOO_ARCH`: mimetic attention,
+    sin-cos positions), untrained, written like a trained zoo model (float16 ``encoder.safetensors`` +
+    ``card.json``). With the default it is the encoder every self-supervised objective starts from at that seed
+    (`build_objective` builds it first)."""
     from dataclasses import asdict
 
     from vitscope.models import save_checkpoint
     from vitscope.models.registry import ModelSpec, WeightSource
     from vitscope.zoo.arch import TIMM_ARCH, ZOO_ARCH, build_encoder, zoo_preprocessing
 
+    arch = ZOO_ARCH if arch is None else arch
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        vit = build_encoder(ZOO_ARCH, 0)
+        vit = build_encoder(arch, 0)
     spec = ModelSpec(f"zoo-random-s{seed}", TIMM_ARCH, "none", "random init", WeightSource("none"),
-                     zoo_preprocessing(ZOO_ARCH.img_size), ZOO_ARCH.kwargs(0),
+                     zoo_preprocessing(arch.img_size), arch.kwargs(0),
                      notes=f"vitscope controlled zoo: the architecture as initialised at seed {seed}, untrained")
     save_checkpoint(vit, out / WEIGHTS_FILE, spec, half=True)
     card = {"name": spec.name, "objective": "none", "family": "none", "supervision": "random init", "seed": seed,
             "arch": {"timm": TIMM_ARCH, **{k: v for k, v in spec.model_kwargs.items()
                                            if k != "pretrained_cfg_overlay"}},
-            "zoo_arch": asdict(ZOO_ARCH), "image_views": 0, "weights": WEIGHTS_FILE}
+            "zoo_arch": asdict(arch), "image_views": 0, "weights": WEIGHTS_FILE}
     write_card(out, card)
     return out / WEIGHTS_FILE
 
