@@ -1,4 +1,4 @@
-"""Test-only analyses and a view, registered on import: analyses that record which images of which dataset and
+"""Test-only analyses and a view, registered by `register()`: analyses that record which images of which dataset and
 view they were fed, so the planner's routing can be checked from the tables (also under torchrun, where
 tests/run_with_fixtures.py imports this module before the CLI runs)."""
 
@@ -11,6 +11,19 @@ import torch
 
 from vitscope.analyses.base import ANALYSES, Analysis, PairAnalysis, register_analysis
 from vitscope.data.views import VIEW_KINDS, image_generator, register_view
+
+# the models: block of the tiny two-model studies (a ViT and a BEiT, random, 2 blocks at 32 px)
+TWO_TINY_MODELS = """\
+models:
+  - name: vit_small_patch16_224
+    label: tiny-vit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}
+  - name: beit_base_patch16_224
+    label: tiny-beit
+    pretrained: false
+    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, init_values: 0.1}
+"""
 
 
 def shift(x01: torch.Tensor, index: torch.Tensor, seed: int, *, amount: float = 0.1) -> torch.Tensor:

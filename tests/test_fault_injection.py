@@ -16,20 +16,12 @@ import sys
 
 import pandas as pd
 import pytest
+from study_fixtures import TWO_TINY_MODELS
 
 from vitscope.report.html import report_digest, results_digest
 from vitscope.study import load_config, run_study
 
-STUDY = """
-models:
-  - name: vit_small_patch16_224
-    label: tiny-vit
-    pretrained: false
-    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}
-  - name: beit_base_patch16_224
-    label: tiny-beit
-    pretrained: false
-    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, init_values: 0.1}
+STUDY = TWO_TINY_MODELS + """\
 dataset: {name: synthetic-shapes, n_images: 16}
 analyses:
   attention_distance: {}

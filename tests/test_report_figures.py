@@ -73,6 +73,7 @@ import re  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 from PIL import Image  # noqa: E402
+from study_fixtures import TWO_TINY_MODELS  # noqa: E402
 
 import vitscope as vs  # noqa: E402
 from vitscope.cli import main  # noqa: E402
@@ -80,16 +81,7 @@ from vitscope.report.figures._common import NOT_COMPUTED_GID  # noqa: E402
 from vitscope.report.run import load_run  # noqa: E402
 from vitscope.study import load_config, run_study  # noqa: E402
 
-ALL_YAML = """
-models:
-  - name: vit_small_patch16_224
-    label: tiny-vit
-    pretrained: false
-    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}
-  - name: beit_base_patch16_224
-    label: tiny-beit
-    pretrained: false
-    kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, init_values: 0.1}
+ALL_YAML = TWO_TINY_MODELS + """\
 dataset: {name: synthetic-shapes, n_images: 12}
 analyses:
   attention_distance: {}
