@@ -125,6 +125,11 @@ def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig
             dropped[m.label or m.name] = f"it was fine-tuned from {m.finetuned_from}, which is left out"
     for name, why in dropped.items():
         warnings.warn(f"{name} is left out of the default study: {why} (docs/ZOO.md)", ResultWarning, stacklevel=3)
+    if dropped:
+        them = "it" if len(dropped) == 1 else "them"
+        warnings.warn(f"to run {them} anyway, add {', '.join(dropped)} to the models of a study of your own "
+                      "(the run directory's config.yaml is one to start from) and `vitscope run STUDY.yaml`",
+                      ResultWarning, stacklevel=3)
     return [m for m in models if (m.label or m.name) not in dropped]
 
 
