@@ -1,12 +1,14 @@
-"""Copy a finished zoo run into the package: weights, log, and the card with paths made relative.
+"""Copy a finished zoo run into the package: weights, decoder (masked modelling), log, and the card with paths made
+relative, the bar's verdict and the margins over zoo-random.
 
     python tools/ship_zoo.py RUN_DIR OBJECTIVE [--checkpoints]    (after `vitscope zoo evaluate RUN_DIR`)
     python tools/ship_zoo.py --random               (once: zoo-random, the zoo's initialisation untrained (seed 0),
                                                      its card and per-block evaluation, the bar's reference)
+    python tools/ship_zoo.py --rejudge              (every shipped card: verdict and margins again from its numbers)
 
-A run is shipped only if it passes the zoo's bar (issue 18; `vitscope.zoo.evaluate.passes_bar`): best-block
-20-NN and probe over zoo-random's, zoo-sup's 20-NN, and a block with local attention. A run that fails is not
-copied; the reasons are printed (``--force`` ships it anyway, for a model kept out of the default study).
+A run is shipped only if it passes the zoo's bar (`vitscope.zoo.evaluate.judge`: each objective family on its own
+evidence against zoo-random; docs/ZOO.md). A run that fails is not copied; the reason is printed (``--force``
+ships it anyway, for a model kept out of the default study).
 OBJECTIVE names the folder under zoo/weights (e.g. ``mocov3``, or ``mocov3-ft-cls`` for a fine-tuned model);
 ``--checkpoints`` also copies the run's per-epoch encoders (``checkpoints/encoder_epochNNN.safetensors``, float16).
 """
@@ -29,12 +31,16 @@ def main() -> int:
     ap.add_argument("--finetuned", action="store_true",
                     help="a fine-tuned model (a pair's B for the invariance lens): not judged by the bar, no "
                          "evaluation needed")
+    ap.add_argument("--rejudge", action="store_true",
+                    help="record the bar's verdict and the margins again in every shipped card, from its numbers")
     ap.add_argument("--random", action="store_true",
                     help=f"write zoo-random (the zoo's initialisation at seed 0, untrained) to {RANDOM} and evaluate "
                          "it into its card")
     args = ap.parse_args()
-    from vitscope.zoo.evaluate import add_to_card, passes_bar, write_untrained
+    from vitscope.zoo.evaluate import CardError, add_to_card, judge, margins, write_untrained
 
+    if args.rejudge:
+        return rejudge()
     if args.random:
         write_untrained(RANDOM)
         add_to_card(RANDOM)
@@ -44,44 +50,63 @@ def main() -> int:
         ap.error("RUN_DIR and OBJECTIVE are required")
     run, obj = Path(args.run), args.objective
     card = json.loads((run / "card.json").read_text())
-    ev = card.get("eval")
-    if args.finetuned:
-        why = []
-    elif not ev or "best_knn20" not in ev:
-        print(f"{run}: no per-block evaluation in its card; run `vitscope zoo evaluate {run}` first", file=sys.stderr)
+    try:
+        verdict = None if args.finetuned else judge(card, _card(RANDOM))
+    except CardError as e:
+        print(f"{run}: {e}", file=sys.stderr)
         return 2
-    elif "best_knn20" not in (random_ev := _card_eval(RANDOM)):
-        print(f"no evaluation of zoo-random in {RANDOM}: run `python tools/ship_zoo.py --random` first",
-              file=sys.stderr)
-        return 2
-    else:
-        why = passes_bar(card["objective"], ev, random_ev)
-    if why:
-        print(f"{run} ({obj}) fails the zoo's bar:\n  " + "\n  ".join(why), file=sys.stderr)
+    if verdict is not None and not verdict.passes:
+        print(f"{run} ({obj}) fails the zoo's bar: {verdict.reason}", file=sys.stderr)
         if not args.force:
             return 1
         print("shipping anyway (--force): keep it out of the default study", file=sys.stderr)
     dst = WEIGHTS / obj
     dst.mkdir(parents=True, exist_ok=True)
-    for f in ("encoder.safetensors", "log.csv"):
-        shutil.copyfile(run / f, dst / f)
+    for f in ("encoder.safetensors", "log.csv", "decoder.safetensors"):
+        if (run / f).is_file():
+            shutil.copyfile(run / f, dst / f)
     if args.checkpoints:
         (dst / "checkpoints").mkdir(exist_ok=True)
         for f in sorted((run / "checkpoints").glob("encoder_epoch*.safetensors")):
             shutil.copyfile(f, dst / "checkpoints" / f.name)
     card["weights"], card["log"] = "encoder.safetensors", "log.csv"
     card["data"]["path"] = "../shared/data/cifar10" if card["data"].get("path") else None
-    if not args.finetuned:
-        card["bar"] = {"passes": not why, "why_not": why}
-    (dst / "card.json").write_text(json.dumps(card, indent=2) + "\n")
-    print(dst, (ev or {}).get("knn20_cls"), "fine-tuned" if args.finetuned else
-          "passes the bar" if not why else "FAILS the bar")
+    if verdict is not None:
+        card["bar"] = verdict.record()
+        card["margins"] = margins(card, _card(RANDOM))
+    _write(dst / "card.json", card)
+    print(dst, "fine-tuned" if verdict is None else verdict.reason)
     return 0
 
 
-def _card_eval(folder: Path) -> dict:
+def rejudge() -> int:
+    """The bar's verdict and the margins recorded again in every shipped card (after the bar changed)."""
+    from vitscope.zoo.evaluate import CardError, judge, margins
+
+    rnd, status = _card(RANDOM), 0
+    for path in sorted(WEIGHTS.glob("*/card.json")):
+        card = json.loads(path.read_text())
+        try:
+            verdict = judge(card, rnd)
+        except CardError as e:
+            print(f"{path.parent.name}: {e}", file=sys.stderr)
+            status = 2
+            continue
+        if verdict is None:
+            continue
+        card["bar"], card["margins"] = verdict.record(), margins(card, rnd)
+        _write(path, card)
+        print(f"{path.parent.name}: {'passes' if verdict.passes else 'FAILS'}: {verdict.reason}")
+    return status
+
+
+def _write(path: Path, card: dict) -> None:
+    path.write_text(json.dumps(card, indent=2) + "\n")
+
+
+def _card(folder: Path) -> dict:
     card = folder / "card.json"
-    return (json.loads(card.read_text()).get("eval") or {}) if card.is_file() else {}
+    return json.loads(card.read_text()) if card.is_file() else {}
 
 
 if __name__ == "__main__":

@@ -61,6 +61,11 @@ class Objective(nn.Module):
         """The timm ViT saved as the zoo model (the teacher for DINO, the base encoder for MoCo)."""
         return self.encoder
 
+    def parts(self) -> nn.Module | None:
+        """The trained parts besides the encoder that the objective's own held-out loss needs (saved beside the
+        encoder as ``decoder.safetensors``); None when the bar judges the encoder's features alone."""
+        return None
+
     def export_kwargs(self) -> dict[str, Any]:
         """timm keyword arguments of the exported network."""
         return self.arch.kwargs(int(getattr(self.export(), "num_classes", 0)))

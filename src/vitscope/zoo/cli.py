@@ -86,11 +86,18 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n), per_block=not args.final_only)
+    card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n), per_block=not args.final_only,
+                       reconstruction_only=args.reconstruction_only)
     e = card["eval"]
-    print(f"{card['name']} on {e['data']} ({e['n_train']} train / {e['n_test']} test images): "
-          f"20-NN CLS {e['knn20_cls']:.3f} GAP {e['knn20_gap']:.3f}, linear probe CLS {e['probe_cls']:.3f} "
-          f"GAP {e['probe_gap']:.3f} -> {args.run_dir}/card.json")
+    if not args.reconstruction_only:
+        print(f"{card['name']} on {e['data']} ({e['n_train']} train / {e['n_test']} test images): "
+              f"20-NN CLS {e['knn20_cls']:.3f} GAP {e['knn20_gap']:.3f}, linear probe CLS {e['probe_cls']:.3f} "
+              f"GAP {e['probe_gap']:.3f} -> {args.run_dir}/card.json")
+    if "reconstruction" in e:
+        r = e["reconstruction"]
+        print(f"{card['name']}: held-out {r['loss']} {r['model']:.4g} against the trivial predictor's "
+              f"{r['trivial_loss']:.4g}: ratio {r['ratio']:.3f} [{r['ratio_lo']:.3f}, {r['ratio_hi']:.3f}] over "
+              f"{r['draws']} mask draws of {r['n_images']} images -> {args.run_dir}/card.json")
     return 0
 
 
@@ -121,30 +128,54 @@ def _cmd_list(args: argparse.Namespace) -> int:
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
     for r in [head, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(r[:3], widths, strict=True)) + "  " + r[3])
-    print("\nshipped (load with vitscope.load_model(name)):")
-    from vitscope.models.load import package_file
-    from vitscope.models.registry import REGISTRY
-    from vitscope.zoo.evaluate import bar_failures
-    from vitscope.zoo.train import CARD_FILE
-
-    for name, spec in REGISTRY.items():
-        if not name.startswith("zoo-") or spec.weights.kind != "file":
-            continue
-        card = package_file(spec.weights.location).parent / CARD_FILE
-        if not card.is_file():
-            print(f"  {name:11s} not trained yet")
-            continue
-        c = json.loads(card.read_text())
-        e = c.get("eval") or {}
-        acc = f"20-NN CLS {e['knn20_cls']:.3f}, probe CLS {e['probe_cls']:.3f}" if e else \
-            f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)" if c.get("final_knn") else "not evaluated"
-        if "best_knn20" in e:
-            acc += f"; best block {e['best_knn20']:.3f} / {e['best_probe']:.3f}"
-        if bar_failures(c):
-            acc += " [fails the bar: not in the default study]"
-        seen = f"{c['image_views']:,} image-views of {c['data']['name']}" if c.get("image_views") else "untrained"
-        print(f"  {name:11s} {seen}: {acc}")
+    print("\nshipped (load with vitscope.load_model(name)); the bar each model is judged by (docs/ZOO.md):")
+    for line in shipped_lines():
+        print(line)
     return 0
+
+
+def shipped_lines(width: int = 116) -> list[str]:
+    """A few lines per shipped zoo model: what it saw, its accuracy, the bar's verdict with its reason and 95 %
+    interval, and its margins over zoo-random (findings, not conditions)."""
+    import textwrap
+
+    from vitscope.models.registry import REGISTRY
+    from vitscope.zoo.evaluate import CardError, judge, margins, random_card, shipped_card
+
+    names = [n for n, spec in REGISTRY.items() if n.startswith("zoo-") and spec.weights.kind == "file"]
+    lines = []
+
+    def say(text: str) -> None:
+        lines.extend(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="      "))
+
+    for name in names:
+        c = shipped_card(name)
+        if c is None:
+            lines.append(f"  {name}: not trained yet")
+            continue
+        e = c.get("eval") or {}
+        acc = f"20-NN CLS {e['knn20_cls']:.3f}, probe CLS {e['probe_cls']:.3f}" if e.get("knn20_cls") else \
+            f"20-NN CLS {c['final_knn']['cls']:.3f} (monitor subset)" if c.get("final_knn") else "not evaluated"
+        seen = f"{c['image_views']:,} image-views of {c['data']['name']}" if c.get("image_views") else "untrained"
+        lines.append(f"  {name}: {seen}; {acc}")
+        try:
+            verdict = judge(c, random_card())
+            found = margins(c, random_card()) if verdict is not None else None
+        except CardError as err:
+            say(f"bar: not judged, {err} [not in the default study]")
+            continue
+        if verdict is None or found is None:
+            say("bar: the reference every bar measures against" if name == "zoo-random" else
+                "bar: not judged (a fine-tuned model)")
+            continue
+        say(f"bar ({verdict.family}): {'passes' if verdict.passes else 'FAILS'}: {verdict.reason}"
+            + ("" if verdict.passes else " [not in the default study]"))
+        k, p, a = found["knn20"], found["probe"], found["attn_dist_change"]
+        say(f"findings over zoo-random: best-block 20-NN {k['margin']:+.3f} [{k['interval'][0]:+.3f}, "
+            f"{k['interval'][1]:+.3f}], probe {p['margin']:+.3f} [{p['interval'][0]:+.3f}, {p['interval'][1]:+.3f}]; "
+            f"mean attention distance per block {' '.join(f'{x:+.2f}' for x in a['per_block'])} "
+            f"(each ± {a['half_width']:.2f})")
+    return lines
 
 
 def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -206,6 +237,9 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     ev.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ev.add_argument("--synthetic-n", type=int, nargs=2, default=[5000, 1000], metavar=("TRAIN", "TEST"),
                     help="sizes of the generated set when no CIFAR-10 is used")
+    ev.add_argument("--reconstruction-only", action="store_true",
+                    help="mae / simmim: add (or redo) only the held-out reconstruction loss the bar judges, keeping "
+                         "the card's other numbers")
     ev.add_argument("--final-only", action="store_true",
                     help="the final block only, not every block (a fine-tuned model: no bar to judge)")
     ev.set_defaults(func=_cmd_evaluate)

@@ -89,5 +89,8 @@ class MAE(Objective):
         loss = (err * m).sum() / m.sum()
         return loss, {"visible_mse": ((err * (1 - m)).sum() / (1 - m).sum().clamp_min(1)).item()}
 
+    def parts(self) -> nn.Module:
+        return self.decoder
+
     def hparams(self) -> dict[str, Any]:
         return dict(self._hp)

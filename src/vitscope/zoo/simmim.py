@@ -64,5 +64,8 @@ class SimMIM(Objective):
         tokens = encode(self.encoder, x, mask=mask, mask_token=self.mim.mask_token)
         return self.mim.loss(tokens, x, mask), {}
 
+    def parts(self) -> nn.Module:
+        return self.mim
+
     def hparams(self) -> dict[str, Any]:
         return self.mim.hparams()

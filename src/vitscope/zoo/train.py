@@ -56,6 +56,7 @@ STATE_FILE = "train_state.pt"
 WEIGHTS_FILE = "encoder.safetensors"
 CARD_FILE = "card.json"
 LOG_FILE = "log.csv"
+DECODER_FILE = "decoder.safetensors"  # a masked-modelling objective's decoder, for its held-out loss (zoo/evaluate.py)
 
 # Settings that determine the weights: a resumed run must match them.
 _IDENTITY = ("objective", "objective_kwargs", "arch", "budget_views", "epochs", "epoch_views", "batch_size", "lr",
@@ -415,6 +416,7 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
     views = plan.total_steps * plan.views_per_step
     spec = export_spec(obj, cfg, data, views)
     weights = save_checkpoint(obj.export(), out / WEIGHTS_FILE, spec, half=True)
+    save_parts(obj, out)
     last = rows[-1] if rows else {}
     card = {
         "name": spec.name, "objective": cfg.objective, "family": spec.family, "supervision": spec.supervision,
@@ -440,6 +442,20 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
     }
     write_card(out, card)
     return card
+
+
+def save_parts(obj: Objective, out: Path) -> Path | None:
+    """``out/decoder.safetensors``: the objective's trained parts besides the encoder that its own evaluation needs
+    (`Objective.parts`; masked modelling: the decoder), float32; None for an objective without such parts."""
+    from safetensors.torch import save_file
+
+    parts = obj.parts()
+    if parts is None:
+        return None
+    tmp = out / (DECODER_FILE + ".tmp")
+    save_file({k: v.detach().float().contiguous() for k, v in parts.state_dict().items()}, str(tmp))
+    os.replace(tmp, out / DECODER_FILE)
+    return out / DECODER_FILE
 
 
 def write_card(out: Path, card: dict[str, Any]) -> None:
