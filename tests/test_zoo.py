@@ -433,8 +433,25 @@ def test_findings_compare_the_groups_means_and_decide_only_beyond_their_uncertai
                                                                   "no uncertainty", None)
     assert main(["zoo", "findings", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| contrastive models have the better last-layer k-NN [Walmer et al. 2023]" in out
+    assert "| contrastive models have the better last-layer k-NN † [Walmer et al. 2023]" in out
     assert "| inconclusive |" in out and "seed" not in out
+    # the k-NN findings rest on MIM semantics (the zoo's budget caveat); the attention ones do not
+    assert last.semantic and peak.semantic and not dist.semantic and not nmi.semantic
+
+
+def test_the_budget_caveat_states_the_mim_zoo_models_margins_from_their_cards():
+    from vitscope.zoo.evaluate import SEED_SD, random_card, shipped_card
+    from vitscope.zoo.findings import budget_caveat
+
+    said = budget_caveat({"zoo-dino": {"source": "zoo-dino"}, "mae": {"source": "zoo-mae"},
+                          "zoo-simmim": {"source": "zoo-simmim"}})
+    for label, name in (("mae", "zoo-mae"), ("zoo-simmim", "zoo-simmim")):
+        a, b = shipped_card(name)["eval"]["best_knn20"], random_card()["eval"]["best_knn20"]
+        half = 1.959964 * math.sqrt(2 * SEED_SD["knn20"] ** 2 + (a * (1 - a) + b * (1 - b)) / 10_000)
+        assert f"{label} {a - b:+.3f} [{a - b - half:+.3f}, {a - b + half:+.3f}]" in said
+    assert "zoo-dino" not in said and "attention findings are not affected" in said
+    assert f"{shipped_card('zoo-mae')['image_views']:,} image-views" in said
+    assert budget_caveat({"zoo-dino": {"source": "zoo-dino"}, "x": {"source": "vit_small_patch16_224"}}) is None
 
 
 def test_head_types_of_the_shipped_zoo_on_its_8x8_grid():
@@ -898,6 +915,18 @@ def test_the_default_study_leaves_out_models_below_the_bar_and_their_fine_tunes(
     assert f"{pt} is left out" in said and "+0.020 over zoo-random" in said
     assert f"{ft} is left out" in said and f"fine-tuned from {pt}" in said
     assert [m.name for m in load_config(default_config_path()).models] == all_models
+
+
+def test_the_default_config_lists_all_six_trained_zoo_models_beside_zoo_random():
+    from vitscope.models.registry import REGISTRY
+    from vitscope.study import load_config
+    from vitscope.study.config import default_config_path
+    from vitscope.zoo.evaluate import FAMILY, shipped_card
+
+    listed = {m.name for m in load_config(default_config_path()).models}
+    trained = {n for n in REGISTRY if n.startswith("zoo-") and "-ft-" not in n and n != "zoo-random"}
+    assert {shipped_card(n)["objective"] for n in trained} == set(FAMILY)  # one shipped model per objective
+    assert trained | {"zoo-random"} <= listed
 
 
 def test_every_shipped_zoo_card_records_the_bars_verdict_and_the_default_study_follows_it():

@@ -31,6 +31,7 @@ figure img{max-width:100%}figcaption{font-size:.85em;color:#555;max-width:34em}
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
 td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
 th{background:#f6f6f6}code{background:#f4f4f4;padding:0 .2em}.muted{color:#777;font-size:.9em}
+.caveat{border-left:3px solid #d98c00;padding-left:.6em}
 nav{display:flex;flex-wrap:wrap;gap:.3em 1em;max-width:100%}nav a{white-space:nowrap}
 ul.summary li{margin:.3em 0}.flag{background:#fff3cd;color:#7a5b00;border-radius:3px;padding:0 .3em;
 font-size:.85em;white-space:nowrap}ul.refs{font-size:.9em}"""
@@ -86,14 +87,18 @@ def _fmt(v: object) -> str:
 def _summary(run: Run) -> list[str]:
     """The summary section: key findings in sentences with their numbers; results within noise of chance or of
     the untrained model flagged."""
+    from vitscope.zoo.findings import SEMANTIC_ANALYSES, budget_caveat
+
     points = summarize(run.tables, Study(run.models, run.untrained))
     if not points:
         return []
+    caveat = budget_caveat(run.manifest.get("models", {}))
     parts = ["<h2 id='summary'>Summary</h2><ul class='summary'>"]
     for p in points:
         flag = "".join(f" <span class='flag'>within noise of {_esc(f)}</span>" for f in p.flags)
+        mark = " † (MIM semantics: see the budget caveat)" if caveat and p.analysis in SEMANTIC_ANALYSES else ""
         parts.append(f"<li{' class=flagged' if p.flags else ''}><a href='#{_esc(p.analysis)}'>{_esc(p.analysis)}</a>: "
-                     f"{_esc(p.text)}{flag}</li>")
+                     f"{_esc(p.text)}{mark}{flag}</li>")
     parts.append("</ul><p class='muted'>± and brackets: 95 % intervals over the images (standard errors in the "
                  "tables' <code>stderr</code> column; accuracies binomial). Within noise: the difference is at most "
                  "1.96 standard errors.</p>")
@@ -102,24 +107,37 @@ def _summary(run: Run) -> list[str]:
 
 
 def _findings(run: Run) -> list[str]:
-    """The sources' contrastive-vs-MIM findings with their verdicts, when the study has both families."""
-    families = {meta.get("objective_family") for meta in run.manifest.get("models", {}).values()}
+    """The sources' contrastive-vs-MIM findings with their verdicts, when the study has both families: one sentence
+    counting the verdicts, the budget caveat of the zoo's MIM models where they are in the study, and the table."""
+    models = run.manifest.get("models", {})
+    families = {meta.get("objective_family") for meta in models.values()}
     if not {"contrastive", "reconstructive"} <= families:
         return []
-    from vitscope.zoo.findings import check
+    from vitscope.zoo.findings import budget_caveat, check
 
     table = check(run.path)
     if table.empty:
         return []
-    rows = ["<h3>Contrastive vs reconstructive (the sources' findings)</h3><table><tr><th>finding</th><th>measure"
-            "</th><th>contrastive</th><th>MIM</th><th>CL - MIM (95 % interval)</th><th>verdict</th></tr>"]
+    counts = table["verdict"].value_counts()
+    said = ", ".join(f"{int(counts[w])} {w}" for w in ("holds", "contradicted", "inconclusive", "no uncertainty")
+                     if w in counts)
+    rows = ["<h3>Contrastive vs reconstructive (the sources' findings)</h3>",
+            f"<p>Of the sources' {len(table)} findings comparing contrastive with masked-image-modelling (MIM) "
+            f"models, in this study: {_esc(said)}.</p>"]
+    caveat = budget_caveat(models)
+    if caveat:
+        rows.append(f"<p class='caveat'>{_esc(caveat)}</p>")
+    rows.append("<table><tr><th>finding</th><th>measure</th><th>contrastive</th><th>MIM</th>"
+                "<th>CL - MIM (95 % interval)</th><th>verdict</th></tr>")
     for r in table.itertuples():
         iv = "" if pd.isna(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
-        rows.append(f"<tr><td>{_esc(r.finding)} {_esc(r.source)}</td><td>{_esc(r.measure)} ({_esc(r.expected)})</td>"
-                    f"<td>{r.contrastive:.4g}</td><td>{r.mim:.4g}</td><td>{r.difference:+.3g}{iv}</td>"
-                    f"<td>{_esc(r.verdict)}</td></tr>")
+        mark = " †" if r.semantic else ""
+        rows.append(f"<tr><td>{_esc(r.finding)}{mark} {_esc(r.source)}</td><td>{_esc(r.measure)} "
+                    f"({_esc(r.expected)})</td><td>{r.contrastive:.4g}</td><td>{r.mim:.4g}</td>"
+                    f"<td>{r.difference:+.3g}{iv}</td><td>{_esc(r.verdict)}</td></tr>")
     rows.append("</table><p class='muted'>A finding holds only when the 95 % interval of the difference excludes 0 "
-                "(<code>vitscope.zoo.findings</code> says how it is computed); inconclusive otherwise.</p>")
+                "(<code>vitscope.zoo.findings</code> says how it is computed); inconclusive otherwise. †: rests on "
+                "MIM semantics (k-NN, probes, retrieval).</p>")
     return rows
 
 

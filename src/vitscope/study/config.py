@@ -107,9 +107,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig]:
-    """The embedded study's models without the shipped zoo models whose card says they fail the zoo's bar (issue 18:
-    a model that barely beats the untrained network is no basis for a finding), nor the models fine-tuned from
-    them; each one left out is named with the reason, as a ResultWarning."""
+    """The embedded study's models without the shipped zoo models the zoo's bar keeps out (a model that has not
+    learned its objective is no basis for a finding: `vitscope.zoo.evaluate.judge`), nor the models fine-tuned
+    from them; each one left out is named with the reason, as a ResultWarning."""
     import warnings
 
     from vitscope.errors import ResultWarning
@@ -119,7 +119,7 @@ def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig
     for m in models:
         why = shipped_bar_failures(m.name)
         if why:
-            dropped[m.label or m.name] = "it fails the zoo's bar: " + "; ".join(why)
+            dropped[m.label or m.name] = "; ".join(why)
     for m in models:
         if m.finetuned_from in dropped and (m.label or m.name) not in dropped:
             dropped[m.label or m.name] = f"it was fine-tuned from {m.finetuned_from}, which is left out"

@@ -207,21 +207,16 @@ def model_loss(obj: Objective, x: torch.Tensor, mask: torch.Tensor, keep: torch.
 
 
 @torch.no_grad()
-def reconstruction(run_dir: str | Path, data: str | Path | None = None, draws: int = RECON_DRAWS,
-                   batch_size: int = 500, synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
-    """The masked-modelling bar's evidence: on every test image, with the training's masking (``draws`` seeded
-    draws), the model's reconstruction loss against the trivial predictor's (`trivial_loss`); their ratio per
-    draw, its mean, the spread over draws and a 95 % interval (draws' spread and the images' sampling error, delta
-    method), and the training loss per epoch from the run's log (the card's "loss curve")."""
-    import pandas as pd
-
+def held_out_loss(obj: Objective, images: torch.Tensor, draws: int = RECON_DRAWS, batch_size: int = 500
+                  ) -> dict[str, Any]:
+    """A masked-modelling objective's loss on uint8 ``images`` (N, 3, H, W) with the training's masking (``draws``
+    draws, seeded 0, 1, ...) against the trivial predictor's (`trivial_loss`) under the same masks: their ratio
+    per draw, its mean, the spread over draws and a 95 % interval (the draws' spread and the images' sampling
+    error, delta method)."""
     from vitscope.zoo.base import random_keep
-    from vitscope.zoo.data import load_data
 
-    run_dir = Path(run_dir)
-    obj = load_objective(run_dir)
-    ds = load_data(data, size=obj.img_size, synthetic_n=synthetic_n)
-    images, n = ds.test.images, obj.arch.num_patches
+    obj.eval()
+    n = obj.arch.num_patches
     ratios, model_means, trivial_means = [], [], []
     per_image = torch.zeros(len(images), 2, dtype=torch.float64)
     for d in range(draws):
@@ -245,16 +240,62 @@ def reconstruction(run_dir: str | Path, data: str | Path | None = None, draws: i
     a, b = per_image[:, 0], per_image[:, 1]
     se_img = float((a - r * b).std() / b.mean() / math.sqrt(len(a)))  # delta method for a ratio of means
     half = Z95 * math.sqrt(sd ** 2 / draws + se_img ** 2)
-    log = pd.read_csv(run_dir / LOG_FILE) if (run_dir / LOG_FILE).is_file() else pd.DataFrame()
-    curve = [round(float(v), 5) for v in log["loss"].dropna()] if "loss" in log.columns else []
-    return {"loss": "normalised-pixel MSE on the masked patches" if obj.name == "mae" else
-            "L1 on the masked pixels",
+    return {"loss": "normalised-pixel MSE on the masked patches" if obj.name == "mae" else "L1 on the masked pixels",
             "trivial": "the per-patch mean (0 for normalised targets)" if obj.name == "mae" else
             "the mean of the visible pixels per channel",
             "n_images": len(images), "draws": draws, "model": round(sum(model_means) / draws, 5),
             "trivial_loss": round(sum(trivial_means) / draws, 5), "ratio": round(r, 5),
             "ratio_per_draw": [round(x, 5) for x in ratios], "ratio_sd": round(sd, 5),
-            "ratio_lo": round(r - half, 5), "ratio_hi": round(r + half, 5), "train_loss": curve}
+            "ratio_lo": round(r - half, 5), "ratio_hi": round(r + half, 5)}
+
+
+def reconstruction(run_dir: str | Path, data: str | Path | None = None, draws: int = RECON_DRAWS,
+                   batch_size: int = 500, synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
+    """The masked-modelling bar's evidence for a run directory: `held_out_loss` of its trained objective on every
+    test image, and the training loss per epoch from the run's log (the card's "loss curve")."""
+    import pandas as pd
+
+    from vitscope.zoo.data import load_data
+
+    run_dir = Path(run_dir)
+    obj = load_objective(run_dir)
+    ds = load_data(data, size=obj.img_size, synthetic_n=synthetic_n)
+    out = held_out_loss(obj, ds.test.images, draws, batch_size)
+    log = pd.read_csv(run_dir / LOG_FILE) if (run_dir / LOG_FILE).is_file() else pd.DataFrame()
+    out["train_loss"] = [round(float(v), 5) for v in log["loss"].dropna()] if "loss" in log.columns else []
+    return out
+
+
+def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = 200, data: str | Path | None = None,
+                  draws: int = RECON_DRAWS, seed: int = 0, synthetic_n: tuple[int, int] = (5000, 1000)
+                  ) -> dict[str, Any]:
+    """A fair look at what a masked-modelling encoder learned: a fresh decoder (MAE's decoder; SimMIM's mask token
+    and head) fitted for ``steps`` training steps on the frozen ``encoder`` (a weights file or a model name, e.g.
+    the trained run's own encoder or zoo-random), with the run's objective, data pipeline and optimiser, then its
+    `held_out_loss`. The same budget on the trained and on the untrained encoder separates what the encoder learned
+    from what a decoder alone recovers."""
+    import vitscope as vs
+    from vitscope.zoo.arch import ZooArch
+    from vitscope.zoo.data import Augment, ViewStream, load_data
+    from vitscope.zoo.objectives import build_objective
+    from vitscope.zoo.train import TrainConfig, make_optimizer, train_step
+
+    card = json.loads((Path(run_dir) / CARD_FILE).read_text())
+    obj = build_objective(card["objective"], ZooArch(**card["zoo_arch"]), seed=seed, **card.get("hparams", {}))
+    obj.encoder.load_state_dict(vs.load_model(str(encoder)).model.float().state_dict())
+    obj.encoder.requires_grad_(False)
+    ds = load_data(data, size=obj.img_size, synthetic_n=synthetic_n, seed=seed)
+    pre = obj.preprocessing
+    stream = ViewStream(ds.train, obj.views, card["budget"]["batch_size"], seed,
+                        Augment(obj.views, obj.img_size, pre.mean, pre.std, obj.patch_size))
+    opt, sched = make_optimizer(obj, TrainConfig(card["objective"], "unused"), steps)
+    obj.train()
+    obj.encoder.eval()  # frozen: no dropout either way, and no statistics to update
+    for step in range(steps):
+        train_step(obj, opt, sched, stream.batch(step), step, steps, 3.0)
+    out = held_out_loss(obj, ds.test.images, draws)
+    out.update({"encoder": str(encoder), "steps": steps, "image_views": steps * card["budget"]["batch_size"]})
+    return out
 
 
 # -- the bar --------------------------------------------------------------------------------------------
@@ -412,13 +453,14 @@ def random_card() -> dict[str, Any]:
 
 
 def bar_failures(card: dict[str, Any]) -> list[str]:
-    """Why a card's model fails the bar (`judge`, from the card's numbers against zoo-random's), as one sentence;
-    empty for a model that passes or that the bar does not judge."""
+    """Why a card's model is kept out by the bar (`judge`, from the card's numbers against zoo-random's), as one
+    clause: "it fails the zoo's bar: ..." or "the zoo's bar cannot judge it: ..." (a missing number); empty for a
+    model that passes or that the bar does not judge."""
     try:
         v = judge(card, random_card())
     except CardError as e:
-        return [str(e)]
-    return [] if v is None or v.passes else [v.reason]
+        return [f"the zoo's bar cannot judge it: {e}"]
+    return [] if v is None or v.passes else [f"it fails the zoo's bar: {v.reason}"]
 
 
 def shipped_bar_failures(name: str) -> list[str]:

@@ -35,6 +35,9 @@ CL, MIM = "contrastive", "reconstructive"
 DRAWS = 4000
 SEED = 0
 
+# analyses whose numbers rest on a model's semantics (k-NN, probes, retrieval): the zoo's MIM caveat applies
+SEMANTIC_ANALYSES = ("semantics", "retrieval")
+
 HOLDS, CONTRADICTED, INCONCLUSIVE, UNKNOWN = "holds", "contradicted", "inconclusive", "no uncertainty"
 
 
@@ -47,6 +50,7 @@ class Finding:
     # (results, model, depth, rng) -> (the model's number, DRAWS draws of it; None when the table has no stderr)
     value: Callable[[pd.DataFrame, str, int, np.random.Generator], tuple[float, np.ndarray | None]]
     expect: str  # 'CL > MIM' or 'CL < MIM'
+    semantic: bool = False  # rests on MIM semantics (k-NN, probes, retrieval): see `budget_caveat`
 
 
 def _se(d: pd.DataFrame) -> np.ndarray | None:
@@ -110,9 +114,10 @@ FINDINGS = [
     Finding("contrastive late-layer attention collapses (queries attend alike)", f"[{cite(PARK)}]",
             "attention NMI(query, key), late layers", "attention_nmi", _late_mean("nmi"), "CL < MIM"),
     Finding("contrastive models have the better last-layer k-NN", f"[{cite(WALMER)}]",
-            "20-NN top-1 (CLS), last block", "semantics", _knn_last, "CL > MIM"),
+            "20-NN top-1 (CLS), last block", "semantics", _knn_last, "CL > MIM",
+            semantic=True),
     Finding("MIM models peak earlier in k-NN", f"[{cite(WALMER)}]", "block of the best 20-NN top-1 (CLS)",
-            "semantics", _knn_peak, "CL > MIM"),
+            "semantics", _knn_peak, "CL > MIM", semantic=True),
     Finding("MIM features carry more high-frequency amplitude", f"[{cite(PARK)}]",
             "Δ log amplitude at the highest frequency, late layers", "fourier",
             _late_mean("high_freq_delta_log_amp"), "CL < MIM"),
@@ -161,7 +166,7 @@ def check(run_dir: str | Path) -> pd.DataFrame:
     rows = []
 
     def add(claim: str, source: str, measure: str, per_model: dict[str, tuple[float, np.ndarray | None]],
-            cl: list[str], mim: list[str], expect: str) -> None:
+            cl: list[str], mim: list[str], expect: str, semantic: bool = False) -> None:
         mean = {g: _nanmean([per_model[k][0] for k in keys]) for g, keys in ((CL, cl), (MIM, mim))}
         if np.isnan(mean[CL]) and np.isnan(mean[MIM]):  # the measure is not in the tables (e.g. no 20-NN)
             return
@@ -176,6 +181,7 @@ def check(run_dir: str | Path) -> pd.DataFrame:
                      "contrastive": mean[CL], "mim": mean[MIM], "difference": mean[CL] - mean[MIM],
                      "difference_lo": lo, "difference_hi": hi, "verdict": word,
                      "holds": True if word == HOLDS else False if word == CONTRADICTED else None,
+                     "semantic": semantic,
                      "per_model": ", ".join(f"{m} {v:.3g}" for m, (v, _) in per_model.items())})
 
     for f in FINDINGS:
@@ -184,7 +190,7 @@ def check(run_dir: str | Path) -> pd.DataFrame:
             continue
         df = pd.read_parquet(path)
         vals = {m: f.value(df, m, depth[m], rng) for g in (CL, MIM) for m in groups[g]}
-        add(f.claim, f.source, f.measure, vals, groups[CL], groups[MIM], f.expect)
+        add(f.claim, f.source, f.measure, vals, groups[CL], groups[MIM], f.expect, f.semantic)
     path = run_dir / "results" / "cka.parquet"
     if path.is_file() and len(groups[CL]) >= 2:
         cka = pd.read_parquet(path)
@@ -197,16 +203,43 @@ def check(run_dir: str | Path) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def budget_caveat(models: dict[str, dict]) -> str | None:
+    """One sentence on the training budget of the study's shipped masked-modelling zoo models (``models``: the
+    manifest's models), from their cards: how far their features are above the untrained network's, and which
+    findings that affects; None when the study has no such model."""
+    from vitscope.zoo.evaluate import FAMILY, CardError, margins, random_card, shipped_card
+
+    parts, views = [], set()
+    for label, meta in models.items():
+        card = shipped_card(str(meta.get("source", label)))
+        if card is None or FAMILY.get(card.get("objective", "")) != "masked":
+            continue
+        try:
+            k = margins(card, random_card())["knn20"]
+        except CardError:
+            continue
+        parts.append(f"{label} {k['margin']:+.3f} [{k['interval'][0]:+.3f}, {k['interval'][1]:+.3f}]")
+        views.add(int(card.get("image_views", 0)))
+    if not parts:
+        return None
+    budget = f"{max(views):,} image-views" if views else "the zoo's budget"
+    return (f"Budget caveat: at {budget} the masked-modelling zoo models' best-block 20-NN is only "
+            f"{', '.join(parts)} over the untrained zoo-random (95 % intervals), so the findings that rest on MIM "
+            "semantics (k-NN, probes, retrieval; marked †) may reflect the small training budget rather than the "
+            "objective; the attention findings are not affected (docs/ZOO.md).")
+
+
 def to_markdown(table: pd.DataFrame) -> str:
     lines = ["| finding | measure | contrastive | MIM | CL - MIM (95 % interval) | holds? |",
              "|---|---|---|---|---|---|"]
     word = {HOLDS: "yes", CONTRADICTED: "**no**", INCONCLUSIVE: "inconclusive", UNKNOWN: "n/a (no uncertainty)"}
     for r in table.itertuples():
         interval = "" if np.isnan(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
-        lines.append(f"| {r.finding} {r.source} | {r.measure} ({r.expected}) | {r.contrastive:.3g} | {r.mim:.3g} "
+        mark = " †" if getattr(r, "semantic", False) else ""
+        lines.append(f"| {r.finding}{mark} {r.source} | {r.measure} ({r.expected}) | {r.contrastive:.3g} | {r.mim:.3g} "
                      f"| {r.difference:+.3g}{interval} | {word[r.verdict]} |")
     lines.append("")
     lines.append("holds = the 95 % interval of the difference over images (parametric bootstrap from the tables' "
                  "standard errors; `vitscope.zoo.findings`) lies on the expected side of 0; inconclusive = it "
-                 "contains 0.")
+                 "contains 0. †: rests on MIM semantics (k-NN, probes, retrieval).")
     return "\n".join(lines)
