@@ -749,6 +749,27 @@ def test_a_trained_mim_runs_decoder_is_written_and_its_reconstruction_evaluated(
     assert rec["n_images"] == 48 and len(rec["ratio_per_draw"]) == 3 and len(set(rec["ratio_per_draw"])) == 3
     assert rec["ratio_lo"] < rec["ratio"] < rec["ratio_hi"]
     assert len(rec["train_loss"]) == 2 and rec["ratio"] == pytest.approx(rec["model"] / rec["trivial_loss"], rel=0.05)
+    # a fresh decoder fitted on the frozen encoder learns with more steps
+    from vitscope.zoo.evaluate import refit_decoder
+
+    short = refit_decoder(cfg.out, cfg.out / "encoder.safetensors", steps=1, data="synthetic", draws=2,
+                          synthetic_n=(96, 48))
+    longer = refit_decoder(cfg.out, cfg.out / "encoder.safetensors", steps=12, data="synthetic", draws=2,
+                           synthetic_n=(96, 48))
+    assert longer["ratio"] < short["ratio"] and longer["steps"] == 12
+    # a run without its trained decoder (a model shipped before training wrote it): the bar's evidence comes from a
+    # decoder re-fitted on the frozen encoder, and the record says so; the untrained network of the run's seed and
+    # architecture gets the same re-fit budget
+    from vitscope.zoo.evaluate import mim_evidence
+    from vitscope.zoo.train import STATE_FILE
+
+    (cfg.out / DECODER_FILE).unlink()
+    (cfg.out / STATE_FILE).unlink()
+    got = mim_evidence(cfg.out, data="synthetic", synthetic_n=(96, 48), steps=4)
+    rec, refit = got["reconstruction"], got["reconstruction_refit"]
+    assert rec["decoder"].startswith("re-fitted on the frozen encoder (4 steps")
+    assert rec["ratio"] == refit["encoder"]["ratio"] and len(rec["train_loss"]) == 2
+    assert refit["untrained"]["model"] == "untrained, seed 0" and refit["untrained"]["ratio"] != rec["ratio"]
 
 
 def test_mimetic_init_sets_the_attention_products_through_timms_own_layers():
@@ -915,6 +936,36 @@ def test_the_default_study_leaves_out_models_below_the_bar_and_their_fine_tunes(
     assert f"{pt} is left out" in said and "+0.020 over zoo-random" in said
     assert f"{ft} is left out" in said and f"fine-tuned from {pt}" in said
     assert [m.name for m in load_config(default_config_path()).models] == all_models
+
+
+def test_a_shipped_card_that_fails_its_bar_keeps_the_model_out_with_the_reason(monkeypatch):
+    """The whole path from a card's numbers: zoo-dino's card with its 20-NN lowered below the contrastive bar, and
+    zoo-mae's without its reconstruction loss, are left out of the embedded study, each with its reason."""
+    import copy
+
+    import vitscope.zoo.evaluate as ev
+    from vitscope.errors import ResultWarning
+    from vitscope.study import load_config
+
+    real = ev.shipped_card
+
+    def card(name):
+        c = copy.deepcopy(real(name))
+        if name == "zoo-dino":
+            c["eval"]["best_knn20"] = real("zoo-random")["eval"]["best_knn20"] + 0.05
+        if name == "zoo-mae":
+            c["eval"].pop("reconstruction", None)
+        return c
+
+    monkeypatch.setattr(ev, "shipped_card", card)
+    with pytest.warns(ResultWarning) as got:
+        kept = {m.name for m in load_config().models}
+    assert "zoo-dino" not in kept and "zoo-mae" not in kept and "zoo-mocov3" in kept
+    said = " | ".join(str(w.message) for w in got)
+    assert "zoo-dino is left out of the default study: it fails the zoo's bar: best-block 20-NN" in said
+    assert "+0.050" in said and "below the contrastive bar +0.08" in said
+    assert "zoo-mae is left out of the default study: the zoo's bar cannot judge it" in said
+    assert "eval.reconstruction" in said and "vitscope zoo evaluate" in said
 
 
 def test_the_default_config_lists_all_six_trained_zoo_models_beside_zoo_random():

@@ -4,7 +4,7 @@ full CIFAR-10, every block, 20-NN and linear probe): the bar's reference and its
     PYTHONPATH=src python tools/zoo_untrained.py [--init current|first] [--seed N] [--out DIR]   (~8 min, 1 thread)
 
 `--init current` (default): the zoo's architecture (mimetic attention, sin-cos positions), i.e. zoo-random at
-seed 0; `--init first`: the first zoo's (timm's initialisation, learned positions; docs/ZOO.md, round 4).
+seed 0; `--init first`: the first zoo's (timm's initialisation, learned positions; docs/zoo-history.md).
 Default OUT: zoo-runs/untrained-INIT-sSEED.
 """
 import argparse

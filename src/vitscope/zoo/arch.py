@@ -84,9 +84,9 @@ class ZooArch:
 # interleaved): as fast as depth 6 x width 128 x 4 heads (128 vs 115 images/s supervised, 103 vs 93 image-
 # views/s DINO) with two more layers; depth 8 x 128 costs 1.3-1.4x, depth 6 x 192 1.7-1.9x (docs/ZOO.md).
 # (The numbers live with the zoo's registry entries, `vitscope.models.registry.ZOO_ARCH_KWARGS`.)
-# Initialised mimetically with fixed sin-cos positions (issue 18, docs/ZOO.md "Round 3"): with timm's init and
-# learned positions, attention stayed uniform (0.57-0.60 on the unit square, uniform 0.591) at this budget for
-# every objective but the two MIM ones; with this init the untrained network's attention is already local in
+# Initialised mimetically with fixed sin-cos positions (docs/zoo-history.md, "Attention locality and the mimetic
+# initialisation"): with timm's init and learned positions, attention stayed uniform (0.57-0.60 on the unit
+# square, uniform 0.591) at this budget for every objective but the two MIM ones; with this init the untrained network's attention is already local in
 # some blocks (0.44-0.48) and supervised training learned faster. zoo-random is this initialisation, untrained.
 ZOO_ARCH = ZooArch(**ZOO_ARCH_KWARGS, pos_embed="sincos", init="mimetic")
 

@@ -12,12 +12,12 @@ teacher that sees only the global views:
     head is what lets the teacher sharpen at this scale: an untrained ViT's CLS tokens are nearly alike, so
     without it every image lands on the same prototypes, centring cancels them and the teacher's output stays
     near uniform (the first zoo-dino: entropy 7.2 of log 4096 = 8.3); batch norm spreads the batch over the
-    prototypes from the first step (docs/ZOO.md, round 3 of issue 18);
+    prototypes from the first step (docs/zoo-history.md, "DINO: the teacher that stayed uniform");
   * teacher <- EMA of the student, momentum on a cosine from ``momentum`` to 1 (the paper: 0.996 for
     100+ epochs; 0.98 here because the zoo budget is under a thousand steps: the teacher averages over
     ~50 steps at first rather than ~250 of ~1000);
   * multi-crop with 2 local crops (the paper: 6-10): at a fixed budget of image-views, fewer crops per image
-    buy more optimisation steps (781 instead of 558 at 250,000 views); measured in round 3 of issue 18, the
+    buy more optimisation steps (781 instead of 558 at 250,000 views); measured (docs/zoo-history.md), the
     2-crop run beat the 6-crop one (momentum 0.99) on every measure (docs/ZOO.md);
   * the exported model is the teacher's backbone, as in DINO's released weights.
 Head sizes are scaled down for the small model (hidden 1024, bottleneck 128, 1024 prototypes; the paper:

@@ -249,34 +249,41 @@ def held_out_loss(obj: Objective, images: torch.Tensor, draws: int = RECON_DRAWS
             "ratio_lo": round(r - half, 5), "ratio_hi": round(r + half, 5)}
 
 
-def reconstruction(run_dir: str | Path, data: str | Path | None = None, draws: int = RECON_DRAWS,
-                   batch_size: int = 500, synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
-    """The masked-modelling bar's evidence for a run directory: `held_out_loss` of its trained objective on every
-    test image, and the training loss per epoch from the run's log (the card's "loss curve")."""
+def train_loss_curve(run_dir: str | Path) -> list[float]:
+    """The training loss per epoch from a run's ``log.csv`` (empty without one)."""
     import pandas as pd
 
-    from vitscope.zoo.data import load_data
+    path = Path(run_dir) / LOG_FILE
+    log = pd.read_csv(path) if path.is_file() else pd.DataFrame()
+    return [round(float(v), 5) for v in log["loss"].dropna()] if "loss" in log.columns else []
 
-    run_dir = Path(run_dir)
+
+def reconstruction(run_dir: str | Path, data: Any = None, draws: int = RECON_DRAWS,
+                   batch_size: int = 500, synthetic_n: tuple[int, int] = (5000, 1000)) -> dict[str, Any]:
+    """The masked-modelling bar's evidence for a run directory with its trained decoder: `held_out_loss` of its
+    trained objective on every test image, and the training loss per epoch from the run's log."""
+    from vitscope.zoo.data import DataSource, load_data
+
     obj = load_objective(run_dir)
-    ds = load_data(data, size=obj.img_size, synthetic_n=synthetic_n)
+    ds = data if isinstance(data, DataSource) else load_data(data, size=obj.img_size, synthetic_n=synthetic_n)
     out = held_out_loss(obj, ds.test.images, draws, batch_size)
-    log = pd.read_csv(run_dir / LOG_FILE) if (run_dir / LOG_FILE).is_file() else pd.DataFrame()
-    out["train_loss"] = [round(float(v), 5) for v in log["loss"].dropna()] if "loss" in log.columns else []
-    return out
+    return {**out, "decoder": "trained with the encoder", "train_loss": train_loss_curve(run_dir)}
 
 
-def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = 200, data: str | Path | None = None,
+REFIT_STEPS = 400  # 51,200 image-views at batch 128: a fifth of the zoo's training budget
+
+
+def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = REFIT_STEPS, data: Any = None,
                   draws: int = RECON_DRAWS, seed: int = 0, synthetic_n: tuple[int, int] = (5000, 1000)
                   ) -> dict[str, Any]:
-    """A fair look at what a masked-modelling encoder learned: a fresh decoder (MAE's decoder; SimMIM's mask token
-    and head) fitted for ``steps`` training steps on the frozen ``encoder`` (a weights file or a model name, e.g.
-    the trained run's own encoder or zoo-random), with the run's objective, data pipeline and optimiser, then its
-    `held_out_loss`. The same budget on the trained and on the untrained encoder separates what the encoder learned
-    from what a decoder alone recovers."""
+    """A fresh decoder (MAE's decoder; SimMIM's mask token and head) fitted for ``steps`` training steps on the
+    frozen ``encoder`` (a weights file or a model name: the run's own encoder, or the untrained network), with the
+    run's objective, masking, loss, data pipeline and optimiser, then its `held_out_loss`. The same budget on the
+    trained and on the untrained encoder separates what the encoder learned from what a decoder alone recovers.
+    ``data``: as for `vitscope.zoo.data.load_data`, or a loaded `DataSource`."""
     import vitscope as vs
     from vitscope.zoo.arch import ZooArch
-    from vitscope.zoo.data import Augment, ViewStream, load_data
+    from vitscope.zoo.data import Augment, DataSource, ViewStream, load_data
     from vitscope.zoo.objectives import build_objective
     from vitscope.zoo.train import TrainConfig, make_optimizer, train_step
 
@@ -284,7 +291,8 @@ def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = 200, da
     obj = build_objective(card["objective"], ZooArch(**card["zoo_arch"]), seed=seed, **card.get("hparams", {}))
     obj.encoder.load_state_dict(vs.load_model(str(encoder)).model.float().state_dict())
     obj.encoder.requires_grad_(False)
-    ds = load_data(data, size=obj.img_size, synthetic_n=synthetic_n, seed=seed)
+    ds = data if isinstance(data, DataSource) else load_data(data, size=obj.img_size, synthetic_n=synthetic_n,
+                                                             seed=seed)
     pre = obj.preprocessing
     stream = ViewStream(ds.train, obj.views, card["budget"]["batch_size"], seed,
                         Augment(obj.views, obj.img_size, pre.mean, pre.std, obj.patch_size))
@@ -298,10 +306,55 @@ def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = 200, da
     return out
 
 
+def mim_evidence(run_dir: str | Path, data: str | Path | None = None, synthetic_n: tuple[int, int] = (5000, 1000),
+                 steps: int = REFIT_STEPS) -> dict[str, Any]:
+    """What a masked-modelling card holds besides its accuracies:
+      * ``reconstruction``, the bar's evidence: the held-out loss ratio with the decoder trained with the encoder
+        (`reconstruction`) where the run has it (``decoder.safetensors`` or ``train_state.pt``), else with a
+        decoder re-fitted on the frozen encoder (`refit_decoder`), which the record says; and the training loss;
+      * ``reconstruction_refit``, a finding: a decoder re-fitted for the same ``steps`` on this encoder and on the
+        untrained network of the same seed (zoo-random at seed 0): how much of the reconstruction the encoder's
+        training accounts for."""
+    import tempfile
+
+    from vitscope.zoo.data import load_data
+
+    run_dir = Path(run_dir)
+    card = json.loads((run_dir / CARD_FILE).read_text())
+    ds = load_data(data, size=card["zoo_arch"]["img_size"], synthetic_n=synthetic_n, seed=int(card.get("seed", 0)))
+    own = refit_decoder(run_dir, run_dir / WEIGHTS_FILE, steps, ds)
+    with tempfile.TemporaryDirectory() as tmp:
+        untrained = "zoo-random" if int(card.get("seed", 0)) == 0 and card["zoo_arch"] == _zoo_random_arch() else \
+            write_untrained(tmp, int(card.get("seed", 0)), _arch(card))
+        other = refit_decoder(run_dir, untrained, steps, ds)
+    keys = ("ratio", "ratio_lo", "ratio_hi", "ratio_sd", "model", "trivial_loss")
+    base = "zoo-random" if untrained == "zoo-random" else f"untrained, seed {card.get('seed')}"
+    refit = {"steps": steps, "image_views": own["image_views"], "encoder": {k: own[k] for k in keys},
+             "untrained": {"model": base, **{k: other[k] for k in keys}}}
+    if (run_dir / DECODER_FILE).is_file() or (run_dir / STATE_FILE).is_file():
+        rec = reconstruction(run_dir, ds)
+    else:
+        rec = {k: v for k, v in own.items() if k not in ("encoder", "steps", "image_views")}
+        rec.update({"decoder": f"re-fitted on the frozen encoder ({steps} steps, {own['image_views']:,} image-views)",
+                    "train_loss": train_loss_curve(run_dir)})
+    return {"reconstruction": rec, "reconstruction_refit": refit}
+
+
+def _arch(card: dict[str, Any]) -> ZooArch:
+    from vitscope.zoo.arch import ZooArch
+
+    return ZooArch(**card["zoo_arch"])
+
+
+def _zoo_random_arch() -> dict[str, Any]:
+    card = shipped_card("zoo-random")
+    return card["zoo_arch"] if card else {}
+
+
 # -- the bar --------------------------------------------------------------------------------------------
 # A zoo model is in the default study only if it learned its objective: each objective family is judged on its own
 # evidence, always against the untrained network of the same initialisation (zoo-random); the accuracy margins of
-# every model are reported as findings with their uncertainty (`margins`), not as conditions (issue 28, docs/ZOO.md).
+# every model are reported as findings with their uncertainty (`margins`), not as conditions (docs/ZOO.md, "The bar").
 
 FAMILY = {"supervised": "supervised", "dino": "contrastive", "mocov3": "contrastive", "hybrid": "contrastive",
           "mae": "masked", "simmim": "masked"}
@@ -502,14 +555,15 @@ def add_to_card(run_dir: str | Path, data: str | Path | None = None,
                 synthetic_n: tuple[int, int] = (5000, 1000), per_block: bool = True,
                 reconstruction_only: bool = False) -> dict[str, Any]:
     """Evaluate ``run_dir/encoder.safetensors`` and write the result into ``run_dir/card.json`` under 'eval'; a
-    masked-modelling run also gets its reconstruction loss (`reconstruction`, what its bar judges).
+    masked-modelling run also gets its reconstruction evidence (`mim_evidence`: what its bar judges, and the
+    re-fitted decoders' comparison with the untrained network).
     reconstruction_only: keep the card's other numbers and add (or redo) only that."""
     run_dir = Path(run_dir)
     card = json.loads((run_dir / CARD_FILE).read_text())
     if not reconstruction_only:
         card["eval"] = evaluate(run_dir / WEIGHTS_FILE, data, synthetic_n=synthetic_n, per_block=per_block)
     if FAMILY.get(card.get("objective", "")) == "masked":
-        card.setdefault("eval", {})["reconstruction"] = reconstruction(run_dir, data, synthetic_n=synthetic_n)
+        card.setdefault("eval", {}).update(mim_evidence(run_dir, data, synthetic_n=synthetic_n))
     elif reconstruction_only:
         raise VitscopeError(f"{run_dir}: a {card.get('objective')} model has no reconstruction loss to evaluate "
                             "(only mae and simmim do)")
