@@ -769,7 +769,7 @@ def test_a_trained_mim_runs_decoder_is_written_and_its_reconstruction_evaluated(
     rec, refit = got["reconstruction"], got["reconstruction_refit"]
     assert rec["decoder"].startswith("re-fitted on the frozen encoder (4 steps")
     assert rec["ratio"] == refit["encoder"]["ratio"] and len(rec["train_loss"]) == 2
-    assert refit["untrained"]["model"] == "untrained, seed 0" and refit["untrained"]["ratio"] != rec["ratio"]
+    assert refit["untrained"]["network"] == "untrained, seed 0" and refit["untrained"]["ratio"] != rec["ratio"]
 
 
 def test_mimetic_init_sets_the_attention_products_through_timms_own_layers():

@@ -330,7 +330,7 @@ def mim_evidence(run_dir: str | Path, data: str | Path | None = None, synthetic_
     keys = ("ratio", "ratio_lo", "ratio_hi", "ratio_sd", "model", "trivial_loss")
     base = "zoo-random" if untrained == "zoo-random" else f"untrained, seed {card.get('seed')}"
     refit = {"steps": steps, "image_views": own["image_views"], "encoder": {k: own[k] for k in keys},
-             "untrained": {"model": base, **{k: other[k] for k in keys}}}
+             "untrained": {**{k: other[k] for k in keys}, "network": base}}
     if (run_dir / DECODER_FILE).is_file() or (run_dir / STATE_FILE).is_file():
         rec = reconstruction(run_dir, ds)
     else:
