@@ -10,7 +10,17 @@ import torch
 
 import vitscope as vs
 from vitscope.errors import ConfigError, InputError, UnknownTapError
-from vitscope.invariance import StirSums, check_pair, flow_matrix, flow_summary, forgetting, invert, learning, pearson, stir
+from vitscope.invariance import (
+    StirSums,
+    check_pair,
+    flow_matrix,
+    flow_summary,
+    forgetting,
+    invert,
+    learning,
+    pearson,
+    stir,
+)
 from vitscope.metrics import invariance as M
 
 # 16-px images, patch 4: 4 x 4 tokens; embed_dim 48 = 3 * 4 * 4, so a generic patch embedding is injective

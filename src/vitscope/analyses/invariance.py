@@ -418,8 +418,7 @@ class Stir(PairAnalysis):
             row["settings"] = (f"{int(r0.get('images'))} img, {int(r0.get('iterations'))} it, "
                                f"{int(r0.get('repeats'))} rep, "
                                + (f"{r0.get('cka_estimator')} CKA, " if "cka_estimator" in g.columns else "")
-                               + 
-                               f"{len(g[g.metric == 'forgetting'])} layers")
+                               + f"{len(g[g.metric == 'forgetting'])} layers")
             rows.append(row)
         pr = df[df.metric == "pearson_r"]
         for _, r in pr.iterrows():
