@@ -252,6 +252,7 @@ def test_shape_bias_of_a_colour_histogram_readout_is_zero_and_of_a_shape_oracle_
         assert abs(v["shape_bias"] - want) <= 0.05, v["shape_bias"]
         assert v["n_shape"] + v["n_texture"] + v["n_other"] == v["n_images"] == 120
         assert (df["readout"] == "probe").all() and (df["layer"] == 0).all()
+        assert set(df["match_denominator"]) == {"all"}  # the protocol setting, named in the table
 
 
 def test_shape_bias_counts_add_up_and_leave_out_agreeing_cues():
@@ -262,6 +263,33 @@ def test_shape_bias_counts_add_up_and_leave_out_agreeing_cues():
     assert c["n_excluded"] == 1  # image 2: shape == texture
     assert (c["n_shape"], c["n_texture"], c["n_other"]) == (2, 3, 0)
     assert c["shape_bias"] == pytest.approx(2 / 5)
+
+
+def test_shape_and_texture_match_divide_by_every_image_as_model_vs_human():
+    """model-vs-human's ShapeBias.analysis written out with pandas: rows whose shape and texture agree are
+    dropped from the numerators (df2) but not from the denominator (len(df)); 'kept' divides by df2."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(4)
+    n = 200
+    shape, texture = torch.randint(0, 5, (n,), generator=g), torch.randint(0, 5, (n,), generator=g)
+    dec = torch.where(torch.rand(n, generator=g) < 0.5, shape, torch.randint(0, 5, (n,), generator=g))
+    df = pd.DataFrame({"object_response": dec.numpy(), "correct_shape": shape.numpy(),
+                       "correct_texture": texture.numpy()})
+    df2 = df.loc[df.correct_shape != df.correct_texture]
+    assert 0 < len(df2) < len(df)
+    want_shape = len(df2.loc[df2.object_response == df2.correct_shape]) / len(df)
+    want_texture = len(df2.loc[df2.object_response == df2.correct_texture]) / len(df)
+    c = R.shape_bias_counts(dec, shape, texture)  # default: model-vs-human's denominator
+    assert c["shape_match"] == pytest.approx(want_shape) and c["texture_match"] == pytest.approx(want_texture)
+    assert c["shape_bias"] == pytest.approx(want_shape / (want_shape + want_texture))
+    kept = R.shape_bias_counts(dec, shape, texture, "kept")
+    assert kept["shape_match"] == pytest.approx(want_shape * len(df) / len(df2))
+    assert kept["shape_bias"] == c["shape_bias"]
+    with pytest.raises(ConfigError, match="match_denominator 'images' does not exist; choose all"):
+        ShapeBias.views({"match_denominator": "images"})  # the planner calls it before any model loads
+    with pytest.raises(ConfigError, match="match_denominator 'images' does not exist"):
+        R.shape_bias_counts(dec, shape, texture, "images")
 
 
 # ---------------------------------------------------------------- the 16-class mapping

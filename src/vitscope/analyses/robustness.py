@@ -283,17 +283,30 @@ class ShapeBias(_Robustness):
     ``n_texture``, ``n_other``; images whose shape and texture class agree are left out). Per layer from
     linear probes fitted on the clean ``train`` input (images of the same classes, textures random), and from
     the model's head where it covers the classes. Rows per (readout, layer): ``shape_bias``, ``n_shape``,
-    ``n_texture``, ``n_other``, ``shape_match`` / ``texture_match`` (fractions of all images), and
-    ``clean_accuracy`` of the probe on held-out clean training images."""
+    ``n_texture``, ``n_other``, ``n_images`` (images whose cues differ), ``n_excluded``, ``shape_match`` /
+    ``texture_match``, and ``clean_accuracy`` of the probe on held-out clean training images.
+    ``match_denominator``: what ``shape_match`` / ``texture_match`` divide by, ``all`` (default: every
+    cue-conflict image, the left-out ones included, as model-vs-human's ``fraction-correct-shape`` /
+    ``-texture``) or ``kept`` (the images whose cues differ); a column of the table. The shape bias does not
+    depend on it."""
 
     name = "shape_bias"
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
+    state_version = 2  # 2: shape_match / texture_match over every image by default (match_denominator column)
 
-    def __init__(self, vm: Any, **kw: Any):
+    def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
         super().__init__(vm, **kw)
+        self.match_denominator = R.check_match_denominator(match_denominator)
         self.cue_texture: list[torch.Tensor] = []  # texture class of each row of tables['cue'], in order
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        """Only the clean images; called by the planner at configuration, so an unknown ``match_denominator`` is
+        one sentence before any model loads."""
+        R.check_match_denominator(params.get("match_denominator", "all"))
+        return ["clean"]
 
     def merge(self, other: Analysis) -> None:
         super().merge(other)
@@ -381,7 +394,7 @@ class ShapeBias(_Robustness):
         rows: list[dict[str, Any]] = []
         if "cue" in self.heads:
             c = R.shape_bias_counts(self._head_column("cue", "decisions"), self._head_column("cue", "labels"),
-                                    self._head_column("cue", "texture"))
+                                    self._head_column("cue", "texture"), self.match_denominator)
             rows += [{"metric": k, "readout": "head", "value": float(v)} for k, v in c.items()]
         cue, train = self.tables.get("cue"), self.tables.get("train")
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
@@ -394,13 +407,14 @@ class ShapeBias(_Robustness):
                 xtr = train.layer(j)
                 d_cue, d_test = R.probe_decisions(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c,
                                                   max_iter=self.probe_max_iter)
-                counts = R.shape_bias_counts(d_cue, shape, texture)
+                counts = R.shape_bias_counts(d_cue, shape, texture, self.match_denominator)
                 counts["clean_accuracy"] = R.accuracy(d_test, ytr[test])
                 rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v)}
                          for k, v in counts.items()]
         df = self.tidy(rows)
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         df["dataset"] = self.datasets.get("data")
+        df["match_denominator"] = self.match_denominator
         return df
 
 
