@@ -102,7 +102,14 @@ def _block(tap: str) -> int | None:
 class Stir(PairAnalysis):
     """STIR (Nanda et al., ICML 2022) both ways between a pretrained model A and a model B fine-tuned from it,
     per layer pair, and Merlin et al.'s learning, forgetting, cka divergence and Invariance Flow; over a
-    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy."""
+    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy.
+    The inversion follows the public STIR code (step, start, loss, best iterate; docs/INVARIANCE.md). Its CKA
+    does not by default: ``cka_estimator: minibatch_unbiased`` (default) sums the unbiased HSIC_1 terms over
+    every batch, so every image counts and the value does not depend on the batch size; ``last_batch_biased``
+    is the public code's estimator (its default ``linear_CKA``: the biased linear CKA of each batch, the last
+    batch's value kept), which the published STIR numbers of Nanda et al. and Merlin et al. use (500 images in
+    batches of 250: the second 250); docs/INVARIANCE.md compares the two on a zoo pair. The
+    ``cka`` / ``cka_divergence`` rows use the same estimator; every row names it (column ``cka_estimator``)."""
 
     name = "stir"
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
