@@ -43,8 +43,8 @@ def main() -> None:
     df = pd.concat(tables, ignore_index=True)
     keep = df.metric.isin(["cka", "stir_b|a", "stir_a|b", "fidelity_a", "fidelity_b"])
     diag = (df.layer == df.layer_b) | df.layer_b.isna() | df.layer.isna()
-    wide = df[keep & diag].pivot_table(index=["metric", "layer", "layer_b"], columns="cka_estimator",
-                                       values="value", dropna=False)
+    sel = df[keep & diag].assign(block=lambda d: d.layer.fillna(d.layer_b).astype(int))
+    wide = sel.pivot_table(index=["metric", "block"], columns="cka_estimator", values="value")
     wide["last - unbiased"] = wide["last_batch_biased"] - wide["minibatch_unbiased"]
     pd.set_option("display.width", 160)
     print(f"{args.a} -> {args.b}: {args.images} CIFAR-10 images (the study's even spread), batches of {args.batch}, "
