@@ -265,3 +265,54 @@ progress: false
     run_study(cfg)
     assert table.stat().st_mtime_ns != before
     assert np.array_equal(pd.read_parquet(table).value.to_numpy(), df.value.to_numpy())
+
+
+def test_the_public_stir_estimator_is_an_option_named_in_the_table():
+    """cka_estimator: last_batch_biased reports the biased linear CKA of the last batch (the public STIR code's
+    CKA): its `cka` rows equal a numpy reference on that batch's features; resumed and merged runs pick the same
+    batch; the default is unchanged and every row names its estimator."""
+    from vitscope.invariance import measure
+
+    pt, ft = pair()
+    bs = list(batches(3))
+    a = run(pt, ft, bs, cka_estimator="last_batch_biased", corruptions=None)
+    df = a.finalize()
+    assert set(df.cka_estimator) == {"last_batch_biased"}
+    fa = measure(pt, bs[-1].images, ["block0.out", "block2.out"], "all")
+    fb = measure(ft, bs[-1].images, ["block0.out", "block2.out"], "all")
+    n = len(bs[-1].images)
+    h = np.eye(n) - np.ones((n, n)) / n
+    for i, li in enumerate((0, 2)):
+        for j, lj in enumerate((0, 2)):
+            k, l_ = (h @ (f.double().numpy() @ f.double().numpy().T) @ h for f in (fa[i], fb[j]))
+            want = (k * l_).sum() / math.sqrt((k * k).sum() * (l_ * l_).sum())
+            got = df[(df.metric == "cka") & (df.layer == li) & (df.layer_b == lj)].value.item()
+            assert math.isclose(got, want, rel_tol=1e-6)
+    # shards merged in either order, and a resumed run, pick the same last batch
+    for first_part, second_part in ((bs[:2], bs[2:]), (bs[2:], bs[:2])):
+        x = run(pt, ft, first_part, cka_estimator="last_batch_biased", corruptions=None)
+        y = run(pt, ft, second_part, cka_estimator="last_batch_biased", corruptions=None)
+        x.merge(y)
+        assert np.allclose(x.finalize().value.to_numpy(), df.value.to_numpy(), rtol=1e-12, atol=1e-12)
+    resumed = Stir(pt.info(), ft.info(), **{**KW, "cka_estimator": "last_batch_biased", "corruptions": None})
+    resumed.load_state_dict(copy.deepcopy(run(pt, ft, bs[:2], cka_estimator="last_batch_biased",
+                                              corruptions=None).state_dict()))
+    resumed.update(pt, ft, bs[2])
+    assert np.array_equal(resumed.finalize().value.to_numpy(), df.value.to_numpy())
+    default = run(pt, ft, bs, corruptions=None).finalize()
+    assert set(default.cka_estimator) == {"minibatch_unbiased"}
+    got = default.set_index(["metric", "layer", "layer_b"]).value
+    last = df.set_index(["metric", "layer", "layer_b"]).value
+    assert not math.isclose(got[("cka", 2, 2)], last[("cka", 2, 2)], rel_tol=1e-3)
+
+
+def test_an_unknown_cka_estimator_is_one_sentence_at_config_time():
+    from vitscope.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="cka_estimator 'biased' does not exist; choose minibatch_unbiased or "
+                                          "last_batch_biased"):
+        Stir.views({"cka_estimator": "biased"})  # the planner calls it before any model loads
+    assert Stir.views({"cka_estimator": "last_batch_biased"}) == ["clean"]
+    pt, ft = pair()
+    with pytest.raises(ConfigError, match="does not exist"):
+        Stir(pt.info(), ft.info(), cka_estimator="unbiased")

@@ -9,8 +9,18 @@ import scipy.stats
 import torch
 
 import vitscope as vs
-from vitscope.errors import InputError, UnknownTapError
-from vitscope.invariance import check_pair, flow_matrix, flow_summary, forgetting, invert, learning, pearson, stir
+from vitscope.errors import ConfigError, InputError, UnknownTapError
+from vitscope.invariance import (
+    StirSums,
+    check_pair,
+    flow_matrix,
+    flow_summary,
+    forgetting,
+    invert,
+    learning,
+    pearson,
+    stir,
+)
 from vitscope.metrics import invariance as M
 
 # 16-px images, patch 4: 4 x 4 tokens; embed_dim 48 = 3 * 4 * 4, so a generic patch embedding is injective
@@ -206,3 +216,64 @@ def test_bad_pairs_taps_and_divergence():
     with pytest.raises(NonFiniteError, match="non-finite"):  # one sentence naming the model: no NaN in tables
         invert(broken, x, "block1.out", iterations=2)
         stir(a, broken, x, "block1.out", "block1.out", iterations=2, batch_size=8)
+
+
+# -- the public STIR code's estimator ------------------------------------------------------------------------------
+
+
+def _biased_linear_cka_reference(x: np.ndarray, y: np.ndarray) -> float:
+    """Kornblith et al.'s biased linear CKA written out with the centring matrix H (float64 numpy)."""
+    n = len(x)
+    h = np.eye(n) - np.ones((n, n)) / n
+    k, l_ = h @ (x @ x.T) @ h, h @ (y @ y.T) @ h
+    return float((k * l_).sum() / math.sqrt((k * k).sum() * (l_ * l_).sum()))
+
+
+def test_last_batch_biased_is_the_biased_cka_of_the_batch_with_the_highest_ids_in_any_order():
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for key in (7, 15, 23):  # three batches of 8; arrival order and shards must not matter
+        f = torch.randn(8, 12, generator=g) + 2.0
+        h = torch.randn(8, 9, generator=g)
+        h[:, :4] += f[:, :4] * (key / 8)
+        batches.append((key, f, h))
+    want = _biased_linear_cka_reference(batches[-1][1].double().numpy(), batches[-1][2].double().numpy())
+    keep, err = torch.ones(8, dtype=torch.bool), torch.zeros(8)
+
+    def fed(order):
+        s = StirSums(1, 1, 1)
+        for k in order:
+            key, f, h = batches[k]
+            s.add(0, 0, [f], [h], keep, err, key=key)
+        return s
+
+    for order in ([0, 1, 2], [2, 0, 1], [1, 2, 0]):
+        s = fed(order)
+        assert math.isclose(float(s.values("last_batch_biased")[0, 0, 0]), want, rel_tol=1e-6)
+        # the default is untouched: the unbiased minibatch CKA summed over all three batches
+        assert math.isclose(float(s.values()[0, 0, 0]), float(fed([0, 1, 2]).values()[0, 0, 0]), rel_tol=1e-12)
+    for a_part, b_part in (([0, 2], [1]), ([1], [0, 2]), ([0], [1, 2])):  # shards merged either way round
+        a, b = fed(a_part), fed(b_part)
+        a.merge(b)
+        assert math.isclose(float(a.values("last_batch_biased")[0, 0, 0]), want, rel_tol=1e-6)
+        assert int(a.batches.sum()) == 3
+    s = StirSums(1, 1, 1)
+    s.load_state_dict(fed([2, 1]).state_dict())
+    assert math.isclose(float(s.values("last_batch_biased")[0, 0, 0]), want, rel_tol=1e-6)
+    # one batch only: the two estimators differ (biased vs unbiased), both from the same Grams
+    one = fed([2])
+    assert not math.isclose(float(one.values()[0, 0, 0]), want, rel_tol=1e-3)
+    with pytest.raises(ConfigError, match="cka_estimator 'last_batch' does not exist; choose minibatch_unbiased"):
+        one.values("last_batch")
+
+
+def test_stir_function_offers_the_public_estimator():
+    m1, m2 = small(0), small(1)
+    x = normalise(m1, pixels(12))
+    kw = dict(iterations=2, batch_size=4)
+    last = stir(m2, m1, x, "block1.out", "block0.out", cka_estimator="last_batch_biased", **kw)
+    default = stir(m2, m1, x, "block1.out", "block0.out", **kw)
+    assert list(last.cka_estimator) == ["last_batch_biased"] and list(default.cka_estimator) == ["minibatch_unbiased"]
+    assert not math.isclose(last.stir.item(), default.stir.item(), rel_tol=1e-3)
+    with pytest.raises(ConfigError, match="cka_estimator 'biased' does not exist"):
+        stir(m2, m1, x, "block1.out", "block0.out", cka_estimator="biased", **kw)

@@ -69,6 +69,68 @@ def test_band_noise_rejects_a_band_that_does_not_exist():
         BandNoise.views({"bands": [3, 12]})
 
 
+def _square_sign_reference(z: np.ndarray, band: int, width: float, eps: float) -> np.ndarray:
+    """Park et al.'s public band noise written out with loops: +-eps sign noise per pixel, its spectrum shifted
+    (zero frequency at the centre), every coefficient outside the square annulus of the band zeroed one by one,
+    shifted back and inverted (real part); no renormalisation."""
+    c, h, w = z.shape
+    out = np.zeros((c, h, w))
+    for ch in range(c):
+        spec = np.fft.fftshift(np.fft.fft2(np.where(z[ch] >= 0, eps, -eps)))
+        kept = np.zeros_like(spec)
+        for i in range(h):
+            for j in range(w):
+                w_y, w_x = 2 * math.pi * abs(i - h // 2) / h, 2 * math.pi * abs(j - w // 2) / w
+                if band * width <= max(w_y, w_x) < (band + 1) * width:
+                    kept[i, j] = spec[i, j]
+        out[ch] = np.fft.ifft2(np.fft.ifftshift(kept)).real
+    return out
+
+
+@pytest.mark.parametrize("size", [31, 32])
+def test_square_sign_band_noise_is_the_source_definition(size):
+    """definition=square_sign against an independent loop over the shifted spectrum, every band, odd and even
+    sizes; its energy is not fixed (it grows with the band, as the expected rms says), the default's is."""
+    x = torch.full((2, 3, size, size), 0.5)
+    idx = torch.tensor([4, 9])
+    eps, width = 0.1, 0.1 * math.pi
+    rms = []
+    for band in range(P.N_BANDS):
+        got = (P.band_noise(x, idx, seed=2, band=band, definition="square_sign", eps=eps) - x).double()
+        key = P.band_key(band, definition="square_sign", eps=eps)
+        for b, i in enumerate(idx.tolist()):
+            z = torch.randn(3, size, size, generator=P.image_generator(2, key, i)).double().numpy()
+            want = _square_sign_reference(z, band, width, eps)
+            np.testing.assert_allclose(got[b].numpy(), want, atol=2e-7, rtol=0)
+        rms.append(float(got.pow(2).mean().sqrt()))
+        assert math.isclose(rms[-1], P.square_band_rms(size, size, band), rel_tol=0.35)
+    assert rms[-1] > 2.5 * rms[0] and max(rms) > 3.5 * rms[0]
+    default = [float((P.band_noise(x, idx, seed=2, band=b) - x).pow(2).mean().sqrt()) for b in (0, 9)]
+    assert default == pytest.approx([0.1, 0.1], rel=1e-4)
+
+
+def test_band_definition_is_checked_at_config_time():
+    with pytest.raises(ConfigError, match="band definition 'square' does not exist; choose circular_rms"):
+        BandNoise.views({"band_definition": "square"})
+    with pytest.raises(ConfigError, match="band definition 'square' does not exist"):
+        P.band_noise(torch.rand(1, 3, 8, 8), torch.tensor([0]), 0, band=1, definition="square")
+    assert BandNoise.views({"bands": [2]}) == ["clean", "band_noise:band=2,n_bands=10"]  # the default's key
+    assert BandNoise.views({"bands": [2], "band_definition": "square_sign", "eps": 0.2}) == [
+        "clean", "band_noise:band=2,n_bands=10,definition=square_sign,eps=0.2"]
+
+
+@pytest.mark.slow
+def test_band_definition_is_a_column_of_the_band_noise_table():
+    from vitscope.models.load import load_model
+
+    vm = load_model("zoo-mae")
+    data = SyntheticShapes(n=16, seed=5)
+    an = BandNoise(vm, bands=[9], layers=[7], band_definition="square_sign")
+    run_passes(an, vm, {"data": data}, batch_size=16)
+    df = an.finalize()
+    assert set(df["band_definition"]) == {"square_sign"} and set(df["band"]) == {-1, 9}
+
+
 # ---------------------------------------------------------------- corruptions
 def _available(name):
     return name in P.NATIVE or P.package_available()
@@ -190,6 +252,7 @@ def test_shape_bias_of_a_colour_histogram_readout_is_zero_and_of_a_shape_oracle_
         assert abs(v["shape_bias"] - want) <= 0.05, v["shape_bias"]
         assert v["n_shape"] + v["n_texture"] + v["n_other"] == v["n_images"] == 120
         assert (df["readout"] == "probe").all() and (df["layer"] == 0).all()
+        assert set(df["match_denominator"]) == {"all"}  # the protocol setting, named in the table
 
 
 def test_shape_bias_counts_add_up_and_leave_out_agreeing_cues():
@@ -200,6 +263,33 @@ def test_shape_bias_counts_add_up_and_leave_out_agreeing_cues():
     assert c["n_excluded"] == 1  # image 2: shape == texture
     assert (c["n_shape"], c["n_texture"], c["n_other"]) == (2, 3, 0)
     assert c["shape_bias"] == pytest.approx(2 / 5)
+
+
+def test_shape_and_texture_match_divide_by_every_image_as_model_vs_human():
+    """model-vs-human's ShapeBias.analysis written out with pandas: rows whose shape and texture agree are
+    dropped from the numerators (df2) but not from the denominator (len(df)); 'kept' divides by df2."""
+    import pandas as pd
+
+    g = torch.Generator().manual_seed(4)
+    n = 200
+    shape, texture = torch.randint(0, 5, (n,), generator=g), torch.randint(0, 5, (n,), generator=g)
+    dec = torch.where(torch.rand(n, generator=g) < 0.5, shape, torch.randint(0, 5, (n,), generator=g))
+    df = pd.DataFrame({"object_response": dec.numpy(), "correct_shape": shape.numpy(),
+                       "correct_texture": texture.numpy()})
+    df2 = df.loc[df.correct_shape != df.correct_texture]
+    assert 0 < len(df2) < len(df)
+    want_shape = len(df2.loc[df2.object_response == df2.correct_shape]) / len(df)
+    want_texture = len(df2.loc[df2.object_response == df2.correct_texture]) / len(df)
+    c = R.shape_bias_counts(dec, shape, texture)  # default: model-vs-human's denominator
+    assert c["shape_match"] == pytest.approx(want_shape) and c["texture_match"] == pytest.approx(want_texture)
+    assert c["shape_bias"] == pytest.approx(want_shape / (want_shape + want_texture))
+    kept = R.shape_bias_counts(dec, shape, texture, "kept")
+    assert kept["shape_match"] == pytest.approx(want_shape * len(df) / len(df2))
+    assert kept["shape_bias"] == c["shape_bias"]
+    with pytest.raises(ConfigError, match="match_denominator 'images' does not exist; choose all"):
+        ShapeBias.views({"match_denominator": "images"})  # the planner calls it before any model loads
+    with pytest.raises(ConfigError, match="match_denominator 'images' does not exist"):
+        R.shape_bias_counts(dec, shape, texture, "images")
 
 
 # ---------------------------------------------------------------- the 16-class mapping

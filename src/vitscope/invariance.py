@@ -394,7 +394,14 @@ def same_weights(vm_a: ViTModel, vm_b: ViTModel, taps: Sequence[str] = ()) -> bo
 class StirSums:
     """Summed HSIC_1 terms for STIR(m2[i] | m1[j]) over minibatches: ``sums`` (R repeats, J inverted taps, I
     measured taps, 3) float64 (cross, self clean, self inverted), and ``batches`` / ``images`` / ``diverged``
-    (R, J) counts. Merging shards or a resumed part is an addition."""
+    (R, J) counts. Merging shards or a resumed part is an addition.
+
+    Beside them, the public STIR code's estimator: ``last`` (R, J, I, 3) the biased terms
+    (`vitscope.metrics.invariance.hsic_terms_both`) of the last batch, the one whose ``key`` (its highest image
+    id) is largest, and ``last_key`` (R, J) that key (-1: none yet); merging keeps, per (repeat, tap), the part
+    with the larger key, so shards and resumed runs pick the batch an uninterrupted run ends with."""
+
+    KEYS = ("sums", "batches", "images", "diverged", "err_sum", "last", "last_key")
 
     def __init__(self, repeats: int, n_inv: int, n_meas: int):
         self.sums = torch.zeros(repeats, n_inv, n_meas, 3, dtype=torch.float64)
@@ -402,17 +409,26 @@ class StirSums:
         self.images = torch.zeros(repeats, n_inv, dtype=torch.long)
         self.diverged = torch.zeros(repeats, n_inv, dtype=torch.long)
         self.err_sum = torch.zeros(repeats, n_inv, dtype=torch.float64)
+        self.last = torch.zeros(repeats, n_inv, n_meas, 3, dtype=torch.float64)
+        self.last_key = torch.full((repeats, n_inv), -1, dtype=torch.long)
 
     def add(self, r: int, j: int, clean: list[torch.Tensor], inverted: list[torch.Tensor],
-            keep: torch.Tensor, rel_error: torch.Tensor) -> None:
+            keep: torch.Tensor, rel_error: torch.Tensor, key: int = 0) -> None:
         """clean / inverted: per measured tap, (B, F) features of X and of X'_j; keep: (B,) rows whose
-        inversion did not diverge (a batch with fewer than 4 of them adds nothing)."""
+        inversion did not diverge (a batch with fewer than 4 of them adds nothing); key: the batch's highest
+        image id (which batch is the last)."""
         n_keep = int(keep.sum())
         self.diverged[r, j] += len(keep) - n_keep
         if n_keep < 4:
             return
+        newest = int(key) > int(self.last_key[r, j])
         for i, (c, v) in enumerate(zip(clean, inverted, strict=True)):
-            self.sums[r, j, i] += M.hsic_terms(c[keep], v[keep])
+            unbiased, biased = M.hsic_terms_both(c[keep], v[keep])
+            self.sums[r, j, i] += unbiased
+            if newest:
+                self.last[r, j, i] = biased
+        if newest:
+            self.last_key[r, j] = int(key)
         self.batches[r, j] += 1
         self.images[r, j] += n_keep
         self.err_sum[r, j] += float(rel_error[keep].double().sum())
@@ -420,17 +436,22 @@ class StirSums:
     def merge(self, other: StirSums) -> None:
         for k in ("sums", "batches", "images", "diverged", "err_sum"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
+        theirs = other.last_key > self.last_key
+        self.last = torch.where(theirs[..., None, None], other.last, self.last)
+        self.last_key = torch.where(theirs, other.last_key, self.last_key)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: getattr(self, k).clone() for k in ("sums", "batches", "images", "diverged", "err_sum")}
+        return {k: getattr(self, k).clone() for k in self.KEYS}
 
     def load_state_dict(self, state: dict) -> None:
-        for k in ("sums", "batches", "images", "diverged", "err_sum"):
+        for k in self.KEYS:
             setattr(self, k, torch.as_tensor(state[k]).clone())
 
-    def values(self) -> torch.Tensor:
-        """(R, J, I) STIR per repeat (NaN where no batch counted)."""
-        out = M.stir_from_sums(self.sums)
+    def values(self, estimator: str = "minibatch_unbiased") -> torch.Tensor:
+        """(R, J, I) STIR per repeat (NaN where no batch counted), with ``estimator`` one of
+        `vitscope.metrics.invariance.CKA_ESTIMATORS`."""
+        M.check_cka_estimator(estimator)
+        out = M.stir_from_sums(self.sums if estimator == "minibatch_unbiased" else self.last)
         out[(self.batches == 0)[..., None].expand_as(out)] = math.nan
         return out
 
@@ -459,17 +480,20 @@ def stir(
     match_view: str = "all",
     batch_size: int = 32,
     init: str = "noise",
+    cka_estimator: str = "minibatch_unbiased",
 ) -> pd.DataFrame:
     """STIR(m2[i] | m1[j]) for every i in ``taps2`` and j in ``taps1`` on ``images`` (N, 3, H, W), normalised
     for both models: one inversion of m1 per (j, image, repeat) serves every i; CKA is the minibatch CKA
     (unbiased HSIC_1) over consecutive batches of ``batch_size`` images, summed over all of them; ``view`` is
     the token view CKA compares ('all': every token, as the public STIR code), ``match_view`` the one the
-    inversion matches. STIR of a model with itself at the same tap is 1 by definition (Nanda et al.; Merlin
-    et al. Sec. 3.1); the measured value is in ``measured``.
+    inversion matches. ``cka_estimator='last_batch_biased'``: the public STIR code's CKA instead, the biased
+    linear CKA of the last batch alone. STIR of a model with itself at the same tap is 1 by definition (Nanda
+    et al.; Merlin et al. Sec. 3.1); the measured value is in ``measured``.
     Returns columns tap_inverted, tap_measured, stir (mean over repeats), spread (std over repeats),
-    measured, repeats, images, diverged, rel_error (mean relative error of the inversions)."""
+    measured, repeats, images, diverged, rel_error (mean relative error of the inversions), cka_estimator."""
     taps2 = [taps2] if isinstance(taps2, str) else list(taps2)
     taps1 = [taps1] if isinstance(taps1, str) else list(taps1)
+    M.check_cka_estimator(cka_estimator)
     check_pair(m1, m2)
     check_taps(taps1, m1.taps)
     check_taps(taps2, m2.taps)
@@ -483,16 +507,17 @@ def stir(
                          repeat=r, ids=ids, view=match_view)
             for j in range(len(taps1)):
                 feats = measure(m2, inv.images[j], taps2, view)
-                sums.add(r, j, clean, feats, ~inv.diverged[j], inv.rel_error[j])
-    return stir_table(sums, taps1, taps2, same_weights(m1, m2, taps1 + taps2))
+                sums.add(r, j, clean, feats, ~inv.diverged[j], inv.rel_error[j], key=s + len(x) - 1)
+    return stir_table(sums, taps1, taps2, same_weights(m1, m2, taps1 + taps2), cka_estimator)
 
 
-def stir_table(sums: StirSums, taps_inv: list[str], taps_meas: list[str], same_model: bool) -> pd.DataFrame:
+def stir_table(sums: StirSums, taps_inv: list[str], taps_meas: list[str], same_model: bool,
+               cka_estimator: str = "minibatch_unbiased") -> pd.DataFrame:
     """One row per (inverted tap, measured tap); a cell without a single usable batch (every inversion
     diverged) is left out with a warning, so the table holds no NaN."""
     import warnings
 
-    vals = sums.values()  # (R, J, I)
+    vals = sums.values(cka_estimator)  # (R, J, I)
     rows = []
     for j, tj in enumerate(taps_inv):
         if int(sums.batches[:, j].sum()) == 0:
@@ -513,5 +538,5 @@ def stir_table(sums: StirSums, taps_inv: list[str], taps_meas: list[str], same_m
             rows.append({"tap_inverted": tj, "tap_measured": ti, "stir": value,
                          "spread": 0.0 if (same_model and ti == tj) else spread, "measured": mean,
                          "repeats": len(ok), "images": n_img, "diverged": int(sums.diverged[:, j].sum()),
-                         "rel_error": err})
+                         "rel_error": err, "cka_estimator": cka_estimator})
     return pd.DataFrame(rows)

@@ -8,7 +8,8 @@ the dynamics and their Pearson correlation with accuracy on corrupted data (thei
          kept in the study cache and serve every B compared with A, e.g. every checkpoint of a fine-tuning
          run), each inversion is measured by both models at every tap, and the unbiased HSIC_1 terms of each
          (inverted tap, measured tap) are summed over all batches (`StirSums`): exact minibatch CKA, merge and
-         resume by addition.
+         resume by addition. ``cka_estimator: last_batch_biased`` reports the public STIR code's CKA instead
+         (the biased linear CKA of the last batch alone; its published numbers use it): see docs/INVARIANCE.md.
 
 Rows (model = A, model_b = B; ``layer`` is A's block, ``layer_b`` B's):
   stir_b|a         STIR(B[layer_b] | A[layer])  (A inverted at ``layer``), with ``spread`` over repeats
@@ -24,7 +25,7 @@ Rows (model = A, model_b = B; ``layer`` is A's block, ``layer_b`` B's):
                    of a layer with itself is 1 by definition), inversion_error_a / _b the mean relative error
   accuracy         B's top-1 accuracy on the clean images and on each corruption (column ``corruption``), when
                    B has a classifier head for the dataset's labels
-Every row carries the settings it was computed with (iterations, step_size, repeats, images).
+Every row carries the settings it was computed with (iterations, step_size, repeats, images, cka_estimator).
 """
 
 from __future__ import annotations
@@ -101,24 +102,42 @@ def _block(tap: str) -> int | None:
 class Stir(PairAnalysis):
     """STIR (Nanda et al., ICML 2022) both ways between a pretrained model A and a model B fine-tuned from it,
     per layer pair, and Merlin et al.'s learning, forgetting, cka divergence and Invariance Flow; over a
-    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy."""
+    fine-tuning run's checkpoints, the dynamics and their Pearson correlation with corrupted accuracy.
+    The inversion follows the public STIR code (step, start, loss, best iterate; docs/INVARIANCE.md). Its CKA
+    does not by default: ``cka_estimator: minibatch_unbiased`` (default) sums the unbiased HSIC_1 terms over
+    every batch, so every image counts and the value does not depend on the batch size; ``last_batch_biased``
+    is the public code's estimator (its default ``linear_CKA``: the biased linear CKA of each batch, the last
+    batch's value kept), which the published STIR numbers of Nanda et al. and Merlin et al. use (500 images in
+    batches of 250: the second 250); docs/INVARIANCE.md compares the two on a zoo pair. The
+    ``cka`` / ``cka_divergence`` rows use the same estimator; every row names it (column ``cka_estimator``)."""
 
     name = "stir"
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
     needs = frozenset()
-    state_version = 4  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
-    # corruptions are the robustness lens's (CIFAR-10-C table); 4: derived metrics carry their spread
+    state_version = 5  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
+    # corruptions are the robustness lens's (CIFAR-10-C table); 4: derived metrics carry their spread; 5: the
+    # last batch's biased CKA terms kept beside the sums (cka_estimator), column cka_estimator
     STATE_KEYS = ("ba", "ab", "aa", "bb")
+
+    @classmethod
+    def views(cls, params: Any) -> list[str]:
+        """Only the clean images; called by the planner at configuration, so an unknown ``cka_estimator`` is one
+        sentence before any model loads."""
+        M.check_cka_estimator(params.get("cka_estimator", M.CKA_ESTIMATORS[0]))
+        return ["clean"]
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
                  iterations: int = INV.DEFAULT_ITERATIONS, step_size: float = INV.DEFAULT_STEP, repeats: int = 1,
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
-                 max_rows: int | None = None, corruptions: Any = "default", **params: Any):
+                 max_rows: int | None = None, corruptions: Any = "default",
+                 cka_estimator: str = "minibatch_unbiased", **params: Any):
         params.pop("pairs", None)  # which pairs: the planner's business
         if params:
             raise VitscopeError(f"stir: unknown parameter(s) {', '.join(sorted(params))}; it takes layers, tap, "
-                                "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions")
+                                "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions, "
+                                "cka_estimator")
+        self.cka_estimator = M.check_cka_estimator(cka_estimator)
         super().__init__(info_a, info_b)
         if info_a.depth != info_b.depth:
             raise VitscopeError(f"stir: {info_a.name} has {info_a.depth} blocks and {info_b.name} {info_b.depth}; "
@@ -152,6 +171,8 @@ class Stir(PairAnalysis):
         n = len(self.taps)
         self.sums = {k: INV.StirSums(self.repeats, n, n) for k in self.STATE_KEYS}
         self.cka = torch.zeros(n, n, 3, dtype=torch.float64)
+        self.cka_last = torch.zeros(n, n, 3, dtype=torch.float64)  # biased terms of the last batch
+        self.cka_last_key = -1  # its highest image id
         self.correct = torch.zeros(1 + len(self.corruptions), dtype=torch.long)
         self.n_images = 0
         self.same_model: bool | None = None
@@ -214,17 +235,24 @@ class Stir(PairAnalysis):
             raise VitscopeError(f"stir: a batch of {len(x)} images; the unbiased CKA needs at least 4 per batch")
         fa = INV.measure(vm_a, x, self.taps, self.view)
         fb = INV.measure(vm_b, x, self.taps, self.view)
+        key = int(ids.max())
+        newest = key > self.cka_last_key
         for i in range(len(self.taps)):
             for j in range(len(self.taps)):
-                self.cka[i, j] += M.hsic_terms(fa[i], fb[j])
+                unbiased, biased = M.hsic_terms_both(fa[i], fb[j])
+                self.cka[i, j] += unbiased
+                if newest:
+                    self.cka_last[i, j] = biased
+        if newest:
+            self.cka_last_key = key
         with torch.enable_grad():
             for r in range(self.repeats):
                 inv_a = self._invert(vm_a, x, ids, r, cached=True)
                 keep_a = ~inv_a.diverged
                 for j, (mb, ma) in enumerate(zip(self._measure_all(vm_b, inv_a), self._measure_all(vm_a, inv_a),
                                                  strict=True)):
-                    self.sums["ba"].add(r, j, fb, mb, keep_a[j], inv_a.rel_error[j])
-                    self.sums["aa"].add(r, j, fa, ma, keep_a[j], inv_a.rel_error[j])
+                    self.sums["ba"].add(r, j, fb, mb, keep_a[j], inv_a.rel_error[j], key)
+                    self.sums["aa"].add(r, j, fa, ma, keep_a[j], inv_a.rel_error[j], key)
                 if self.same_model:
                     inv_b = inv_a
                 else:
@@ -232,8 +260,8 @@ class Stir(PairAnalysis):
                 keep_b = ~inv_b.diverged
                 for j, (ma, mb) in enumerate(zip(self._measure_all(vm_a, inv_b), self._measure_all(vm_b, inv_b),
                                                  strict=True)):
-                    self.sums["ab"].add(r, j, fa, ma, keep_b[j], inv_b.rel_error[j])
-                    self.sums["bb"].add(r, j, fb, mb, keep_b[j], inv_b.rel_error[j])
+                    self.sums["ab"].add(r, j, fa, ma, keep_b[j], inv_b.rel_error[j], key)
+                    self.sums["bb"].add(r, j, fb, mb, keep_b[j], inv_b.rel_error[j], key)
         self._accuracy(vm_b, batch)
         self.n_images += len(x)
 
@@ -259,6 +287,8 @@ class Stir(PairAnalysis):
         for k in self.STATE_KEYS:
             self.sums[k].merge(other.sums[k])
         self.cka += other.cka
+        if other.cka_last_key > self.cka_last_key:
+            self.cka_last, self.cka_last_key = other.cka_last.clone(), other.cka_last_key
         self.correct += other.correct
         self.n_images += other.n_images
         self.cache_hits += other.cache_hits
@@ -268,15 +298,17 @@ class Stir(PairAnalysis):
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {f"{k}.{n}": v for k in self.STATE_KEYS for n, v in self.sums[k].state_dict().items()}
-        out.update(cka=self.cka.clone(), correct=self.correct.clone(), n_images=self.n_images,
+        out.update(cka=self.cka.clone(), cka_last=self.cka_last.clone(), cka_last_key=self.cka_last_key,
+                   correct=self.correct.clone(), n_images=self.n_images,
                    flags=json.dumps({"same_model": self.same_model, "has_head": self.has_head}))
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for k in self.STATE_KEYS:
-            self.sums[k].load_state_dict({n: state[f"{k}.{n}"] for n in ("sums", "batches", "images", "diverged",
-                                                                          "err_sum")})
+            self.sums[k].load_state_dict({n: state[f"{k}.{n}"] for n in INV.StirSums.KEYS})
         self.cka = torch.as_tensor(state["cka"]).clone()
+        self.cka_last = torch.as_tensor(state["cka_last"]).clone()
+        self.cka_last_key = int(state["cka_last_key"])
         self.correct = torch.as_tensor(state["correct"]).clone()
         self.n_images = int(state["n_images"])
         flags = json.loads(state["flags"])
@@ -285,11 +317,11 @@ class Stir(PairAnalysis):
     # -- results -----------------------------------------------------------------------------------------------
     def _grid(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """STIR over the repeats: (mean, spread) of the (J inverted, I measured) grid."""
-        return _mean_spread(self.sums[key].values().numpy())
+        return _mean_spread(self.sums[key].values(self.cka_estimator).numpy())
 
     def _per_repeat(self, key: str) -> np.ndarray:
         """(R, J inverted, I measured) STIR per repeat; with a model compared with itself, the diagonal is 1."""
-        arr = self.sums[key].values().numpy().copy()
+        arr = self.sums[key].values(self.cka_estimator).numpy().copy()
         if self.same_model:
             idx = np.arange(arr.shape[1])
             arr[:, idx, idx] = 1.0
@@ -299,7 +331,7 @@ class Stir(PairAnalysis):
         import warnings
 
         base = {"token_view": self.view, "iterations": self.iterations, "step_size": self.step_size,
-                "repeats": self.repeats, "images": self.n_images}
+                "repeats": self.repeats, "images": self.n_images, "cka_estimator": self.cka_estimator}
         rows: list[dict[str, Any]] = []
         L = self.layers
         # per repeat (a model compared with itself: its diagonal 1 by definition), then mean and spread
@@ -311,7 +343,7 @@ class Stir(PairAnalysis):
                              "spread": sd_ba[j, i]})
                 rows.append({"metric": "stir_a|b", "layer": li, "layer_b": lj, "value": s_ab[j, i],
                              "spread": sd_ab[j, i]})
-        cka = M.stir_from_sums(self.cka).numpy()
+        cka = M.stir_from_sums(self.cka if self.cka_estimator == "minibatch_unbiased" else self.cka_last).numpy()
         for i, li in enumerate(L):
             for j, lj in enumerate(L):
                 rows.append({"metric": "cka", "layer": li, "layer_b": lj, "value": cka[i, j]})
@@ -392,7 +424,8 @@ class Stir(PairAnalysis):
             r0 = g.iloc[0]
             row["settings"] = (f"{int(r0.get('images'))} img, {int(r0.get('iterations'))} it, "
                                f"{int(r0.get('repeats'))} rep, "
-                               f"{len(g[g.metric == 'forgetting'])} layers")
+                               + (f"{r0.get('cka_estimator')} CKA, " if "cka_estimator" in g.columns else "")
+                               + f"{len(g[g.metric == 'forgetting'])} layers")
             rows.append(row)
         pr = df[df.metric == "pearson_r"]
         for _, r in pr.iterrows():

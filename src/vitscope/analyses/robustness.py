@@ -283,17 +283,30 @@ class ShapeBias(_Robustness):
     ``n_texture``, ``n_other``; images whose shape and texture class agree are left out). Per layer from
     linear probes fitted on the clean ``train`` input (images of the same classes, textures random), and from
     the model's head where it covers the classes. Rows per (readout, layer): ``shape_bias``, ``n_shape``,
-    ``n_texture``, ``n_other``, ``shape_match`` / ``texture_match`` (fractions of all images), and
-    ``clean_accuracy`` of the probe on held-out clean training images."""
+    ``n_texture``, ``n_other``, ``n_images`` (images whose cues differ), ``n_excluded``, ``shape_match`` /
+    ``texture_match``, and ``clean_accuracy`` of the probe on held-out clean training images.
+    ``match_denominator``: what ``shape_match`` / ``texture_match`` divide by, ``all`` (default: every
+    cue-conflict image, the left-out ones included, as model-vs-human's ``fraction-correct-shape`` /
+    ``-texture``) or ``kept`` (the images whose cues differ); a column of the table. The shape bias does not
+    depend on it."""
 
     name = "shape_bias"
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
+    state_version = 2  # 2: shape_match / texture_match over every image by default (match_denominator column)
 
-    def __init__(self, vm: Any, **kw: Any):
+    def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
         super().__init__(vm, **kw)
+        self.match_denominator = R.check_match_denominator(match_denominator)
         self.cue_texture: list[torch.Tensor] = []  # texture class of each row of tables['cue'], in order
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        """Only the clean images; called by the planner at configuration, so an unknown ``match_denominator`` is
+        one sentence before any model loads."""
+        R.check_match_denominator(params.get("match_denominator", "all"))
+        return ["clean"]
 
     def merge(self, other: Analysis) -> None:
         super().merge(other)
@@ -381,7 +394,7 @@ class ShapeBias(_Robustness):
         rows: list[dict[str, Any]] = []
         if "cue" in self.heads:
             c = R.shape_bias_counts(self._head_column("cue", "decisions"), self._head_column("cue", "labels"),
-                                    self._head_column("cue", "texture"))
+                                    self._head_column("cue", "texture"), self.match_denominator)
             rows += [{"metric": k, "readout": "head", "value": float(v)} for k, v in c.items()]
         cue, train = self.tables.get("cue"), self.tables.get("train")
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
@@ -394,13 +407,14 @@ class ShapeBias(_Robustness):
                 xtr = train.layer(j)
                 d_cue, d_test = R.probe_decisions(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c,
                                                   max_iter=self.probe_max_iter)
-                counts = R.shape_bias_counts(d_cue, shape, texture)
+                counts = R.shape_bias_counts(d_cue, shape, texture, self.match_denominator)
                 counts["clean_accuracy"] = R.accuracy(d_test, ytr[test])
                 rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v)}
                          for k, v in counts.items()]
         df = self.tidy(rows)
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         df["dataset"] = self.datasets.get("data")
+        df["match_denominator"] = self.match_denominator
         return df
 
 
@@ -488,19 +502,26 @@ def _band_of(view: str) -> int | None:
 @register_analysis
 class BandNoise(_ViewAccuracy):
     """Accuracy under frequency-band noise (Park et al., "What do self-supervised ViTs learn?", ICLR 2023, after
-    Park & Kim, "How do vision transformers work?", ICLR 2022): Gaussian noise filtered to an annulus of
-    radial frequency of width ``width`` (0.1 pi), bands 0..``n_bands``-1 from low to high frequency, the same
-    noise energy (``rms`` per pixel, images in [0, 1]) in every band (`vitscope.data.perturb.band_noise`).
+    Park & Kim, "How do vision transformers work?", ICLR 2022), bands 0..``n_bands``-1 of width ``width`` (0.1 pi)
+    from low to high frequency (`vitscope.data.perturb.band_noise`). ``band_definition``: ``circular_rms``
+    (default): Gaussian noise filtered to an annulus of radial frequency, scaled to the same noise energy
+    (``rms`` per pixel, images in [0, 1]) in every band; ``square_sign``: Park et al.'s public code, +-``eps``
+    sign noise filtered to a square annulus of the shifted spectrum and not renormalised, so its energy grows
+    with the band (3.7-4.9x from band 0 to bands 8-9 at 32 px). The default keeps the energy fixed so that a
+    band's drop measures its frequency, not its larger noise; ``square_sign`` reproduces the source's numbers.
     Rows per (readout, layer, band): ``accuracy`` and ``drop`` (clean accuracy minus it, in accuracy points);
-    ``band`` -1 is the clean accuracy. ``bands``: a subset of the bands to run (default all)."""
+    ``band`` -1 is the clean accuracy; every row names its ``band_definition``. ``bands``: a subset of the bands
+    to run (default all)."""
 
     name = "band_noise"
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
+    state_version = 2  # 2: band_definition (circular_rms | square_sign), a column of the table
 
     def __init__(self, vm: Any, n_bands: int = P.N_BANDS, bands: Sequence[int] | None = None, rms: float = 0.1,
-                 width: float = P.BAND_WIDTH, **kw: Any):
+                 width: float = P.BAND_WIDTH, band_definition: str = "circular_rms", eps: float = 0.1, **kw: Any):
         super().__init__(vm, **kw)
-        self.params = {"n_bands": n_bands, "bands": bands, "rms": rms, "width": width}
+        self.params = {"n_bands": n_bands, "bands": bands, "rms": rms, "width": width,
+                       "band_definition": band_definition, "eps": eps}
         type(self).views(self.params)  # validates
 
     @classmethod
@@ -512,9 +533,15 @@ class BandNoise(_ViewAccuracy):
         if bad:
             raise ConfigError(f"band_noise: bands {bad} do not exist; with n_bands={n} the bands are 0..{n - 1}")
         rms, width = float(params.get("rms", 0.1)), float(params.get("width", P.BAND_WIDTH))
-        if rms <= 0 or width <= 0:
-            raise ConfigError("band_noise: rms and width must be positive")
-        extra = (f",rms={rms}" if rms != 0.1 else "") + (f",width={width}" if width != P.BAND_WIDTH else "")
+        definition = P.check_band_definition(params.get("band_definition", "circular_rms"))
+        eps = float(params.get("eps", 0.1))
+        if rms <= 0 or width <= 0 or eps <= 0:
+            raise ConfigError("band_noise: rms, eps and width must be positive")
+        if definition == "square_sign":  # its amplitude is eps; rms does not apply
+            extra = f",definition=square_sign,eps={eps}"
+        else:
+            extra = f",rms={rms}" if rms != 0.1 else ""
+        extra += f",width={width}" if width != P.BAND_WIDTH else ""
         return ["clean"] + [f"band_noise:band={b},n_bands={n}{extra}" for b in bands]
 
     @staticmethod
@@ -551,6 +578,7 @@ class BandNoise(_ViewAccuracy):
         df["band_low"] = df["band"].map(lambda b: b * width / math.pi if b >= 0 else float("nan"))
         df["band_high"] = df["band"].map(lambda b: (b + 1) * width / math.pi if b >= 0 else float("nan"))
         df["n_bands"] = n
+        df["band_definition"] = self.params["band_definition"]
         return df
 
 

@@ -11,7 +11,17 @@ domain to the annulus ``band * width <= |omega| < (band + 1) * width`` of radial
 ``|omega| = 2 pi sqrt(fx^2 + fy^2)`` (radians per pixel, fx, fy the DFT frequencies in cycles per pixel;
 width 0.1 pi, so bands 0..9 sweep 0..pi), then scaled to a fixed root-mean-square ``rms`` per pixel (the
 same noise energy in every band). The annulus is symmetric under omega -> -omega, so the filtered noise is
-exactly real and all of its energy lies in the band.
+exactly real and all of its energy lies in the band. This is ``definition='circular_rms'``, the default.
+
+``definition='square_sign'`` is the definition of Park et al.'s public code as measured against it (issue 29):
+per channel, sign noise ``eps * sign(z)``, z standard normal per pixel (+-eps, not normalised afterwards), its
+DFT kept on a *square* annulus of the shifted spectrum, ``band * width <= max(|omega_y|, |omega_x|) < (band + 1)
+* width`` (omega = 2 pi f per axis), and transformed back (real part). Its root-mean-square is not fixed: it is
+``eps * sqrt(share of the DFT coefficients in the band)``, so it grows with the band (the outer squares hold
+more coefficients; `square_band_rms`: at eps 0.1 and 32 px 0.0094 in band 0, 0.020-0.046 in bands 1-9 (3.7x
+in band 9, 4.9x in band 8), at 224 px 0.0103 rising to 0.0431, 4.2x), and the corners of a square reach radial
+frequencies up to sqrt(2) x its edge. A drop in accuracy then mixes the band's frequency
+with its larger noise energy, which is why the default keeps the energy fixed.
 
 **Common corruptions** (Hendrycks & Dietterich, "Benchmarking Neural Network Robustness to Common
 Corruptions and Perturbations", ICLR 2019): the 15 ImageNet-C corruptions in four families and the four
@@ -39,18 +49,33 @@ import torch
 import torch.nn.functional as F
 
 from vitscope.data.views import image_generator, register_view
-from vitscope.errors import VitscopeError, close_matches
+from vitscope.errors import ConfigError, VitscopeError, close_matches
 
 Tensor = torch.Tensor
 
 # ---------------------------------------------------------------- frequency-band noise
 BAND_WIDTH = 0.1 * math.pi
 N_BANDS = 10
+#: how a band's noise is made: vitscope's default first, then Park et al.'s public code's (module docstring)
+BAND_DEFINITIONS = ("circular_rms", "square_sign")
 
 
-def band_key(band: int, n_bands: int = N_BANDS, width: float = BAND_WIDTH, rms: float = 0.1) -> str:
-    """The view key of one band (what the per-image generators are keyed by)."""
-    return f"band_noise:band={int(band)},n_bands={int(n_bands)},rms={float(rms)},width={float(width)}"
+def check_band_definition(definition: object, who: str = "band_noise") -> str:
+    """One sentence for a band definition that does not exist; returns it."""
+    if definition not in BAND_DEFINITIONS:
+        raise ConfigError(f"{who}: band definition {definition!r} does not exist; choose circular_rms (the same "
+                          "noise energy in every band, the default) or square_sign (Park et al.'s public code)")
+    return str(definition)
+
+
+def band_key(band: int, n_bands: int = N_BANDS, width: float = BAND_WIDTH, rms: float = 0.1,
+             definition: str = "circular_rms", eps: float = 0.1) -> str:
+    """The view key of one band (what the per-image generators are keyed by); the default definition's key
+    names no definition, so its noise is the same as before the option existed."""
+    if definition == "circular_rms":
+        return f"band_noise:band={int(band)},n_bands={int(n_bands)},rms={float(rms)},width={float(width)}"
+    return (f"band_noise:band={int(band)},definition={definition},eps={float(eps)},n_bands={int(n_bands)},"
+            f"width={float(width)}")
 
 
 @lru_cache(maxsize=64)
@@ -90,16 +115,56 @@ def band_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], b
     return noise * (rms / norm)
 
 
+@lru_cache(maxsize=64)
+def square_band_mask(h: int, w: int, band: int, width: float = BAND_WIDTH) -> Tensor:
+    """(h, w) bool, unshifted DFT layout: the coefficients whose larger per-axis frequency
+    ``max(|omega_y|, |omega_x|)`` lies in ``[band * width, (band + 1) * width)`` (a square annulus)."""
+    wy = 2 * math.pi * torch.fft.fftfreq(h, dtype=torch.float64).abs()[:, None]
+    wx = 2 * math.pi * torch.fft.fftfreq(w, dtype=torch.float64).abs()[None, :]
+    cheb = torch.maximum(wy.expand(h, w), wx.expand(h, w))
+    return (cheb >= band * width) & (cheb < (band + 1) * width)
+
+
+def square_sign_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], band: int,
+                           width: float = BAND_WIDTH, eps: float = 0.1) -> Tensor:
+    """(B, C, H, W) noise of Park et al.'s public code: ``eps * sign(z)`` (z ~ N(0, 1) per pixel and channel,
+    image b's from ``generators[b]``) filtered to the square annulus `square_band_mask`, not renormalised."""
+    b, c, h, w = shape
+    mask = square_band_mask(h, w, int(band), float(width))
+    if not bool(mask.any()):
+        raise VitscopeError(f"frequency band {band} (width {width / math.pi:.2g} pi) holds no DFT frequency of a "
+                            f"{h}x{w} image; use fewer or wider bands at this size")
+    if not b:
+        return torch.zeros(shape)
+    z = torch.stack([torch.randn(c, h, w, generator=g) for g in generators]).double()
+    delta = torch.where(z >= 0, float(eps), -float(eps))
+    return torch.fft.ifft2(torch.fft.fft2(delta) * mask).real.float()
+
+
+def square_band_rms(h: int, w: int, band: int, width: float = BAND_WIDTH, eps: float = 0.1) -> float:
+    """The expected root-mean-square of `square_sign_noise_like` (white +-eps noise keeps the share of its energy
+    that the band's coefficients hold): ``eps * sqrt(n_band / (h w))``."""
+    return float(eps) * math.sqrt(int(square_band_mask(h, w, int(band), float(width)).sum()) / (h * w))
+
+
 @register_view("band_noise")
 def band_noise(x01: Tensor, index: Tensor, seed: int, *, band: int, n_bands: int = N_BANDS,
-               width: float = BAND_WIDTH, rms: float = 0.1) -> Tensor:
+               width: float = BAND_WIDTH, rms: float = 0.1, definition: str = "circular_rms",
+               eps: float = 0.1) -> Tensor:
     """``x01`` plus noise in frequency band ``band`` (0 = lowest) of ``n_bands`` of width ``width`` (radians per
-    pixel), with ``rms`` root-mean-square intensity (images in [0, 1]); the engine clamps to [0, 1]."""
+    pixel); ``definition='circular_rms'`` (default): Gaussian noise on a circular annulus with ``rms``
+    root-mean-square intensity (images in [0, 1]); ``'square_sign'``: Park et al.'s public code, +-``eps``
+    sign noise on a square annulus, not renormalised. The engine clamps to [0, 1]."""
     if not 0 <= int(band) < int(n_bands):
         raise VitscopeError(f"band_noise: band {band} does not exist; bands are 0..{int(n_bands) - 1}")
-    key = band_key(band, n_bands, width, rms)
+    check_band_definition(definition)
+    key = band_key(band, n_bands, width, rms, definition, eps)
     gens = [image_generator(seed, key, int(i)) for i in index.tolist()]
-    return x01 + band_noise_like(tuple(x01.shape), gens, int(band), float(width), float(rms)).to(x01.dtype)
+    if definition == "square_sign":
+        noise = square_sign_noise_like(tuple(x01.shape), gens, int(band), float(width), float(eps))
+    else:
+        noise = band_noise_like(tuple(x01.shape), gens, int(band), float(width), float(rms))
+    return x01 + noise.to(x01.dtype)
 
 
 # ---------------------------------------------------------------- common corruptions

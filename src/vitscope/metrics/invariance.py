@@ -15,8 +15,13 @@ The "1" in eqs. 2-4 is STIR (or CKA) of a layer with itself, 1 by definition (Me
 positive flow at j < i means the invariances of pretrained layer i are found in a shallower fine-tuned layer
 (compression); at j > i in a deeper one (expansion).
 
-STIR's CKA is the minibatch CKA with the unbiased HSIC_1 estimator (`vitscope.metrics.cka`), accumulated over
-every batch: `StirSums` keeps the three per-batch HSIC_1 sums, so merging shards or resuming is an addition.
+STIR's CKA is, by default, the minibatch CKA with the unbiased HSIC_1 estimator (`vitscope.metrics.cka`),
+accumulated over every batch: `StirSums` keeps the three per-batch HSIC_1 sums, so merging shards or resuming is
+an addition (``cka_estimator='minibatch_unbiased'``). The public STIR code (github.com/nvedant07/STIR, its default
+``sim_metric='linear_CKA'``: ``WrapperCKA(linear_CKA)`` of ``stir/CKA_pytorch.py``) computes the biased linear CKA
+of each batch and keeps the value of the last one (``WrapperCKA.__call__`` overwrites it); that estimator is
+``cka_estimator='last_batch_biased'``: the three Frobenius products of the doubly centred Grams of the batch
+with the highest image ids (`hsic_terms_both` returns both sets of terms from the same Grams).
 """
 
 from __future__ import annotations
@@ -27,14 +32,29 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vitscope.errors import ConfigError
 from vitscope.metrics import cka as C
+
+#: STIR's CKA: vitscope's default first, then the public STIR code's (see the module docstring)
+CKA_ESTIMATORS = ("minibatch_unbiased", "last_batch_biased")
+
+
+def check_cka_estimator(name: object, who: str = "stir") -> str:
+    """One sentence for an estimator that does not exist; returns the name."""
+    if name not in CKA_ESTIMATORS:
+        raise ConfigError(f"{who}: cka_estimator {name!r} does not exist; choose {' or '.join(CKA_ESTIMATORS)} "
+                          "(the public STIR code's)")
+    return str(name)
 
 __all__ = [
     "cka_divergence",
     "flow_matrix",
     "flow_summary",
     "forgetting",
+    "CKA_ESTIMATORS",
+    "check_cka_estimator",
     "hsic_terms",
+    "hsic_terms_both",
     "learning",
     "pearson",
     "stir_from_sums",
@@ -124,16 +144,36 @@ def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) ->
     return r, p
 
 
-def hsic_terms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """HSIC_1(K, L), HSIC_1(K, K), HSIC_1(L, L) of one minibatch, K and L the linear Grams of ``x`` (n, F) and
-    ``y`` (n, G), as a float64 (3,) tensor. Each is shifted by its own batch mean before the Gram (HSIC_1 is
-    unchanged by a constant shift; the float32 product keeps its precision)."""
+def _centred_grams(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     grams = []
     for f in (x, y):
         f = f.reshape(f.shape[0], -1)
         grams.append(C.gram_matrix(f.float(), f.double().mean(0).float(), torch.float32).double())
-    k, l_ = grams
-    return torch.stack([C.hsic1(k, l_), C.hsic1(k, k), C.hsic1(l_, l_)])
+    return grams[0], grams[1]
+
+
+def hsic_terms(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """HSIC_1(K, L), HSIC_1(K, K), HSIC_1(L, L) of one minibatch, K and L the linear Grams of ``x`` (n, F) and
+    ``y`` (n, G), as a float64 (3,) tensor. Each is shifted by its own batch mean before the Gram (HSIC_1 is
+    unchanged by a constant shift; the float32 product keeps its precision)."""
+    return hsic_terms_both(x, y)[0]
+
+
+def hsic_terms_both(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unbiased terms of `hsic_terms` and the biased ones of the same batch, from the same Grams: (3,)
+    float64 each. Biased: <HKH, HLH>_F, <HKH, HKH>_F, <HLH, HLH>_F with H = I - 11^T/n (Kornblith et al.'s
+    linear CKA is the first over the square root of the product of the other two; the common factor
+    1/(n-1)^2 of HSIC_0 cancels in the ratio, so the terms are not divided by it)."""
+    k, l_ = _centred_grams(x, y)
+    unbiased = torch.stack([C.hsic1(k, l_), C.hsic1(k, k), C.hsic1(l_, l_)])
+    kc, lc = _centre(k), _centre(l_)
+    biased = torch.stack([(kc * lc).sum(), (kc * kc).sum(), (lc * lc).sum()])
+    return unbiased, biased
+
+
+def _centre(g: torch.Tensor) -> torch.Tensor:
+    """H g H (float64): exact double centring of a Gram whose features were only approximately centred."""
+    return g - g.mean(dim=0, keepdim=True) - g.mean(dim=1, keepdim=True) + g.mean()
 
 
 def stir_from_sums(sums: torch.Tensor) -> torch.Tensor:

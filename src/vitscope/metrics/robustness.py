@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from vitscope.errors import ConfigError
 from vitscope.metrics.semantics import linear_probe
 
 Tensor = torch.Tensor
@@ -82,19 +83,39 @@ def probe_decisions(train: Tensor, train_labels: Tensor, tests: Sequence[Tensor]
 
 
 # ---------------------------------------------------------------- shape bias
-def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor) -> dict[str, float]:
+#: the denominators of shape_match / texture_match: model-vs-human's (every cue-conflict image) first, the default
+MATCH_DENOMINATORS = ("all", "kept")
+
+
+def check_match_denominator(denominator: object, who: str = "shape_bias") -> str:
+    """One sentence for a denominator that does not exist; returns it."""
+    if denominator not in MATCH_DENOMINATORS:
+        raise ConfigError(f"{who}: match_denominator {denominator!r} does not exist; choose all (every cue-conflict "
+                          "image, as model-vs-human) or kept (the images whose shape and texture differ)")
+    return str(denominator)
+
+
+def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor,
+                      match_denominator: str = "all") -> dict[str, float]:
     """Counts of shape / texture / other decisions on cue-conflict images and the shape bias
     ``shape / (shape + texture)`` (NaN when no decision is either). Images whose shape and texture class
-    are the same are left out (``n_excluded``), as Geirhos et al. do."""
+    are the same are left out of the counts (``n_excluded``), as Geirhos et al. do. ``shape_match`` /
+    ``texture_match``: the shape / texture decisions as a fraction of every image (``match_denominator='all'``,
+    as model-vs-human's ``ShapeBias.analysis``: ``len(df2[...]) / len(df)``, df2 the images left in) or of the
+    images left in (``'kept'``); the shape bias is the same either way."""
+    check_match_denominator(match_denominator)
     d, s, t = decisions.long(), shape_labels.long(), texture_labels.long()
     keep = s != t
+    n_all = len(d)
     d, s, t = d[keep], s[keep], t[keep]
     n_shape, n_texture = int((d == s).sum()), int((d == t).sum())
     n = len(d)
     cue = n_shape + n_texture
+    den = n_all if match_denominator == "all" else n
     return {"shape_bias": n_shape / cue if cue else float("nan"), "n_shape": n_shape, "n_texture": n_texture,
             "n_other": n - cue, "n_images": n, "n_excluded": int((~keep).sum()),
-            "shape_match": n_shape / n if n else float("nan"), "texture_match": n_texture / n if n else float("nan")}
+            "shape_match": n_shape / den if den else float("nan"),
+            "texture_match": n_texture / den if den else float("nan")}
 
 
 # ---------------------------------------------------------------- accuracy under perturbation

@@ -34,7 +34,8 @@ def _settings(g: pd.DataFrame) -> str:
         v = r[c] if c in g.columns and pd.notna(r[c]) else "?"
         return f"{v:g}" if isinstance(v, float) else v
     return (f"{get('images')} images, {get('iterations')} inversion iterations (step {get('step_size')}), "
-            f"{get('repeats')} repeat(s), {get('token_view')} token view")
+            f"{get('repeats')} repeat(s), {get('token_view')} token view"
+            + (f", {get('cka_estimator')} CKA" if "cka_estimator" in g.columns else ""))
 
 
 def _panels(n: int, w: float = 3.3, h: float = 2.8) -> tuple[plt.Figure, np.ndarray]:
