@@ -86,8 +86,9 @@ class ZooArch:
 # (The numbers live with the zoo's registry entries, `vitscope.models.registry.ZOO_ARCH_KWARGS`.)
 # Initialised mimetically with fixed sin-cos positions (docs/zoo-history.md, "Attention locality and the mimetic
 # initialisation"): with timm's init and learned positions, attention stayed uniform (0.57-0.60 on the unit
-# square, uniform 0.591) at this budget for every objective but the two MIM ones; with this init the untrained network's attention is already local in
-# some blocks (0.44-0.48) and supervised training learned faster. zoo-random is this initialisation, untrained.
+# square, uniform 0.591) at this budget for every objective but the two MIM ones; with this init the untrained
+# network's attention is already local in some blocks (0.44-0.48) and supervised training learned faster.
+# zoo-random is this initialisation, untrained.
 ZOO_ARCH = ZooArch(**ZOO_ARCH_KWARGS, pos_embed="sincos", init="mimetic")
 
 

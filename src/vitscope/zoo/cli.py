@@ -174,7 +174,11 @@ def shipped_lines(width: int = 116) -> list[str]:
         say(f"findings over zoo-random: best-block 20-NN {k['margin']:+.3f} [{k['interval'][0]:+.3f}, "
             f"{k['interval'][1]:+.3f}], probe {p['margin']:+.3f} [{p['interval'][0]:+.3f}, {p['interval'][1]:+.3f}]; "
             f"mean attention distance per block {' '.join(f'{x:+.2f}' for x in a['per_block'])} "
-            f"(each ± {a['half_width']:.2f})")
+            f"(each ± {a['half_width']:.2f})"
+            + ("; held-out loss ratio with a decoder re-fitted for {steps} steps: this encoder {e[0]:.3f} [{e[1]:.3f}, "
+               "{e[2]:.3f}], zoo-random {u[0]:.3f} [{u[1]:.3f}, {u[2]:.3f}]".format(
+                   steps=found["reconstruction_refit"]["steps"], e=found["reconstruction_refit"]["encoder"],
+                   u=found["reconstruction_refit"]["untrained"]) if "reconstruction_refit" in found else ""))
     return lines
 
 

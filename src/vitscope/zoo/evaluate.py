@@ -446,7 +446,9 @@ def bar_masked(card: dict[str, Any], random_card: dict[str, Any] | None = None) 
     threshold = BAR["masked_loss_ratio"]
     falls = len(curve) >= 2 and curve[-1] < curve[0]
     passes = ratio <= threshold and falls
-    what = f"held-out {rec['loss']} is {ratio:.3f} [{lo:.3f}, {hi:.3f}] x the trivial predictor's ({rec['trivial']})"
+    how = " (decoder re-fitted on the frozen encoder)" if str(rec.get("decoder", "")).startswith("re-fitted") else ""
+    what = (f"held-out {rec['loss']}{how} is {ratio:.3f} [{lo:.3f}, {hi:.3f}] x the trivial predictor's "
+            f"({rec['trivial']})")
     if not falls:
         why = f"its training loss did not fall ({curve[0]:.4g} -> {curve[-1]:.4g})" if curve else "no training loss"
         reason = f"{what}, but {why}"
@@ -468,8 +470,9 @@ def judge(card: dict[str, Any], random_card: dict[str, Any]) -> Verdict | None:
 
 def margins(card: dict[str, Any], random_card: dict[str, Any]) -> dict[str, Any]:
     """The findings every card reports beside its verdict: the best-block 20-NN and probe margins over zoo-random
-    with their 95 % intervals (`margin`), and per block the change of mean attention distance from zoo-random
-    (unit square; interval from its seed spread, `SEED_SD`)."""
+    with their 95 % intervals (`margin`), per block the change of mean attention distance from zoo-random
+    (unit square; interval from its seed spread, `SEED_SD`), and for masked modelling the held-out loss ratio
+    with a decoder re-fitted for the same budget on this encoder and on the untrained network."""
     out: dict[str, Any] = {}
     for metric in ("knn20", "probe"):
         m, lo, hi = margin(card, random_card, metric)
@@ -479,6 +482,10 @@ def margins(card: dict[str, Any], random_card: dict[str, Any]) -> dict[str, Any]
     half = Z95 * math.sqrt(2) * SEED_SD["attn_dist"]
     out["attn_dist_change"] = {"per_block": [round(x - y, 4) for x, y in zip(a, b, strict=True)],
                                "half_width": round(half, 4)}
+    refit = card["eval"].get("reconstruction_refit")
+    if refit:  # masked modelling: the same decoder budget on this encoder and on the untrained network
+        out["reconstruction_refit"] = {k: [refit[k]["ratio"], refit[k]["ratio_lo"], refit[k]["ratio_hi"]]
+                                       for k in ("encoder", "untrained")} | {"steps": refit["steps"]}
     return out
 
 
