@@ -431,7 +431,7 @@ def test_davis_palette_videos_propagate_perfectly_with_oracle_features_and_short
     from vitscope.data.loaders import Davis
 
     _davis(tmp_path, 2017)  # bear: 3 frames, car: 2 frames; objects 1 and 2
-    ds = Davis(tmp_path, sequences=["bear", "car"])
+    ds = Davis(tmp_path, sequences=["bear", "car"], crop="center")
     assert ds.unit_bounds() == [0, 3]
     a = get_analysis("propagation")(info(16, 1), final_norm=False)
     for b in ds.batches(2, Preprocessing(input_size=16, crop_pct=1.0)):
@@ -449,7 +449,7 @@ def test_spair_flat_pairs_sample_without_replacement_and_carry_the_unclipped_box
     from vitscope.data.loaders import SPair71k
 
     _spair(tmp_path)
-    full = SPair71k(tmp_path, flat=True)
+    full = SPair71k(tmp_path, flat=True, crop="center")
     assert len(full) == 4 and full.unit_bounds() == [0, 2]
     picks = {tuple(p["file"] for p in SPair71k(tmp_path, n_pairs=1, seed=s).pairs) for s in range(8)}
     assert len(picks) == 2 and all(len(p) == 1 for p in picks)  # one pair, which one depends on the seed

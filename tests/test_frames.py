@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny
 from PIL import Image
 from test_dense import _slow_f
 
+from conftest import tiny
 from vitscope.analyses import get_analysis
 from vitscope.capture import Capture, stream
 from vitscope.data.base import Batch, RaggedBatch

@@ -128,10 +128,20 @@ class SPair71k(FileDataset):
         for src, trg in self.items(ids[start:]):
             chunk.append((self.frame(src, preprocessing, flip), self.frame(trg, preprocessing, flip)))
             if len(chunk) == batch_size:
-                yield self._pair_batch(chunk, preprocessing)
+                yield self._pair_chunk(chunk, preprocessing)
                 chunk = []
         if chunk:
-            yield self._pair_batch(chunk, preprocessing)
+            yield self._pair_chunk(chunk, preprocessing)
+
+    def _pair_chunk(self, chunk: list[tuple[Sample, Sample]], pre: Preprocessing) -> Batch | RaggedBatch:
+        """Runs of pairs whose sources share a size and whose targets share a size (whole images differ)."""
+        runs: list[list[tuple[Sample, Sample]]] = []
+        for a, b in chunk:
+            if runs and (runs[-1][0][0].size, runs[-1][0][1].size) == (a.size, b.size):
+                runs[-1].append((a, b))
+            else:
+                runs.append([(a, b)])
+        return ragged([self._pair_batch(r, pre) for r in runs])
 
     def _flat_batches(self, batch_size: int, pre: Preprocessing, ids: list[int], flip: bool
                       ) -> Iterator[Batch | RaggedBatch]:
