@@ -82,22 +82,22 @@ def test_whole_frame_size_keeps_the_aspect_and_rounds_sides_down_to_the_patch():
 # ------------------------------------------------------------------------------------------------ grids
 
 
-def _brute_distance(attn: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
+def _brute_distance(attn: torch.Tensor, h: int, w: int, p: int) -> np.ndarray:
     """Per image and head: mean over spatial queries of sum_k a_qk |pos_q - pos_k|, the spatial row renormalised,
     positions (row, col) / (max(h, w) - 1); a loop over queries and keys."""
-    B, H = attn.shape[:2]
-    out = torch.zeros(B, H, dtype=torch.float64)
+    a = attn.double().numpy()
+    B, H = a.shape[:2]
+    out = np.zeros((B, H))
     scale = max(h, w) - 1
     for b in range(B):
         for hd in range(H):
             total = 0.0
             for q in range(h * w):
-                row = attn[b, hd, p + q, p:].double()
-                row = row / row.sum()
+                row = a[b, hd, p + q, p:] / a[b, hd, p + q, p:].sum()
                 qy, qx = divmod(q, w)
                 for k in range(h * w):
                     ky, kx = divmod(k, w)
-                    total += float(row[k]) * math.hypot(qy - ky, qx - kx) / scale
+                    total += row[k] * math.hypot(qy - ky, qx - kx) / scale
             out[b, hd] = total / (h * w)
     return out
 
@@ -105,9 +105,9 @@ def _brute_distance(attn: torch.Tensor, h: int, w: int, p: int) -> torch.Tensor:
 def test_attention_distance_on_a_10x16_grid_equals_a_brute_force_loop():
     g = torch.Generator().manual_seed(1)
     h, w, p = 10, 16, 1
-    attn = torch.softmax(torch.randn(2, 2, p + h * w, p + h * w, generator=g) * 3, -1)
+    attn = torch.softmax(torch.randn(1, 2, p + h * w, p + h * w, generator=g) * 3, -1)
     got = A.attention_distance(attn, (h, w), p)
-    assert torch.allclose(got.double(), _brute_distance(attn, h, w, p), atol=1e-5)
+    assert np.allclose(got.double().numpy(), _brute_distance(attn, h, w, p), atol=1e-5)
     # the square code path on a square input is the same function: a 16 x 16 crop of keys would differ, so check
     # transposition symmetry instead: a 16 x 10 grid with the attention transposed gives the same distances
     perm = torch.arange(h * w).reshape(h, w).T.flatten()

@@ -209,7 +209,20 @@ class Propagation(_Dense):
     DAVIS semi-supervised evaluation does (``skip_last=False`` scores the last frame too). Each frame's
     features are computed once per layer (one forward) and kept only while they are context. Chance
     (``*_chance``): the same propagation with constant features (every key in the neighbourhood equally
-    similar: each token gets the mean label of its neighbourhood in the context frames)."""
+    similar: each token gets the mean label of its neighbourhood in the context frames).
+
+    Protocol, where it follows the sources and where it deviates. Follows DINO: DAVIS frames whole at their
+    aspect ratio, short side 480 (the dataset's ``crop: full``, ``size: 480``); the first frame's labels read
+    at the token grid from the annotation at its own resolution; predictions upsampled bilinearly to the model
+    input, normalised per channel, argmax, then resized (nearest) to the annotation's resolution and scored
+    there; the last block's output after the final norm is a layer (``layer`` = depth, ``final_norm: true``).
+    Follows the DAVIS evaluation: void pixels (255) count as background (its semi-supervised masks are
+    ``labels == id``). Deviates: the long side is rounded down to a multiple of the patch size (854 -> 848 at
+    patch 16), where DINO rounds it down to a multiple of 64 (832), because 64 is not a multiple of every
+    patch size (14); ``crop: center`` (the model's eval crop) remains an option, which loses objects at the
+    frame's sides. The table's ``framing``, ``input_size``, ``scored_at`` and ``frames_scored`` columns say
+    which protocol a run used. The default study's generated videos are square and drawn at the model's
+    input size, so they are whole frames as they are."""
 
     name = "propagation"
     state_version = 2  # 2: whole frames scored at the annotation's resolution, void as background, final norm
@@ -398,9 +411,17 @@ class Correspondence(_Dense):
     image pair and each source keypoint visible in both images, the nearest neighbour (cosine) of the patch
     token holding the source keypoint among the target's patch tokens; the prediction is that token's centre.
     PCK@alpha = share of keypoints predicted within alpha * max(bbox h, w) of the target object (alpha = 0.1,
-    0.05, 0.01), per layer, per category, over all keypoints and as the mean over categories. Keypoints
-    follow the images' resize and crop (the dataset's geometry-tracking transforms), so distances are in
-    the model input's pixels. Chance (``pck@a_chance``): a uniformly random target token."""
+    0.05, 0.01), per layer, per category, over all keypoints and as the mean over categories. Chance
+    (``pck@a_chance``): a uniformly random target token.
+
+    Protocol: SPair-71k images reach the model whole (the dataset's ``crop: full``; short side ``size``,
+    default the model's input size, aspect kept, sides rounded down to the patch size), so no keypoint is lost
+    to a crop, and distances are measured in the file's pixels (token centres mapped back through the
+    resize) against alpha * max(bbox h, w) of the box at its original size, as SPair-71k's PCK is defined.
+    The input size is vitscope's choice (a ``size`` option), not a number taken from the source. With
+    ``crop: center`` (the model's eval crop) keypoints outside the crop are not counted. The last block's
+    output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
+    columns say which protocol a run used."""
 
     name = "correspondence"
     state_version = 2  # 2: whole images, PCK in the file's pixels, final norm layer
@@ -567,7 +588,15 @@ class Retrieval(_Dense):
     the revisited protocol of Radenović et al. (CVPR 2018): Easy, Medium and Hard, junk images taken out of
     the ranking, queries without positives left out of the mean (and counted). Features are kept in a float16
     store on disk (one vector per image, layer and view). Chance (``mAP_*_chance``): uniformly random
-    rankings."""
+    rankings.
+
+    Protocol: revisited Oxford / Paris images reach the model whole (the dataset's ``crop: full``), queries
+    cropped to their box as the revisited protocol does; the long side is resized to ``size`` (default the
+    model's input size), as DINO's ``eval_image_retrieval.py`` thumbnails images to ``imsize`` (224 by
+    default); sides rounded down to the patch size. Deviates from DINO: one scale only (its ``multiscale``
+    option is not offered). ``crop: center`` (the model's eval crop) remains an option. The last block's
+    output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
+    columns say which protocol a run used."""
 
     name = "retrieval"
     state_version = 2  # 2: whole images, final norm layer
