@@ -341,3 +341,64 @@ def test_pck_counts_a_keypoint_at_the_border_on_whole_images_in_the_files_pixels
     gt = np.array([[0.5, 21.5], [62.5, 20.5]])
     chance = D.pck_chance(gt, 100.0, centres, (0.1, 0.05))
     assert np.allclose(cats["chance"].numpy(), [chance[0.1].sum(), chance[0.05].sum()])
+
+
+# ------------------------------------------------------------------------------------------------ a study
+
+
+def _two_shape_davis(root: Path) -> None:
+    """Two videos of different aspect ratios (a chunk of 3 frames holds frames of both)."""
+    for seq, (h, w) in (("wide", (48, 80)), ("tall", (80, 48))):
+        for t in range(4):
+            lab = np.zeros((h, w), np.uint8)
+            lab[8 + 2 * t:28 + 2 * t, 10:30] = 1
+            img = np.repeat((lab * 255)[..., None], 3, axis=2)
+            p = root / "JPEGImages" / "480p" / seq / f"{t:05d}.jpg"
+            p.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(img).save(p, quality=100)
+            _palette(root / "Annotations" / "480p" / seq / f"{t:05d}.png", lab)
+    (root / "ImageSets" / "2017").mkdir(parents=True)
+    (root / "ImageSets" / "2017" / "val.txt").write_text("wide\ntall\n")
+
+
+WHOLE_FRAME_STUDY = """
+models:
+  - {{name: vit_small_patch16_224, label: tiny, pretrained: false, kwargs: {{img_size: 32, patch_size: 8,
+     embed_dim: 48, depth: 2, num_heads: 3}}}}
+datasets:
+  davis: {{name: davis2017, root: {root}, split: val, size: 32}}
+analyses:
+  propagation: {{}}
+batch_size: 3
+progress: false
+"""
+
+
+def test_a_study_over_whole_frames_of_two_sizes_resumes_to_identical_tables(tmp_path):
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    _two_shape_davis(tmp_path / "davis")
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(WHOLE_FRAME_STUDY.format(root=tmp_path / "davis"))
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c1'}"]))
+    table = pd.read_parquet(ref / "results" / "propagation.parquet")
+    assert table.n_videos.iloc[0] == 2 and set(table.layer.dropna()) == {0, 1, 2}  # 2 blocks + the final norm
+    assert set(table.input_size) == {"32x48; 48x32"} and set(table.framing) == {"full frame, short side 32"}
+
+    class Killed(Exception):
+        pass
+
+    fed: list[int] = []
+
+    def kill(model, b):
+        fed.append(b)
+        if len(fed) == 2:  # after chunk 1: frame 3 of the wide video and frames 0-1 of the tall one
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c2'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over))
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "propagation.parquet"), table)
