@@ -386,6 +386,9 @@ def test_a_study_over_whole_frames_of_two_sizes_resumes_to_identical_tables(tmp_
     table = pd.read_parquet(ref / "results" / "propagation.parquet")
     assert table.n_videos.iloc[0] == 2 and set(table.layer.dropna()) == {0, 1, 2}  # 2 blocks + the final norm
     assert set(table.input_size) == {"32x48; 48x32"} and set(table.framing) == {"full frame, short side 32"}
+    best = pd.read_parquet(ref / "results" / "summary" / "best_layers.parquet")
+    assert best.protocol.item().startswith("full frame, short side 32; input 32x48; 48x32; scored at annotation")
+    assert "full frame, short side 32" in (ref / "report.html").read_text()
 
     class Killed(Exception):
         pass
