@@ -6,6 +6,13 @@ blocks plus the final norm, CPU, random init; the weights do not change the cost
 propagated on that grid and scored at 480 x 854 (`vitscope.data.transforms.Framing`), as `vitscope.data.formats.Davis`
 batches them; the forward of one such frame is then timed against one 224 x 224 frame.
 
+Measured on the shared 2-core machine (load from other jobs; random-init ViT-S/16, 12 blocks + final norm):
+  --tasks propagation --frames 12 --reps 2 --batch 6 --threads 1 (224 px): forward 12.66 s, analysis 5.21 s,
+      total / forward min 1.37x, median 1.55x
+  --tasks propagation --size 480 --frames 4 --reps 1 --batch 4 (2 threads): forward 30.34 s, analysis
+      19.41 s, total / forward 1.64x (goal <= 2x); one 480 x 848 forward 8.10 s against 1.24 s at 224 x 224
+      (6.5x; 1590 tokens against 196); with --threads 1: 20.92 s against 1.54 s (13.6x)
+
   propagation     one generated video of --frames (50) frames       goal: total <= 2x the forward passes
   correspondence  --pairs (32) generated pairs (2 images each)      goal: total <= 1.3x
   retrieval       a generated split (--queries 16, 4 views, 32 distractors)   goal: total <= 1.3x
