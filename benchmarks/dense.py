@@ -1,5 +1,17 @@
 """Dense downstream tasks: what the tasks cost beside the forward passes they need (ViT-S/16, 224 px, all 12
-blocks, CPU, random init; the weights do not change the cost).
+blocks plus the final norm, CPU, random init; the weights do not change the cost).
+
+``--size 480`` runs propagation at DAVIS's protocol instead: generated 480 x 854 frames (the central rows of
+854-pixel scenes) seen whole (short side 480, sides rounded to the patch: 480 x 848, a 30 x 53 grid), labels
+propagated on that grid and scored at 480 x 854 (`vitscope.data.transforms.Framing`), as `vitscope.data.formats.Davis`
+batches them; the forward of one such frame is then timed against one 224 x 224 frame.
+
+Measured on the shared 2-core machine (load from other jobs; random-init ViT-S/16, 12 blocks + final norm):
+  --tasks propagation --frames 12 --reps 2 --batch 6 --threads 1 (224 px): forward 12.66 s, analysis 5.21 s,
+      total / forward min 1.37x, median 1.55x
+  --tasks propagation --size 480 --frames 4 --reps 1 --batch 4 (2 threads): forward 30.34 s, analysis
+      19.41 s, total / forward 1.64x (goal <= 2x); one 480 x 848 forward 8.10 s against 1.24 s at 224 x 224
+      (6.5x; 1590 tokens against 196); with --threads 1: 20.92 s against 1.54 s (13.6x)
 
   propagation     one generated video of --frames (50) frames       goal: total <= 2x the forward passes
   correspondence  --pairs (32) generated pairs (2 images each)      goal: total <= 1.3x
@@ -58,6 +70,54 @@ def run(vm, name: str, batches: list, peak: list | None = None) -> dict[str, flo
     return {"forward": timings["forward"], "analysis": timings[name] + time.perf_counter() - t0}
 
 
+def whole_frames(n_frames: int, size: int, batch: int, pre) -> list:
+    """One generated video as DAVIS batches it: 854 x 854 scenes cut to their central 480 rows (a 480 x 854
+    frame and annotation), seen whole at short side ``size``, the annotation kept at 480 x 854 for scoring."""
+    from vitscope.data.transforms import Framing, collate
+
+    vids = SyntheticVideos(n_videos=1, n_frames=n_frames, seed=0, size=854)
+    framing = Framing("full", size)
+    samples = []
+    for i in range(n_frames):
+        s = vids.sample(i)
+        top = (854 - 480) // 2
+        s.image, s.objects = s.image[top:top + 480], s.objects[top:top + 480]
+        s.mask = s.parts = None
+        s.keypoints = s.bbox = None
+        samples.append(framing.apply(s, pre))
+    out = []
+    for k in range(0, n_frames, batch):
+        chunk = samples[k:k + batch]
+        b = collate(chunk, pre)
+        b.extra["source_objects"] = [torch.as_tensor(c.extra["source_objects"]).long() for c in chunk]
+        b.extra["framing"] = framing.describe(pre)
+        out.append(b)
+    return out
+
+
+def forward_cost(vm, frame: torch.Tensor, pre, reps: int) -> None:
+    """Seconds of one forward (every block and the final norm captured) of one whole frame against one
+    224 x 224 frame, interleaved, minimum and median over ``reps`` pairs."""
+    from vitscope.capture import Capture
+
+    taps = [f"block{i}.out" for i in range(vm.depth)] + ["final_norm"]
+    square = torch.zeros(1, 3, pre.input_size, pre.input_size)
+    big, small = [], []
+    with Capture(vm, taps) as cap:
+        cap(square)
+        for _ in range(max(reps, 3)):
+            t0 = time.perf_counter()
+            cap(frame)
+            t1 = time.perf_counter()
+            cap(square)
+            big.append(t1 - t0)
+            small.append(time.perf_counter() - t1)
+    print(f"forward of one frame: {tuple(frame.shape[-2:])} {min(big):.3f} s (median {statistics.median(big):.3f}), "
+          f"{pre.input_size} x {pre.input_size} {min(small):.3f} s (median {statistics.median(small):.3f}): "
+          f"{min(big) / min(small):.1f}x (tokens {frame.shape[-2] * frame.shape[-1] // vm.patch_size ** 2} vs "
+          f"{pre.input_size ** 2 // vm.patch_size ** 2})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
@@ -68,19 +128,28 @@ def main() -> None:
     ap.add_argument("--model", default="vit_small_patch16_224")
     ap.add_argument("--tasks", nargs="+", default=["propagation", "correspondence", "retrieval"])
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
+    ap.add_argument("--size", type=int, default=None, help="propagation on whole 480 x 854-style frames, short "
+                    "side SIZE (DAVIS's protocol: 480)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     vm = vs.load_model(args.model, pretrained=False)
     pre = vm.preprocessing
+    videos = (whole_frames(args.frames, args.size, args.batch, pre) if args.size else
+              list(SyntheticVideos(n_videos=1, n_frames=args.frames, seed=0).batches(args.batch, pre)))
     data = {
-        "propagation": list(SyntheticVideos(n_videos=1, n_frames=args.frames, seed=0).batches(args.batch, pre)),
+        "propagation": videos,
         "correspondence": list(SyntheticPairs(n_pairs=args.pairs, seed=0, flat=True).batches(args.batch, pre)),
         "retrieval": list(SyntheticRetrieval(n_queries=args.queries, views=4, n_distractors=2 * args.queries,
                                              seed=0).batches(args.batch, pre)),
     }
     goals = {"propagation": 2.0, "correspondence": 1.3, "retrieval": 1.3}
-    print(f"{args.model}, {vm.depth} blocks, grid {vm.grid_size}, torch threads {torch.get_num_threads()}")
+    print(f"{args.model}, {vm.depth} blocks + final norm, grid {vm.grid_size}, torch threads "
+          f"{torch.get_num_threads()}" + (f"; propagation on whole frames {tuple(videos[0].images.shape[-2:])}, "
+                                          f"scored at {tuple(videos[0].extra['source_objects'][0].shape)}"
+                                          if args.size else ""))
+    if args.size:
+        forward_cost(vm, videos[0].images[:1], pre, args.reps)
     for name, batches in data.items():
         if name not in args.tasks:
             continue
@@ -94,7 +163,7 @@ def main() -> None:
         print(f"{name:15s} {n:4d} images  forward {min(fwd):6.2f} s  analysis {min(ana):6.2f} s  "
               f"total / forward: min {min(ratios):.2f}x, median {statistics.median(ratios):.2f}x  "
               f"(goal <= {goals[name]}x)")
-    if "propagation" not in args.tasks:
+    if "propagation" not in args.tasks or args.size:
         return
     one, three = [], []
     run(vm, "propagation", data["propagation"][:1], one)

@@ -424,7 +424,7 @@ def _spair(root: Path, missing: bool = False) -> None:
 @pytest.mark.parametrize("flip", [False, True])
 def test_spair_pairs_keep_keypoints_on_their_markers(tmp_path, flip):
     _spair(tmp_path)
-    ds = SPair71k(tmp_path, split="test")
+    ds = SPair71k(tmp_path, split="test", crop="center")  # the crop path (whole images: tests/test_frames.py)
     assert ds.classes == ["cat", "dog"] and len(ds) == 2
     src, trg = ds.pair(0)
     np.testing.assert_allclose(src.keypoints, [[20.5, 15.5, 1], [60.5, 40.5, 1]])

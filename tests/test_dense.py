@@ -132,8 +132,8 @@ def _oracle_feats(batch: Batch, n_labels: int = 4) -> dict[str, torch.Tensor]:
 def test_propagation_with_oracle_features_is_perfect_and_constant_features_give_the_reported_chance():
     vids = SyntheticVideos(n_videos=2, n_frames=6, seed=3, size=32, occluder=False)
     batches = _video_batches(vids, 4)  # videos straddle batches
-    oracle = get_analysis("propagation")(info(32, 1))
-    const = get_analysis("propagation")(info(32, 1))
+    oracle = get_analysis("propagation")(info(32, 1), final_norm=False)
+    const = get_analysis("propagation")(info(32, 1), final_norm=False)
     for b in batches:
         oracle.update(_oracle_feats(b), b)
         const.update({"block0.out": torch.ones(len(b), 1 + 32 * 32, 4)}, b)
@@ -154,7 +154,7 @@ def test_constant_features_over_the_whole_frame_predict_background_everywhere():
     gets the mean label of the context frames; min-max normalisation makes every channel constant and the
     argmax is background: J = F = 0 for every visible object."""
     vids = SyntheticVideos(n_videos=1, n_frames=5, seed=4, size=32, occluder=False)
-    a = get_analysis("propagation")(info(8, 4), radius=100)
+    a = get_analysis("propagation")(info(8, 4), final_norm=False, radius=100)
     for b in _video_batches(vids, 5):
         a.update({"block0.out": torch.ones(len(b), 65, 3)}, b)
     c = a.finalize().set_index("metric").value
@@ -206,14 +206,14 @@ def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     feats = [{"block0.out": torch.randn(len(b), 17, 6, generator=g), "block1.out": torch.randn(len(b), 17, 6,
                                                                                                 generator=g)}
              for b in batches]
-    whole = get_analysis("propagation")(info(4, 8, depth=2))
+    whole = get_analysis("propagation")(info(4, 8, depth=2), final_norm=False)
     for f, b in zip(feats, batches, strict=True):
         whole.update(f, b)
     ref = whole.finalize()
-    first = get_analysis("propagation")(info(4, 8, depth=2))
+    first = get_analysis("propagation")(info(4, 8, depth=2), final_norm=False)
     for f, b in zip(feats[:2], batches[:2], strict=True):  # stops inside video 1
         first.update(f, b)
-    resumed = get_analysis("propagation")(info(4, 8, depth=2))
+    resumed = get_analysis("propagation")(info(4, 8, depth=2), final_norm=False)
     resumed.load_state_dict(first.state_dict())
     for f, b in zip(feats[2:], batches[2:], strict=True):
         resumed.update(f, b)
@@ -222,7 +222,7 @@ def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     # shards along video boundaries (5 frames = one unit): items 0-4 | 5-14
     flat = [(f["block0.out"][i:i + 1], f["block1.out"][i:i + 1], b, i) for f, b in zip(feats, batches, strict=True)
             for i in range(len(b))]
-    shards = [get_analysis("propagation")(info(4, 8, depth=2)) for _ in range(2)]
+    shards = [get_analysis("propagation")(info(4, 8, depth=2), final_norm=False) for _ in range(2)]
     for f0, f1, b, i in flat:
         item = int(b.index[i])
         one = Batch(images=b.images[i:i + 1], index=b.index[i:i + 1], objects=b.objects[i:i + 1],
@@ -235,7 +235,7 @@ def test_propagation_resumes_mid_video_and_merges_shards_exactly():
 
 def test_a_video_without_an_annotated_first_frame_is_counted_not_scored():
     vids = SyntheticVideos(n_videos=2, n_frames=4, seed=6, size=32)
-    a = get_analysis("propagation")(info(4, 8))
+    a = get_analysis("propagation")(info(4, 8), final_norm=False)
     for b in _video_batches(vids, 4):
         if int(b.index[0]) == 0:
             b.objects = None  # video 0 comes without annotations
@@ -271,7 +271,7 @@ def _pair_batch(src, trg, size, pair=0):
 def test_oracle_correspondence_on_a_warped_copy_is_perfect(warp):
     size, patch = 128, 2
     grid = size // patch
-    a = get_analysis("correspondence")(info(grid, patch, dim=2 * grid))
+    a = get_analysis("correspondence")(info(grid, patch, dim=2 * grid), final_norm=False)
     pairs = SyntheticPairs(n_pairs=6, seed=2, size=size)
     for p in range(6):
         src, _ = pairs.pair(p)
@@ -299,7 +299,7 @@ def test_left_right_swapped_keypoints_are_caught_on_a_flipped_pair():
     pairs = SyntheticPairs(n_pairs=6, seed=2, size=size)
     scores = {}
     for swapped in (False, True):
-        a = get_analysis("correspondence")(info(grid, patch, dim=2 * grid))
+        a = get_analysis("correspondence")(info(grid, patch, dim=2 * grid), final_norm=False)
         for p in range(6):
             src = resize(pairs.pair(p)[0], size, size)
             trg = hflip(src)
@@ -317,7 +317,7 @@ def test_pck_counts_and_chance_against_a_direct_computation():
     g = torch.Generator().manual_seed(3)
     pairs = SyntheticPairs(n_pairs=5, seed=1, size=32, flat=True)
     batches = list(pairs.batches(3, Preprocessing(input_size=32)))  # pairs straddle batches
-    a = get_analysis("correspondence")(info(4, 8, depth=2))
+    a = get_analysis("correspondence")(info(4, 8, depth=2), final_norm=False)
     feats = [{f"block{i}.out": torch.randn(len(b), 17, 6, generator=g) for i in range(2)} for b in batches]
     for f, b in zip(feats, batches, strict=True):
         a.update(f, b)
@@ -348,7 +348,7 @@ def test_pck_counts_and_chance_against_a_direct_computation():
 
 def test_a_pair_without_a_shared_visible_keypoint_is_counted():
     pairs = SyntheticPairs(n_pairs=2, seed=1, size=32, flat=True)
-    a = get_analysis("correspondence")(info(4, 8))
+    a = get_analysis("correspondence")(info(4, 8), final_norm=False)
     for b in pairs.batches(4, Preprocessing(input_size=32)):
         b.keypoints[2, :, 2] = 0  # pair 1's source: nothing visible
         a.update({"block0.out": torch.randn(len(b), 17, 5)}, b)
@@ -403,7 +403,7 @@ def test_easy_medium_hard_follow_the_revisited_protocol():
 def test_retrieval_with_instance_features_is_perfect_and_queries_without_positives_are_counted():
     r = SyntheticRetrieval(n_queries=6, views=3, n_distractors=6, seed=2, size=32)
     n_inst = int(r.instances.max()) + 1
-    a = get_analysis("retrieval")(info(4, 8, dim=n_inst), views=["cls"])
+    a = get_analysis("retrieval")(info(4, 8, dim=n_inst), final_norm=False, views=["cls"])
     g = torch.Generator().manual_seed(0)
     for b in r.batches(7, Preprocessing(input_size=32)):
         cls = torch.nn.functional.one_hot(b.extra["instance"], n_inst).float()
@@ -431,9 +431,9 @@ def test_davis_palette_videos_propagate_perfectly_with_oracle_features_and_short
     from vitscope.data.loaders import Davis
 
     _davis(tmp_path, 2017)  # bear: 3 frames, car: 2 frames; objects 1 and 2
-    ds = Davis(tmp_path, sequences=["bear", "car"])
+    ds = Davis(tmp_path, sequences=["bear", "car"], crop="center")
     assert ds.unit_bounds() == [0, 3]
-    a = get_analysis("propagation")(info(16, 1))
+    a = get_analysis("propagation")(info(16, 1), final_norm=False)
     for b in ds.batches(2, Preprocessing(input_size=16, crop_pct=1.0)):
         a.update(_oracle_feats(b), b)
     df = a.finalize()
@@ -449,7 +449,7 @@ def test_spair_flat_pairs_sample_without_replacement_and_carry_the_unclipped_box
     from vitscope.data.loaders import SPair71k
 
     _spair(tmp_path)
-    full = SPair71k(tmp_path, flat=True)
+    full = SPair71k(tmp_path, flat=True, crop="center")
     assert len(full) == 4 and full.unit_bounds() == [0, 2]
     picks = {tuple(p["file"] for p in SPair71k(tmp_path, n_pairs=1, seed=s).pairs) for s in range(8)}
     assert len(picks) == 2 and all(len(p) == 1 for p in picks)  # one pair, which one depends on the seed
@@ -460,7 +460,7 @@ def test_spair_flat_pairs_sample_without_replacement_and_carry_the_unclipped_box
     assert b.extra["category"] == ["cat", "cat", "dog", "dog"]
     # target of pair 0: 70 x 60 image (short side 60 -> resize_size), box 50 x 40, the crop does not shrink it
     assert b.extra["ref_size"][1].item() == pytest.approx(50 * pre.resize_size / 60)
-    a = get_analysis("correspondence")(info(6, 8))
+    a = get_analysis("correspondence")(info(6, 8), final_norm=False)
     a.update({"block0.out": torch.randn(4, 37, 5)}, b)
     df = a.finalize()
     assert df.n_pairs.iloc[0] + df[df.metric == "skipped"].value.sum() == 2
@@ -477,7 +477,7 @@ def test_revisited_batches_carry_the_retrieval_layout(tmp_path):
     b = next(ds.batches(4, Preprocessing(input_size=16)))
     assert b.extra["query_index"].tolist() == [0, -1, -1, -1] and b.extra["db_index"].tolist() == [-1, 0, 1, 2]
     assert b.extra["gnd"][0] == {"easy": [0], "hard": [2], "junk": [1]} and b.extra["gnd"][1] is None
-    a = get_analysis("retrieval")(info(2, 8, dim=3), views=["cls"])
+    a = get_analysis("retrieval")(info(2, 8, dim=3), final_norm=False, views=["cls"])
     # the query's CLS equals database image 2's (hard), then 0 (easy), then 1 (junk)
     cls = torch.tensor([[1.0, 0, 0], [0.6, 0.8, 0], [0, 0, 1], [1.0, 0, 0]])
     a.update({"block0.out": torch.cat([cls[:, None], torch.zeros(4, 4, 3)], 1)}, b)
@@ -496,7 +496,7 @@ def _task_tables(model: str, seed: int) -> dict:
     for name, data in (("propagation", SyntheticVideos(n_videos=2, n_frames=4, seed=1, size=32)),
                        ("correspondence", SyntheticPairs(n_pairs=4, seed=1, size=32, flat=True)),
                        ("retrieval", SyntheticRetrieval(n_queries=4, views=2, n_distractors=4, seed=1, size=32))):
-        a = get_analysis(name)(m)
+        a = get_analysis(name)(m, final_norm=False)
         a.model_name = model
         for b in data.batches(8, Preprocessing(input_size=32)):
             a.update({f"block{i}.out": torch.randn(len(b), 17, 6, generator=g) for i in range(2)}, b)
@@ -568,7 +568,7 @@ def test_tiled_propagation_assembles_edge_tiles_and_keeps_labels_aligned(tmp_pat
 
     _davis(tmp_path, 2017)  # 24 x 32 frames -> 16 x 21 at tile 8: two full tiles and an edge tile per row
     ds = TiledDataset(Davis(tmp_path, sequences=["bear", "car"]), scale=2, patch=1)
-    a = get_analysis("propagation")(info(8, 1))
+    a = get_analysis("propagation")(info(8, 1), final_norm=False)
     n_tiles = 0
     for b in ds.batches(2, Preprocessing(input_size=8)):
         it = b.extra["tiling"]["items"][0]
@@ -586,14 +586,14 @@ def test_tiled_correspondence_runs_on_assembled_grids_and_a_wrong_patch_is_refus
 
     pairs = SyntheticPairs(n_pairs=3, seed=1, flat=True)
     ds = TiledDataset(pairs, scale=2, patch=8)
-    a = get_analysis("correspondence")(info(2, 8))
+    a = get_analysis("correspondence")(info(2, 8), final_norm=False)
     g = torch.Generator().manual_seed(0)
     for b in ds.batches(4, Preprocessing(input_size=16)):
         assert all(it["plan"].grid == (4, 4) for it in b.extra["tiling"]["items"])  # 32 px drawn, 2 x 2 tiles
         a.update({"block0.out": torch.randn(len(b), 5, 6, generator=g)}, b)
     df = a.finalize()
     assert df.n_pairs.iloc[0] + df[df.metric == "skipped"].value.sum() == 3
-    wrong = get_analysis("correspondence")(info(4, 4))
+    wrong = get_analysis("correspondence")(info(4, 4), final_norm=False)
     b = next(ds.batches(2, Preprocessing(input_size=16)))
     with pytest.raises(VitscopeError, match="patch: 4"):
         wrong.update({"block0.out": torch.randn(len(b), 17, 6)}, b)

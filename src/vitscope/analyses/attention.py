@@ -302,6 +302,7 @@ class _PerHeadMean(_LayerAttention):
         raise NotImplementedError
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
         v = self.batch_values(sps).double().cpu()
         self.sums += v.sum(1)
@@ -311,17 +312,19 @@ class _PerHeadMean(_LayerAttention):
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, _PerHeadMean)
+        self._check_grid_merge(other)
         self.sums += other.sums
         self.sumsq += other.sumsq
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "sums": self.sums.clone(), "sumsq": self.sumsq.clone(),
-                "n_images": self.n_images}
+                "n_images": self.n_images, "grid": list(self.grid_size)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.sums, self.n_images = list(state["layers"]), state["sums"].clone(), state["n_images"]
         self.sumsq = state["sumsq"].clone()
+        self.grid_size = tuple(int(v) for v in state.get("grid", self.grid_size))
 
     def mean(self) -> torch.Tensor:
         """``(layers, heads)`` float64 mean over the images seen (0 before any image)."""
@@ -466,7 +469,14 @@ class CLSAttentionMaps(_LayerAttention):
     def _settings(self) -> dict[str, Any]:
         return {**super()._settings(), "keep_images": self.keep_images}
 
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        L, H = len(self.layers), self.num_heads
+        self.sums = torch.zeros(L, H, *grid, dtype=torch.float64)
+        self.kept_maps = torch.zeros(0, L, H, *grid, dtype=torch.float32)
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if self.has_cls_token:
+            self.pass_grid(batch)
         self.n_images += len(batch)
         if not self.has_cls_token:
             return
@@ -511,6 +521,7 @@ class CLSAttentionMaps(_LayerAttention):
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, CLSAttentionMaps)
+        self._check_grid_merge(other)
         self.sums += other.sums
         self.n_images += other.n_images
         if self.keep_images:
@@ -526,6 +537,7 @@ class CLSAttentionMaps(_LayerAttention):
         self.n_images = int(state["n_images"])
         self.sums, self.kept_index = state["sums"].clone(), state["kept_index"].clone()
         self.kept_maps, self.kept_pixels = state["kept_maps"].clone(), state["kept_pixels"].clone()
+        self.grid_size = (int(self.sums.shape[-2]), int(self.sums.shape[-1]))
 
     def average(self) -> torch.Tensor:
         """``(layers, heads, h, w)`` float64 average CLS map (zeros before any image)."""
@@ -599,7 +611,12 @@ class AlignedAttentionMaps(_LayerAttention):
     def _settings(self) -> dict[str, Any]:
         return {**super()._settings(), "thresholds": dict(self.thresholds)}
 
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        self.canvas = torch.zeros(len(self.layers), self.num_heads, 2 * grid[0] - 1, 2 * grid[1] - 1,
+                                  dtype=torch.float64)
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
         canvas, dist = _canvas_and_distance(sps, self.grid_size)
         self.canvas += cast(torch.Tensor, canvas)
@@ -610,6 +627,7 @@ class AlignedAttentionMaps(_LayerAttention):
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, AlignedAttentionMaps)
+        self._check_grid_merge(other)
         self.canvas += other.canvas
         self.distance += other.distance
         self.n_maps += other.n_maps
@@ -622,6 +640,7 @@ class AlignedAttentionMaps(_LayerAttention):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.thresholds = list(state["layers"]), dict(state["thresholds"])
         self.canvas, self.distance = state["canvas"].clone(), state["distance"].clone()
+        self.grid_size = ((int(self.canvas.shape[-2]) + 1) // 2, (int(self.canvas.shape[-1]) + 1) // 2)
         self.n_maps, self.n_images = int(state["n_maps"]), int(state["n_images"])
 
     def aaam(self) -> torch.Tensor:
@@ -713,7 +732,7 @@ class SaliencyIoU(_LayerAttention):
         if not self.queries:
             self.n_images += len(batch)
             return
-        g, p, B, H = self.grid_size, self.num_prefix_tokens, len(batch), self.num_heads
+        g, p, B, H = self.grid_of(batch), self.num_prefix_tokens, len(batch), self.num_heads
         # the attention weights of every (layer, query) and of the heads merged, gathered so that the IoU
         # (top-mass sets, mask downsampling) runs once per batch on a small (B, N, S) tensor
         weights = []

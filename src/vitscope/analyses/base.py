@@ -99,6 +99,43 @@ class Analysis(_Lifecycle):
         self.finetuned_from: str | None = None
         self.epoch: int | None = None
 
+    def grid_of(self, batch: Any) -> tuple[int, int]:
+        """The token grid of a batch's images (one size per batch; a tiled batch's: the tile's), which may
+        differ from the model's native ``grid_size`` when a dataset keeps whole frames (rectangular inputs).
+        A batch without (B, C, H, W) images (features fed by hand) is on the native grid."""
+        images = getattr(batch, "images", None)
+        if images is None or images.ndim != 4:
+            return tuple(self.grid_size)
+        h, w = images.shape[-2:]
+        return int(h) // self.patch_size, int(w) // self.patch_size
+
+    def pass_grid(self, batch: Any) -> tuple[int, int]:
+        """For analyses whose state has the token grid's shape (maps, spectra, token Grams): the batch's grid,
+        adopted as ``self.grid_size`` on the first batch (`on_grid` reallocates the state), the same for every
+        later batch; images of another size are one sentence (a sum of maps needs one grid)."""
+        g = self.grid_of(batch)
+        if g != tuple(self.grid_size):
+            if self.n_images or getattr(self, "_grid_fixed", False):
+                raise VitscopeError(f"{self.name} sums maps of one token grid; this pass has images on a {g[0]}x{g[1]} "
+                                    f"and a {self.grid_size[0]}x{self.grid_size[1]} grid (whole frames of different "
+                                    "sizes): give the dataset one image size, or the option crop: center")
+            self.grid_size = g
+            self.on_grid(g)
+        self._grid_fixed = True
+        return g
+
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        """Reallocate grid-shaped state for a new token grid (before any image was added); default: nothing."""
+        return None
+
+    def _check_grid_merge(self, other: Any) -> None:
+        if other.n_images and self.n_images and tuple(other.grid_size) != tuple(self.grid_size):
+            raise VitscopeError(f"{self.name}: cannot merge parts computed on token grids {tuple(self.grid_size)} "
+                                f"and {tuple(other.grid_size)}")
+        if not self.n_images and other.n_images and tuple(other.grid_size) != tuple(self.grid_size):
+            self.grid_size = tuple(other.grid_size)
+            self.on_grid(self.grid_size)
+
     def layers_param(self, layers: Any) -> list[int]:
         """``None``/'all' -> every block; negative indices count from the end."""
         if layers is None or layers == "all":

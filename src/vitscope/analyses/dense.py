@@ -52,21 +52,62 @@ class _Dense(Analysis):
     headline: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, vm: Any, layers: Any = None):
+    def __init__(self, vm: Any, layers: Any = None, final_norm: bool = True):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
+        if final_norm and self.depth not in self.layers:
+            self.layers.append(self.depth)  # layer = depth: the last block's output after the final norm
         self.skipped: Counter[str] = Counter()
+        self.protocol: dict[str, list[str]] = {"framing": [], "input": []}
 
     def required_taps(self) -> list[str]:
-        return [f"block{i}.out" for i in self.layers]
+        return ["final_norm" if i == self.depth else f"block{i}.out" for i in self.layers]
 
-    def _patch_features(self, feats: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def layers_param(self, layers: Any) -> list[int]:
+        """Blocks as for every analysis, plus ``depth`` itself: the output of the final norm (DINO's features)."""
+        if layers is None or layers == "all":
+            return list(range(self.depth))
+        items = [layers] if isinstance(layers, int) else list(layers)
+        blocks = super().layers_param([i for i in items if i != self.depth])
+        return blocks + [self.depth] * (self.depth in items)
+
+    def _note(self, batch: Any, grid: tuple[int, int]) -> None:
+        """Record the protocol a batch was drawn under (its framing and the model input's size) for the table."""
+        framing = batch.extra.get("framing") or ("tiled" if "tiling" in batch.extra else None)
+        size = f"{grid[0] * self.patch_size}x{grid[1] * self.patch_size}"
+        for key, v in (("framing", framing), ("input", size)):
+            if v is not None and v not in self.protocol[key]:
+                self.protocol[key].append(v)
+
+    def _protocol_columns(self, df: pd.DataFrame) -> pd.DataFrame:
+        """The protocol settings as columns: ``framing`` (whole frame / centre crop and its size) and
+        ``input_size`` (the model inputs' H x W; several when images differ)."""
+        df["framing"] = "; ".join(self.protocol["framing"]) or None
+        inputs = self.protocol["input"]
+        df["input_size"] = "; ".join(inputs[:4]) + (f"; ... ({len(inputs)} sizes)" if len(inputs) > 4 else "") \
+            if inputs else None
+        return df
+
+    def _protocol_state(self) -> dict[str, Any]:
+        return {k: list(v) for k, v in self.protocol.items()}
+
+    def _load_protocol(self, state: Mapping[str, Any]) -> None:
+        p = state.get("protocol") or {}
+        self.protocol = {"framing": list(p.get("framing", [])), "input": list(p.get("input", []))}
+
+    def _merge_protocol(self, other: _Dense) -> None:
+        for k, vs in other.protocol.items():
+            for v in vs:
+                if v not in self.protocol[k]:
+                    self.protocol[k].append(v)
+
+    def _patch_features(self, feats: Mapping[str, torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
         """(B, L, S, D) L2-normalised patch tokens of every layer."""
         x = torch.stack([token_view(feats[t], "spatial", self.num_prefix_tokens) for t in self.required_taps()], 1)
-        s = self.grid_size[0] * self.grid_size[1]
+        s = grid[0] * grid[1]
         if x.shape[2] != s:
             raise VitscopeError(f"{self.name}: {x.shape[2]} patch tokens per image, expected {s} for the grid "
-                                f"{self.grid_size}")
+                                f"{grid}")
         return F.normalize(x.float(), dim=-1)
 
     def _items(self, feats: Mapping[str, torch.Tensor], batch: Any
@@ -77,9 +118,11 @@ class _Dense(Analysis):
         are assembled into one grid per item."""
         tiling = batch.extra.get("tiling")
         if tiling is None:
-            x = self._patch_features(feats)
+            grid = self.grid_of(batch)
+            self._note(batch, grid)
+            x = self._patch_features(feats, grid)
             for b in range(len(batch)):
-                yield x[b], self.grid_size, _plain_item(batch, b)
+                yield x[b], grid, _plain_item(batch, b)
             return
         if int(tiling["patch"]) != self.patch_size:
             raise VitscopeError(f"{self.name}: the tiled dataset was cut for patch size {tiling['patch']}, the model "
@@ -90,6 +133,7 @@ class _Dense(Analysis):
             raise VitscopeError(f"{self.name}: {spatial[0].shape[1]} patch tokens per tile, expected {t * t}")
         for item in tiling["items"]:
             plan, first = item["plan"], int(item["first"])
+            self._note(batch, plan.grid)
             n = len(plan.tiles)
             grids = [assemble(plan, f[first:first + n].reshape(n, t, t, -1)) for f in spatial]
             yield F.normalize(torch.stack(grids).flatten(1, 2).float(), dim=-1), plan.grid, item
@@ -132,8 +176,13 @@ def _plain_item(batch: Any, b: int) -> dict[str, Any]:
             return None
         return v[b].item() if torch.is_tensor(v) else v[b]
 
+    source = ex.get("source_objects")
+    geometry = ex.get("geometry")
     return {"index": int(batch.index[b]),
             "objects": batch.objects[b] if batch.objects is not None else None,
+            "source_objects": source[b] if source is not None else None,
+            "geometry": geometry[b] if geometry is not None else None,
+            "source_ref_size": at("source_ref_size"),
             "keypoints": batch.keypoints[b] if batch.keypoints is not None else None,
             "bbox": batch.boxes[b] if batch.boxes is not None else None,
             "label": int(batch.labels[b]) if batch.labels is not None else None,
@@ -160,28 +209,45 @@ class Propagation(_Dense):
     DAVIS semi-supervised evaluation does (``skip_last=False`` scores the last frame too). Each frame's
     features are computed once per layer (one forward) and kept only while they are context. Chance
     (``*_chance``): the same propagation with constant features (every key in the neighbourhood equally
-    similar: each token gets the mean label of its neighbourhood in the context frames)."""
+    similar: each token gets the mean label of its neighbourhood in the context frames).
+
+    Protocol, where it follows the sources and where it deviates. Follows DINO: DAVIS frames whole at their
+    aspect ratio, short side 480 (the dataset's ``crop: full``, ``size: 480``); the first frame's labels read
+    at the token grid from the annotation at its own resolution; predictions upsampled bilinearly to the model
+    input, normalised per channel, argmax, then resized (nearest) to the annotation's resolution and scored
+    there; the last block's output after the final norm is a layer (``layer`` = depth, ``final_norm: true``).
+    Follows the DAVIS evaluation: void pixels (255) count as background (its semi-supervised masks are
+    ``labels == id``). Deviates: the long side is rounded down to a multiple of the patch size (854 -> 848 at
+    patch 16), where DINO rounds it down to a multiple of 64 (832), because 64 is not a multiple of every
+    patch size (14); ``crop: center`` (the model's eval crop) remains an option, which loses objects at the
+    frame's sides. The table's ``framing``, ``input_size``, ``scored_at`` and ``frames_scored`` columns say
+    which protocol a run used. The default study's generated videos are square and drawn at the model's
+    input size, so they are whole frames as they are."""
 
     name = "propagation"
+    state_version = 2  # 2: whole frames scored at the annotation's resolution, void as background, final norm
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
 
     def __init__(self, vm: Any, layers: Any = None, n_last_frames: int = D.N_LAST_FRAMES,
                  radius: int = D.NEIGHBOURHOOD, topk: int = D.TOPK, temperature: float = D.TEMPERATURE,
-                 bound_th: float = D.BOUND_TH, skip_last: bool = True):
-        super().__init__(vm, layers)
+                 bound_th: float = D.BOUND_TH, skip_last: bool = True, final_norm: bool = True):
+        super().__init__(vm, layers, final_norm)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
         self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
         self._near: dict[tuple[int, int], torch.Tensor] = {}
         self.videos: list[dict[str, Any]] = []   # finished: per-object mean J and F per layer (+ chance)
+        self.scored_at: list[str] = []           # 'annotation HxW' / 'model input HxW' per size seen
         self.cur: dict[str, Any] | None = None   # the video in progress (bounded: 1 + n_last_frames frames)
         self.unscored_frames = 0
 
     # -- streaming -----------------------------------------------------------------------------------
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         for x, grid, it in self._items(feats, batch):
-            self._frame(it["sequence"], it["frame"], x, it["objects"], it["index"], grid)
+            # scored on the annotation at the file's resolution when the dataset keeps it (whole frames)
+            objects = it["source_objects"] if it.get("source_objects") is not None else it["objects"]
+            self._frame(it["sequence"], it["frame"], x, objects, it["index"], grid)
             self.n_images += 1
 
     def near(self, grid: tuple[int, int]) -> torch.Tensor:
@@ -223,8 +289,14 @@ class Propagation(_Dense):
             self.unscored_frames += 1
             return
         ids = torch.tensor([0, *cur["objects"]])
-        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]))]
+        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]),
+                                      (grid[0] * self.patch_size, grid[1] * self.patch_size))]
         j, f = D.jf_objects(objects.long(), pred, cur["objects"], self.bound_th)            # (L + 1, K)
+        h, w = objects.shape[-2:]
+        where = "model input" if (h, w) == (grid[0] * self.patch_size, grid[1] * self.patch_size) else "annotation"
+        at = f"{where} {h}x{w}"
+        if at not in self.scored_at and len(self.scored_at) < 8:
+            self.scored_at.append(at)
         cur["scores"].append((j, f))
 
     def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
@@ -269,6 +341,8 @@ class Propagation(_Dense):
         assert isinstance(other, Propagation) and other.layers == self.layers
         self._close()
         other._close()
+        self._merge_protocol(other)
+        self.scored_at += [a for a in other.scored_at if a not in self.scored_at]
         self.videos += other.videos
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
@@ -280,10 +354,13 @@ class Propagation(_Dense):
             cur = {k: v for k, v in self.cur.items() if k != "queue"}
             cur["queue"] = [list(q) for q in self.cur["queue"]]
         return {"layers": self.layers, "videos": self.videos, "cur": cur, "skipped": dict(self.skipped),
-                "n_images": self.n_images, "unscored_frames": self.unscored_frames}
+                "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
+                "scored_at": list(self.scored_at)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers = list(state["layers"])
+        self._load_protocol(state)
+        self.scored_at = list(state.get("scored_at", []))
         self.videos = [dict(v) for v in state["videos"]]
         cur = state["cur"]
         self.cur = None if cur is None else {**cur, "queue": [tuple(q) for q in cur["queue"]],
@@ -319,6 +396,9 @@ class Propagation(_Dense):
         df = self._table(rows, "video")
         df["n_videos"] = len(self.videos)
         df["n_objects"] = sum(len(v["objects"]) for v in self.videos)
+        df = self._protocol_columns(df)
+        df["frames_scored"] = "1 .. n-2 (DAVIS)" if self.skip_last else "1 .. n-1"
+        df["scored_at"] = "; ".join(self.scored_at) or None
         return df
 
 
@@ -331,17 +411,26 @@ class Correspondence(_Dense):
     image pair and each source keypoint visible in both images, the nearest neighbour (cosine) of the patch
     token holding the source keypoint among the target's patch tokens; the prediction is that token's centre.
     PCK@alpha = share of keypoints predicted within alpha * max(bbox h, w) of the target object (alpha = 0.1,
-    0.05, 0.01), per layer, per category, over all keypoints and as the mean over categories. Keypoints
-    follow the images' resize and crop (the dataset's geometry-tracking transforms), so distances are in
-    the model input's pixels. Chance (``pck@a_chance``): a uniformly random target token."""
+    0.05, 0.01), per layer, per category, over all keypoints and as the mean over categories. Chance
+    (``pck@a_chance``): a uniformly random target token.
+
+    Protocol: SPair-71k images reach the model whole (the dataset's ``crop: full``; short side ``size``,
+    default the model's input size, aspect kept, sides rounded down to the patch size), so no keypoint is lost
+    to a crop, and distances are measured in the file's pixels (token centres mapped back through the
+    resize) against alpha * max(bbox h, w) of the box at its original size, as SPair-71k's PCK is defined.
+    The input size is vitscope's choice (a ``size`` option), not a number taken from the source. With
+    ``crop: center`` (the model's eval crop) keypoints outside the crop are not counted. The last block's
+    output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
+    columns say which protocol a run used."""
 
     name = "correspondence"
+    state_version = 2  # 2: whole images, PCK in the file's pixels, final norm layer
     needs = frozenset({"pairs", "keypoints"})
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
 
-    def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS):
-        super().__init__(vm, layers)
+    def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS, final_norm: bool = True):
+        super().__init__(vm, layers, final_norm)
         self.alphas = tuple(float(a) for a in alphas)
         self.pending: dict[str, Any] | None = None
         # per category: correct counts (L, A), chance sums (A,), keypoints, pairs
@@ -368,14 +457,18 @@ class Correspondence(_Dense):
             if src is None or src["pair"] != int(it["pair"]):
                 self.skipped["target without its source"] += 1
                 continue
-            if it["ref_size"] is not None:
+            to_source = None
+            if it.get("source_ref_size") is not None and it.get("geometry") is not None:
+                # scored in the file's pixels: PCK relative to the box at the original size
+                size, to_source = float(it["source_ref_size"]), it["geometry"].invert
+            elif it["ref_size"] is not None:
                 size = float(it["ref_size"])
             elif it["bbox"] is not None:
                 bx = torch.as_tensor(it["bbox"]).double()
                 size = float(max(bx[2] - bx[0], bx[3] - bx[1]))
             else:
                 raise VitscopeError("correspondence needs the target object's box (boxes) or extra['ref_size']")
-            self._score(src, x, kp, size, cat, grid)
+            self._score(src, x, kp, size, cat, grid, to_source)
 
     def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         gh, gw = grid
@@ -391,7 +484,7 @@ class Correspondence(_Dense):
         return torch.stack([xs.flatten(), ys.flatten()], 1).double()
 
     def _score(self, src: dict[str, Any], xt: torch.Tensor, kp: torch.Tensor, size: float, cat: str,
-               grid: tuple[int, int]) -> None:
+               grid: tuple[int, int], to_source: Any = None) -> None:
         k = min(len(src["kp"]), len(kp))
         common = (src["kp"][:k, 2] > 0) & (kp[:k, 2] > 0)
         c = self.cats.setdefault(cat, {"correct": torch.zeros(len(self.layers), len(self.alphas), dtype=torch.long),
@@ -406,8 +499,11 @@ class Correspondence(_Dense):
         idx = torch.nonzero(common).flatten()
         sim = torch.einsum("lkd,lsd->lks", src["x"][:, idx], xt)             # (L, K, S)
         centres = self.centres(grid)
-        pred = centres[sim.argmax(-1)]                                         # (L, K, 2)
         gt = kp[idx, :2]
+        if to_source is not None:  # model-input pixels -> the file's pixels
+            centres = torch.from_numpy(to_source(centres.numpy()))
+            gt = torch.from_numpy(to_source(gt.numpy()))
+        pred = centres[sim.argmax(-1)]                                         # (L, K, 2)
         d = torch.linalg.vector_norm(pred - gt[None], dim=-1)                  # (L, K)
         for a, alpha in enumerate(self.alphas):
             c["correct"][:, a] += (d <= alpha * size).sum(1)
@@ -429,14 +525,16 @@ class Correspondence(_Dense):
             c["pairs"] += o["pairs"]
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
+        self._merge_protocol(other)
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "alphas": list(self.alphas), "pending": self.pending,
                 "cats": {k: dict(v) for k, v in self.cats.items()}, "skipped": dict(self.skipped),
-                "n_images": self.n_images}
+                "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.alphas = list(state["layers"]), tuple(state["alphas"])
+        self._load_protocol(state)
         self.pending = state["pending"]
         self.cats = {k: dict(v) for k, v in state["cats"].items()}
         self.skipped = Counter(state["skipped"])
@@ -474,7 +572,7 @@ class Correspondence(_Dense):
         df = self._table(rows, "category")
         df["n_pairs"] = sum(v["pairs"] for v in self.cats.values())
         df["n_keypoints"] = sum(v["keypoints"] for v in self.cats.values())
-        return df
+        return self._protocol_columns(df)
 
 
 # ================================================================================================ retrieval
@@ -490,16 +588,25 @@ class Retrieval(_Dense):
     the revisited protocol of Radenović et al. (CVPR 2018): Easy, Medium and Hard, junk images taken out of
     the ranking, queries without positives left out of the mean (and counted). Features are kept in a float16
     store on disk (one vector per image, layer and view). Chance (``mAP_*_chance``): uniformly random
-    rankings."""
+    rankings.
+
+    Protocol: revisited Oxford / Paris images reach the model whole (the dataset's ``crop: full``), queries
+    cropped to their box as the revisited protocol does; the long side is resized to ``size`` (default the
+    model's input size), as DINO's ``eval_image_retrieval.py`` thumbnails images to ``imsize`` (224 by
+    default); sides rounded down to the patch size. Deviates from DINO: one scale only (its ``multiscale``
+    option is not offered). ``crop: center`` (the model's eval crop) remains an option. The last block's
+    output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
+    columns say which protocol a run used."""
 
     name = "retrieval"
+    state_version = 2  # 2: whole images, final norm layer
     needs = frozenset({"retrieval"})
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
 
     def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: int = 32,
-                 seed: int = 0):
-        super().__init__(vm, layers)
+                 seed: int = 0, final_norm: bool = True):
+        super().__init__(vm, layers, final_norm)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.chance_repeats, self.seed = int(chance_repeats), int(seed)
@@ -519,6 +626,7 @@ class Retrieval(_Dense):
             if gnd[b] is None:
                 raise VitscopeError(f"retrieval: query {int(q[b])} has no ground truth (extra['gnd'])")
             self.gnd[int(q[b])] = {k: [int(i) for i in gnd[b].get(k, [])] for k in ("easy", "hard", "junk")}
+        self._note(batch, self.grid_of(batch))
         is_query = q >= 0
         ids = torch.where(is_query, q, db)
         x = [feats[t] for t in self.required_taps()]
@@ -534,15 +642,17 @@ class Retrieval(_Dense):
         self.gnd.update(other.gnd)
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
+        self._merge_protocol(other)
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "views": self.views,
                 "tables": {v: t.state_dict() for v, t in self.tables.items()},
                 "gnd": {int(k): v for k, v in self.gnd.items()}, "skipped": dict(self.skipped),
-                "n_images": self.n_images}
+                "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.views = list(state["layers"]), list(state["views"])
+        self._load_protocol(state)
         self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
         self.gnd = {int(k): v for k, v in state["gnd"].items()}
         self.skipped = Counter(state["skipped"])
@@ -591,7 +701,7 @@ class Retrieval(_Dense):
         rows += [{"metric": "skipped", "reason": r, "value": float(n)} for r, n in sorted(skipped.items())]
         df = self._table(rows)
         df["n_queries"], df["n_database"] = n_q, n_db
-        return df
+        return self._protocol_columns(df)
 
 
 __all__ = ["Correspondence", "Propagation", "Retrieval"]

@@ -41,17 +41,19 @@ class _PerTap(Analysis):
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, type(self)) and other.taps == self.taps
+        self._check_grid_merge(other)
         for k in self._sums:
             mine, theirs = getattr(self, k), getattr(other, k)
             setattr(self, k, {t: mine[t] + theirs[t] for t in mine} if isinstance(mine, dict) else mine + theirs)
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"taps": list(self.taps), "n_images": self.n_images,
+        return {"taps": list(self.taps), "n_images": self.n_images, "grid": list(self.grid_size),
                 **{k: {t: v.clone() for t, v in getattr(self, k).items()} for k in self._sums}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.taps, self.n_images = list(state["taps"]), int(state["n_images"])
+        self.grid_size = tuple(int(v) for v in state.get("grid", self.grid_size))
         for k in self._sums:
             setattr(self, k, {t: v.clone() for t, v in state[k].items()})
 
@@ -88,6 +90,7 @@ class SVDVolume(_PerTap):
         self.tokvol_sq: dict[str, torch.Tensor] = {}  # ... and of its square
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.pass_grid(batch)
         sel = (batch.index % self.token_every == 0).to(feats[self.taps[0]].device)
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
@@ -181,6 +184,7 @@ class Fourier(_PerTap):
         self.high_sq: dict[str, torch.Tensor] = {}  # sum over images of (Δ log amplitude at the highest freq.)²
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.pass_grid(batch)
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
             per_image = G.diagonal_log_amplitude(spatial, self.grid_size)

@@ -87,7 +87,7 @@ class Semantics(Analysis):
                 maps = batch.masks if v == "object" else batch.parts
                 if maps is None or (v == "object" and labels is None):
                     continue
-                weights, region_ids = region_weights(maps[:take], self.grid_size, self.min_region_tokens)
+                weights, region_ids = region_weights(maps[:take], self.grid_of(batch), self.min_region_tokens)
                 pooled = [region_pool(token_view(f, "spatial", self.num_prefix_tokens), weights, region_ids)
                           for f in x]
                 rows, regions = pooled[0][1], pooled[0][2]

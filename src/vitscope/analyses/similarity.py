@@ -401,7 +401,12 @@ class Diversity(Analysis):
             taps += [f"block{i}.heads", self._input_tap(i), f"block{i}.resid_mid", f"block{i}.out"]
         return list(dict.fromkeys(taps))
 
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        S = grid[0] * grid[1]
+        self.hsic_tokens = torch.zeros(len(self.layers), S, S, dtype=torch.float64)
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        self.pass_grid(batch)
         P, H = self.num_prefix_tokens, self.num_heads
         streams: dict[str, torch.Tensor] = {}
         for j, i in enumerate(self.layers):
@@ -461,6 +466,7 @@ class Diversity(Analysis):
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Diversity) and other.layers == self.layers
+        self._check_grid_merge(other)
         other = other._finished()
         self._reduce(self.groups.flush())
         for name in self._TENSORS:
@@ -480,6 +486,7 @@ class Diversity(Analysis):
     def state_dict(self) -> dict[str, Any]:
         s = {k: getattr(self, k).clone() for k in self._TENSORS}
         return {**s, "layers": list(self.layers), "batch_size": self.batch_size, "n_images": self.n_images,
+                "grid": list(self.grid_size),
                 "n_groups": self.n_groups, "groups": self.groups.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -487,6 +494,7 @@ class Diversity(Analysis):
             setattr(self, k, state[k].clone())
         self.layers, self.batch_size = list(state["layers"]), int(state["batch_size"])
         self.n_images, self.n_groups = int(state["n_images"]), int(state["n_groups"])
+        self.grid_size = tuple(int(v) for v in state.get("grid", self.grid_size))
         self.groups = GramGroups(self.batch_size)
         self.groups.load_state_dict(state["groups"])
 

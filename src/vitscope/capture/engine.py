@@ -24,6 +24,7 @@ import torch
 
 from vitscope.capture.taps import check_taps, parse_tap
 from vitscope.capture.views import token_view
+from vitscope.data.base import batch_parts
 from vitscope.errors import VitscopeError
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class Capture:
         x = x.to(device)
         autocast = (torch.autocast(device.type, dtype=self.dtype) if self.dtype != torch.float32
                     else contextlib.nullcontext())
-        with torch.inference_mode(), autocast:
+        with torch.inference_mode(), autocast, self.vm.input_size(*x.shape[-2:]):
             try:
                 self.vm.model(x)
             except _StopForward:
@@ -260,13 +261,17 @@ def stream(
                         on_batch(b)
                     continue
                 t0 = time.perf_counter()
-                feats = cap(batch.images)
+                # a chunk of whole frames of different sizes is a RaggedBatch: one forward per size, every part
+                # captured before any analysis sees the chunk (an analysis sees all of it or none of it)
+                parts = batch_parts(batch)
+                feats = [cap(p.images) for p in parts]
                 if timings is not None:
                     t1 = time.perf_counter()
                     timings["forward"] = timings.get("forward", 0.0) + t1 - t0
                 for k, a in enumerate(analyses):
                     if seen[k] <= b:
-                        a.update(_Subset(feats, a.required_taps()), batch)
+                        for part, f in zip(parts, feats, strict=True):
+                            a.update(_Subset(f, a.required_taps()), part)
                         seen[k] = b + 1
                         if timings is not None:
                             t0, t1 = t1, time.perf_counter()
@@ -314,7 +319,10 @@ def _image_batches(vm: ViTModel, images: Any, batch_size: int) -> Iterator[torch
             yield load_images(images[i:i + batch_size], vm.preprocessing)
         return
     for b in images:
-        yield b if isinstance(b, torch.Tensor) else b.images
+        if isinstance(b, torch.Tensor):
+            yield b
+        else:
+            yield from (p.images for p in batch_parts(b))
 
 
 def _progress(it: Iterable[Any], enabled: bool, desc: str) -> Iterable[Any]:

@@ -54,6 +54,41 @@ class Batch:
 
 
 @dataclass
+class RaggedBatch:
+    """One id chunk whose images differ in size (whole frames of a variable-size dataset): consecutive runs
+    of one size, each a `Batch` (``parts``), in the chunk's order. The capture engine runs one forward per
+    part and feeds every analysis the parts in order, so a chunk keeps its composition (resume, shards and
+    tables as for any batch) and no image is padded or resized to fit another."""
+
+    parts: list[Batch]
+    dataset: str = ""
+    view: str = "clean"
+
+    def __len__(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    @property
+    def index(self) -> torch.Tensor:
+        return torch.cat([p.index for p in self.parts])
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        object.__setattr__(self, key, value)
+        if key in ("dataset", "view") and "parts" in self.__dict__:
+            for p in self.parts:
+                setattr(p, key, value)
+
+
+def batch_parts(batch: Batch | RaggedBatch) -> list[Batch]:
+    """The batches of one size a chunk's batch consists of (itself for a plain `Batch`)."""
+    return list(batch.parts) if isinstance(batch, RaggedBatch) else [batch]
+
+
+def ragged(batches: list[Batch]) -> Batch | RaggedBatch:
+    """Batches of one chunk -> one `Batch` when they are a single one, else a `RaggedBatch`."""
+    return batches[0] if len(batches) == 1 else RaggedBatch(list(batches))
+
+
+@dataclass
 class Sample:
     """One image with whatever ground truth its dataset has, at the image's own resolution.
 

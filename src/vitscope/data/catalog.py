@@ -207,6 +207,8 @@ def _davis(year: int) -> Callable[[Any], Any]:
 
         o = _opts(cfg)
         tiling = _split_tiling(o)
+        if cfg.size:
+            o.setdefault("size", cfg.size)
         return _tiled(Davis(_need_root(cfg, "the DAVIS folder (JPEGImages, Annotations, ImageSets)"), year=year,
                             split=cfg.split or "val", **o), tiling)
     return build
@@ -219,6 +221,8 @@ def _spair(cfg: Any) -> Any:
     tiling = _split_tiling(o)
     o.setdefault("flat", True)
     o.setdefault("seed", cfg.seed)
+    if cfg.size:
+        o.setdefault("size", cfg.size)
     return _tiled(SPair71k(_need_root(cfg, "the SPair-71k folder (JPEGImages, PairAnnotation, ...)"),
                            split=cfg.split or "test", **o), tiling)
 
@@ -227,8 +231,11 @@ def _revisited(which: str) -> Callable[[Any], Any]:
     def build(cfg: Any) -> Any:
         from vitscope.data.formats import RevisitedRetrieval
 
+        o = _opts(cfg)
+        if cfg.size:
+            o.setdefault("size", cfg.size)
         return RevisitedRetrieval(_need_root(cfg, f"the folder holding gnd_{which}.pkl and jpg/"), dataset=which,
-                                  **_opts(cfg))
+                                  **o)
     return build
 
 
@@ -243,16 +250,21 @@ register_format(Format("partimagenet", frozenset({"labels", "masks", "parts"}), 
                        ("root", "annotations", "options"), "PartImageNet: images folder + COCO-style part json"))
 _VIDEO = frozenset({"videos", "masks", "objects"})
 register_format(Format("davis2016", _VIDEO, _davis(2016), ("root", "split", "options"),
-                       "DAVIS 2016 (single object) video segmentation (options: tiling)"))
+                       "DAVIS 2016 (single object) video segmentation (options: crop = full | center, "
+                       "size = short side, default 480; tiling)"))
 register_format(Format("davis2017", _VIDEO, _davis(2017), ("root", "split", "options"),
-                       "DAVIS 2017 (multi-object palettes) video segmentation (options: tiling)"))
+                       "DAVIS 2017 (multi-object palettes) video segmentation (options: crop = full | center, "
+                       "size = short side, default 480; tiling)"))
 register_format(Format("spair71k", frozenset({"pairs", "keypoints", "labels"}), _spair, ("root", "split", "options"),
                        "SPair-71k keypoint correspondence pairs, flattened (split: trn | val | test; options: "
-                       "n_pairs = a sample drawn without replacement with the dataset's seed, tiling)"))
+                       "n_pairs = a sample drawn without replacement with the dataset's seed, crop = full | center, "
+                       "size = short side, default the model input; tiling)"))
 register_format(Format("roxford5k", frozenset({"retrieval"}), _revisited("roxford5k"), ("root", "options"),
-                       "revisited Oxford: gnd_roxford5k.pkl + jpg/"))
+                       "revisited Oxford: gnd_roxford5k.pkl + jpg/ (options: crop = full | center, size = long side, "
+                       "default the model input)"))
 register_format(Format("rparis6k", frozenset({"retrieval"}), _revisited("rparis6k"), ("root", "options"),
-                       "revisited Paris: gnd_rparis6k.pkl + jpg/"))
+                       "revisited Paris: gnd_rparis6k.pkl + jpg/ (options: crop = full | center, size = long side, "
+                       "default the model input)"))
 
 
 def describe() -> str:

@@ -179,6 +179,74 @@ def for_model(s: Sample, pre: Preprocessing, flip: bool = False) -> Sample:
     return hflip(out) if flip else out
 
 
+CROPS = ("full", "center")
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a dataset's images reach the model. ``crop='center'``: the model's eval preprocessing (short side
+    resized, centre crop: `for_model`). ``crop='full'``: the whole image at its aspect ratio (`whole_frame`):
+    the ``side`` ('short' or 'long') resized to ``size`` pixels (None: the model's input size), each side then
+    rounded down to a multiple of the model's patch size; the model runs on the non-square input (position
+    embeddings interpolated to the token grid), and annotations at the file's resolution travel beside the
+    resized ones (``extra['source_objects']``, the geometry) so tasks can be scored there."""
+
+    crop: str = "center"
+    size: int | None = None
+    side: str = "short"
+
+    def __post_init__(self) -> None:
+        from vitscope.errors import InputError
+
+        if self.crop not in CROPS:
+            raise InputError(f"crop must be one of {', '.join(CROPS)}; got {self.crop!r}")
+        if self.side not in ("short", "long"):
+            raise InputError(f"side must be 'short' or 'long'; got {self.side!r}")
+        if self.size is not None and int(self.size) < 1:
+            raise InputError(f"size must be a positive number of pixels; got {self.size}")
+
+    def describe(self, pre: Preprocessing | None = None) -> str:
+        """What the table and report say, e.g. 'full frame, short side 480' or 'centre crop 224'."""
+        if self.crop == "center":
+            return f"centre crop {pre.input_size}" if pre is not None else "centre crop"
+        size = self.size if self.size is not None else (pre.input_size if pre is not None else "input size")
+        return f"full frame, {self.side} side {size}"
+
+    def apply(self, s: Sample, pre: Preprocessing, flip: bool = False) -> Sample:
+        if self.crop == "center":
+            return for_model(s, pre, flip)
+        if not getattr(pre, "any_size", True):
+            from vitscope.errors import InputError
+
+            raise InputError("this model takes one input size only (BEiT: relative position bias tables built for "
+                             "one token grid), so it cannot see whole frames; set the dataset option crop: center")
+        out = whole_frame(s, self.size or pre.input_size, int(getattr(pre, "patch_size", 16)), self.side,
+                          pre.interpolation)
+        return hflip(out) if flip else out
+
+
+def whole_frame_size(height: int, width: int, size: int, patch: int, side: str = "short") -> tuple[int, int]:
+    """(height, width) of a whole frame for the model: ``side`` ('short' or 'long') scaled to ``size`` with
+    the aspect ratio kept, then each side rounded down to a multiple of ``patch`` (at least one patch)."""
+    scale = size / (min(height, width) if side == "short" else max(height, width))
+
+    def fit(n: int) -> int:
+        return max(patch, int(n * scale + 1e-6) // patch * patch)
+
+    return fit(height), fit(width)
+
+
+def whole_frame(s: Sample, size: int, patch: int, side: str = "short", interpolation: str = "bicubic") -> Sample:
+    """The whole image resized by `whole_frame_size` (annotations follow: label maps nearest, points scaled),
+    with the file's annotations kept in ``extra``: ``source_objects`` (the label map at the file's resolution,
+    for scoring there), ``source_keypoints`` and ``source_bbox``."""
+    keep = {k: v for k, v in (("source_objects", s.objects), ("source_keypoints", s.keypoints),
+                              ("source_bbox", s.bbox)) if v is not None}
+    out = resize(s, *whole_frame_size(*s.size, size, patch, side), interpolation=interpolation)
+    out.extra = {**s.extra, **keep}
+    return out
+
+
 def normalize(images: torch.Tensor, pre: Preprocessing) -> torch.Tensor:
     """(B, 3, H, W) in [0, 1] -> normalised with the model's mean and std (no resizing)."""
     mean = torch.tensor(pre.mean, dtype=images.dtype).view(1, 3, 1, 1)

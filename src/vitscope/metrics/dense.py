@@ -5,7 +5,9 @@ Sources, re-implemented (not copied):
   * J and F: the DAVIS evaluation, ``davisvideochallenge/davis2017-evaluation``, ``davis2017/metrics.py``
     (``db_eval_iou``, ``f_measure`` / ``db_eval_boundary``, ``_seg2bmap``): J is the region IoU (1 when both
     masks are empty); F the boundary F-measure, boundaries as ``_seg2bmap`` draws them and matched within
-    ``ceil(BOUND_TH * image diagonal)`` pixels (a disk), with DAVIS's conventions for empty boundaries.
+    ``ceil(BOUND_TH * image diagonal)`` pixels (a disk), with DAVIS's conventions for empty boundaries. In
+    the semi-supervised evaluation (``evaluation.py``) the true masks are ``labels == id`` per object, so void
+    pixels (255) count as background (`jf_objects`).
   * Propagation: DINO's ``eval_video_segmentation.py`` (Caron et al., 2021; ``label_propagation``,
     ``restrict_neighborhood``, ``norm_mask``): affinity ``exp(cos / 0.1)`` between the target frame's patch
     tokens and the context frames' (first frame + the last 7), restricted to a square neighbourhood of
@@ -140,26 +142,71 @@ def jaccard_batch(gt: torch.Tensor, pred: torch.Tensor, void: torch.Tensor | Non
     return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
+def _dilate_window(b: torch.Tensor, radius: int) -> torch.Tensor:
+    """`_dilate` of one (H, W) map computed only on the window around its set pixels (the rest stays False):
+    a boundary map is sparse, so at full DAVIS resolution this is most of the saving."""
+    nz = torch.nonzero(b)
+    out = torch.zeros_like(b, dtype=torch.bool)
+    if not len(nz):
+        return out
+    H, W = b.shape
+    y0, x0 = (int(v) for v in nz.min(0).values)
+    y1, x1 = (int(v) for v in nz.max(0).values)
+    y0, x0, y1, x1 = max(0, y0 - radius), max(0, x0 - radius), min(H, y1 + radius + 1), min(W, x1 + radius + 1)
+    out[y0:y1, x0:x1] = _dilate(b[y0:y1, x0:x1], radius)
+    return out
+
+
+def _near_counts(points: torch.Tensor, maps: torch.Tensor, radius: int, chunk: int = 1 << 24) -> torch.Tensor:
+    """For N maps (N, H, W) bool and P pixel coordinates (P, 2) (row, col): how many of the points have a set
+    pixel of each map within the disk of ``radius`` (`disk`), (N,) int64. Equals
+    ``(point_mask & _dilate(maps, radius)).sum()`` without dilating the maps: one gather per disk offset at the
+    points only (the points are a boundary: sparse)."""
+    N, H, W = maps.shape
+    if not len(points):
+        return torch.zeros(N, dtype=torch.long)
+    r = int(radius)
+    pad = F.pad(maps.to(torch.uint8), (r, r, r, r)).bool().flatten(1)                   # (N, (H+2r)(W+2r))
+    off = torch.nonzero(disk(r)) - r                                                     # (O, 2)
+    Wp = W + 2 * r
+    base = (points[:, 0] + r) * Wp + (points[:, 1] + r)                                  # (P,)
+    delta = off[:, 0] * Wp + off[:, 1]                                                   # (O,)
+    out = torch.zeros(N, dtype=torch.long)
+    step = max(1, chunk // max(1, N * len(off)))
+    for p0 in range(0, len(base), step):
+        idx = (base[p0:p0 + step, None] + delta[None]).flatten()                        # (p * O,)
+        hit = pad[:, idx].reshape(N, -1, len(off)).any(-1)                               # (N, p)
+        out += hit.sum(1)
+    return out
+
+
 def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: Sequence[int],
                bound_th: float = BOUND_TH) -> tuple[torch.Tensor, torch.Tensor]:
-    """J and F of each object for N predicted label maps of one frame.
+    """J and F of each object for N predicted label maps of one frame, as the DAVIS semi-supervised evaluation
+    scores them (davis2017-evaluation ``_evaluate_semisupervised``: each object's true mask is ``labels ==
+    id``, so `VOID` (255) pixels count as background: a prediction there is a false positive, none is
+    needed; the void mask it builds from those binary masks is empty).
 
-    gt_labels: (H, W) integer ids (0 background, `VOID` ignored); pred_labels: (N, H, W) (e.g. one per layer).
-    Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks' boundaries and their
-    dilation are computed once for all N predictions."""
-    keep = gt_labels != VOID
+    gt_labels: (H, W) integer ids (0 background, `VOID` = background); pred_labels: (N, H, W) (e.g. one per
+    layer). Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks' boundaries and their
+    dilation are computed once for all N predictions; the predictions' dilations are never formed (a gather
+    at the true boundary's pixels, `_near_counts`)."""
     ids = torch.as_tensor(list(object_ids), dtype=gt_labels.dtype)
-    gts = (gt_labels[None] == ids[:, None, None]) & keep                             # (K, H, W)
-    preds = (pred_labels[:, None] == ids[None, :, None, None].to(pred_labels.dtype)) & keep  # (N, K, H, W)
+    gts = gt_labels[None] == ids[:, None, None]                                       # (K, H, W)
+    preds = pred_labels[:, None] == ids[None, :, None, None].to(pred_labels.dtype)    # (N, K, H, W)
     inter = (gts[None] & preds).flatten(2).sum(2).double()
     union = (gts[None] | preds).flatten(2).sum(2).double()
     j = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
     r = bound_pixels(gt_labels.shape[-2], gt_labels.shape[-1], bound_th)
     bg = boundary_map(gts)                                                            # (K, H, W)
-    bg_dil = _dilate(bg, r)
     bp = boundary_map(preds)                                                          # (N, K, H, W)
-    f = _f_score(bp.flatten(2).sum(2), bg.flatten(1).sum(1)[None].expand(len(bp), -1),
-                 (bp & bg_dil[None]).flatten(2).sum(2), (bg[None] & _dilate(bp, r)).flatten(2).sum(2))
+    N, K = bp.shape[:2]
+    fg_match = torch.zeros(N, K, dtype=torch.long)
+    gt_match = torch.zeros(N, K, dtype=torch.long)
+    for k in range(K):
+        fg_match[:, k] = (bp[:, k] & _dilate_window(bg[k], r)[None]).flatten(1).sum(1)
+        gt_match[:, k] = _near_counts(torch.nonzero(bg[k]), bp[:, k], r)
+    f = _f_score(bp.flatten(2).sum(2), bg.flatten(1).sum(1)[None].expand(N, -1), fg_match, gt_match)
     return j, f
 
 
@@ -220,17 +267,34 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
     return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S_q)
 
 
-def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+def nearest_resize(labels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(..., h, w) label maps -> (..., H, W), nearest neighbour at pixel centres (output pixel i reads source
+    floor((i + 0.5) h / H), PIL's NEAREST rule, as DINO resizes its predictions to the annotation's size)."""
+    h, w = labels.shape[-2:]
+    H, W = size
+    if (h, w) == (H, W):
+        return labels
+    rows = torch.clamp(((torch.arange(H) + 0.5) * h / H).long(), max=h - 1)
+    cols = torch.clamp(((torch.arange(W) + 0.5) * w / W).long(), max=w - 1)
+    return labels[..., rows, :][..., cols]
+
+
+def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int, int],
+                     input_size: tuple[int, int] | None = None) -> torch.Tensor:
     """(L, C, S) token label scores -> (L, H, W) label indices (0 background, c = the c-th object): bilinear
-    upsampling to ``size``, each channel min-max normalised when its maximum is positive (DINO's
-    ``norm_mask``), argmax."""
+    upsampling to the model input's ``input_size`` (default ``size``), each channel min-max normalised when its
+    maximum is positive (DINO's ``norm_mask``), argmax, then nearest-neighbour resizing to the annotation's
+    ``size`` (`nearest_resize`) when it differs: DINO's ``eval_video_segmentation.py`` upsamples by the
+    patch size, takes the argmax and resizes the label map to the frame's original size."""
     L, C, _ = probs.shape
-    up = F.interpolate(probs.reshape(L, C, *grid), size=size, mode="bilinear", align_corners=False)
+    at = tuple(size) if input_size is None else tuple(input_size)
+    up = F.interpolate(probs.reshape(L, C, *grid), size=at, mode="bilinear", align_corners=False)
     lo = up.amin(dim=(-2, -1), keepdim=True)
     hi = up.amax(dim=(-2, -1), keepdim=True)
     scale = torch.where(hi > 0, hi - lo, torch.ones_like(hi))
     up = torch.where(hi > 0, (up - lo) / scale.clamp(min=1e-30), up)
-    return up.movedim(1, -1).contiguous().argmax(-1)  # argmax over a contiguous last dim (much faster on CPU)
+    labels = up.movedim(1, -1).contiguous().argmax(-1)  # argmax over a contiguous last dim (much faster on CPU)
+    return nearest_resize(labels, tuple(size))
 
 
 # ------------------------------------------------------------------------------------------------ PCK
@@ -314,6 +378,7 @@ def random_ranking_map(protocol: Sequence[dict], n_database: int, repeats: int =
 
 __all__ = ["BOUND_TH", "NEIGHBOURHOOD", "N_LAST_FRAMES", "PCK_ALPHAS", "TEMPERATURE", "TOPK", "VOID",
            "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch", "boundary_map", "disk",
-           "jaccard", "jaccard_batch", "jf_objects", "labels_to_tokens", "neighbourhood", "pck", "pck_chance",
+           "jaccard", "jaccard_batch", "jf_objects", "labels_to_tokens", "nearest_resize", "neighbourhood", "pck",
+           "pck_chance",
            "propagate", "random_ranking_map", "ranked_ap", "retrieval_aps", "revisited_protocols",
            "tokens_to_labels"]

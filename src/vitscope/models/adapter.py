@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -12,7 +14,7 @@ from torch import nn
 from vitscope.capture import taps as _taps
 from vitscope.errors import InputError, VitscopeError
 from vitscope.models.checkpoints import LoadReport
-from vitscope.models.registry import ModelSpec, Preprocessing
+from vitscope.models.registry import ModelInput, ModelSpec, Preprocessing
 
 SUPPORTED = "timm VisionTransformer (ViT, DeiT, CLIP, DINO, MAE, DINOv2 with registers) and Beit"
 
@@ -105,13 +107,49 @@ class ViTModel:
         return self.num_prefix_tokens + h * w
 
     @property
-    def preprocessing(self) -> Preprocessing:
-        pre = self.spec.preprocessing
-        if pre.input_size != self.img_size[0]:
-            from dataclasses import replace
+    def preprocessing(self) -> ModelInput:
+        """The registry's preprocessing at the model's input size, with its patch size and whether it takes
+        other input sizes (`ModelInput`)."""
+        from dataclasses import asdict
 
-            pre = replace(pre, input_size=self.img_size[0])
-        return pre
+        pre: Preprocessing = self.spec.preprocessing
+        fields = {k: v for k, v in asdict(pre).items() if k not in ("patch_size", "any_size")}
+        fields["input_size"] = self.img_size[0]
+        return ModelInput(**fields, patch_size=self.patch_size, any_size=self.any_size)
+
+    @property
+    def any_size(self) -> bool:
+        """Whether the model runs on inputs of another size than ``img_size`` (any sides that are multiples of
+        the patch size, position embeddings interpolated to the token grid). ViTs do (timm's
+        ``dynamic_img_size`` path, switched on per forward by `input_size`); BEiT does not: its relative
+        position bias tables are built for one window, and timm can only rebuild them in place
+        (``set_input_size``), which would change the model for every later pass."""
+        return self.family == "vit"
+
+    def grid_of(self, height: int, width: int) -> tuple[int, int]:
+        """The token grid of an input of (height, width) pixels."""
+        return height // self.patch_size, width // self.patch_size
+
+    @contextlib.contextmanager
+    def input_size(self, height: int, width: int) -> Iterator[None]:
+        """Run the model on (height, width) inputs inside the block: at the native size nothing changes (the
+        same computation, bit for bit); at another size timm's dynamic-size path is switched on for the
+        block (patch embedding without the size check, absolute position embeddings resampled bicubically
+        to the token grid by ``resample_abs_pos_embed``, as ``dynamic_img_size=True`` at creation does) and
+        restored on exit."""
+        if (height, width) == self.img_size or self.family != "vit" or self.model.dynamic_img_size:
+            yield
+            return
+        from timm.layers import Format
+
+        pe = self.model.patch_embed
+        saved = (self.model.dynamic_img_size, pe.strict_img_size, pe.flatten, pe.output_fmt)
+        self.model.dynamic_img_size = True
+        pe.strict_img_size, pe.flatten, pe.output_fmt = False, False, Format.NHWC
+        try:
+            yield
+        finally:
+            self.model.dynamic_img_size, pe.strict_img_size, pe.flatten, pe.output_fmt = saved
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.depth, self.num_heads, self.embed_dim, self.grid_size, self.patch_size,
@@ -143,18 +181,18 @@ class ViTModel:
         if x.ndim != 4 or x.shape[1] != self.model.patch_embed.proj.in_channels:
             raise InputError(f"expected images of shape (B, {self.model.patch_embed.proj.in_channels}, H, W), "
                              f"got {tuple(x.shape)}")
-        h, w = x.shape[-2:]
-        dynamic = bool(getattr(self.model.patch_embed, "dynamic_img_size", False))
-        if dynamic:
+        h, w = (int(v) for v in x.shape[-2:])
+        if (h, w) != self.img_size:
+            ih, iw = self.img_size
+            if not self.any_size:
+                raise InputError(
+                    f"{self.name} ({self.family}) takes {ih}x{iw} images only, got {h}x{w}: its relative position "
+                    "bias is built for one token grid (use the dataset option crop: center, or load the model "
+                    f"with img_size={h} when the input is square)")
             if h % self.patch_size or w % self.patch_size:
                 raise InputError(f"{self.name} takes images whose sides are multiples of the patch size "
-                                 f"{self.patch_size}; got {h}x{w}")
-        elif (h, w) != self.img_size:
-            ih, iw = self.img_size
-            raise InputError(
-                f"{self.name} takes {ih}x{iw} images (patch {self.patch_size}); got {h}x{w}. Resize them "
-                f"(vitscope.data.preprocess does), or load the model with img_size={h} to resample its "
-                "position embedding.")
+                                 f"{self.patch_size} (position embeddings are interpolated to the token grid); "
+                                 f"got {h}x{w}")
         if not torch.isfinite(x.sum()):  # NaN/inf propagate into the sum; 10x cheaper than isfinite(x)
             bad = int((~torch.isfinite(x)).sum())
             raise InputError(f"the images hold {bad} NaN or infinite values")

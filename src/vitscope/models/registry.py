@@ -78,6 +78,17 @@ class Preprocessing:
 
 
 @dataclass(frozen=True)
+class ModelInput(Preprocessing):
+    """A loaded model's preprocessing plus what whole-frame datasets need of the model: its ``patch_size``
+    (sides of a non-square input are rounded to multiples of it) and whether it takes other input sizes at
+    all (``any_size``). `vitscope.models.adapter.ViTModel.preprocessing` hands this out; registry entries
+    keep plain `Preprocessing` (so model cache keys do not change)."""
+
+    patch_size: int = 16
+    any_size: bool = True
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     arch: str

@@ -154,12 +154,15 @@ def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str
     (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
     summary.to_parquet(run_dir / "results" / "summary" / "best_layers.parquet", index=False)
     shown = summary[["label", "model", "supervision", "best_layer", "token_view", "score", "last_layer_score",
-                     "random_init_score", "chance"]].rename(columns={"label": "task"})
+                     "random_init_score", "chance", "protocol"]].rename(columns={"label": "task"})
     out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",
            "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
-           "and the task's chance level. Table: <code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
+           "and the task's chance level; <code>protocol</code> says how the images reached the model (whole frame "
+           "or centre crop, the model input's size, where propagation was scored). A best layer equal to the "
+           "model's depth is the last block after the final norm. Table: "
+           "<code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
     for title, fig in summary_figure(summary):
         out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
                    f"<figcaption>{_esc(title)}</figcaption></figure>")

@@ -35,7 +35,7 @@ class DatasetConfig:
     name: str = "synthetic-shapes"         # the format: `vitscope datasets` lists them
     n_images: int = 256                    # generated items, or at most this many of a real dataset
     seed: int = 0
-    size: int | None = None                # generated sets: pixels (None = each model's input size)
+    size: int | None = None                # pixels: generated sets, or whole frames' resized side (davis 480)
     root: str | None = None                # real formats: the dataset's folder
     split: str | None = None               # davis: train | val; spair71k: trn | val | test; cifar10: train | test
     annotations: str | None = None         # coco / partimagenet: the annotation json

@@ -34,6 +34,7 @@ import torch
 
 from vitscope.analyses.base import PairAnalysis
 from vitscope.capture import stream
+from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
 from vitscope.errors import ConfigError, InputError
@@ -371,15 +372,19 @@ def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
         batch.dataset, batch.view = src.name, view
         if view != CLEAN:
             t0 = time.perf_counter()
-            batch.images = apply_view(batch.images, batch.index, view, pre.mean, pre.std, seed)
+            for part in batch_parts(batch):
+                part.images = apply_view(part.images, part.index, view, pre.mean, pre.std, seed)
             if timings is not None:
                 timings[f"view {view}"] = timings.get(f"view {view}", 0.0) + time.perf_counter() - t0
         yield batch
 
 
 def _concat(batches: list[Any]) -> Any:
-    from vitscope.data.base import Batch
+    from vitscope.data.base import Batch, RaggedBatch
 
+    parts = [p for b in batches for p in batch_parts(b)]
+    if len({tuple(p.images.shape[1:]) for p in parts}) > 1:
+        return RaggedBatch(parts)
     first = batches[0]
     out = Batch(images=torch.cat([b.images for b in batches]), index=torch.cat([b.index for b in batches]))
     for f in ("labels", "masks", "parts", "objects", "keypoints", "boxes", "frames", "is_test"):
@@ -687,7 +692,8 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     try:
         for c, batch in enumerate(_pass_batches(src, CLEAN, vm_a.preprocessing, cfg.seed, start, None), start=start):
             if batch is not None:
-                job.analysis.update(vm_a, vm_b, batch)
+                for part in batch_parts(batch):
+                    job.analysis.update(vm_a, vm_b, part)
             job.done[key] = c + 1
             if (c + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
                 _save_parts([job], cache, pkey, sources)

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from vitscope.data.base import Batch, Sample
+from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
 from vitscope.data.preprocess import to_rgb
-from vitscope.data.transforms import collate, for_model
+from vitscope.data.transforms import Framing, collate
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
@@ -134,6 +135,9 @@ class FileDataset:
 
     name: str = "files"
     classes: list[str]
+    #: how images reach the model (`vitscope.data.transforms.Framing`); formats whose protocol is full-frame
+    #: (DAVIS, SPair-71k, revisited Oxford / Paris) set ``crop='full'`` by default
+    framing: Framing = Framing()
 
     def __init__(self) -> None:
         self.skipped: list[tuple[str, str]] = []
@@ -198,18 +202,33 @@ class FileDataset:
         yield from self.items(range(len(self)) if indices is None else indices)
 
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
-                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch]:
-        """Model-ready batches (short side resize, centre crop, optional flip; annotations follow);
-        ``index`` holds the dataset ids of the images actually read."""
+                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch | RaggedBatch]:
+        """Model-ready batches (`framing`: centre crop, or whole frames; annotations follow; optional flip);
+        ``index`` holds the dataset ids of the images actually read. Whole frames of different sizes in one
+        chunk make a `vitscope.data.base.RaggedBatch` (runs of one size)."""
         ids = list(range(len(self))) if indices is None else list(indices)
         chunk: list[Sample] = []
         for s in self.items(ids[start:]):
-            chunk.append(for_model(s, preprocessing, flip))
+            chunk.append(self.frame(s, preprocessing, flip))
             if len(chunk) == batch_size:
-                yield self._collate(chunk, preprocessing)
+                yield self.collate_chunk(chunk, preprocessing)
                 chunk = []
         if chunk:
-            yield self._collate(chunk, preprocessing)
+            yield self.collate_chunk(chunk, preprocessing)
+
+    def frame(self, s: Sample, pre: Preprocessing, flip: bool = False) -> Sample:
+        """One sample as the model sees it (`framing`)."""
+        return self.framing.apply(s, pre, flip)
+
+    def collate_chunk(self, chunk: list[Sample], pre: Preprocessing) -> Batch | RaggedBatch:
+        """A chunk's samples -> a batch, or a `RaggedBatch` of runs of one size."""
+        runs: list[list[Sample]] = []
+        for s in chunk:
+            if runs and runs[-1][0].size == s.size:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        return ragged([self._collate(r, pre) for r in runs])
 
     def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = collate(chunk, pre)
@@ -218,4 +237,7 @@ class FileDataset:
             b.extra["class_names"] = self.classes  # what the labels mean (robustness readouts match heads by name)
         if all("path" in s.extra for s in chunk):
             b.extra["paths"] = [s.extra["path"] for s in chunk]
+        if all("source_objects" in s.extra for s in chunk):
+            b.extra["source_objects"] = [torch.as_tensor(np.asarray(s.extra["source_objects"])).long() for s in chunk]
+        b.extra["framing"] = self.framing.describe(pre)
         return b

@@ -15,6 +15,7 @@ import numpy as np
 
 from vitscope.data.base import Sample
 from vitscope.data.formats.common import FileDataset, Unreadable, read_label_png, read_rgb
+from vitscope.data.transforms import Framing
 from vitscope.errors import InputError
 
 
@@ -38,11 +39,18 @@ def _split_sequences(root: Path, year: int, split: str, resolution: str) -> list
 class Davis(FileDataset):
     """Every frame of the split's sequences, in order. Sample: ``objects`` (object ids, 0 = background;
     2016: 0/1), ``mask`` = any object, ``frame``, ``sequence``; label = the sequence's index in
-    ``classes`` (= ``sequences``). `sequence_indices` gives one video's items."""
+    ``classes`` (= ``sequences``). `sequence_indices` gives one video's items.
+
+    Frames reach the model whole by default, as DINO's protocol has them (``crop='full'``: the short side
+    resized to ``size`` = 480 pixels, the aspect ratio kept, each side rounded down to a multiple of the
+    model's patch size; the annotation at the file's resolution travels beside, for scoring there);
+    ``crop='center'``: the model's eval preprocessing (short side resized, centre crop)."""
 
     def __init__(self, root: str | Path, year: int = 2017, split: str = "val", resolution: str = "480p",
-                 sequences: list[str] | None = None, name: str | None = None):
+                 sequences: list[str] | None = None, name: str | None = None, crop: str = "full",
+                 size: int | None = 480):
         super().__init__()
+        self.framing = Framing(crop, size, "short")
         if year not in (2016, 2017):
             raise InputError(f"DAVIS comes as 2016 or 2017; got year={year}")
         self.root, self.year, self.resolution = Path(root), year, resolution

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from vitscope.data.base import Batch, RetrievalSplit, Sample
+from vitscope.data.base import Batch, RaggedBatch, RetrievalSplit, Sample, batch_parts
 from vitscope.data.formats.common import FileDataset, load_data_pickle, read_rgb, require_files
 from vitscope.data.synthetic_tasks import medium_hard, with_retrieval_layout
-from vitscope.data.transforms import crop
+from vitscope.data.transforms import Framing, crop
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
@@ -22,11 +22,16 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
     """Items 0..n_queries-1 are the queries (cropped to their box when ``crop_queries``, as the revisited
     protocol does), then the database. ``gnd`` is the file's; ``protocols`` the Medium / Hard positives
     and junk (`vitscope.data.synthetic_tasks.medium_hard`). ``root``: the folder holding the pkl, or its
-    parent."""
+    parent.
+
+    Images reach the model whole by default (``crop='full'``: the long side resized to ``size`` pixels,
+    default the model's input size, as DINO's ``eval_image_retrieval.py`` thumbnails them to ``imsize``;
+    aspect kept, sides rounded down to the patch size); ``crop='center'``: the model's eval preprocessing."""
 
     def __init__(self, root: str | Path, dataset: str = "roxford5k", crop_queries: bool = True,
-                 name: str | None = None):
+                 name: str | None = None, crop: str = "full", size: int | None = None):
         super().__init__()
+        self.framing = Framing(crop, size, "long")
         root = Path(root)
         if not (root / f"gnd_{dataset}.pkl").is_file() and (root / dataset / f"gnd_{dataset}.pkl").is_file():
             root = root / dataset
@@ -64,12 +69,15 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
         return [0]
 
     def batches(self, batch_size: int, preprocessing: Preprocessing, start: int = 0,
-                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch]:
+                indices: list[int] | None = None, flip: bool = False) -> Iterator[Batch | RaggedBatch]:
         """Model-ready batches with the retrieval layout (``extra['query_index']``, ``extra['db_index']``,
-        ``extra['gnd']``: `vitscope.data.synthetic_tasks.with_retrieval_layout`)."""
+        ``extra['gnd']``: `vitscope.data.synthetic_tasks.with_retrieval_layout`); whole images of different
+        sizes make a `vitscope.data.base.RaggedBatch`, each part with the layout."""
         gnd = [{k: list(g.get(k, [])) for k in ("easy", "hard", "junk")} for g in self.gnd]
         for b in super().batches(batch_size, preprocessing, start, indices, flip):
-            yield with_retrieval_layout(b, self.n_queries, gnd)
+            for part in batch_parts(b):
+                with_retrieval_layout(part, self.n_queries, gnd)
+            yield b
 
     def __len__(self) -> int:
         return len(self.files)

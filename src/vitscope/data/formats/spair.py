@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vitscope.data.base import Batch, Sample
+from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
 from vitscope.data.formats.common import FileDataset, read_rgb, require_files
-from vitscope.data.transforms import for_model
+from vitscope.data.transforms import Framing
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
@@ -33,11 +33,19 @@ class SPair71k(FileDataset):
     ``n_pairs``: a sample of that many pairs, drawn without replacement with ``seed`` (kept in file order).
     ``flat=True`` (the form a study pass needs): item 2p is the source and 2p + 1 the target of pair p, with
     ``extra['pair']``, ``extra['role']``, ``extra['category']`` and ``extra['ref_size']`` = max(h, w) of the
-    object's box in the model input's pixels (the file's box scaled by the resize, before the crop clips it)."""
+    object's box in the model input's pixels (the file's box scaled by the resize, before the crop clips it),
+    ``extra['source_ref_size']`` the same in the file's pixels.
+
+    Images reach the model whole by default (``crop='full'``: short side ``size`` pixels, default the model's
+    input size, aspect kept, sides rounded down to the patch size), so no keypoint is lost to a crop, and PCK
+    is scored in the file's pixels against the box at its original size; ``crop='center'``: the model's
+    eval preprocessing (keypoints outside the crop are marked not visible and left out)."""
 
     def __init__(self, root: str | Path, split: str = "test", categories: list[str] | None = None,
-                 name: str | None = None, n_pairs: int | None = None, seed: int = 0, flat: bool = False):
+                 name: str | None = None, n_pairs: int | None = None, seed: int = 0, flat: bool = False,
+                 crop: str = "full", size: int | None = None):
         super().__init__()
+        self.framing = Framing(crop, size, "short")
         self.root = Path(root)
         if split not in SPLITS:
             raise InputError(f"SPair-71k splits are {', '.join(SPLITS)}; got {split!r}")
@@ -118,31 +126,54 @@ class SPair71k(FileDataset):
             return
         chunk: list[tuple[Sample, Sample]] = []
         for src, trg in self.items(ids[start:]):
-            chunk.append((for_model(src, preprocessing, flip), for_model(trg, preprocessing, flip)))
+            chunk.append((self.frame(src, preprocessing, flip), self.frame(trg, preprocessing, flip)))
             if len(chunk) == batch_size:
-                yield self._pair_batch(chunk, preprocessing)
+                yield self._pair_chunk(chunk, preprocessing)
                 chunk = []
         if chunk:
-            yield self._pair_batch(chunk, preprocessing)
+            yield self._pair_chunk(chunk, preprocessing)
 
-    def _flat_batches(self, batch_size: int, pre: Preprocessing, ids: list[int], flip: bool) -> Iterator[Batch]:
+    def _pair_chunk(self, chunk: list[tuple[Sample, Sample]], pre: Preprocessing) -> Batch | RaggedBatch:
+        """Runs of pairs whose sources share a size and whose targets share a size (whole images differ)."""
+        runs: list[list[tuple[Sample, Sample]]] = []
+        for a, b in chunk:
+            if runs and (runs[-1][0][0].size, runs[-1][0][1].size) == (a.size, b.size):
+                runs[-1].append((a, b))
+            else:
+                runs.append([(a, b)])
+        return ragged([self._pair_batch(r, pre) for r in runs])
+
+    def _flat_batches(self, batch_size: int, pre: Preprocessing, ids: list[int], flip: bool
+                      ) -> Iterator[Batch | RaggedBatch]:
         chunk: list[Sample] = []
         for s in self.items(ids):
-            side = for_model(s, pre, flip)
+            side = self.frame(s, pre, flip)
             box = np.asarray(s.bbox, np.float64)
-            side.extra["ref_size"] = float(max(box[2] - box[0], box[3] - box[1]) * abs(side.geometry.sx))
+            ref = float(max(box[2] - box[0], box[3] - box[1]))
+            side.extra["ref_size"] = ref * abs(side.geometry.sx)
+            side.extra["source_ref_size"] = ref
             chunk.append(side)
             if len(chunk) == batch_size:
-                yield self._flat_batch(chunk, pre)
+                yield self._flat_chunk(chunk, pre)
                 chunk = []
         if chunk:
-            yield self._flat_batch(chunk, pre)
+            yield self._flat_chunk(chunk, pre)
+
+    def _flat_chunk(self, chunk: list[Sample], pre: Preprocessing) -> Batch | RaggedBatch:
+        runs: list[list[Sample]] = []
+        for s in chunk:
+            if runs and runs[-1][0].size == s.size:
+                runs[-1].append(s)
+            else:
+                runs.append([s])
+        return ragged([self._flat_batch(r, pre) for r in runs])
 
     def _flat_batch(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = self._collate(chunk, pre)
         b.extra["pair"] = torch.tensor([s.extra["pair"] for s in chunk])
         b.extra["role"] = torch.tensor([s.extra["role"] for s in chunk])
         b.extra["ref_size"] = torch.tensor([s.extra["ref_size"] for s in chunk], dtype=torch.float64)
+        b.extra["source_ref_size"] = torch.tensor([s.extra["source_ref_size"] for s in chunk], dtype=torch.float64)
         b.extra["category"] = [self.classes[s.label] for s in chunk]
         b.extra["kps_ids"] = [s.extra["kps_ids"] for s in chunk]
         return b

@@ -72,9 +72,18 @@ FIGURES = {"propagation": propagation, "correspondence": correspondence, "retrie
 # ------------------------------------------------------------------------------------------------ summary
 
 
+def _protocol(row: Any) -> str | None:
+    """The protocol a task's table names (framing, model input, where and which frames were scored), one line."""
+    parts = [(None, "framing"), ("input", "input_size"), ("scored at", "scored_at"), ("frames", "frames_scored")]
+    text = [f"{k} {row.get(c)}" if k else str(row.get(c)) for k, c in parts
+            if isinstance(row.get(c), str) and row.get(c)]
+    return "; ".join(text) or None
+
+
 def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, Any] | None = None) -> pd.DataFrame:
-    """One row per (task, model): the best layer, its score, the last layer's score and the chance level,
-    from the ``best_*`` rows of each task's table; ``models`` (the manifest's) adds each model's supervision
+    """One row per (task, model): the best layer, its score, the last layer's score, the chance level and the
+    protocol the task ran under (``protocol``: whole frame or centre crop, input size, ...), from the ``best_*``
+    rows of each task's table; ``models`` (the manifest's) adds each model's supervision
     and, for every trained model, the best score of a random-init model of the same architecture (depth, heads,
     grid, patch) in the same study."""
     models = dict(models or {})
@@ -88,7 +97,7 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
             rows.append({"task": task, "label": label, "model": r["model"], "best_layer": int(r["layer"]),
                          "token_view": r["token_view"], "score": float(r["value"]),
                          "last_layer_score": float(r.get("last_layer_value", np.nan)),
-                         "chance": float(r.get("chance", np.nan))})
+                         "chance": float(r.get("chance", np.nan)), "protocol": _protocol(r)})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
