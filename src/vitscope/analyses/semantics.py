@@ -17,7 +17,7 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
 from vitscope.analyses.splits import check_test_every, split_warnings, stratified_test
 from vitscope.capture.views import region_pool, region_weights, token_view
-from vitscope.errors import ResultWarning
+from vitscope.errors import ConfigError, ResultWarning
 from vitscope.metrics import semantics as S
 from vitscope.threads import few_threads, single_threaded
 
@@ -57,7 +57,16 @@ class Semantics(Analysis):
     training split and runs to convergence (at most ``probe_max_iter`` L-BFGS iterations; hitting the cap
     warns); ``probe_top1`` rows record the ``probe_weight_decay`` chosen and the ``probe_iterations`` of the
     final fit. ``probe_tune: false`` is the fixed decay ``probe_weight_decay`` (scikit-learn's default budget).
-    At most ``max_images`` images are kept, in a float16 store on disk (`vitscope.analyses.pooled`)."""
+    At most ``max_images`` images are kept, in a float16 store on disk (`vitscope.analyses.pooled`).
+
+    Against the sources: the k-NN is DINO's (cosine of L2-normalised features, weights exp(sim / T), T =
+    ``temperature`` = 0.07, 20-NN reported; the rows carry ``k`` and ``temperature``). The probe deviates: DINO,
+    DINOv2 and MAE train a linear layer with SGD on the full training set, without or with light augmentation,
+    and choose the learning rate (DINOv2 also the weight decay) on held-out data; here it is multinomial
+    logistic regression (L-BFGS) on the frozen float16 features, standardised as MAE's affine-free BatchNorm
+    does, with the weight decay chosen by cross-validation on the training split. Both are scored on a
+    stratified 1/``test_every`` of the selected images unless the dataset has its own split, not on an official
+    validation set."""
 
     name = "semantics"
     needs = frozenset({"labels"})
@@ -69,6 +78,7 @@ class Semantics(Analysis):
     def __init__(self, vm: Any, layers: Any = None,
                  views: str | Sequence[str] = ("cls", "gap", "gap_spatial", "object", "part"),
                  max_images: int = 5000, test_every: int = 5, ks: Sequence[int] = (10, 20, 100, 200),
+                 temperature: float = 0.07,
                  kmeans: bool | str | Sequence[str] = ("cls", "gap_spatial", "object", "part"),
                  probe: bool | str | Sequence[str] = ("cls", "gap_spatial"),
                  seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1, probe_tune: bool = True,
@@ -79,6 +89,9 @@ class Semantics(Analysis):
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.max_images, self.ks = int(max_images), tuple(int(k) for k in ks)
+        self.temperature = float(temperature)
+        if not self.temperature > 0:
+            raise ConfigError(f"semantics: temperature must be positive; got {temperature}")
         self.test_every = check_test_every(test_every, self.name)
         self.probe_kw = S.probe_options(self.name, probe_tune, probe_grid, probe_folds, probe_max_iter,
                                         probe_weight_decay)
@@ -185,10 +198,12 @@ class Semantics(Analysis):
         if scorable:
             top1_chance = S.majority_rate(y[~test], y[test], 1)
             top5_chance = S.majority_rate(y[~test], y[test], 5)
-            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c).items():
-                out[f"knn{k}_top1"] = scored(t1, n_test, top1_chance)
+            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c,
+                                               temperature=self.temperature).items():
+                knn = {"k": k, "temperature": self.temperature}
+                out[f"knn{k}_top1"] = {**scored(t1, n_test, top1_chance), **knn}
                 if n_classes > 5:  # top-5 of 5 classes or fewer is 1 by construction
-                    out[f"knn{k}_top5"] = scored(t5, n_test, top5_chance)
+                    out[f"knn{k}_top5"] = {**scored(t5, n_test, top5_chance), **knn}
             if probe is not None:
                 out["probe_top1"] = {**scored(probe.accuracy, n_test, top1_chance),
                                      "probe_weight_decay": probe.weight_decay, "probe_iterations": probe.iterations}
@@ -249,7 +264,7 @@ class Semantics(Analysis):
         df["n_images"] = self.n_images
         df["n_train"] = df["token_view"].map({v: s[0] for v, s in sizes.items()})
         df["n_test"] = df["token_view"].map({v: s[1] for v, s in sizes.items()})
-        for c in ("probe_weight_decay", "probe_iterations"):
+        for c in ("k", "temperature", "probe_weight_decay", "probe_iterations"):
             if c not in df.columns:
                 df[c] = float("nan")
         return df
