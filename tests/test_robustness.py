@@ -390,7 +390,12 @@ def test_readout_is_the_head_when_it_covers_the_data_else_the_probe():
     head = tables["zoo-sup"][tables["zoo-sup"].readout == "head"]
     assert head["layer"].isna().all() and (head[head.metric == "accuracy"]["n_images"] == 40).all()
     probe = tables["zoo-dino"][tables["zoo-dino"].metric == "accuracy"]
-    assert (probe["layer"] == 7).all() and (probe["n_images"] == 20).all()  # the test split only
+    labels = torch.cat([b.labels for b in data.batches(40, sup.preprocessing)]).tolist()
+    sizes = [labels.count(c) for c in set(labels)]
+    n_test = sum((k + 1) // 2 for k in sizes if k > 1)  # per class every 2nd image, from the first; one alone trains
+    assert (probe["layer"] == 7).all() and (probe["n_images"] == n_test).all()  # the test split only
+    assert (probe["n_test"] == n_test).all() and (probe["n_train"] == 40 - n_test).all()
+    assert probe["probe_weight_decay"].notna().all() and (probe["probe_iterations"] > 0).all()
     an = Corruptions(sup, corruptions=["contrast"], severities=[5], readout="head")
     an.datasets = {"data": "synthetic-shapes"}
     with pytest.raises(ConfigError, match="readout 'head' needs a classifier"):

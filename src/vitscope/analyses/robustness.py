@@ -11,8 +11,13 @@ Every number needs class decisions, from one of two *readouts* (column ``readout
   analysis fits) on the pooled tokens (CLS, else the mean of the patch tokens) of clean images of the same
   classes: for ``shape_bias`` the ``train`` input (by default the generated `synthetic-shapes`, random
   textures, so texture carries no class information), for ``band_noise`` / ``corruptions`` the clean
-  images of the dataset's own train split (``batch.is_test``, else ids not a multiple of ``test_every``),
-  scored on its test split, clean and perturbed.
+  images of the dataset's own train split (``batch.is_test``), else of the stratified split of
+  `vitscope.analyses.splits` (per class, every ``test_every``-th image in id order is a test image; decided
+  in ``finalize``, so perturbed views keep every image's features until then), scored on its test split,
+  clean and perturbed. The probe picks its weight decay by cross-validation on its training images, as
+  semantics' does (``probe_tune``, ``probe_grid``, ``probe_folds``, ``probe_max_iter``); probe rows record
+  ``n_train``, ``n_test``, ``probe_weight_decay`` and ``probe_iterations``, and a class without training
+  images or with fewer than two test images warns, naming it.
 
 ``readout: auto`` computes both where possible (the head where it covers the data; probes where clean
 training images exist), ``head`` / ``probe`` one of them; neither possible fails at configuration with one
@@ -32,13 +37,16 @@ import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
+from vitscope.analyses.splits import check_test_every, split_warnings, stratified_test
 from vitscope.capture.views import token_view
 from vitscope.data import perturb as P
 from vitscope.errors import ConfigError
 from vitscope.metrics import robustness as R
+from vitscope.metrics import semantics as S
 
 READOUTS = ("auto", "head", "probe")
 HEAD_SPACES = ("imagenet-1k", "cifar10", "none")
+PROBE_COLUMNS = ("n_train", "n_test", "probe_weight_decay", "probe_iterations")  # what a probe row records
 
 
 def head_label_space(vm: Any) -> str | None:
@@ -119,10 +127,13 @@ class _Robustness(Analysis):
 
     needs: ClassVar[frozenset[str]] = frozenset({"labels"})
     inputs: ClassVar[dict[str, frozenset[str]]] = {}
+    # 2: stratified split decided in finalize (perturbed views keep every image), tuned probe, n_train / n_test
+    state_version: ClassVar[int] = 2
 
     def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
                  classes: Sequence[str] | None = None, token_view: str | None = None, max_images: int = 5000,
-                 test_every: int = 5, probe_max_iter: int = 100):
+                 test_every: int = 5, probe_tune: bool = True, probe_grid: Sequence[float] = S.PROBE_GRID,
+                 probe_folds: int = 2, probe_max_iter: int = 1000, probe_weight_decay: float = 1e-4):
         super().__init__(vm)
         if readout not in READOUTS:
             raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
@@ -134,8 +145,10 @@ class _Robustness(Analysis):
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
         self.classes_param = list(classes) if classes is not None else None
         self.token_view = token_view or ("cls" if self.has_cls_token else "gap_spatial")
-        self.max_images, self.test_every = int(max_images), int(test_every)
-        self.probe_max_iter = int(probe_max_iter)
+        self.max_images, self.test_every = int(max_images), check_test_every(test_every, self.name)
+        self.probe_kw = S.probe_options(self.name, probe_tune, probe_grid, probe_folds, probe_max_iter,
+                                        probe_weight_decay)
+        self.own_split = False  # the dataset has its own split (batch.is_test), kept in the tables' is_test
         self.dataset_classes: dict[str, list[str] | None] = {}
         self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
         self.use_probe: bool | None = None
@@ -195,8 +208,31 @@ class _Robustness(Analysis):
         return "data"
 
     def _is_test(self, batch: Any, take: int) -> torch.Tensor:
-        ids = batch.index[:take].cpu().long()
-        return batch.is_test[:take].cpu().bool() if batch.is_test is not None else ids % self.test_every == 0
+        """The dataset's own split of the batch's rows; all False when it has none (decided in finalize)."""
+        if batch.is_test is not None:
+            self.own_split = True
+            return batch.is_test[:take].cpu().bool()
+        return torch.zeros(take, dtype=torch.bool)
+
+    def _split(self, table: PooledTable) -> torch.Tensor:
+        """Test flags of a table of clean training images: the dataset's own, else `stratified_test`."""
+        if self.own_split:
+            return table.column("is_test")
+        return stratified_test(table.column("ids"), table.column("labels"), self.test_every)
+
+    def _check_split(self, y: torch.Tensor, test: torch.Tensor) -> bool:
+        """`split_warnings` for this model's probe split; False when no class can be scored."""
+        names = self.classes_of("train" if "train" in self.datasets and self.name == "shape_bias" else "data")
+        return split_warnings(f"{self.name}: model {self.model_name!r}, probe split", y, test, names)
+
+    def _probe(self, train: torch.Tensor, y: torch.Tensor, tests: list[torch.Tensor], c: int
+               ) -> tuple[list[torch.Tensor], dict[str, Any]]:
+        """Decisions of one tuned probe on each of ``tests``, and the columns that record it."""
+        decs, fit = R.probe_fit_decisions(train, y, tests, c, where=f"{self.name}: model {self.model_name!r}",
+                                          **self.probe_kw)
+        cols = {"probe_weight_decay": fit.weight_decay if fit else float("nan"),
+                "probe_iterations": fit.iterations if fit else float("nan")}
+        return decs, cols
 
     def _pool(self, feats: Mapping[str, torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
         return [token_view(feats[f"block{i}.out"][rows], self.token_view, self.num_prefix_tokens, self.has_cls_token)
@@ -242,6 +278,7 @@ class _Robustness(Analysis):
         for k, n in other.seen.items():
             self.seen[k] = self.seen.get(k, 0) + n
         self.n_images += other.n_images
+        self.own_split = self.own_split or other.own_split
         if self.use_head is None:
             self.use_head, self.use_probe = other.use_head, other.use_probe
 
@@ -252,7 +289,7 @@ class _Robustness(Analysis):
                 "tables": {k: t.state_dict() for k, t in self.tables.items()},
                 "heads": {k: {c: torch.cat(v) if v else torch.empty(0, dtype=torch.long) for c, v in h.items()}
                           for k, h in self.heads.items()},
-                "seen": dict(self.seen), "n_images": self.n_images}
+                "seen": dict(self.seen), "n_images": self.n_images, "own_split": self.own_split}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.token_view = list(state["layers"]), state["token_view"]
@@ -262,6 +299,7 @@ class _Robustness(Analysis):
         self.tables = {k: PooledTable.from_state(t) for k, t in state["tables"].items()}
         self.heads = {k: {c: [v] for c, v in h.items()} for k, h in state["heads"].items()}
         self.seen, self.n_images = dict(state["seen"]), int(state["n_images"])
+        self.own_split = bool(state.get("own_split", False))
 
     def _head_column(self, key: str, col: str) -> torch.Tensor:
         h = self.heads.get(key, {})
@@ -294,7 +332,7 @@ class ShapeBias(_Robustness):
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
-    state_version = 2  # 2: shape_match / texture_match over every image by default (match_denominator column)
+    state_version = 3  # 3: stratified split, tuned probe; 2: match_denominator (every image by default)
 
     def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
         super().__init__(vm, **kw)
@@ -400,16 +438,18 @@ class ShapeBias(_Robustness):
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
             shape = cue.column("labels")
             texture = torch.cat(self.cue_texture) if self.cue_texture else torch.empty(0, dtype=torch.long)
-            ytr, test = train.column("labels"), train.column("is_test")
-            fit = ~test if test.any() and (~test).any() else torch.ones_like(test)
+            ytr, test = train.column("labels"), self._split(train)
+            if not self._check_split(ytr, test):  # no held-out clean accuracy: fit on every training image
+                test = torch.zeros_like(test)
+            fit = ~test
             c = self._num_classes(ytr, shape, texture)
+            sizes = {"n_train": int(fit.sum()), "n_test": int(test.sum())}
             for j, layer in enumerate(self.layers):
                 xtr = train.layer(j)
-                d_cue, d_test = R.probe_decisions(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c,
-                                                  max_iter=self.probe_max_iter)
+                (d_cue, d_test), cols = self._probe(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c)
                 counts = R.shape_bias_counts(d_cue, shape, texture, self.match_denominator)
                 counts["clean_accuracy"] = R.accuracy(d_test, ytr[test])
-                rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v)}
+                rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v), **sizes, **cols}
                          for k, v in counts.items()]
         df = self.tidy(rows)
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
@@ -433,16 +473,13 @@ class _ViewAccuracy(_Robustness):
             self._add_precorrupted(feats, batch, take, labels)
             return
         is_test = self._is_test(batch, take)
-        head_rows = torch.arange(take)
-        if view == "clean":  # probes learn from the clean train split; everything else is test images only
-            probe_rows = head_rows
+        rows = torch.arange(take)
+        if view == "clean":
             self.n_images += take
-        else:
-            probe_rows = head_rows[is_test]
-        if self.use_probe:
-            self._add_pooled(view, feats, batch, probe_rows, labels[probe_rows], is_test[probe_rows])
+        if self.use_probe:  # every image: the split is decided in finalize, and only test images are scored
+            self._add_pooled(view, feats, batch, rows, labels, is_test)
         if self.use_head:
-            self._add_head(view, feats, batch, head_rows, labels)
+            self._add_head(view, feats, batch, rows, labels)
         self.seen[view] = self.seen.get(view, 0) + take
 
     def _add_precorrupted(self, feats: Mapping[str, torch.Tensor], batch: Any, take: int, labels: torch.Tensor
@@ -472,21 +509,23 @@ class _ViewAccuracy(_Robustness):
                             "n_images": len(y)})
         clean = self.tables.get("clean")
         if self.use_probe and clean is not None and len(clean) > 1:
-            y, test = clean.column("labels"), clean.column("is_test")
-            if test.any() and (~test).any():
+            y, test = clean.column("labels"), self._split(clean)
+            if self._check_split(y, test):
+                test_ids = clean.column("ids")[test]
                 tests = {"clean": (lambda j: clean.layer(j)[test], y[test])}
                 for v in views:
                     if v != "clean" and v in self.tables:
                         t = self.tables[v]
-                        tests[v] = ((lambda j, t=t: t.layer(j)), t.column("labels"))
+                        keep = t.column("is_test") if self.own_split else torch.isin(t.column("ids"), test_ids)
+                        tests[v] = ((lambda j, t=t, keep=keep: t.layer(j)[keep]), t.column("labels")[keep])
                 c = self._num_classes(y)
+                sizes = {"n_train": int((~test).sum()), "n_test": int(test.sum())}
                 for j, layer in enumerate(self.layers):
                     xtr = clean.layer(j)[~test]
-                    decs = R.probe_decisions(xtr, y[~test], [f(j) for f, _ in tests.values()], c,
-                                             max_iter=self.probe_max_iter)
+                    decs, cols = self._probe(xtr, y[~test], [f(j) for f, _ in tests.values()], c)
                     for (v, (_, yv)), d in zip(tests.items(), decs, strict=True):
                         out.append({"readout": "probe", "layer": layer, "view": v, "value": R.accuracy(d, yv),
-                                    "n_images": len(yv)})
+                                    "n_images": len(yv), **sizes, **cols})
         return out
 
     def _view_order(self) -> list[str]:
@@ -515,7 +554,7 @@ class BandNoise(_ViewAccuracy):
 
     name = "band_noise"
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
-    state_version = 2  # 2: band_definition (circular_rms | square_sign), a column of the table
+    state_version = 3  # 3: stratified split, tuned probe; 2: band_definition (circular_rms | square_sign)
 
     def __init__(self, vm: Any, n_bands: int = P.N_BANDS, bands: Sequence[int] | None = None, rms: float = 0.1,
                  width: float = P.BAND_WIDTH, band_definition: str = "circular_rms", eps: float = 0.1, **kw: Any):
@@ -566,7 +605,8 @@ class BandNoise(_ViewAccuracy):
         clean = {(r["readout"], r["layer"]): r["value"] for r in acc if r["view"] == "clean"}
         for r in acc:
             band = -1 if r["view"] == "clean" else _band_of(r["view"])
-            base = {"layer": r["layer"], "readout": r["readout"], "band": band, "n_images": r["n_images"]}
+            base = {"layer": r["layer"], "readout": r["readout"], "band": band, "n_images": r["n_images"],
+                    **{k: r[k] for k in PROBE_COLUMNS if k in r}}
             rows.append({**base, "metric": "accuracy", "value": r["value"]})
             if band != -1:
                 c = clean.get((r["readout"], r["layer"]), float("nan"))
@@ -673,7 +713,8 @@ class Corruptions(_ViewAccuracy):
             key = (r["readout"], r["layer"])
             cs = ("clean", 0) if r["view"] == "clean" else _corruption_of(r["view"])
             base = {"layer": r["layer"], "readout": r["readout"], "corruption": cs[0], "severity": cs[1],
-                    "family": P.FAMILY_OF.get(cs[0], "clean"), "n_images": r["n_images"]}
+                    "family": P.FAMILY_OF.get(cs[0], "clean"), "n_images": r["n_images"],
+                    **{k: r[k] for k in PROBE_COLUMNS if k in r}}
             rows.append({**base, "metric": "accuracy", "value": r["value"]})
             if cs[1]:
                 per.setdefault(key, {})[cs] = r["value"]

@@ -15,8 +15,9 @@ import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
+from vitscope.analyses.splits import check_test_every, split_warnings, stratified_test
 from vitscope.capture.views import region_pool, region_weights, token_view
-from vitscope.errors import ResultWarning
+from vitscope.errors import ConfigError, ResultWarning
 from vitscope.metrics import semantics as S
 from vitscope.threads import few_threads, single_threaded
 
@@ -41,33 +42,66 @@ class Semantics(Analysis):
     Views: image level 'cls', 'gap', 'gap_spatial' (label = the image's class); 'object' (the mean of the
     patch tokens weighted by the foreground mask, label = the image's class) and 'part' (one row per part
     of an image, label = the part id), from the batches' masks and part maps where the dataset has them.
-    The test split is the dataset's own (``batch.is_test``), else the images whose id is a multiple of
-    ``test_every``. At most ``max_images`` images are kept, in a float16 store on disk
-    (`vitscope.analyses.pooled`)."""
+    The test split is the dataset's own (``batch.is_test``), else stratified (`vitscope.analyses.splits`): within
+    each class, in id order, every ``test_every``-th image (from the first on) is a test image and a class of
+    one image stays in training, so every class with two images or more is in both parts; decided per image
+    from the image-level rows, so all views (and the part rows of an image) share it. A class without a
+    training image or with fewer than two test images is a `ResultWarning` naming it; a view where no class
+    has both gets no k-NN or probe rows (one warning; k-means still runs), so the study goes on. Every row
+    records ``n_train`` and ``n_test`` of its view.
+
+    The probe (``probe_tune``, default on) picks its L2 weight decay from ``probe_grid`` by ``probe_folds``-fold
+    cross-validation on the training split alone (folds stratified by class rank, deterministic; one
+    warm-started path per fold from the strongest decay to the weakest, stopped at the first decay whose
+    held-out accuracy is below the best so far, as the weak end costs the most iterations), refits on the whole
+    training split and runs to convergence (at most ``probe_max_iter`` L-BFGS iterations; hitting the cap
+    warns); ``probe_top1`` rows record the ``probe_weight_decay`` chosen and the ``probe_iterations`` of the
+    final fit. ``probe_tune: false`` is the fixed decay ``probe_weight_decay`` (scikit-learn's default budget).
+    At most ``max_images`` images are kept, in a float16 store on disk (`vitscope.analyses.pooled`).
+
+    Against the sources: the k-NN is DINO's (cosine of L2-normalised features, weights exp(sim / T), T =
+    ``temperature`` = 0.07, 20-NN reported; the rows carry ``k`` and ``temperature``). The probe deviates: DINO,
+    DINOv2 and MAE train a linear layer with SGD on the full training set, without or with light augmentation,
+    and choose the learning rate (DINOv2 also the weight decay) on held-out data; here it is multinomial
+    logistic regression (L-BFGS) on the frozen float16 features, standardised as MAE's affine-free BatchNorm
+    does, with the weight decay chosen by cross-validation on the training split. Both are scored on a
+    stratified 1/``test_every`` of the selected images unless the dataset has its own split, not on an official
+    validation set."""
 
     name = "semantics"
     needs = frozenset({"labels"})
     # 2: probes and k-means on the sources' views by default (1: on every view); 3: intervals, chance, no top-5
-    # with 5 classes or fewer
-    state_version = 3
+    # with 5 classes or fewer; 4: stratified split decided in finalize (own split flagged), tuned probe, n_train
+    state_version = 4
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
     def __init__(self, vm: Any, layers: Any = None,
                  views: str | Sequence[str] = ("cls", "gap", "gap_spatial", "object", "part"),
                  max_images: int = 5000, test_every: int = 5, ks: Sequence[int] = (10, 20, 100, 200),
+                 temperature: float = 0.07,
                  kmeans: bool | str | Sequence[str] = ("cls", "gap_spatial", "object", "part"),
                  probe: bool | str | Sequence[str] = ("cls", "gap_spatial"),
-                 seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1):
+                 seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1, probe_tune: bool = True,
+                 probe_grid: Sequence[float] = S.PROBE_GRID, probe_folds: int = 2, probe_max_iter: int = 1000,
+                 probe_weight_decay: float = 1e-4):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
-        self.max_images, self.test_every, self.ks = int(max_images), int(test_every), tuple(int(k) for k in ks)
+        self.max_images, self.ks = int(max_images), tuple(int(k) for k in ks)
+        self.temperature = float(temperature)
+        if not self.temperature > 0:
+            raise ConfigError(f"semantics: temperature must be positive; got {temperature}")
+        self.test_every = check_test_every(test_every, self.name)
+        self.probe_kw = S.probe_options(self.name, probe_tune, probe_grid, probe_folds, probe_max_iter,
+                                        probe_weight_decay)
         self.kmeans_views, self.probe_views = _view_subset(kmeans, self.views), _view_subset(probe, self.views)
         self.seed = int(seed)
         self.min_region_tokens, self.kmeans_n_init = float(min_region_tokens), int(kmeans_n_init)
         self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
         self.unlabelled = 0
+        self.own_split = False  # the dataset has its own split (batch.is_test), stored in the tables' is_test
+        self.class_names: list[str] | None = None
 
     def required_taps(self) -> list[str]:
         return [f"block{i}.out" for i in self.layers]
@@ -77,7 +111,12 @@ class Semantics(Analysis):
         if take <= 0:
             return
         ids = batch.index[:take].cpu().long()
-        is_test = batch.is_test[:take].cpu() if batch.is_test is not None else ids % self.test_every == 0
+        if batch.is_test is not None:
+            self.own_split, is_test = True, batch.is_test[:take].cpu().bool()
+        else:  # decided in finalize, when every row is known
+            is_test = torch.zeros(take, dtype=torch.bool)
+        if self.class_names is None and batch.extra.get("class_names") is not None:
+            self.class_names = [str(c) for c in batch.extra["class_names"]]
         labels = batch.labels[:take].cpu().long() if batch.labels is not None else None
         if labels is None:
             self.unlabelled += take
@@ -104,20 +143,48 @@ class Semantics(Analysis):
             self.tables[v].extend(other.tables[v])
         self.n_images += other.n_images
         self.unlabelled += other.unlabelled
+        self.own_split = self.own_split or other.own_split
+        self.class_names = self.class_names or other.class_names
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "views": self.views,
                 "tables": {v: t.state_dict() for v, t in self.tables.items()},
-                "n_images": self.n_images, "unlabelled": self.unlabelled}
+                "n_images": self.n_images, "unlabelled": self.unlabelled, "own_split": self.own_split,
+                "class_names": list(self.class_names) if self.class_names is not None else None}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.views = list(state["layers"]), list(state["views"])
         self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
         self.n_images, self.unlabelled = int(state["n_images"]), int(state["unlabelled"])
+        self.own_split = bool(state.get("own_split", False))
+        names = state.get("class_names")
+        self.class_names = [str(c) for c in names] if names is not None else None
 
-    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: float | None, kmeans: bool
-                ) -> dict[str, dict[str, float]]:
-        """{metric: {"value", and where it applies "value_lo", "value_hi", "stderr", "chance"}}."""
+    def _splits(self) -> dict[str, torch.Tensor]:
+        """{view: (rows,) bool test flags}: the dataset's own split, else `stratified_test` of the images (their
+        image-level (id, label) pairs, shared by every view; a part table without image-level rows is split by
+        its own rows)."""
+        if self.own_split:
+            return {v: t.column("is_test") for v, t in self.tables.items()}
+        image = [t for v, t in self.tables.items() if v != "part" and len(t)]
+        test_ids = None
+        if image:
+            ids = torch.cat([t.column("ids") for t in image])
+            labels = torch.cat([t.column("labels") for t in image])
+            ids, first = _unique_first(ids)
+            labels = labels[first]
+            test_ids = ids[stratified_test(ids, labels, self.test_every)]
+        out = {}
+        for v, t in self.tables.items():
+            ids = t.column("ids")
+            out[v] = (torch.isin(ids, test_ids) if test_ids is not None
+                      else stratified_test(ids, t.column("labels"), self.test_every))
+        return out
+
+    def _scores(self, x: torch.Tensor, y: torch.Tensor, test: torch.Tensor, probe: S.ProbeFit | None,
+                kmeans: bool, scorable: bool) -> dict[str, dict[str, float]]:
+        """{metric: {"value", and where it applies "value_lo", "value_hi", "stderr", "chance", the probe's
+        settings}}."""
         out: dict[str, dict[str, float]] = {}
         c = int(y.max()) + 1
         n_classes = len(torch.unique(y))
@@ -128,15 +195,18 @@ class Semantics(Analysis):
             row = {"value": acc, "value_lo": lo, "value_hi": hi, "stderr": se}
             return row if chance is None else {**row, "chance": chance}
 
-        if test.any() and (~test).any():
+        if scorable:
             top1_chance = S.majority_rate(y[~test], y[test], 1)
             top5_chance = S.majority_rate(y[~test], y[test], 5)
-            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c).items():
-                out[f"knn{k}_top1"] = scored(t1, n_test, top1_chance)
+            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c,
+                                               temperature=self.temperature).items():
+                knn = {"k": k, "temperature": self.temperature}
+                out[f"knn{k}_top1"] = {**scored(t1, n_test, top1_chance), **knn}
                 if n_classes > 5:  # top-5 of 5 classes or fewer is 1 by construction
-                    out[f"knn{k}_top5"] = scored(t5, n_test, top5_chance)
+                    out[f"knn{k}_top5"] = {**scored(t5, n_test, top5_chance), **knn}
             if probe is not None:
-                out["probe_top1"] = scored(probe, n_test, top1_chance)
+                out["probe_top1"] = {**scored(probe.accuracy, n_test, top1_chance),
+                                     "probe_weight_decay": probe.weight_decay, "probe_iterations": probe.iterations}
         k = n_classes
         if kmeans and len(x) > k > 1:
             scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
@@ -144,13 +214,13 @@ class Semantics(Analysis):
                 out[f"kmeans_{m}"] = scored(v, len(x)) if m == "purity" else {"value": v}
         return out
 
-    def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor, view: str
-                ) -> list[float | None]:
-        """Probe top-1 of each (n, D) feature set (all layers in one call)."""
-        if view not in self.probe_views or not test.any() or not (~test).any():
+    def _probes(self, feats: list[torch.Tensor], y: torch.Tensor, test: torch.Tensor, view: str, where: str
+                ) -> list[S.ProbeFit | None]:
+        """The probe of each (n, D) feature set (all layers in one call)."""
+        if view not in self.probe_views:
             return [None] * len(feats)
-        return S.linear_probes([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
-                               num_classes=int(y.max()) + 1)[0]
+        return S.probe_fits([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
+                            num_classes=int(y.max()) + 1, where=where, **self.probe_kw)
 
     def finalize(self) -> pd.DataFrame:
         largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
@@ -159,52 +229,63 @@ class Semantics(Analysis):
 
     def _finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
-        n_test = {}
+        sizes: dict[str, tuple[int, int]] = {}
         gen = torch.Generator().manual_seed(self.seed)
+        splits = self._splits()
+        warned: list[tuple[torch.Tensor, torch.Tensor]] = []
         for v in self.views:
             t = self.tables[v]
             if len(t) < 2:
                 continue
-            y, test = t.column("labels"), t.column("is_test")
-            n_test[v] = int(test.sum())
-            one_class = self._warn_if_meaningless(v, y, test)
+            y, test = t.column("labels"), splits[v]
+            sizes[v] = (int((~test).sum()), int(test.sum()))
+            one_class = self._warn_if_meaningless(v, y)
+            where = f"semantics: model {self.model_name!r}, view {v!r}"
+            seen = any(torch.equal(y, a) and torch.equal(test, b) for a, b in warned)  # said for a view before
+            if not seen:
+                warned.append((y, test))
+                same = [w for w in self.views if w != v and len(self.tables[w]) == len(t)
+                        and torch.equal(self.tables[w].column("labels"), y) and torch.equal(splits[w], test)]
+                if same:
+                    where = f"semantics: model {self.model_name!r}, views {', '.join(repr(w) for w in [v, *same])}"
+            with warnings.catch_warnings():
+                if seen:
+                    warnings.simplefilter("ignore", ResultWarning)
+                scorable = not one_class and split_warnings(
+                    where, y, test, self.class_names if v != "part" else None)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
             feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
-            with warnings.catch_warnings():
-                if one_class:  # said once above, for every score
-                    warnings.filterwarnings("ignore", category=ResultWarning, message="linear probe")
-                probes = self._probes(feats, y, test, v)
+            probes = self._probes(feats, y, test, v, where) if scorable else [None] * len(feats)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
-                for metric, val in self._scores(x.float(), y, test, probe, v in self.kmeans_views).items():
+                for metric, val in self._scores(x.float(), y, test, probe, v in self.kmeans_views, scorable).items():
                     rows.append({"metric": metric + suffix, "layer": layer, "token_view": v, **val})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
-        df["n_test"] = df["token_view"].map(n_test)
+        df["n_train"] = df["token_view"].map({v: s[0] for v, s in sizes.items()})
+        df["n_test"] = df["token_view"].map({v: s[1] for v, s in sizes.items()})
+        for c in ("k", "temperature", "probe_weight_decay", "probe_iterations"):
+            if c not in df.columns:
+                df[c] = float("nan")
         return df
 
-    def _warn_if_meaningless(self, view: str, y: torch.Tensor, test: torch.Tensor) -> bool:
-        """One ResultWarning per view whose scores cannot mean much; True when it has a single class."""
-        n_classes, n_test = len(torch.unique(y)), int(test.sum())
-        where = f"semantics: model {self.model_name!r}, view {view!r}"
-        if n_classes < 2:
-            warnings.warn(f"{where}: every row has the same label, so k-NN, the probe and k-means score 1.0 "
-                          "whatever the features (1.0 is chance here); use a dataset with at least two classes",
-                          ResultWarning, stacklevel=3)
+    def _warn_if_meaningless(self, view: str, y: torch.Tensor) -> bool:
+        """One ResultWarning for a view whose rows all have one label (True then): no score can mean anything."""
+        if len(torch.unique(y)) < 2:
+            warnings.warn(f"semantics: model {self.model_name!r}, view {view!r}: every row has the same label, so "
+                          "k-NN, the probe and k-means score 1.0 whatever the features (1.0 is chance here); use a "
+                          "dataset with at least two classes", ResultWarning, stacklevel=3)
             return True
-        if n_test < n_classes:
-            warnings.warn(f"{where}: {n_test} test rows for {n_classes} classes, so some classes are never tested "
-                          f"and accuracies move in steps of {1 / max(n_test, 1):.2g}; use more images (or a smaller "
-                          "test_every)", ResultWarning, stacklevel=3)
         return False
 
     def probe_logits(self, view: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
-        y, ids, test = t.column("labels"), t.column("ids"), t.column("is_test")
+        y, ids, test = t.column("labels"), t.column("ids"), self._splits()[view]
         x = t.layer(self.layers.index(layer)).float()
-        _, logits = S.linear_probe(x[~test], y[~test], x[test], y[test], num_classes=int(y.max()) + 1)
-        return logits, y[test], ids[test]
+        fit = S.fit_probe(x[~test], y[~test], x[test], y[test], num_classes=int(y.max()) + 1, warn=False,
+                          **self.probe_kw)
+        return fit.scores, y[test], ids[test]
 
     @classmethod
     @single_threaded
@@ -243,3 +324,11 @@ def _view_subset(which: Any, views: list[str]) -> list[str]:
         return list(views) if which else []
     which = [which] if isinstance(which, str) else list(which)
     return [v for v in views if v in which]
+
+
+def _unique_first(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the distinct ids, sorted; the position of each one's first row)."""
+    uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    first = torch.full((len(uniq),), len(ids), dtype=torch.long).scatter_reduce(
+        0, inverse, torch.arange(len(ids)), reduce="amin")
+    return uniq, first

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from vitscope.errors import ConfigError
-from vitscope.metrics.semantics import linear_probe
+from vitscope.metrics.semantics import ProbeFit, fit_probe
 
 Tensor = torch.Tensor
 
@@ -73,13 +73,20 @@ def probe_decisions(train: Tensor, train_labels: Tensor, tests: Sequence[Tensor]
                     **kw: object) -> list[Tensor]:
     """Fit one linear probe (`vitscope.metrics.semantics.linear_probe`: multinomial logistic regression on
     standardised features) on ``train`` and return its class decisions on each of ``tests``."""
+    return probe_fit_decisions(train, train_labels, tests, num_classes, **kw)[0]
+
+
+def probe_fit_decisions(train: Tensor, train_labels: Tensor, tests: Sequence[Tensor], num_classes: int,
+                        **kw: object) -> tuple[list[Tensor], ProbeFit | None]:
+    """`probe_decisions` and the fit (`vitscope.metrics.semantics.fit_probe`: its weight decay, iterations);
+    None when there is nothing to decide."""
     sizes = [len(t) for t in tests]
     if not sum(sizes):
-        return [torch.empty(0, dtype=torch.long) for _ in tests]
+        return [torch.empty(0, dtype=torch.long) for _ in tests], None
     allt = torch.cat([t.float() for t in tests])
-    _, scores = linear_probe(train.float(), train_labels.long(), allt, torch.zeros(len(allt), dtype=torch.long),
-                             num_classes=num_classes, **kw)
-    return list(scores.argmax(1).split(sizes))
+    fit = fit_probe(train.float(), train_labels.long(), allt, torch.zeros(len(allt), dtype=torch.long),
+                    num_classes=num_classes, **kw)
+    return list(fit.scores.argmax(1).split(sizes)), fit
 
 
 # ---------------------------------------------------------------- shape bias

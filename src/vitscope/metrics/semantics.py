@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
 
-from vitscope.errors import ResultWarning
+from vitscope.errors import ConfigError, ResultWarning
 
 Tensor = torch.Tensor
 
@@ -74,15 +75,106 @@ def majority_rate(train_labels: Tensor, test_labels: Tensor, k: int = 1) -> floa
     return float(torch.isin(test_labels, top).double().mean())
 
 
-def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
-                 standardize: bool = True, weight_decay: float = 1e-4, max_iter: int = 100,
-                 num_classes: int | None = None, warn: bool = True) -> tuple[float, Tensor]:
-    """Multinomial logistic regression on the full training set: scikit-learn's L-BFGS solver with a fixed
-    budget of ``max_iter`` iterations (deterministic), loss = mean cross-entropy + ``weight_decay`` x |W|^2.
-    ``standardize``: features normalised with the training mean and std first (what a BatchNorm without
-    affine parameters does at convergence). Returns (top-1 accuracy on the test set, (m, C) test
-    log-probabilities; classes absent from the training labels get a score below every other). A training set
-    of fewer than two classes warns (`ResultWarning`): the probe then predicts its one class everywhere."""
+PROBE_GRID = (1.0, 1e-1, 1e-2, 1e-3, 1e-4)  # L2 weight decays the tuned probe chooses from, strongest first
+
+
+@dataclass
+class ProbeFit:
+    """One fitted probe: test top-1 ``accuracy``, (m, C) test log-probabilities ``scores``, the L2
+    ``weight_decay`` used (chosen by cross-validation when tuned), the L-BFGS ``iterations`` of the final
+    fit and whether it ``converged`` within its cap; ``cv_accuracy``: the held-out accuracy of each decay
+    tried ({} when not tuned)."""
+
+    accuracy: float
+    scores: Tensor
+    weight_decay: float
+    iterations: int
+    converged: bool
+    cv_accuracy: dict[float, float] = field(default_factory=dict)
+
+
+def probe_options(who: str, tune: bool = True, grid: Sequence[float] = PROBE_GRID, folds: int = 2,
+                  max_iter: int = 1000, weight_decay: float = 1e-4) -> dict[str, Any]:
+    """An analysis's probe parameters checked (one sentence each) -> keyword arguments of `fit_probe`."""
+    grid = tuple(sorted((float(g) for g in grid), reverse=True))
+    if not grid or any(not np.isfinite(g) or g <= 0 for g in grid):
+        raise ConfigError(f"{who}: probe_grid must list positive weight decays; got {list(grid)}")
+    if int(folds) < 2:
+        raise ConfigError(f"{who}: probe_folds must be at least 2; got {folds}")
+    if int(max_iter) < 1:
+        raise ConfigError(f"{who}: probe_max_iter must be at least 1; got {max_iter}")
+    if not float(weight_decay) > 0:
+        raise ConfigError(f"{who}: probe_weight_decay must be positive; got {weight_decay}")
+    return {"tune": bool(tune), "grid": grid, "folds": int(folds), "max_iter": int(max_iter),
+            "weight_decay": float(weight_decay)}
+
+
+def class_folds(labels: np.ndarray, folds: int) -> np.ndarray:
+    """Fold of each row: within each class, rows in their order here get folds 0, 1, ..., folds - 1, 0, ...
+    (stratified and deterministic)."""
+    y = np.asarray(labels)
+    n = len(y)
+    order = np.lexsort((np.arange(n), y))
+    ys = y[order]
+    starts = np.r_[0, np.flatnonzero(ys[1:] != ys[:-1]) + 1] if n else np.zeros(0, dtype=int)
+    sizes = np.diff(np.r_[starts, n])
+    out = np.empty(n, dtype=np.int64)
+    out[order] = (np.arange(n) - np.repeat(starts, sizes)) % folds
+    return out
+
+
+def _logreg(weight_decay: float, n: int, max_iter: int, tol: float = 1e-4, warm: bool = False) -> LogisticRegression:
+    """scikit-learn's multinomial L-BFGS logistic regression minimising mean cross-entropy + weight_decay |W|^2."""
+    return LogisticRegression(C=1.0 / (2 * weight_decay * n), max_iter=max_iter, tol=tol, warm_start=warm)
+
+
+def _fit(model: LogisticRegression, x: np.ndarray, y: np.ndarray) -> LogisticRegression:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)  # reported by the caller from n_iter_
+        return model.fit(x, y)
+
+
+def choose_weight_decay(x: np.ndarray, y: np.ndarray, grid: Sequence[float], folds: int = 2, max_iter: int = 1000,
+                        tol: float = 1e-3, patience: int = 1) -> tuple[float, dict[float, float]]:
+    """The weight decay of ``grid`` with the best ``folds``-fold held-out accuracy on (x, y) (ties: the
+    stronger), and the accuracy of each decay tried. One warm-started path per fold from the strongest decay
+    to the weakest, stopped after ``patience`` decays below the best so far (weaker decays cost the most
+    iterations). Folds: `class_folds`; a class with fewer rows than folds is simply absent from some."""
+    grid = sorted(grid, reverse=True)
+    fold = class_folds(y, folds)
+    parts = [(fold != f, fold == f) for f in range(folds)]
+    parts = [(tr, va) for tr, va in parts if va.any() and len(np.unique(y[tr])) > 1]
+    if not parts:
+        return grid[0], {}
+    models = [_logreg(grid[0], int(tr.sum()), max_iter, tol, warm=True) for tr, _ in parts]
+    acc: dict[float, float] = {}
+    best, since = grid[0], 0
+    for lam in grid:
+        hits = 0
+        for m, (tr, va) in zip(models, parts, strict=True):
+            m.set_params(C=1.0 / (2 * lam * int(tr.sum())))
+            hits += int((_fit(m, x[tr], y[tr]).predict(x[va]) == y[va]).sum())
+        acc[lam] = hits / sum(int(va.sum()) for _, va in parts)
+        if acc[lam] > acc[best]:
+            best, since = lam, 0
+        elif acc[lam] < acc[best]:  # ties go on (and keep the stronger decay)
+            since += 1
+            if since >= patience:
+                break
+    return best, acc
+
+
+def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *, standardize: bool = True,
+              weight_decay: float = 1e-4, max_iter: int = 100, num_classes: int | None = None, warn: bool = True,
+              tune: bool = False, grid: Sequence[float] = PROBE_GRID, folds: int = 2, where: str = "linear probe"
+              ) -> ProbeFit:
+    """Multinomial logistic regression (scikit-learn's L-BFGS), loss = mean cross-entropy + ``weight_decay`` x
+    |W|^2 (bias not penalised). ``standardize``: features normalised with the training mean and std first (what
+    a BatchNorm without affine parameters does at convergence). ``tune``: the weight decay is chosen from
+    ``grid`` by `choose_weight_decay` on the training rows alone, then the probe is refitted on all of them.
+    At most ``max_iter`` iterations; a tuned fit that hits the cap warns (`ResultWarning`, prefixed by
+    ``where``). Classes absent from the training labels get a score below every other; a training set of
+    fewer than two classes warns: the probe then predicts its one class everywhere."""
     c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
     x, xt = train.double().numpy(), test.double().numpy()
     if standardize:
@@ -93,29 +185,58 @@ def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     classes = np.unique(y)
     if len(classes) < 2 and warn:
         warn_single_class_probe(len(classes))
+    lam, cv, iters, converged = float(weight_decay), {}, 0, True
     if len(classes) == 1:  # nothing to fit: every test image gets the one class seen
         scores[:, int(classes[0])] = 0.0
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ConvergenceWarning)  # the budget is fixed on purpose
-            model = LogisticRegression(C=1.0 / (2 * weight_decay * len(y)), max_iter=max_iter).fit(x, y)
-        scores[:, torch.from_numpy(model.classes_)] = torch.from_numpy(model.predict_log_proba(xt))
-    scores = torch.nan_to_num(scores, nan=float(np.nanmin(scores.numpy())) - 1.0)
-    return float((scores.argmax(1) == test_labels).double().mean()), scores
+    elif len(classes) > 1:
+        if tune:
+            lam, cv = choose_weight_decay(x, y, grid, folds, max_iter)
+        model = _fit(_logreg(lam, len(y), max_iter), x, y)
+        iters = int(np.max(model.n_iter_))
+        converged = iters < max_iter
+        if tune and not converged and warn:
+            warnings.warn(f"{where}: the probe (weight decay {lam:g}) stopped at its cap of {max_iter} iterations "
+                          "before converging; raise probe_max_iter", ResultWarning, stacklevel=2)
+        if len(xt):
+            scores[:, torch.from_numpy(model.classes_)] = torch.from_numpy(model.predict_log_proba(xt))
+    if len(xt) and np.isfinite(scores.numpy()).any():
+        scores = torch.nan_to_num(scores, nan=float(np.nanmin(scores.numpy())) - 1.0)
+    acc = float((scores.argmax(1) == test_labels).double().mean()) if len(xt) else float("nan")
+    return ProbeFit(acc, scores, lam, iters, converged, cv)
+
+
+def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
+                 standardize: bool = True, weight_decay: float = 1e-4, max_iter: int = 100,
+                 num_classes: int | None = None, warn: bool = True, **tuning: Any) -> tuple[float, Tensor]:
+    """`fit_probe` -> (top-1 accuracy on the test set, (m, C) test log-probabilities). Without ``tune=True``
+    (in ``tuning``, with ``grid``, ``folds``, ``where``) the fixed ``weight_decay`` and a fixed budget of
+    ``max_iter`` iterations (deterministic; the protocol of the zoo's cards)."""
+    fit = fit_probe(train, train_labels, test, test_labels, standardize=standardize, weight_decay=weight_decay,
+                    max_iter=max_iter, num_classes=num_classes, warn=warn, **tuning)
+    return fit.accuracy, fit.scores
+
+
+def probe_fits(train: Sequence[Tensor], train_labels: Tensor, test: Sequence[Tensor], test_labels: Tensor,
+               **kw: Any) -> list[ProbeFit]:
+    """`fit_probe` of L feature sets of the same images (e.g. the layers of a model); the single-class
+    warning once for all."""
+    if "num_classes" not in kw or kw["num_classes"] is None:
+        kw["num_classes"] = int(max(train_labels.max(), test_labels.max())) + 1
+    n_classes = len(torch.unique(train_labels))
+    if n_classes < 2 and kw.pop("warn", True):
+        warn_single_class_probe(n_classes)  # once for all the feature sets
+    kw["warn"] = kw.get("tune", False)  # the cap warning stays per fit
+    if n_classes < 2:
+        kw["warn"] = False
+    return [fit_probe(a, train_labels, b, test_labels, **kw) for a, b in zip(train, test, strict=True)]
 
 
 def linear_probes(train: Sequence[Tensor], train_labels: Tensor, test: Sequence[Tensor], test_labels: Tensor,
                   **kw: Any) -> tuple[list[float], Tensor]:
     """`linear_probe` of L feature sets of the same images (sequences of (n, D) / (m, D) tensors, e.g. the
     layers of a model) -> (L top-1 accuracies, (L, m, C) test scores)."""
-    if "num_classes" not in kw or kw["num_classes"] is None:
-        kw["num_classes"] = int(max(train_labels.max(), test_labels.max())) + 1
-    n_classes = len(torch.unique(train_labels))
-    if n_classes < 2 and kw.pop("warn", True):
-        warn_single_class_probe(n_classes)  # once for all the feature sets
-    kw["warn"] = False
-    out = [linear_probe(a, train_labels, b, test_labels, **kw) for a, b in zip(train, test, strict=True)]
-    return [o[0] for o in out], torch.stack([o[1] for o in out])
+    out = probe_fits(train, train_labels, test, test_labels, **kw)
+    return [o.accuracy for o in out], torch.stack([o.scores for o in out])
 
 
 def warn_single_class_probe(n_classes: int) -> None:

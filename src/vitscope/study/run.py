@@ -24,7 +24,7 @@ import shutil
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,7 @@ class Source:
     chunks: list[list[int]]
     signature: str
     skipped: dict[str, str] = field(default_factory=dict)
+    selection: str = ""  # digest of every rank's selected ids (in the analyses' cache keys)
 
 
 def _pk(p: PassKey) -> str:
@@ -305,7 +306,7 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     ids = _select_ids(ds, dc.n_images)
     shard = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
-    return Source(name, ds, chunks, digest(cfg.batch_size, shard))
+    return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids))
 
 
 def _units(ds: Any, n: int) -> list[int] | None:
@@ -317,7 +318,10 @@ def _units(ds: Any, n: int) -> list[int] | None:
 
 
 def _select_ids(ds: Any, n_images: int) -> list[int]:
-    """All ids, or ``n_images`` of them: whole units (videos, pairs) from the first on, else an even spread."""
+    """All ids, or ``n_images`` of them: whole units (videos, pairs) from the first on; where the dataset knows
+    its labels without reading an image (``index_labels()``), a class-balanced selection (`balanced_ids`);
+    else an even spread. A pure function of the dataset and ``n_images``: every rank and rerun selects the
+    same ids."""
     n = len(ds)
     if n <= n_images:
         return list(range(n))
@@ -330,7 +334,46 @@ def _select_ids(ds: Any, n_images: int) -> list[int]:
                 break
             ids.extend(range(s, e))
         return ids
-    return [int(i) for i in torch.linspace(0, n - 1, n_images).round().long().tolist()]
+    labels = index_labels(ds)
+    if labels is not None:
+        return balanced_ids(labels, n_images)
+    return _spread(n, n_images)
+
+
+def _spread(n: int, k: int) -> list[int]:
+    """``k`` of ``range(n)``, evenly spread, first and last included."""
+    return [int(i) for i in torch.linspace(0, n - 1, k).round().long().tolist()] if k > 0 else []
+
+
+def index_labels(ds: Any) -> list[int] | None:
+    """The class of every id, where the dataset knows them from its index (``index_labels()``), else None."""
+    fn = getattr(ds, "index_labels", None)
+    labels = fn() if callable(fn) else None
+    return None if labels is None or len(labels) != len(ds) else [int(v) for v in labels]
+
+
+def balanced_ids(labels: Sequence[int], n_images: int) -> list[int]:
+    """``n_images`` ids, as many of each class as it allows: every class gets the same share, a class with
+    fewer images all of them and the rest goes to the others (the remainder one each to the largest classes,
+    the lower class id first); within a class an even spread of its ids. Sorted."""
+    by_class: dict[int, list[int]] = {}
+    for i, c in enumerate(labels):
+        by_class.setdefault(int(c), []).append(i)
+    quota = {c: 0 for c in by_class}
+    left, open_ = min(int(n_images), len(labels)), sorted(by_class)
+    while left > 0 and open_:
+        share = left // len(open_)
+        if share == 0:  # fewer images left than classes: one each to the classes with the most ids left
+            for c in sorted(open_, key=lambda c: (-(len(by_class[c]) - quota[c]), c))[:left]:
+                quota[c] += 1
+            break
+        for c in list(open_):
+            take = min(share, len(by_class[c]) - quota[c])
+            quota[c] += take
+            left -= take
+            if quota[c] == len(by_class[c]):
+                open_.remove(c)
+    return sorted(i for c, members in by_class.items() for i in (members[j] for j in _spread(len(members), quota[c])))
 
 
 def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
@@ -450,7 +493,8 @@ def _dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig
     from vitscope.study.config import study_datasets
 
     dcs = study_datasets(cfg)
-    return {slot: asdict(dcs[name]) for slot, name in ap.slots.items()}
+    return {slot: {**asdict(dcs[name]), "selected": sources[name].selection if name in sources else None}
+            for slot, name in ap.slots.items()}
 
 
 def _relate(analysis: Any, ap: AnalysisPlan, mc: Any) -> None:

@@ -83,5 +83,9 @@ class Cifar(FileDataset):
     def __len__(self) -> int:
         return len(self.data)
 
+    def index_labels(self) -> list[int]:
+        """The class of every item, from the index (no image is read)."""
+        return [int(v) for v in self.targets]
+
     def load(self, i: int) -> Sample:
         return Sample(image=self.data[i], label=self.targets[i], index=i)

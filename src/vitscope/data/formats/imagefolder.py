@@ -102,6 +102,10 @@ class ImageFolder(FileDataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    def index_labels(self) -> list[int]:
+        """The class of every item, from the index (no image is read)."""
+        return [int(v) for v in self.labels]
+
     def load(self, i: int) -> Sample:
         return Sample(image=read_rgb(self.files[i]), label=self.labels[i], index=i,
                       is_test=None if self.is_test is None else self.is_test[i], extra={"path": str(self.files[i])})

@@ -67,6 +67,10 @@ class CueConflictFolder(FileDataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    def index_labels(self) -> list[int]:
+        """The class of every item, from the index (no image is read)."""
+        return [int(v) for v in self.labels]
+
     def load(self, i: int) -> Sample:
         return Sample(image=read_rgb(self.files[i]), label=self.labels[i], index=i,
                       extra={"path": str(self.files[i]), "texture_label": self.texture_labels[i]})
@@ -146,6 +150,10 @@ class CorruptedFolder(FileDataset):
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def index_labels(self) -> list[int]:
+        """The class of every item, from the index (no image is read)."""
+        return [int(v) for v in (e[2] for e in self.entries)]
 
     def load(self, i: int) -> Sample:
         c, s, label, src = self.entries[i]

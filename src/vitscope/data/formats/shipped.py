@@ -34,5 +34,9 @@ class Cifar10Test1k(FileDataset):
     def __len__(self) -> int:
         return len(self.data)
 
+    def index_labels(self) -> list[int]:
+        """The class of every item, from the index (no image is read)."""
+        return [int(v) for v in self.targets]
+
     def load(self, i: int) -> Sample:
         return Sample(image=self.data[i], label=int(self.targets[i]), index=i, extra={"path": self.files[i]})
