@@ -71,3 +71,10 @@ def first_line(e: BaseException, limit: int = 200) -> str:
         return f"it refers to {m.group(1)}, which is not data"
     line = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     return line[:limit]
+
+
+def check_choice(value: object, choices: tuple[str, ...], who: str, what: str, hint: str) -> str:
+    """``value`` when it is one of ``choices``; else one sentence: "WHO: WHAT 'value' does not exist; choose HINT"."""
+    if value not in choices:
+        raise ConfigError(f"{who}: {what} {value!r} does not exist; choose {hint}")
+    return str(value)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from vitscope.data.views import image_generator, register_view
-from vitscope.errors import ConfigError, VitscopeError, close_matches
+from vitscope.errors import VitscopeError, check_choice, close_matches
 
 Tensor = torch.Tensor
 
@@ -62,10 +62,8 @@ BAND_DEFINITIONS = ("circular_rms", "square_sign")
 
 def check_band_definition(definition: object, who: str = "band_noise") -> str:
     """One sentence for a band definition that does not exist; returns it."""
-    if definition not in BAND_DEFINITIONS:
-        raise ConfigError(f"{who}: band definition {definition!r} does not exist; choose circular_rms (the same "
-                          "noise energy in every band, the default) or square_sign (Park et al.'s public code)")
-    return str(definition)
+    return check_choice(definition, BAND_DEFINITIONS, who, "band definition", "circular_rms (the same noise energy "
+                        "in every band, the default) or square_sign (Park et al.'s public code)")
 
 
 def band_key(band: int, n_bands: int = N_BANDS, width: float = BAND_WIDTH, rms: float = 0.1,

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vitscope.errors import ConfigError
+from vitscope.errors import check_choice
 from vitscope.metrics import cka as C
 
 #: STIR's CKA: vitscope's default first, then the public STIR code's (see the module docstring)
@@ -41,10 +41,8 @@ CKA_ESTIMATORS = ("minibatch_unbiased", "last_batch_biased")
 
 def check_cka_estimator(name: object, who: str = "stir") -> str:
     """One sentence for an estimator that does not exist; returns the name."""
-    if name not in CKA_ESTIMATORS:
-        raise ConfigError(f"{who}: cka_estimator {name!r} does not exist; choose {' or '.join(CKA_ESTIMATORS)} "
-                          "(the public STIR code's)")
-    return str(name)
+    return check_choice(name, CKA_ESTIMATORS, who, "cka_estimator",
+                        f"{' or '.join(CKA_ESTIMATORS)} (the public STIR code's)")
 
 __all__ = [
     "cka_divergence",

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from vitscope.errors import ConfigError
+from vitscope.errors import check_choice
 from vitscope.metrics.semantics import ProbeFit, fit_probe
 
 Tensor = torch.Tensor
@@ -96,10 +96,8 @@ MATCH_DENOMINATORS = ("all", "kept")
 
 def check_match_denominator(denominator: object, who: str = "shape_bias") -> str:
     """One sentence for a denominator that does not exist; returns it."""
-    if denominator not in MATCH_DENOMINATORS:
-        raise ConfigError(f"{who}: match_denominator {denominator!r} does not exist; choose all (every cue-conflict "
-                          "image, as model-vs-human) or kept (the images whose shape and texture differ)")
-    return str(denominator)
+    return check_choice(denominator, MATCH_DENOMINATORS, who, "match_denominator", "all (every cue-conflict image, "
+                        "as model-vs-human) or kept (the images whose shape and texture differ)")
 
 
 def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor,

@@ -222,13 +222,7 @@ class FileDataset:
 
     def collate_chunk(self, chunk: list[Sample], pre: Preprocessing) -> Batch | RaggedBatch:
         """A chunk's samples -> a batch, or a `RaggedBatch` of runs of one size."""
-        runs: list[list[Sample]] = []
-        for s in chunk:
-            if runs and runs[-1][0].size == s.size:
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-        return ragged([self._collate(r, pre) for r in runs])
+        return ragged([self._collate(r, pre) for r in runs_of_one_size(chunk)])
 
     def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = collate(chunk, pre)
@@ -241,3 +235,14 @@ class FileDataset:
             b.extra["source_objects"] = [torch.as_tensor(np.asarray(s.extra["source_objects"])).long() for s in chunk]
         b.extra["framing"] = self.framing.describe(pre)
         return b
+
+
+def runs_of_one_size(samples: list[Sample]) -> list[list[Sample]]:
+    """Consecutive samples grouped into runs of one image size (one forward each), in order."""
+    runs: list[list[Sample]] = []
+    for s in samples:
+        if runs and runs[-1][0].size == s.size:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return runs

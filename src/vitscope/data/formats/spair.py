@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
-from vitscope.data.formats.common import FileDataset, read_rgb, require_files
+from vitscope.data.formats.common import FileDataset, read_rgb, require_files, runs_of_one_size
 from vitscope.data.transforms import Framing
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
@@ -160,13 +160,7 @@ class SPair71k(FileDataset):
             yield self._flat_chunk(chunk, pre)
 
     def _flat_chunk(self, chunk: list[Sample], pre: Preprocessing) -> Batch | RaggedBatch:
-        runs: list[list[Sample]] = []
-        for s in chunk:
-            if runs and runs[-1][0].size == s.size:
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-        return ragged([self._flat_batch(r, pre) for r in runs])
+        return ragged([self._flat_batch(r, pre) for r in runs_of_one_size(chunk)])
 
     def _flat_batch(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
         b = self._collate(chunk, pre)
