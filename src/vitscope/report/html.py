@@ -119,8 +119,10 @@ def _findings(run: Run) -> list[str]:
     if table.empty:
         return []
     counts = table["verdict"].value_counts()
-    said = ", ".join(f"{int(counts[w])} {w}" for w in ("holds", "contradicted", "inconclusive", "no uncertainty")
-                     if w in counts)
+    words = {"holds": "hold", "contradicted": "contradicted", "inconclusive": "inconclusive",
+             "no uncertainty": "without uncertainty"}
+    said = ", ".join(f"{int(counts[w])} {'holds' if w == 'holds' and counts[w] == 1 else words[w]}"
+                     for w in words if w in counts)
     rows = ["<h3>Contrastive vs reconstructive (the sources' findings)</h3>",
             f"<p>Of the sources' {len(table)} findings comparing contrastive with masked-image-modelling (MIM) "
             f"models, in this study: {_esc(said)}.</p>"]
