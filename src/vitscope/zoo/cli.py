@@ -144,6 +144,10 @@ def shipped_lines(width: int = 116) -> list[str]:
 
     names = [n for n, spec in REGISTRY.items() if n.startswith("zoo-") and spec.weights.kind == "file"]
     lines = []
+    try:
+        rnd = random_card()
+    except CardError as err:
+        return [f"  {err}"]
 
     def say(text: str) -> None:
         lines.extend(textwrap.wrap(text, width, initial_indent="    ", subsequent_indent="      "))
@@ -159,8 +163,8 @@ def shipped_lines(width: int = 116) -> list[str]:
         seen = f"{c['image_views']:,} image-views of {c['data']['name']}" if c.get("image_views") else "untrained"
         lines.append(f"  {name}: {seen}; {acc}")
         try:
-            verdict = judge(c, random_card())
-            found = margins(c, random_card()) if verdict is not None else None
+            verdict = judge(c, rnd)
+            found = margins(c, rnd) if verdict is not None else None
         except CardError as err:
             say(f"bar: not judged, {err} [not in the default study]")
             continue

@@ -150,12 +150,9 @@ def load_objective(run_dir: str | Path) -> Objective:
     from safetensors.torch import load_file
 
     import vitscope as vs
-    from vitscope.zoo.arch import ZooArch
-    from vitscope.zoo.objectives import build_objective
 
     run_dir = Path(run_dir)
-    card = json.loads((run_dir / CARD_FILE).read_text())
-    obj = build_objective(card["objective"], ZooArch(**card["zoo_arch"]), **card.get("hparams", {}))
+    obj = _objective(json.loads((run_dir / CARD_FILE).read_text()))
     if not (run_dir / DECODER_FILE).is_file():
         if not (run_dir / STATE_FILE).is_file():
             raise CardError(f"{run_dir} has no {DECODER_FILE} (the decoder its reconstruction loss needs) and no "
@@ -282,13 +279,11 @@ def refit_decoder(run_dir: str | Path, encoder: str | Path, steps: int = REFIT_S
     trained and on the untrained encoder separates what the encoder learned from what a decoder alone recovers.
     ``data``: as for `vitscope.zoo.data.load_data`, or a loaded `DataSource`."""
     import vitscope as vs
-    from vitscope.zoo.arch import ZooArch
     from vitscope.zoo.data import Augment, DataSource, ViewStream, load_data
-    from vitscope.zoo.objectives import build_objective
     from vitscope.zoo.train import TrainConfig, make_optimizer, train_step
 
     card = json.loads((Path(run_dir) / CARD_FILE).read_text())
-    obj = build_objective(card["objective"], ZooArch(**card["zoo_arch"]), seed=seed, **card.get("hparams", {}))
+    obj = _objective(card, seed)
     obj.encoder.load_state_dict(vs.load_model(str(encoder)).model.float().state_dict())
     obj.encoder.requires_grad_(False)
     ds = data if isinstance(data, DataSource) else load_data(data, size=obj.img_size, synthetic_n=synthetic_n,
@@ -344,6 +339,13 @@ def _arch(card: dict[str, Any]) -> ZooArch:
     from vitscope.zoo.arch import ZooArch
 
     return ZooArch(**card["zoo_arch"])
+
+
+def _objective(card: dict[str, Any], seed: int = 0) -> Objective:
+    """The card's objective (architecture, hyper-parameters) freshly built at ``seed``."""
+    from vitscope.zoo.objectives import build_objective
+
+    return build_objective(card["objective"], _arch(card), seed=seed, **card.get("hparams", {}))
 
 
 def _zoo_random_arch() -> dict[str, Any]:
