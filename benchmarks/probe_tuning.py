@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections import Counter
 
 import numpy as np
 import torch
@@ -98,7 +99,7 @@ def main() -> None:
         print(f"  {k:40s} {v:6.2f} s  {v / base:4.2f}x")
     print(f"goal: tuned, vitscope / former <= 1.2: {times['tuned, vitscope'] / base:.2f}x")
     print(f"mean test top-1: former {np.mean(former):.3f}, tuned {np.mean([f.accuracy for f in tuned]):.3f}; "
-          f"decays chosen: {dict(zip(*np.unique([f.weight_decay for f in tuned], return_counts=True)))}")
+          f"decays chosen: {Counter(f.weight_decay for f in tuned)}")
 
 
 if __name__ == "__main__":
