@@ -18,15 +18,20 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.bounds import Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import cka as C
+
+#: images per CKA batch: the unbiased HSIC estimator needs at least C.MIN_HSIC1_EXAMPLES
+CkaBatch = Annotated[int, Range(C.MIN_HSIC1_EXAMPLES,
+                                why="the unbiased HSIC estimator needs that many images per batch")]
 
 
 class GramGroups:
@@ -129,7 +134,7 @@ def _grouped_gram(x: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
 class _GramAnalysis(Analysis):
     """Shared plumbing: a `GramGroups`, Grams kept per stream and batch, merge by concatenation."""
 
-    def __init__(self, vm: Any, batch_size: int = 32):
+    def __init__(self, vm: Any, batch_size: CkaBatch = 32):
         super().__init__(vm)
         self.batch_size = int(batch_size)
         self.groups = GramGroups(self.batch_size)
@@ -238,7 +243,7 @@ class CKA(_GramAnalysis):
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out",
-                 views: str | Sequence[str] = ("cls", "gap"), batch_size: int = 32):
+                 views: str | Sequence[str] = ("cls", "gap"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         views = [views] if isinstance(views, str) else list(views)
@@ -318,7 +323,7 @@ class ResidualCKA(_GramAnalysis):
     state_version = 2  # 2: stderr columns (batch means, as `cka`)
     description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
 
-    def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: int = 32):
+    def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
@@ -376,7 +381,7 @@ class Diversity(Analysis):
     state_version = 2  # 2: sums of squares (stderr)
     description = "similarity between heads, between spatial tokens, and before/after attention (CKA, cosine)"
 
-    def __init__(self, vm: Any, layers: Any = None, batch_size: int = 32):
+    def __init__(self, vm: Any, layers: Any = None, batch_size: CkaBatch = 32):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         self.batch_size = int(batch_size)

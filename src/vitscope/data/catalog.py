@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vitscope.bounds import Range
 from vitscope.errors import ConfigError, close_matches
 
 #: what a dataset can provide, with the batch fields that carry it
@@ -60,6 +61,29 @@ def get_format(name: str) -> Format:
         raise ConfigError(f"unknown dataset format {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
                           + f" Available: {', '.join(FORMATS)}.")
     return FORMATS[name]
+
+
+#: the range of every count a dataset config or a format's options may set (checked by `check_counts` when the
+#: config is validated, before any model loads; a format's own loader checks its option names)
+COUNT_RANGES: dict[str, Range] = {
+    "n_images": Range(1), "size": Range(1), "per_class": Range(1),                   # DatasetConfig fields
+    "n_frames": Range(1), "n_videos": Range(1), "n_pairs": Range(1), "views": Range(1),  # generated sets' options
+    "n_queries": Range(1), "n_distractors": Range(0), "tile_scale": Range(1), "patch": Range(1),
+}
+
+
+def check_counts(where: str, cfg: Any) -> None:
+    """Every count of a dataset's config (its fields and ``options``; ``where`` is its key, e.g.
+    ``datasets.shapes``) within `COUNT_RANGES`: one ConfigError sentence naming the key otherwise."""
+    values = {k: getattr(cfg, k, None) for k in ("n_images", "size", "per_class")}
+    values.update({f"options.{k}": v for k, v in dict(cfg.options or {}).items()})
+    for key, value in values.items():
+        r = COUNT_RANGES.get(key.removeprefix("options."))
+        if r is None or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}.{key} must be an integer; got {value!r}")
+        r.check(value, f"{where}.{key}")
 
 
 def build_dataset(cfg: Any) -> Any:

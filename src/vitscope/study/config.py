@@ -168,8 +168,12 @@ def validate(cfg: StudyConfig) -> None:
                 raise ConfigError(f"models[{i}].kwargs.{key}: kwargs are timm.create_model arguments; "
                                   + (f"set {field_} instead" if field_ else f"{key} cannot be set from a study "
                                      "config (call vitscope.load_model in code for that)"))
-    if cfg.batch_size < 1 or any(d.n_images < 1 for d in study_datasets(cfg).values()):
-        raise ConfigError("batch_size and every dataset's n_images must be at least 1")
+    from vitscope.bounds import Range
+    from vitscope.data.catalog import check_counts
+
+    Range(1).check(cfg.batch_size, "batch_size")
+    for name, d in study_datasets(cfg).items():
+        check_counts("dataset" if d is cfg.dataset else f"datasets.{name}", d)
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")

@@ -1,0 +1,114 @@
+"""Issue 32 (reliability, round 2): counts validated before any model loads, checkpoint lists in natural order,
+weights files in the cache key, nothing vitscope did not write deleted, one writer per run directory."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Sequence
+
+import pytest
+
+import vitscope.study.run as run_mod
+from vitscope.analyses import ANALYSES
+from vitscope.analyses.base import analysis_parameters, validate_params
+from vitscope.bounds import Range, ranges_of
+from vitscope.cli import main
+from vitscope.errors import ConfigError
+
+TINY_KW = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+YAML = f"""
+models:
+  - name: vit_small_patch16_224
+    label: tiny
+    pretrained: false
+    kwargs: {TINY_KW}
+dataset: {{name: synthetic-shapes, n_images: 8}}
+analyses:
+  cka: {{batch_size: 4, views: [gap]}}
+batch_size: 4
+progress: false
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    p = tmp_path / "study.yaml"
+    p.write_text(YAML)
+    return p
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the error must come before any model loads")
+
+    monkeypatch.setattr(run_mod, "load_model", refuse)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# -- a. every count parameter has a declared range, checked at config time --------------------------------
+
+def _ranges(tp, listed=False):
+    """(range, inside a list) for every range an annotation declares, through unions and sequences."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        yield from ((r, listed) for r in ranges_of(tp))
+        return
+    for arg in typing.get_args(tp):
+        yield from _ranges(arg, listed or origin in (list, tuple, Sequence))
+
+
+def _declared() -> list[tuple[str, str, Range, bool]]:
+    """(analysis, parameter, range, in a list) for every range an analysis declares."""
+    return [(name, pname, r, listed) for name, cls in ANALYSES.items()
+            for pname, p in analysis_parameters(cls).items() for r, listed in _ranges(p.annotation)]
+
+
+def test_the_count_parameters_the_issue_names_declare_a_range():
+    declared = {(a, p) for a, p, _, _ in _declared()}
+    for needed in [("semantics", "ks"), ("semantics", "test_every"), ("semantics", "max_images"),
+                   ("semantics", "kmeans_n_init"), ("band_noise", "n_bands"), ("band_noise", "test_every"),
+                   ("cka", "batch_size"), ("residual_cka", "batch_size"), ("svd_volume", "k"),
+                   ("stir", "iterations"), ("propagation", "n_last_frames")]:
+        assert needed in declared, needed
+
+
+@pytest.mark.parametrize("analysis,param,rng,listed", _declared(), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_a_value_outside_a_declared_range_is_one_sentence_and_the_default_passes(analysis, param, rng, listed):
+    cls = ANALYSES[analysis]
+    default = analysis_parameters(cls)[param].default
+    if default is not inspect.Parameter.empty and default is not None:
+        validate_params(cls, {param: list(default) if isinstance(default, tuple) else default})
+    is_int = isinstance(default, int) or (listed and default and isinstance(default[0], int))
+    outside = []
+    if rng.lo is not None:
+        outside.append(rng.lo - (1 if is_int else 0.5) if not rng.open_lo else rng.lo)
+    if rng.hi is not None:
+        outside.append(rng.hi + 1)
+    if not is_int:
+        outside.append(float("nan"))
+    for bad in outside:
+        with pytest.raises(ConfigError, match=rf"{param}.*must be.*got"):
+            validate_params(cls, {param: [bad] if listed else bad})
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["analyses.semantics={ks: [0, 10]}"], "'ks' of analysis 'semantics' must be at least 1; got 0"),
+    (["analyses.semantics={test_every: 1}"], "'test_every' of analysis 'semantics' must be at least 2"),
+    (["analyses.cka.batch_size=1"], "'batch_size' of analysis 'cka' must be at least"),
+    (["analyses.band_noise={n_bands: 0}"], "'n_bands' of analysis 'band_noise' must be at least 1"),
+    (["analyses.band_noise={rms: .inf}"], "'rms' of analysis 'band_noise' must be a finite number"),
+    (["dataset.options.n_frames=0", "dataset.name=synthetic-videos"], "dataset.options.n_frames must be at least 1"),
+    (["dataset.n_images=0"], "dataset.n_images must be at least 1"),
+    (["batch_size=0"], "batch_size must be at least 1"),
+])
+def test_bad_counts_are_one_line_before_any_model_loads(config, tmp_path, capsys, no_model, overrides, needle):
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
+    assert needle in err
