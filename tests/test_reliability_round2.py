@@ -112,3 +112,29 @@ def test_a_value_outside_a_declared_range_is_one_sentence_and_the_default_passes
 def test_bad_counts_are_one_line_before_any_model_loads(config, tmp_path, capsys, no_model, overrides, needle):
     err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
     assert needle in err
+
+
+# -- b. a checkpoint-list directory in natural order, and said ----------------------------------------------
+
+def test_a_checkpoint_directory_is_read_in_natural_order_and_says_which_epoch_each_file_became(tmp_path):
+    import re
+
+    from vitscope.errors import ResultWarning
+    from vitscope.study import load_config
+
+    run = tmp_path / "ft" / "checkpoints"
+    run.mkdir(parents=True)
+    steps = [100, 2, 10]
+    for s in steps:
+        (run / f"step{s}.pt").write_bytes(b"")
+    study = tmp_path / "study.yaml"
+    study.write_text(YAML.replace("models:\n", f"models:\n  - {{name: vit_small_patch16_224, label: ft, "
+                                               f"checkpoints: {tmp_path / 'ft'}, kwargs: {TINY_KW}}}\n", 1))
+    with pytest.warns(ResultWarning, match="epoch") as caught:
+        cfg = load_config(study)
+    by_step = {int(re.search(r"step(\d+)", m.weights).group(1)): m.epoch for m in cfg.models if m.epoch is not None}
+    assert sorted(by_step) == sorted(steps)
+    assert [by_step[s] for s in sorted(steps)] == sorted(by_step.values())  # more steps, later epoch
+    said = " ".join(str(w.message) for w in caught)
+    for s, e in by_step.items():
+        assert f"step{s}.pt -> ft@{e}" in said

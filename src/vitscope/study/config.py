@@ -290,12 +290,30 @@ def expand_models(models: list[ModelConfig]) -> list[ModelConfig]:
             continue
         files = _checkpoint_files(m.checkpoints)
         base = m.label or m.name or Path(str(m.checkpoints)).name
+        epochs = []
         for k, f in enumerate(files):
             found = _EPOCH.search(Path(f).stem)
             epoch = int(found.group(1)) if found else k
+            epochs.append(epoch)
             out.append(replace(m, name=m.name or f, weights=f if m.name else m.weights, checkpoints=None,
                                label=f"{base}@{epoch}", epoch=epoch))
+        if any(_EPOCH.search(Path(f).stem) is None for f in files):
+            import warnings
+
+            from vitscope.errors import ResultWarning, preview
+
+            order = ("in the natural order of their names" if isinstance(m.checkpoints, str)
+                     else "in the order listed")
+            warnings.warn(f"checkpoints of {base}: not every file name says its epoch (..epoch012..), so epochs "
+                          f"follow the files {order}: " + preview([f"{Path(f).name} -> {base}@{e}"
+                                                                  for f, e in zip(files, epochs, strict=True)]),
+                          ResultWarning, stacklevel=3)
     return out
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key of names by the numbers in them: step2 < step10 < step100 (plain sorting gives 10, 100, 2)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t.lower()) for t in re.split(r"(\d+)", name)]
 
 
 def _checkpoint_files(spec: Any) -> list[str]:
@@ -304,7 +322,7 @@ def _checkpoint_files(spec: Any) -> list[str]:
         if not root.is_dir():
             raise ConfigError(f"checkpoints: {spec!r} is not a directory; give a run directory or a list of files")
         folder = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-        files = sorted(str(p) for p in folder.iterdir() if p.suffix in CHECKPOINT_SUFFIXES)
+        files = sorted((str(p) for p in folder.iterdir() if p.suffix in CHECKPOINT_SUFFIXES), key=natural_key)
         if not files:
             raise ConfigError(f"checkpoints: no checkpoint files ({', '.join(CHECKPOINT_SUFFIXES)}) in {str(folder)!r}")
         return files
