@@ -138,3 +138,44 @@ def test_a_checkpoint_directory_is_read_in_natural_order_and_says_which_epoch_ea
     said = " ".join(str(w.message) for w in caught)
     for s, e in by_step.items():
         assert f"step{s}.pt -> ft@{e}" in said
+
+
+# -- c. a file is weights: random init takes none; the cache key follows the file's content ----------------
+
+def _weights_file(path, seed=0, n=(5 << 20) // 2):
+    import numpy as np
+
+    path.write_bytes(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+    return path
+
+
+def test_pretrained_false_beside_a_weights_file_is_one_line(config, tmp_path, capsys, no_model):
+    import vitscope as vs
+
+    f = _weights_file(tmp_path / "trained.pth")
+    for model in ([f"models.0.name={f}"], [f"models.0.weights={f}"]):
+        err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *model])
+        assert "random init, which takes no file" in err and str(f) in err
+    with pytest.raises(vs.VitscopeError, match="takes no file"):
+        vs.load_model(str(f), pretrained=False)
+
+
+@pytest.mark.parametrize("as_name", [True, False])
+def test_a_replaced_weights_file_changes_the_cache_key_even_with_its_size_and_mtime_kept(tmp_path, as_name):
+    import os
+
+    from vitscope.study.config import ModelConfig
+    from vitscope.study.run import _model_key
+
+    f = _weights_file(tmp_path / "w.pth")
+    mc = (ModelConfig(name=str(f)) if as_name else
+          ModelConfig(name="vit_small_patch16_224", weights=str(f), kwargs={"img_size": 32, "patch_size": 8}))
+    before = _model_key(mc)[1]
+    assert _model_key(mc)[1] == before  # the key is a function of the file
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # other weights, same size; copied with the old mtime (cp -p, rsync -t)
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert _model_key(mc)[1] != before

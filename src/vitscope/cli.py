@@ -56,7 +56,10 @@ def _cmd_taps(args: argparse.Namespace) -> int:
     from vitscope.capture import extract
     from vitscope.models import load_model
 
-    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None)
+    from pathlib import Path
+
+    # the architecture alone gives the shapes (a random init), except a checkpoint file, which is its weights
+    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None or Path(args.model).is_file())
     print(vm)
     h, w = vm.img_size
     feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)

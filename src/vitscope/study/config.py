@@ -21,7 +21,7 @@ class ModelConfig:
     name: str = ""                         # registry name, timm name, or checkpoint file
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
-    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded)
+    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded), no file
     checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit or simmim
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
@@ -161,7 +161,12 @@ def validate(cfg: StudyConfig) -> None:
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
         raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
+    from vitscope.models.load import file_given, random_init_takes_no_file
+
     for i, m in enumerate(cfg.models):
+        file = file_given(m.name, m.weights) if not m.pretrained else None
+        if file:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
         for key in m.kwargs or {}:
             if key in _LOAD_ARGS:
                 field_ = _LOAD_ARGS[key]

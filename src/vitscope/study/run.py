@@ -41,7 +41,7 @@ from vitscope.errors import ConfigError, InputError
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
-from vitscope.models.load import resolve_spec
+from vitscope.models.load import file_given, resolve_spec
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
@@ -480,7 +480,8 @@ class _ModelPool:
 
 def _model_key(mc: Any) -> tuple[Any, str]:
     spec = resolve_spec(mc.name)
-    return spec, model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
+    return spec, model_key(spec, file_given(mc.name, mc.weights) or mc.weights, mc.pretrained, mc.checkpoint_format,
+                           mc.seed, dict(mc.kwargs))
 
 
 def _analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> str:
