@@ -51,12 +51,12 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from vitscope.capture import extract
     from vitscope.models import load_model
-
-    from pathlib import Path
 
     # the architecture alone gives the shapes (a random init), except a checkpoint file, which is its weights
     vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None or Path(args.model).is_file())
