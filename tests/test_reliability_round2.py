@@ -179,3 +179,110 @@ def test_a_replaced_weights_file_changes_the_cache_key_even_with_its_size_and_mt
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
     assert _model_key(mc)[1] != before
+
+
+# -- d. nothing vitscope did not write is deleted or replaced ------------------------------------------------
+
+def _files(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def test_a_directory_holding_a_users_files_is_refused_and_overwrite_keeps_them(config, tmp_path, capsys):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    (out / "results").mkdir(parents=True)
+    (out / "results" / "mine.csv").write_text("a,b\n1,2\n")
+    (out / ".results-123").mkdir()
+    (out / ".results-123" / "notes.txt").write_text("keep")
+    users = _files(out)
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={out}"])
+    assert "vitscope did not write" in err and "results/mine.csv" in err and "--overwrite" in err
+    assert {k: v for k, v in _files(out).items() if k != rundir.LOCK} == users  # nothing written but the lock
+    for _ in range(2):  # the first run replaces nothing of the user's; the second replaces its own tables only
+        assert main(["run", str(config), f"output_dir={out}", "--overwrite"]) == 0
+        now = _files(out)
+        assert {k: now[k] for k in users} == users
+        assert any(k.startswith("results/") and k.endswith(".parquet") for k in now)
+    # a rerun of the same config without --overwrite is still refused: the user's files are there
+    assert "vitscope did not write" in one_line_error(capsys, ["run", str(config), f"output_dir={out}"])
+
+
+def test_a_vitscope_run_directory_is_rerun_and_a_killed_swap_loses_nothing(config, tmp_path):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    assert main(["run", str(config), f"output_dir={out}"]) == 0
+    assert rundir.foreign_entries(out) == []
+    tables = sorted(p.name for p in (out / "results").glob("*.parquet"))
+    assert tables and set(tables) <= set(rundir.read_manifest(out)["results_files"])
+    # a run killed between moving results/ aside and putting the fresh one in place, with a user's file inside
+    (out / "results" / "mine.csv").write_text("x")
+    old = out / f"{rundir._OLD}1"
+    (out / "results").rename(old)
+    assert main(["run", str(config), f"output_dir={out}", "--overwrite"]) == 0
+    assert (out / "results" / "mine.csv").read_text() == "x"
+    assert not old.exists()
+    assert sorted(p.name for p in (out / "results").glob("*.parquet")) == tables
+
+
+def test_a_manifest_marks_a_new_run_directory_as_vitscopes(config, tmp_path, monkeypatch):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+
+    def die(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(run_mod, "load_model", die)
+    with pytest.raises(RuntimeError):
+        main(["run", str(config), f"output_dir={out}"])
+    assert rundir.read_manifest(out) and rundir.foreign_entries(out) == []
+
+
+# -- e. one writer per run directory --------------------------------------------------------------------------
+
+def test_a_second_run_into_the_same_directory_is_refused_while_the_first_holds_it(config, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from filelock import FileLock
+
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom vitscope.study import rundir\nlock = rundir.hold(sys.argv[1])\n"
+        "print('held', flush=True)\ntime.sleep(60)\n"), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = tmp_path / "other.yaml"  # another config: the refusal does not depend on it
+        other.write_text(YAML.replace("batch_size: 4\n", "batch_size: 8\n"))
+        for study in (config, other):
+            err = one_line_error(capsys, ["run", str(study), f"output_dir={out}"])
+            assert "another vitscope run is writing into" in err
+        assert not (out / "results").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["run", str(config), f"output_dir={out}"]) == 0  # the lock dies with its process
+    with FileLock(str(out / rundir.LOCK), timeout=0):  # and a finished run leaves it free
+        pass
+
+
+def test_zoo_train_refuses_to_replace_a_card_or_log_it_did_not_resume(tmp_path, capsys):
+    from vitscope.zoo.train import CARD_FILE, LOG_FILE
+
+    for name in (CARD_FILE, LOG_FILE):
+        out = tmp_path / name.replace(".", "-")
+        out.mkdir()
+        (out / name).write_text("a user's file")
+        args = ["zoo", "train", "--objective", "supervised", "--data", "synthetic", "--synthetic-n", "64", "32",
+                "--budget-views", "32", "--batch-size", "16", "--knn-train", "24", "--knn-test", "12",
+                "--arch", "img_size=16", "embed_dim=32", "depth=2", "num_heads=2", "--out", str(out),
+                "--no-progress", "--threads", "1"]
+        for extra in ([], ["--resume"]):  # --resume with no training state to resume: the same
+            err = one_line_error(capsys, [*args, *extra])
+            assert name in err and "another output directory" in err
+        assert (out / name).read_text() == "a user's file"

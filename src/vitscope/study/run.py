@@ -16,11 +16,9 @@ with the same `merge` that resume uses. A run directory holds:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import platform
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -37,11 +35,12 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import ConfigError, InputError
+from vitscope.errors import InputError
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import file_given, resolve_spec
+from vitscope.study import rundir
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
@@ -94,12 +93,22 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     refused unless ``overwrite``."""
     preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
-    plan = make_plan(cfg)
     out = Path(cfg.output_dir)
+    lock = rundir.hold(out) if dist.is_main else None  # one writer per run directory, for the whole run
+    try:
+        return _run_study(cfg, dist, out, on_batch, overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str, int], None] | None,
+               overwrite: bool) -> Path:
+    plan = make_plan(cfg)
     config_key = _config_key(cfg)
-    if dist.is_main:
-        _claim_output_dir(out, config_key, overwrite)
-    cache = Cache(cfg.cache_dir or default_cache_dir(out))
+    cache_root = Path(cfg.cache_dir or default_cache_dir(out))
+    claimed = rundir.claim(out, config_key, overwrite, keep=(cache_root,)) if dist.is_main else {}
+    cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     manifest: dict[str, Any] = {
         "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
@@ -171,7 +180,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     # of an analysis makes the tables written by the old one stale, even when its states come from the cache)
     results_key = digest(config_key, sorted(mkeys.values()),
                          sorted((ap.name, ap.cls.state_version) for ap in plan.analyses))
-    previous = _read_manifest(out)
+    previous = claimed
     pairs_cached = all(p["from_cache"] for m in manifest["models"].values() for p in m.get("pairs", {}).values())
     unchanged = n_jobs == total and pairs_cached and previous.get("results_key") == results_key \
         and previous.get("report_done") and (out / "report.html").is_file() and _tables_match(out, frames) \
@@ -189,12 +198,13 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
             cross = type(group[0]).cross(group)
             if cross is not None and len(cross):
                 frames[name].append(cross)
-        _write_tables(out, frames, epochs)
+        manifest["results_files"] = _write_tables(out, frames, epochs, previous)
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
+    manifest.setdefault("results_files", previous.get("results_files", []))
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     manifest["report_done"] = bool(unchanged)
-    _write_json(out / "manifest.json", manifest)
+    rundir.write_json(out / rundir.MANIFEST, manifest)
     write_atomic(out / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
@@ -205,7 +215,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
         timings["report"] = round(time.perf_counter() - t0, 2)
         manifest["timings"] = timings
         manifest["report_done"] = True
-        _write_json(out / "manifest.json", manifest)
+        rundir.write_json(out / rundir.MANIFEST, manifest)
     dist.barrier()
     return out
 
@@ -221,41 +231,11 @@ def _config_key(cfg: StudyConfig) -> str:
     return digest(d)
 
 
-def _read_manifest(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _claim_output_dir(out: Path, config_key: str, overwrite: bool) -> None:
-    """The output directory must be writable, and hold this config's results or none (or be overwritten)."""
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{time.monotonic_ns()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise InputError(f"output_dir {str(out)!r} is not writable ({e.strerror or e}): choose another "
-                         "output_dir") from None
-    previous = _read_manifest(out)
-    if previous and previous.get("config_key") not in (None, config_key) and not overwrite:
-        raise ConfigError(f"{str(out)!r} holds the results of another config: pass --overwrite to replace them, "
-                          "or choose another output_dir")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
-
-
-def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int]) -> None:
-    """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole."""
-    tmp = out / f".results-{time.monotonic_ns()}"
-    tmp.mkdir(parents=True)
+def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int],
+                  previous: dict[str, Any]) -> list[str]:
+    """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole (files there
+    that vitscope did not write are kept: `rundir.swap_tables`). Returns the files written."""
+    tables = {}
     for name, parts in frames.items():
         parts = [p for p in parts if p is not None and len(p)]
         if parts:
@@ -264,17 +244,13 @@ def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict
                 df["epoch"] = df["model"].map(epochs).astype("Int64")
                 if "model_b" in df.columns:
                     df["epoch_b"] = df["model_b"].map(epochs).astype("Int64")
-            df.to_parquet(tmp / f"{name}.parquet", index=False)
-    old = out / "results"
-    if old.exists():
-        trash = out / f".results-old-{time.monotonic_ns()}"
-        old.rename(trash)
-        tmp.rename(old)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(old)
-    for stale in out.glob(".results-*"):  # leftovers of a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+            tables[f"{name}.parquet"] = df
+
+    def write(folder: Path) -> None:
+        for file, df in tables.items():
+            df.to_parquet(folder / file, index=False)
+
+    return rundir.swap_tables(out, write, list(tables), previous)
 
 
 def _report_is_of(out: Path) -> bool:
