@@ -10,7 +10,7 @@ from typing import IO
 
 from vitscope.errors import VitscopeError
 
-__all__ = ["disk_error", "write_atomic"]
+__all__ = ["disk_error", "keep_foreign", "swap_dir", "write_atomic"]
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -30,6 +30,40 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         if err is e:
             raise
         raise err from e
+
+
+def swap_dir(fresh: Path, target: Path, owned: set[str], trash: Path) -> None:
+    """``fresh`` (a complete folder) takes the place of ``target`` whole: ``target`` is renamed to ``trash``,
+    ``fresh`` to ``target``, then `keep_foreign` empties ``trash``. ``owned``: the files of ``target`` (relative,
+    posix) vitscope wrote; any other file is moved into the new ``target``, never deleted."""
+    if target.is_dir():
+        target.rename(trash)
+        fresh.rename(target)
+        keep_foreign(trash, target, owned)
+    else:
+        fresh.rename(target)
+
+
+def keep_foreign(trash: Path, target: Path, owned: set[str]) -> None:
+    """A replaced folder (``trash``; also one left by a kill between `swap_dir`'s renames): the files in
+    ``owned`` deleted, every other file moved into ``target`` (left in ``trash`` where the new folder took its
+    name), ``trash`` removed once empty."""
+    for f in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
+        rel = f.relative_to(trash).as_posix()
+        if f.is_dir() and not f.is_symlink():
+            try:
+                f.rmdir()
+            except OSError:
+                pass
+        elif rel in owned:
+            f.unlink()
+        elif not (target / rel).exists():
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            f.rename(target / rel)
+    try:
+        trash.rmdir()
+    except OSError:
+        pass
 
 
 def disk_error(e: BaseException, directory: Path) -> BaseException:

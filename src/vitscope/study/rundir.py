@@ -23,6 +23,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from vitscope.errors import ConfigError
+from vitscope.files import keep_foreign, swap_dir, write_atomic
 
 MANIFEST = "manifest.json"
 LOCK = ".vitscope.lock"
@@ -112,8 +113,6 @@ def claim(out: Path, config_key: str, overwrite: bool, keep: tuple[Path, ...] = 
 
 
 def write_json(path: Path, obj: Any) -> None:
-    from vitscope.files import write_atomic
-
     write_atomic(path, lambda f: f.write(json.dumps(obj, indent=2, default=str).encode()))
 
 
@@ -129,38 +128,8 @@ def swap_tables(out: Path, write: Any, names: list[str], previous: dict[str, Any
     before = own_results(previous, out)
     owned = sorted(before | set(names))
     write_json(out / MANIFEST, {**manifest, "results_files": owned})  # a kill from here on: every table is listed
-    old = out / "results"
-    if old.is_dir():
-        trash = out / f"{_OLD}{time.monotonic_ns()}"
-        old.rename(trash)
-        fresh.rename(old)
-        _empty_old(trash, old, before)
-    else:
-        fresh.rename(old)
+    swap_dir(fresh, out / "results", before, trash=out / f"{_OLD}{time.monotonic_ns()}")
     return sorted(names)
-
-
-def _empty_old(trash: Path, results: Path, mine: set[str]) -> None:
-    """A replaced results folder: vitscope's files deleted, anything else moved back into ``results`` (kept
-    where it cannot be: a name the new tables took)."""
-    for f in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
-        rel = f.relative_to(trash).as_posix()
-        if f.is_dir() and not f.is_symlink():
-            try:
-                f.rmdir()
-            except OSError:
-                pass
-        elif rel in mine:
-            f.unlink()
-        else:
-            target = results / rel
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                f.rename(target)
-    try:
-        trash.rmdir()
-    except OSError:
-        pass
 
 
 def sweep(out: Path, previous: dict[str, Any]) -> None:
@@ -171,7 +140,7 @@ def sweep(out: Path, previous: dict[str, Any]) -> None:
     for p in sorted(Path(out).iterdir()):
         if p.name.startswith(_OLD) and p.is_dir():
             (out / "results").mkdir(exist_ok=True)
-            _empty_old(p, out / "results", mine)
+            keep_foreign(p, out / "results", mine)
         elif p.name.startswith(_FRESH) and p.is_dir():
             for f in p.iterdir():
                 if f.is_file() and f.suffix == ".parquet":
