@@ -4,6 +4,7 @@ weights files in the cache key, nothing vitscope did not write deleted, one writ
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 from collections.abc import Sequence
 
@@ -286,3 +287,88 @@ def test_zoo_train_refuses_to_replace_a_card_or_log_it_did_not_resume(tmp_path, 
             err = one_line_error(capsys, [*args, *extra])
             assert name in err and "another output directory" in err
         assert (out / name).read_text() == "a user's file"
+
+
+# -- g. COCO annotation values checked before pycocotools; files outside the dataset refused -----------------
+
+def _coco_with(tmp_path, change):
+    import json
+
+    from test_data_loaders import _coco_fixture
+
+    path, _ = _coco_fixture(tmp_path)
+    ann = json.loads(path.read_text())
+    change(ann)
+    path.write_text(json.dumps(ann))  # NaN and Infinity as Python's json writes them
+    return path
+
+
+def _polygon(value):
+    def change(ann):
+        ann["annotations"][0]["segmentation"] = [[10, 5, value, 5, 30, 20, 10, 20]]
+    return change
+
+
+@pytest.mark.parametrize("change,needle", [
+    (_polygon(1e9), "outside the 60x40 image"),
+    (_polygon(1e30), "outside the 60x40 image"),
+    (_polygon(-1e9), "outside the 60x40 image"),
+    (_polygon(float("nan")), "finite numbers"),
+    (_polygon(float("inf")), "finite numbers"),
+    (lambda a: a["annotations"][0].update(segmentation=[[10, 5]]), "at least 3 points"),
+    (lambda a: a["annotations"][1]["segmentation"].update(size=[4, 4]), "RLE size"),
+    (lambda a: a["annotations"][2]["segmentation"].update(counts=[10 ** 9]), "add up to"),
+])
+def test_coco_annotation_values_are_one_sentence_naming_file_and_annotation(tmp_path, change, needle):
+    from vitscope.data.formats.coco import CocoInstances
+    from vitscope.errors import InputError
+
+    path = _coco_with(tmp_path, change)
+    with pytest.raises(InputError, match=needle) as e:
+        CocoInstances(tmp_path / "images", path)
+    assert str(e.value).startswith("instances.json: annotation ") and "\n" not in str(e.value)
+
+
+def test_coco_values_at_the_edge_of_the_stated_bound_load(tmp_path):
+    from vitscope.data.formats.coco import COORD_MARGIN, CocoInstances
+
+    w = 60  # the fixture's image width (its json says so)
+    path = _coco_with(tmp_path, _polygon((1 + COORD_MARGIN) * w))  # a polygon past the border, within the bound
+    assert CocoInstances(tmp_path / "images", path)[0].objects.any()
+
+
+@pytest.mark.parametrize("name", ["../outside.jpg", "ABSOLUTE"])
+def test_annotations_naming_files_outside_the_dataset_are_refused(tmp_path, name):
+    from vitscope.data.formats.coco import CocoInstances
+    from vitscope.errors import InputError
+
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes(b"not read")
+    name = str(outside) if name == "ABSOLUTE" else name
+    path = _coco_with(tmp_path, lambda a: a["images"][0].update(file_name=name))
+    with pytest.raises(InputError, match="outside the folder"):
+        CocoInstances(tmp_path / "images", path)
+
+
+def test_spair_names_and_transformers_shard_lists_outside_their_folder_are_refused(tmp_path):
+    import json
+
+    from test_data_loaders import _spair
+
+    from vitscope.data.formats.spair import SPair71k
+    from vitscope.errors import InputError
+    from vitscope.models.hf import weight_files
+
+    _spair(tmp_path / "spair")
+    f = sorted((tmp_path / "spair" / "PairAnnotation" / "test").glob("*.json"))[0]
+    d = json.loads(f.read_text())
+    (tmp_path / "secret.jpg").write_bytes(b"x")
+    f.write_text(json.dumps({**d, "src_imname": "../../../secret.jpg"}))
+    with pytest.raises(InputError, match=rf"{re.escape(f.name)}: src_imname .*outside the folder"):
+        SPair71k(tmp_path / "spair", split="test")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": str(tmp_path / "x.bin")}}))
+    with pytest.raises(InputError, match="outside the folder"):
+        weight_files(hf)

@@ -1,4 +1,5 @@
-"""Writing files so that a kill or a full disk never leaves half of one behind, and says where it failed."""
+"""Writing files so that a kill or a full disk never leaves half of one behind, and says where it failed; and
+following a file name that a data file gives only within its folder (`inside`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from vitscope.errors import VitscopeError
+from vitscope.errors import InputError, VitscopeError
 
-__all__ = ["disk_error", "keep_foreign", "swap_dir", "write_atomic"]
+__all__ = ["disk_error", "inside", "keep_foreign", "swap_dir", "write_atomic"]
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -64,6 +65,19 @@ def keep_foreign(trash: Path, target: Path, owned: set[str]) -> None:
         trash.rmdir()
     except OSError:
         pass
+
+
+def inside(root: Path, name: str, what: str) -> Path:
+    """``root / name``, refused in one InputError sentence (naming ``what``: the file and entry that gave
+    ``name``) when it resolves outside ``root``: an absolute path or one climbing out with ``..`` (an annotation
+    file must not make vitscope read files elsewhere); links inside ``root`` are the user's and are followed."""
+    path = Path(root) / str(name)
+    try:  # by the names alone: symbolic links inside the folder (images kept on another disk) are followed
+        Path(os.path.normpath(path)).relative_to(os.path.normpath(root))
+    except ValueError:
+        raise InputError(f"{what} names {str(name)!r}, which lies outside the folder {str(root)!r}; files it "
+                         "names must lie under that folder") from None
+    return path
 
 
 def disk_error(e: BaseException, directory: Path) -> BaseException:
