@@ -81,6 +81,9 @@ class Source:
     signature: str
     skipped: dict[str, str] = field(default_factory=dict)
     selection: str = ""  # digest of every rank's selected ids (in the analyses' cache keys)
+    read_here: set[str] = field(default_factory=set)  # the skipped images this rank's own passes met
+    offset: int = 0      # position of this shard's first id in the selection (torchrun; 0 in one process)
+    n_selected: int = 0  # ids selected on every rank together
 
 
 def _pk(p: PassKey) -> str:
@@ -272,7 +275,7 @@ def _tables_match(out: Path, frames: dict[str, list[pd.DataFrame]]) -> bool:
 
 def _dataset_summary(src: Source) -> dict[str, Any]:
     return {"name": src.name, "format": getattr(src.dataset, "name", src.name),
-            "n_images": sum(len(c) for c in src.chunks), "available": len(src.dataset)}
+            "n_images": src.n_selected, "available": len(src.dataset)}
 
 
 def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Source:
@@ -280,9 +283,10 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     if len(ds) == 0:
         raise InputError(f"dataset {name!r} ({dc.name}) has no images")
     ids = _select_ids(ds, dc.n_images)
-    shard = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
+    shard, offset = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
-    return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids))
+    return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids), offset=offset,
+                  n_selected=len(ids))
 
 
 def _units(ds: Any, n: int) -> list[int] | None:
@@ -352,11 +356,12 @@ def balanced_ids(labels: Sequence[int], n_images: int) -> list[int]:
     return sorted(i for c, members in by_class.items() for i in (members[j] for j in _spread(len(members), quota[c])))
 
 
-def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
-    """This rank's contiguous block of ``ids``: boundaries at multiples of ``align`` positions, moved forward
-    to the next unit start where the dataset has units, so no video or pair is split across ranks."""
+def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> tuple[list[int], int]:
+    """This rank's contiguous block of ``ids`` and the position of its first: boundaries at multiples of
+    ``align`` positions, moved forward to the next unit start where the dataset has units, so no video or pair
+    is split across ranks."""
     if dist.world == 1:
-        return ids
+        return ids, 0
     n = len(ids)
     per = math.ceil(math.ceil(n / align) / dist.world) * align
     cuts = [min(r * per, n) for r in range(dist.world + 1)]
@@ -368,7 +373,19 @@ def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
             while 0 < c < n and ids[c] not in starts:
                 c += 1
             cuts[r] = max(c, cuts[r - 1])
-    return ids[cuts[dist.rank]:cuts[dist.rank + 1]]
+    return ids[cuts[dist.rank]:cuts[dist.rank + 1]], cuts[dist.rank]
+
+
+def _set_positions(batch: Any, ids: list[int], first: int) -> None:
+    """``extra['position']`` of every image of a chunk's batch: its place in the study's selection (the chunk
+    starts at ``first``), the same in one process and in any shard, also when images of the chunk could not
+    be read (CKA groups follow it: `analyses.similarity.GramGroups`). Left out where the batch's index is not
+    the chunk's ids (tiles)."""
+    where = {int(i): first + j for j, i in enumerate(ids)}
+    for part in batch_parts(batch):
+        index = [int(i) for i in part.index]
+        if all(i in where for i in index):
+            part.extra["position"] = torch.tensor([where[i] for i in index], dtype=torch.long)
 
 
 def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
@@ -377,18 +394,21 @@ def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
     yields an empty marker so chunk numbers stay aligned), under ``view``."""
     from vitscope.data.formats.common import NothingReadable
 
-    for ids in src.chunks[start:]:
+    size = len(src.chunks[0]) if src.chunks else 0
+    for k, ids in enumerate(src.chunks[start:], start=start):
         try:
             got = list(src.dataset.batches(len(ids), pre, indices=ids))
         except NothingReadable:
             got = []
         for path, reason in getattr(src.dataset, "skipped", []):
             src.skipped.setdefault(str(path), str(reason))
+            src.read_here.add(str(path))
         if not got:
             yield None
             continue
         batch = got[0] if len(got) == 1 else _concat(got)
         batch.dataset, batch.view = src.name, view
+        _set_positions(batch, ids, src.offset + k * size)
         if view != CLEAN:
             t0 = time.perf_counter()
             for part in batch_parts(batch):
@@ -543,6 +563,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
             _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
         timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # forward, and each update
+        _gather_skipped(sources, dist)
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
@@ -586,6 +607,17 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
         return None
     _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
     return Helper(cfg, labels)
+
+
+def _gather_skipped(sources: dict[str, Source], dist: Dist) -> None:
+    """Every rank's unreadable images into every rank's sources (torchrun: each rank reads only its shard), so
+    the cache entries and the manifest list them all, as one process would."""
+    if dist.world == 1:
+        return
+    for theirs in dist.gather({n: dict(s.skipped) for n, s in sources.items()}):
+        for n, items in theirs.items():
+            for path, reason in items.items():
+                sources[n].skipped.setdefault(path, reason)
 
 
 def _skipped_for(ap: AnalysisPlan, sources: dict[str, Source]) -> dict[str, dict[str, str]]:
@@ -655,7 +687,8 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
     for job, k in zip(jobs, seen, strict=True):
         job.done[key] = k
     n = sum(len(c) for c in src.chunks)
-    if n and len(src.skipped) >= n:
+    # under torchrun the skip list also holds other ranks' images: count this shard's own
+    if n and len(src.read_here if dist.world > 1 else src.skipped) >= n:
         raise InputError(f"dataset {src.name!r}: none of its {n} images could be read (first: "
                          f"{next(iter(src.skipped.items()))})")
 
@@ -724,6 +757,7 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     except BaseException:
         _save_parts([job], cache, pkey, sources)
         raise
+    _gather_skipped(sources, dist)
     merged = dist.gather_states([job])[0]
     if dist.is_main:
         for state in merged[1:]:
