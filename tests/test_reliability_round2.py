@@ -372,3 +372,35 @@ def test_spair_names_and_transformers_shard_lists_outside_their_folder_are_refus
     (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": str(tmp_path / "x.bin")}}))
     with pytest.raises(InputError, match="outside the folder"):
         weight_files(hf)
+
+
+# -- i. config hygiene ------------------------------------------------------------------------------------------
+
+def test_resolvers_are_off_in_the_yaml_and_in_overrides(config, tmp_path, capsys, no_model, monkeypatch):
+    secret = "vitscope-test-secret-value"
+    monkeypatch.setenv("VITSCOPE_TEST_SECRET", secret)
+    bad = tmp_path / "env.yaml"
+    bad.write_text(YAML.replace("label: tiny", "label: ${oc.env:VITSCOPE_TEST_SECRET}"))
+    for argv in (["run", str(bad)], ["run", str(config), "models.0.label=${oc.env:VITSCOPE_TEST_SECRET}"]):
+        err = one_line_error(capsys, [*argv, f"output_dir={tmp_path / 'out'}"])
+        assert "resolver" in err and "models.0.label" in err and secret not in err
+    assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_a_binary_file_as_yaml_is_one_sentence(tmp_path, capsys, no_model):
+    import numpy as np
+
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(np.random.default_rng(0).integers(128, 256, 512, dtype=np.uint8).tobytes())
+    err = one_line_error(capsys, ["run", str(binary)])
+    assert "model.yaml is not a text (YAML) file" in err
+
+
+def test_overrides_after_a_flag_are_overrides(config, tmp_path, capsys, no_model):
+    err = one_line_error(capsys, ["run", str(config), "-q", f"output_dir={tmp_path / 'out'}", "batch_size=0"])
+    assert "batch_size must be at least 1" in err  # reached the config: the override was read
+    err = one_line_error(capsys, ["run", str(config), "--overwrite", "analyses.semantics={ks: [0]}"])
+    assert "'ks' of analysis 'semantics'" in err
+    with pytest.raises(SystemExit) as e:  # a stray word is still argparse's error
+        main(["run", str(config), "-q", "stray"])
+    assert e.value.code == 2

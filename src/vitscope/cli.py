@@ -215,7 +215,14 @@ def _one_line_result_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `vitscope run STUDY -q key=value`: overrides after a flag are overrides too (argparse ends a positional
+    # list at the first flag); anything else left over is an error, as argparse would say
+    if extra and getattr(args, "func", None) is _cmd_run and all("=" in a or a.startswith("~") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     _one_line_result_warnings()

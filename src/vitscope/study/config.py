@@ -86,11 +86,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for o in overrides:  # one at a time, by path, so list items can be set too (models.0.weights=...)
             if o.startswith("~"):
                 continue
-            key, eq, _ = o.partition("=")
+            key, eq, raw = o.partition("=")
             if not eq or not key.strip():
                 raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to remove an entry)")
+            _refuse_resolvers(raw, path.name, key.strip())
             value = OmegaConf.select(_yaml(lambda o=o: OmegaConf.from_dotlist([o]), "the overrides"), key.strip())
             OmegaConf.update(cfg, key.strip(), value, merge=True)
+        _refuse_resolvers(OmegaConf.to_container(cfg, resolve=False), path.name)
         for key in removals:  # Hydra-style `~analyses.cka` removes an entry
             parent, _, leaf = key.rpartition(".")
             node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -133,10 +135,29 @@ def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig
     return [m for m in models if (m.label or m.name) not in dropped]
 
 
+_RESOLVER = re.compile(r"\$\{\s*[\w.-]+\s*:")
+
+
+def _refuse_resolvers(node: Any, what: str, key: str = "") -> None:
+    """OmegaConf resolvers (``${oc.env:HOME}``, ``${oc.decode:...}``) are off: the value they produce would be
+    written into config.yaml and the report; plain references (``${datasets.a.root}``) stay allowed."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _refuse_resolvers(v, what, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _refuse_resolvers(v, what, f"{key}.{i}")
+    elif isinstance(node, str) and _RESOLVER.search(node):
+        raise ConfigError(f"{key} in {what} (or its overrides) calls a resolver ({node!r}); vitscope reads no "
+                          "environment or resolver values into a study: write the value itself")
+
+
 def _yaml(load: Any, what: str) -> Any:
     """``load()``, a YAML syntax error turned into one sentence saying where."""
     try:
         return load()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not a text (YAML) file: byte {e.start} is not {e.encoding}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
