@@ -404,3 +404,83 @@ def test_overrides_after_a_flag_are_overrides(config, tmp_path, capsys, no_model
     with pytest.raises(SystemExit) as e:  # a stray word is still argparse's error
         main(["run", str(config), "-q", "stray"])
     assert e.value.code == 2
+
+
+# -- j. the remaining tracebacks: one sentence, exit code 2, no model loaded ------------------------------------
+
+def _image_folder(root):
+    import numpy as np
+    from PIL import Image
+
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def _run_dir_with(tmp_path, table_bytes=None):
+    import pandas as pd
+
+    run = tmp_path / "rundir"
+    (run / "results").mkdir(parents=True)
+    if table_bytes is None:
+        pd.DataFrame({"model": ["m"], "value": [1.0]}).to_parquet(run / "results" / "cka.parquet")
+    else:
+        (run / "results" / "cka.parquet").write_bytes(table_bytes)
+    return run
+
+
+ZOO_TRAIN = ["zoo", "train", "--objective", "dino", "--data", "synthetic", "--no-progress"]
+
+POOR = [  # (name, argv built from tmp_path and the study config, what the sentence says)
+    ("unknown dataset option", lambda t, c: ["run", str(c), f"output_dir={t / 'o'}", "dataset.options.bogus=1"],
+     "takes no option 'bogus'"),
+    ("output_dir is the image folder", lambda t, c: ["run", str(c), f"output_dir={_image_folder(t / 'imgs')}"],
+     "vitscope did not write"),
+    ("report of a malformed table", lambda t, c: ["report", str(_run_dir_with(t, b"PAR1 not a table"))],
+     "is not a table vitscope wrote"),
+    ("report of a malformed manifest", lambda t, c: ["report", str(_bad_manifest(_run_dir_with(t)))],
+     "is not a vitscope manifest"),
+    ("--export to a file", lambda t, c: ["report", str(_run_dir_with(t)), "--export", str(_a_file(t))],
+     "is a file; give a directory"),
+    ("zoo train --arch of the wrong type", lambda t, c: [*ZOO_TRAIN, "--arch", "depth=x", "--out", str(t / "z")],
+     "--arch depth must be int"),
+    ("zoo evaluate of no run", lambda t, c: ["zoo", "evaluate", str(t / "none")], "has no card.json"),
+    ("zoo findings of no run", lambda t, c: ["zoo", "findings", str(t / "none")], "has no manifest.json"),
+]
+
+
+def _bad_manifest(run):
+    (run / "manifest.json").write_bytes(b"\xff\xfe not json")
+    return run
+
+
+def _a_file(t):
+    (t / "figs.pdf").write_text("x")
+    return t / "figs.pdf"
+
+
+@pytest.mark.parametrize("name,argv,needle", POOR, ids=[p[0] for p in POOR])
+def test_poor_cases_are_one_sentence_exit_2_no_model(config, tmp_path, capsys, no_model, name, argv, needle):
+    err = one_line_error(capsys, argv(tmp_path, config))
+    assert needle in err, err
+
+
+def test_a_data_only_cache_entry_with_wrong_fields_is_recomputed_not_a_traceback(config, tmp_path, caplog):
+    import pandas as pd
+    import torch
+
+    from vitscope.study.cache import FORMAT
+
+    cache = tmp_path / "cache"
+    args = ["run", str(config), f"output_dir={tmp_path / 'a'}", f"cache_dir={cache}"]
+    assert main(args) == 0
+    ref = pd.read_parquet(tmp_path / "a" / "results" / "cka.parquet")
+    entries = [p for p in cache.rglob("*.pt") if ".part-" not in p.name]
+    assert entries
+    for p in entries:  # data only, readable, but not what the analysis wrote
+        torch.save({"format": FORMAT, "finished": True, "info": {"bogus": 1}, "state": [1, 2]}, p)
+    assert main(["run", str(config), f"output_dir={tmp_path / 'b'}", f"cache_dir={cache}"]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "b" / "results" / "cka.parquet"), ref)
+    assert "it is recomputed" in caplog.text

@@ -88,9 +88,17 @@ def check_counts(where: str, cfg: Any) -> None:
 
 def build_dataset(cfg: Any) -> Any:
     """The dataset a `DatasetConfig` describes (its ``name`` is the format)."""
+    import re
+
     fmt = get_format(cfg.name)
-    ds = fmt.build(cfg)
-    return ds
+    try:
+        return fmt.build(cfg)
+    except TypeError as e:  # an option the format's loader does not take (options reach it as keywords)
+        m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if m is None:
+            raise
+        raise ConfigError(f"dataset format {cfg.name!r} takes no option {m.group(1)!r} (`vitscope datasets` lists "
+                          "each format's options)") from None
 
 
 def _need_root(cfg: Any, what: str) -> str:

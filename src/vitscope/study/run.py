@@ -524,14 +524,20 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
     for job in jobs:  # finished entries: no model needed
         entry = cache.load(job.final)
         if entry is not None and entry.get("finished"):
-            info = ModelInfo(**{**entry["info"], "name": label})
-            job.analysis = job.plan.cls(info, **job.plan.params)
-            job.analysis.load_state_dict(entry["state"])
+            try:
+                info_c = ModelInfo(**{**entry["info"], "name": label})
+                analysis = job.plan.cls(info_c, **job.plan.params)
+                analysis.load_state_dict(entry["state"])
+                frame = _relabel(entry.get("frame"), entry.get("label"), label)
+                meta = dict(entry.get("model_meta", {}))
+            except Exception as e:  # noqa: BLE001 - data of the wrong fields or types: recomputed, not trusted
+                _unusable(job.final, e)
+                continue
+            info, job.analysis, job.frame = info_c, analysis, frame
             job.analysis.model_name = label
             _relate(job.analysis, job.plan, mc)
             job.finished, job.meta = True, {"from_cache": True}
-            job.frame = _relabel(entry.get("frame"), entry.get("label"), label)
-            mmeta.update(entry.get("model_meta", {}))
+            mmeta.update(meta)
             _restore_skipped(entry, sources, job.plan)
     todo = [j for j in jobs if not j.finished]
     timings: dict[str, Any] = {}
@@ -550,8 +556,16 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                                     for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
             if part is not None and part.get("chunks") == _chunk_signature(job, sources):
-                job.analysis.load_state_dict(part["state"])
-                job.done = {str(k): int(v) for k, v in part["done"].items()}
+                try:
+                    job.analysis.load_state_dict(part["state"])
+                    job.done = {str(k): int(v) for k, v in part["done"].items()}
+                except Exception as e:  # noqa: BLE001 - started again from the first chunk
+                    _unusable(job.part, e)
+                    job.analysis, job.done = job.plan.cls(vm, **job.plan.params), {}
+                    _relate(job.analysis, job.plan, mc)
+                    job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
+                                            for slot, d in job.plan.slots.items()})
+                    continue
                 _restore_skipped(part, sources, job.plan)
         timings["load"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
@@ -607,6 +621,14 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
         return None
     _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
     return Helper(cfg, labels)
+
+
+def _unusable(path: Path, e: Exception) -> None:
+    """A cache entry that reads as data but whose fields or types do not fit its analysis (another layout, a
+    hand-edited file): said once, and recomputed instead of stopping every rerun with a traceback."""
+    from vitscope.errors import first_line
+
+    log.warning("ignoring cache entry %s (%s: %s); it is recomputed", path, type(e).__name__, first_line(e))
 
 
 def _gather_skipped(sources: dict[str, Source], dist: Dist) -> None:
@@ -724,12 +746,16 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
 
     entry = cache.load(job.final)
     if entry is not None and entry.get("finished"):
-        job.analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
-        job.analysis.load_state_dict(entry["state"])
-        job.finished, job.meta = True, {"from_cache": True}
-        frame = _relabel(entry.get("frame"), entry.get("label_a"), a)
-        job.frame = _relabel(frame, entry.get("label_b"), b)
-        return job
+        try:
+            analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
+            analysis.load_state_dict(entry["state"])
+            frame = _relabel(_relabel(entry.get("frame"), entry.get("label_a"), a), entry.get("label_b"), b)
+        except Exception as e:  # noqa: BLE001 - recomputed, not trusted
+            _unusable(job.final, e)
+        else:
+            job.analysis, job.frame = analysis, frame
+            job.finished, job.meta = True, {"from_cache": True}
+            return job
     vm_a, vm_b = pool.get(a), pool.get(b)
     if tuple(vm_a.img_size) != tuple(vm_b.img_size) or vm_a.preprocessing != vm_b.preprocessing:
         raise InputError(f"analysis {ap.name} compares {a!r} and {b!r}, whose inputs differ (size {vm_a.img_size} "
@@ -737,8 +763,12 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     job.analysis = make(vm_a.info(), vm_b.info())
     part = cache.load(job.part)
     if part is not None and part.get("chunks") == _chunk_signature(job, sources):
-        job.analysis.load_state_dict(part["state"])
-        job.done = {str(k): int(v) for k, v in part["done"].items()}
+        try:
+            job.analysis.load_state_dict(part["state"])
+            job.done = {str(k): int(v) for k, v in part["done"].items()}
+        except Exception as e:  # noqa: BLE001 - started again from the first chunk
+            _unusable(job.part, e)
+            job.analysis, job.done = make(vm_a.info(), vm_b.info()), {}
     src = sources[ap.slots["data"]]
     key = _pk((src.name, CLEAN))
     start = job.done.get(key, 0)
