@@ -104,9 +104,9 @@ def test_a_value_outside_a_declared_range_is_one_sentence_and_the_default_passes
     (["analyses.semantics={ks: [0, 10]}"], "'ks' of analysis 'semantics' must be at least 1; got 0"),
     (["analyses.semantics={test_every: 1}"], "'test_every' of analysis 'semantics' must be at least 2"),
     (["analyses.cka.batch_size=1"], "'batch_size' of analysis 'cka' must be at least"),
-    (["analyses.band_noise={n_bands: 0}"], "'n_bands' of analysis 'band_noise' must be at least 1"),
+    (["analyses.band_noise={n_bands: 0}"], "'n_bands' of analysis 'band_noise' must be between 1 and"),
     (["analyses.band_noise={rms: .inf}"], "'rms' of analysis 'band_noise' must be a finite number"),
-    (["dataset.options.n_frames=0", "dataset.name=synthetic-videos"], "dataset.options.n_frames must be at least 1"),
+    (["dataset.options.n_frames=0", "dataset.name=synthetic-videos"], "dataset.options.n_frames must be between 1 and"),
     (["dataset.n_images=0"], "dataset.n_images must be at least 1"),
     (["batch_size=0"], "batch_size must be at least 1"),
 ])
@@ -484,3 +484,36 @@ def test_a_data_only_cache_entry_with_wrong_fields_is_recomputed_not_a_traceback
     assert main(["run", str(config), f"output_dir={tmp_path / 'b'}", f"cache_dir={cache}"]) == 0
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "b" / "results" / "cka.parquet"), ref)
     assert "it is recomputed" in caplog.text
+
+
+# -- Deliver 6: sizes no machine holds refused before anything is allocated -------------------------------------
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["dataset.n_images=1000000000"], "dataset.n_images must be between 1 and"),
+    (["dataset.size=100000"], "dataset.size must be between 1 and"),
+    (["models.0.kwargs.img_size=100000"], "models[0].kwargs: img_size must be between 1 and"),
+    (["models.0.kwargs.depth=1000000000"], "models[0].kwargs: depth must be between 1 and"),
+    (["analyses.semantics={kmeans_n_init: 1000000}"], "'kmeans_n_init' of analysis 'semantics' must be between"),
+    (["analyses.band_noise={n_bands: 100000}"], "'n_bands' of analysis 'band_noise' must be between"),
+])
+def test_absurd_resource_requests_are_refused_before_anything_is_allocated(config, tmp_path, capsys, no_model,
+                                                                          overrides, needle):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
+    assert needle in err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing big allocated
+
+
+def test_a_transformers_config_of_absurd_size_is_refused_before_timm_builds_it(tmp_path, monkeypatch):
+    import vitscope.models.load as load
+    from vitscope.bounds import MAX_WIDTH
+    from vitscope.errors import ConfigError
+
+    def no_build(*a, **k):
+        raise AssertionError("timm must not be asked to build it")
+
+    monkeypatch.setattr(load.timm, "create_model", no_build)
+    with pytest.raises(ConfigError, match="embed_dim must be between"):
+        load._create("vit_small_patch16_224", {"embed_dim": MAX_WIDTH + 1}, 0)

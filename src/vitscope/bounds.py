@@ -73,6 +73,24 @@ def AtLeast(lo: float, why: str = "") -> Range:  # noqa: N802 - reads as a type 
     return Range(lo, why=why)
 
 
+# -- what a machine can be asked for: stated limits, refused before anything is allocated --------------------
+
+#: pixels on an image side: generated images, whole frames, a model's input (4096 px at patch 16 is 65,536
+#: tokens, whose attention matrix alone is 17 GB per head and image in float32)
+MAX_IMAGE_SIDE = 4096
+#: images of a generated data set (its items are drawn on the fly; their parameters are kept per item)
+MAX_GENERATED_IMAGES = 1_000_000
+#: blocks and channels of a model built from a config (timm arguments, a transformers config.json)
+MAX_DEPTH, MAX_WIDTH = 256, 16384
+
+#: iterations of an optimisation (probe, t-SNE, inversion) and restarts of k-means: beyond these a run takes
+#: hours for no change in its numbers
+MAX_ITERATIONS, MAX_RESTARTS = 100_000, 1000
+#: iterations of an optimisation
+Iterations = Annotated[int, Range(1, MAX_ITERATIONS, why="beyond that a run takes hours")]
+#: restarts of k-means
+Restarts = Annotated[int, Range(1, MAX_RESTARTS, why="beyond that a run takes hours")]
+
 #: a count of things: 1 or more
 Count = Annotated[int, Range(1)]
 #: 0 or more

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.bounds import Count, Positive
+from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import geometry as G
@@ -235,7 +235,7 @@ class TSNE(Analysis):
     description = "2-D t-SNE of the patch tokens of a few images at chosen layers"
 
     def __init__(self, vm: Any, layers: Any = (-1,), n_images: Count = 4, perplexity: Positive = 30.0, seed: int = 0,
-                 max_iter: Count = 500):
+                 max_iter: Iterations = 500):
         super().__init__(vm)
         self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
         self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)

@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 
 from vitscope import invariance as INV
-from vitscope.bounds import Count, Positive
+from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import parse_tap
 from vitscope.capture.views import VIEWS
 from vitscope.data import perturb as P
@@ -129,7 +129,8 @@ class Stir(PairAnalysis):
         return ["clean"]
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
-                 iterations: Count = INV.DEFAULT_ITERATIONS, step_size: Positive = INV.DEFAULT_STEP, repeats: Count = 1,
+                 iterations: Iterations = INV.DEFAULT_ITERATIONS, step_size: Positive = INV.DEFAULT_STEP,
+                 repeats: Count = 1,
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
                  max_rows: Count | None = None, corruptions: Any = "default",
                  cka_estimator: str = "minibatch_unbiased", **params: Any):

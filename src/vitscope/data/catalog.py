@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from vitscope.bounds import Range
+from vitscope.bounds import MAX_GENERATED_IMAGES, MAX_IMAGE_SIDE, Range
 from vitscope.errors import ConfigError, close_matches
 
 #: what a dataset can provide, with the batch fields that carry it
@@ -66,9 +66,12 @@ def get_format(name: str) -> Format:
 #: the range of every count a dataset config or a format's options may set (checked by `check_counts` when the
 #: config is validated, before any model loads; a format's own loader checks its option names)
 COUNT_RANGES: dict[str, Range] = {
-    "n_images": Range(1), "size": Range(1), "per_class": Range(1),                   # DatasetConfig fields
-    "n_frames": Range(1), "n_videos": Range(1), "n_pairs": Range(1), "views": Range(1),  # generated sets' options
-    "n_queries": Range(1), "n_distractors": Range(0), "tile_scale": Range(1), "patch": Range(1),
+    "n_images": Range(1), "size": Range(1, MAX_IMAGE_SIDE), "per_class": Range(1),   # DatasetConfig fields
+    # generated sets' options
+    "n_frames": Range(1, MAX_GENERATED_IMAGES), "n_videos": Range(1, MAX_GENERATED_IMAGES),
+    "n_pairs": Range(1, MAX_GENERATED_IMAGES), "views": Range(1, MAX_GENERATED_IMAGES),
+    "n_queries": Range(1, MAX_GENERATED_IMAGES), "n_distractors": Range(0, MAX_GENERATED_IMAGES),
+    "tile_scale": Range(1, 64), "patch": Range(1, MAX_IMAGE_SIDE),
 }
 
 
@@ -84,6 +87,10 @@ def check_counts(where: str, cfg: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{where}.{key} must be an integer; got {value!r}")
         r.check(value, f"{where}.{key}")
+    fmt = FORMATS.get(cfg.name)
+    if fmt is not None and fmt.generated:  # drawn on the fly, but each item's parameters are kept
+        Range(1, MAX_GENERATED_IMAGES, why="a generated set keeps every item's parameters").check(
+            cfg.n_images, f"{where}.n_images")
 
 
 def build_dataset(cfg: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import timm
 import torch
 
+from vitscope.bounds import MAX_DEPTH, MAX_IMAGE_SIDE, MAX_WIDTH, Range
 from vitscope.errors import (
     CheckpointError,
     UnknownModelError,
@@ -191,7 +193,25 @@ def _timm_preprocessing(name: str) -> Preprocessing:
                          str(c.get("interpolation", "bicubic")))
 
 
+#: the ranges of the architecture arguments a config may give (timm kwargs, or read off a transformers
+#: config.json): sizes no machine holds are one sentence before timm allocates the model
+ARCH_RANGES = {"img_size": Range(1, MAX_IMAGE_SIDE), "patch_size": Range(1, MAX_IMAGE_SIDE),
+               "depth": Range(1, MAX_DEPTH), "embed_dim": Range(1, MAX_WIDTH), "num_heads": Range(1, MAX_WIDTH),
+               "mlp_ratio": Range(0, 64, open_lo=True)}
+
+
+def check_arch(kwargs: Mapping[str, Any], who: str) -> None:
+    """Every architecture argument of ``kwargs`` within `ARCH_RANGES` (``img_size`` also as a pair): one
+    ConfigError sentence naming ``who`` and the argument otherwise."""
+    for key, r in ARCH_RANGES.items():
+        value = kwargs.get(key)
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if v is not None:
+                r.check(v, f"{who}: {key}")
+
+
 def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
+    check_arch(kwargs, arch)
     timm_kwargs, extra = hf.split_build_kwargs(kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

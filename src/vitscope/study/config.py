@@ -182,9 +182,10 @@ def validate(cfg: StudyConfig) -> None:
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
         raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
-    from vitscope.models.load import file_given, random_init_takes_no_file
+    from vitscope.models.load import check_arch, file_given, random_init_takes_no_file
 
     for i, m in enumerate(cfg.models):
+        check_arch(m.kwargs or {}, f"models[{i}].kwargs")
         file = file_given(m.name, m.weights) if not m.pretrained else None
         if file:
             raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
