@@ -8,6 +8,7 @@ import re
 import typing
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 import vitscope.study.run as run_mod
@@ -517,3 +518,47 @@ def test_a_transformers_config_of_absurd_size_is_refused_before_timm_builds_it(t
     monkeypatch.setattr(load.timm, "create_model", no_build)
     with pytest.raises(ConfigError, match="embed_dim must be between"):
         load._create("vit_small_patch16_224", {"embed_dim": MAX_WIDTH + 1}, 0)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d.update(arch="hf-hub:someone/model"), "not a timm architecture"),
+    (lambda d: d.pop("preprocessing"), "vitscope.spec metadata is not what save_checkpoint writes"),
+    (lambda d: d.update(unexpected=1), "vitscope.spec metadata is not what save_checkpoint writes"),
+])
+def test_a_checkpoints_spec_metadata_is_one_sentence_and_never_a_hub_lookup(tmp_path, monkeypatch, change, needle):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import vitscope as vs
+    import vitscope.models.load as load
+    from vitscope.models import save_checkpoint
+
+    vm = vs.load_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48, depth=2,
+                       num_heads=3)
+    path = save_checkpoint(vm.model, tmp_path / "m.safetensors", vm.spec)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    spec = json.loads(meta["vitscope.spec"])
+    change(spec)
+    save_file(load_file(str(path)), str(path), metadata={**meta, "vitscope.spec": json.dumps(spec)})
+    monkeypatch.setattr(load.timm, "create_model", lambda *a, **k: pytest.fail("no model may be built"))
+    with pytest.raises(vs.VitscopeError, match=needle) as e:
+        vs.load_model(str(path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("labels,images,needle", [
+    (np.arange(4) + 7, np.zeros((20, 4, 4, 3), np.uint8), "must hold class ids 0..9"),
+    (np.zeros(4, np.int64), np.array([None] * 20, dtype=object), "not a plain .npy array"),
+])
+def test_cifar10c_arrays_that_are_not_plain_numbers_or_labels_out_of_range_are_one_sentence(tmp_path, labels, images,
+                                                                                             needle):
+    from vitscope.data.formats.robustness import CorruptedFolder
+    from vitscope.errors import InputError
+
+    np.save(tmp_path / "labels.npy", labels)
+    np.save(tmp_path / "fog.npy", images, allow_pickle=True)
+    with pytest.raises(InputError, match=needle):
+        CorruptedFolder(tmp_path)

@@ -20,6 +20,7 @@ from vitscope.errors import (
     VitscopeError,
     WeightsUnavailableError,
     close_matches,
+    first_line,
 )
 from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
@@ -306,9 +307,18 @@ def read_vitscope_metadata(path: Path) -> ModelSpec | None:
     raw = meta.get("vitscope.spec")
     if raw is None:
         return None
-    d = json.loads(raw)
-    pre = d.pop("preprocessing")
-    pre = Preprocessing(tuple(pre["mean"]), tuple(pre["std"]), pre["input_size"], pre["crop_pct"],
-                        pre["interpolation"])
-    d["weights"] = WeightSource("file", str(path), "timm")
-    return ModelSpec(preprocessing=pre, **d)
+    try:
+        d = json.loads(raw)
+        pre = d.pop("preprocessing")
+        pre = Preprocessing(tuple(pre["mean"]), tuple(pre["std"]), pre["input_size"], pre["crop_pct"],
+                            pre["interpolation"])
+        d["weights"] = WeightSource("file", str(path), "timm")
+        spec = ModelSpec(preprocessing=pre, **d)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ck.CheckpointError(f"{str(path)!r}: its vitscope.spec metadata is not what save_checkpoint writes "
+                                 f"({type(e).__name__}: {first_line(e)}); rewrite the file with save_checkpoint"
+                                 ) from None
+    if not isinstance(spec.arch, str) or not timm.is_model(spec.arch):  # a timm architecture, never a hub lookup
+        raise ck.CheckpointError(f"{str(path)!r}: its vitscope.spec names {spec.arch!r}, which is not a timm "
+                                 "architecture (files name architectures, never hub repositories)")
+    return spec
