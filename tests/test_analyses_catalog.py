@@ -38,7 +38,7 @@ def test_listing_shows_every_parameter_with_type_and_default(capsys):
             if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
                 continue
             assert f"    {p.name} " in out, (name, p.name)
-    assert re.search(r"\n    n_images +int = 4\n    perplexity +float = 30\.0\n", out)  # tsne's, as declared
+    assert re.search(r"\n    n_images +int >= 1 = 4\n    perplexity +float > 0 = 30\.0\n", out)  # tsne's, as declared
     assert "Teaching Matters" in out and "seed 00" not in out.split("\n\n")[0]
     assert f"{len(ANALYSES)} analyses." in out
 

@@ -38,3 +38,54 @@ def test_two_process_torchrun_equals_one_process(tmp_path):
         assert len(a) == len(b) > 0
         assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9)
     assert '"world_size": 2' in (sharded / "manifest.json").read_text()
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_equals_one_process_with_an_unreadable_image_in_each_ranks_shard(tmp_path):
+    """Issue 32, BAD 4: the CKA groups, the image counts and the skip list of a two-rank run are those of one
+    process, also when each rank meets an unreadable image (not at a shard's end)."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from vitscope.data.catalog import build_dataset
+    from vitscope.study import load_config
+    from vitscope.study.distributed import Dist
+    from vitscope.study.plan import make_plan
+    from vitscope.study.run import _select_ids, _shard
+
+    root = tmp_path / "folder"
+    rng = np.random.default_rng(0)
+    for cls in ("cat", "dog"):
+        (root / cls).mkdir(parents=True)
+        for i in range(12):
+            Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(root / cls / f"{i}.png")
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(YAML.replace("dataset: {name: synthetic-shapes, n_images: 20}",
+                                f"dataset: {{name: imagefolder, root: {root}, n_images: 24}}"))
+    config = load_config(cfg)
+    dc = next(iter(make_plan(config).datasets.values()))
+    ds = build_dataset(dc)
+    ids = _select_ids(ds, dc.n_images)
+    align = make_plan(config).align(dc.name, config.batch_size)
+    broken = []
+    for rank in range(2):
+        shard, _ = _shard(ids, ds, align, Dist(rank, 2))
+        broken.append(ds.files[shard[1]])  # the second image of each rank's shard: a CKA group gets shorter
+    for f in broken:
+        f.write_bytes(b"not a png")
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
+                    f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=240)
+    subprocess.run([sys.executable, "-m", "vitscope", "--quiet", "run", str(cfg), f"output_dir={single}",
+                    f"cache_dir={tmp_path / 'c1'}"], check=True, timeout=240)
+    for name in ("attention_distance", "cka", "diversity"):
+        a = pd.read_parquet(sharded / "results" / f"{name}.parquet")
+        b = pd.read_parquet(single / "results" / f"{name}.parquet")
+        assert len(a) == len(b) > 0
+        assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9), name
+    ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (sharded, single))
+    assert ma["datasets"] == mb["datasets"] and ma["dataset"] == mb["dataset"]
+    assert ma["skipped_images"] == mb["skipped_images"]
+    assert sorted(p for p, _ in next(iter(ma["skipped_images"].values()))) == sorted(map(str, broken))

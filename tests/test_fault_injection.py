@@ -148,3 +148,64 @@ def test_killed_at_random_points_then_rerun_matches_an_uninterrupted_run(tmp_pat
     run_study(load_config(tmp_path / "study.yaml", [f"output_dir={tmp_path / 'run'}",
                                                     f"cache_dir={tmp_path / 'run-cache'}"]))
     _assert_same_tables_and_report(tmp_path / "run", reference)
+
+
+EXPORT_DRIVER = r'''
+import os, signal, sys
+import matplotlib.figure
+run_dir, out, n, only = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:] or None
+calls = [0]
+save = matplotlib.figure.Figure.savefig
+def dying_savefig(self, path, *a, **k):  # the n-th figure: half of its file lands, then the process dies
+    save(self, path, *a, **k)
+    calls[0] += 1
+    if calls[0] == n:
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+matplotlib.figure.Figure.savefig = dying_savefig
+from vitscope.report.export import export
+export(run_dir, out, "pdf", analyses=only)
+print(calls[0])
+'''
+
+
+def _export(tmp_path, run_dir, out, n, only=()):
+    driver = tmp_path / "export_driver.py"
+    driver.write_text(EXPORT_DRIVER)
+    p = subprocess.run([sys.executable, str(driver), str(run_dir), str(out), str(n), *only], capture_output=True,
+                       text=True, timeout=600)
+    if p.returncode == -signal.SIGKILL:
+        return None
+    assert p.returncode == 0, p.stderr[-3000:]
+    return int(p.stdout.strip().splitlines()[-1])
+
+
+def _export_files(out):
+    return {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} if out.is_dir() else {}
+
+
+def _assert_complete_export(out):
+    """An index listing exactly the figure files there, each a whole PDF."""
+    listed = [r.split("\t")[0] for r in (out / "figures.tsv").read_text().splitlines()[1:]]
+    assert sorted(listed) == sorted(p.name for p in out.glob("*.pdf"))
+    for name in listed:
+        assert (out / name).read_bytes().rstrip().endswith(b"%%EOF"), name  # not cut short
+
+
+def test_a_killed_export_leaves_the_previous_one_and_a_new_one_drops_stale_figures(tmp_path, reference):
+    out = tmp_path / "figs"
+    total = _export(tmp_path, reference, out, 0)  # never killed: how many figures it draws
+    assert total and total >= 3
+    _assert_complete_export(out)
+    (out / "notes.txt").write_text("mine")  # a file no export wrote
+    before = _export_files(out)
+    for n in sorted({1, total // 2 + 1, total}):  # killed at the first, a middle and the last figure
+        assert _export(tmp_path, reference, out, n) is None
+        assert _export_files(out) == before  # the previous export, whole, and the user's file
+    fewer = ["attention_distance"]
+    assert 0 < _export(tmp_path, reference, out, 0, fewer) < total
+    _assert_complete_export(out)
+    assert all(p.name.startswith("attention_distance-") for p in out.glob("*.pdf"))  # stale figures gone
+    assert (out / "notes.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".figs")] == []  # leftovers cleared

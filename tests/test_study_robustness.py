@@ -103,10 +103,12 @@ def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(config, tmp_path,
 
 def test_corrupt_and_random_checkpoints_are_one_line_without_advice_to_trust_them(config, tmp_path, capsys, no_model):
     corrupt = _random_file(tmp_path / "model.safetensors")
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.name={corrupt}"])
+    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.name={corrupt}",
+                                   "models.0.pretrained=true"])  # a file is weights (pretrained: false takes none)
     assert "not a valid safetensors file" in err and "models[0]" in err
     noise = _random_file(tmp_path / "weights.pth")
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.weights={noise}"])
+    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.weights={noise}",
+                                   "models.0.pretrained=true"])
     assert "is not a checkpoint" in err and "trust" not in err
 
 
@@ -132,8 +134,9 @@ def test_a_full_disk_names_the_directory_and_leaves_no_partial_files(config, tmp
         def __exit__(self, *exc):
             self.f.close()
 
-    monkeypatch.setattr(vitscope.files, "open", lambda p, mode="r": FullDisk(real_open(p, mode)), raising=False)
-    cache = tmp_path / "cache"
+    cache = tmp_path / "cache"  # the cache's device is full (the run directory's marker manifest is written first)
+    monkeypatch.setattr(vitscope.files, "open", lambda p, mode="r": FullDisk(real_open(p, mode))
+                        if str(p).startswith(str(cache)) else real_open(p, mode), raising=False)
     err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"cache_dir={cache}"])
     assert "no space left on the device of" in err and str(cache) in err
     assert [p for p in tmp_path.rglob("*.tmp")] == []  # the half-written file is gone
@@ -154,7 +157,8 @@ def test_nan_weights_stop_the_study_naming_the_model_and_the_first_tap(tmp_path,
     ckpt = save_checkpoint(vm.model, tmp_path / "nan.safetensors", vm.spec)
     cfg = tmp_path / "study.yaml"
     cfg.write_text(YAML.replace("analyses:\n", "analyses:\n  attention_distance: {}\n")
-                   .replace("name: vit_small_patch16_224", f"name: {ckpt}").replace("label: tiny", "label: broken"))
+                   .replace("name: vit_small_patch16_224", f"name: {ckpt}").replace("label: tiny", "label: broken")
+                   .replace("pretrained: false", "pretrained: true"))  # a file is weights
     out = tmp_path / "out"
     err = _one_line_error(capsys, ["run", str(cfg), f"output_dir={out}"])
     assert "model 'broken'" in err and "tap block1.attn" in err and "non-finite" in err

@@ -51,12 +51,15 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     import torch
 
     from vitscope.capture import extract
     from vitscope.models import load_model
 
-    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None)
+    # the architecture alone gives the shapes (a random init), except a checkpoint file, which is its weights
+    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None or Path(args.model).is_file())
     print(vm)
     h, w = vm.img_size
     feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)
@@ -212,7 +215,14 @@ def _one_line_result_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # `vitscope run STUDY -q key=value`: overrides after a flag are overrides too (argparse ends a positional
+    # list at the first flag); anything else left over is an error, as argparse would say
+    if extra and getattr(args, "func", None) is _cmd_run and all("=" in a or a.startswith("~") for a in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     _one_line_result_warnings()

@@ -1,4 +1,5 @@
-"""Writing files so that a kill or a full disk never leaves half of one behind, and says where it failed."""
+"""Writing files so that a kill or a full disk never leaves half of one behind, and says where it failed; and
+following a file name that a data file gives only within its folder (`inside`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from vitscope.errors import VitscopeError
+from vitscope.errors import InputError, VitscopeError
 
-__all__ = ["disk_error", "write_atomic"]
+__all__ = ["disk_error", "inside", "keep_foreign", "swap_dir", "write_atomic"]
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -30,6 +31,53 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
         if err is e:
             raise
         raise err from e
+
+
+def swap_dir(fresh: Path, target: Path, owned: set[str], trash: Path) -> None:
+    """``fresh`` (a complete folder) takes the place of ``target`` whole: ``target`` is renamed to ``trash``,
+    ``fresh`` to ``target``, then `keep_foreign` empties ``trash``. ``owned``: the files of ``target`` (relative,
+    posix) vitscope wrote; any other file is moved into the new ``target``, never deleted."""
+    if target.is_dir():
+        target.rename(trash)
+        fresh.rename(target)
+        keep_foreign(trash, target, owned)
+    else:
+        fresh.rename(target)
+
+
+def keep_foreign(trash: Path, target: Path, owned: set[str]) -> None:
+    """A replaced folder (``trash``; also one left by a kill between `swap_dir`'s renames): the files in
+    ``owned`` deleted, every other file moved into ``target`` (left in ``trash`` where the new folder took its
+    name), ``trash`` removed once empty."""
+    for f in sorted(trash.rglob("*"), key=lambda p: -len(p.parts)):
+        rel = f.relative_to(trash).as_posix()
+        if f.is_dir() and not f.is_symlink():
+            try:
+                f.rmdir()
+            except OSError:
+                pass
+        elif rel in owned:
+            f.unlink()
+        elif not (target / rel).exists():
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            f.rename(target / rel)
+    try:
+        trash.rmdir()
+    except OSError:
+        pass
+
+
+def inside(root: Path, name: str, what: str) -> Path:
+    """``root / name``, refused in one InputError sentence (naming ``what``: the file and entry that gave
+    ``name``) when it resolves outside ``root``: an absolute path or one climbing out with ``..`` (an annotation
+    file must not make vitscope read files elsewhere); links inside ``root`` are the user's and are followed."""
+    path = Path(root) / str(name)
+    try:  # by the names alone: symbolic links inside the folder (images kept on another disk) are followed
+        Path(os.path.normpath(path)).relative_to(os.path.normpath(root))
+    except ValueError:
+        raise InputError(f"{what} names {str(name)!r}, which lies outside the folder {str(root)!r}; files it "
+                         "names must lie under that folder") from None
+    return path
 
 
 def disk_error(e: BaseException, directory: Path) -> BaseException:

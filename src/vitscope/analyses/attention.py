@@ -43,13 +43,14 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Annotated, Any, cast
 
 import pandas as pd
 import torch
 import torch.nn.functional as F
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.bounds import NonNegative, Range
 from vitscope.errors import VitscopeError
 from vitscope.metrics import attention as A
 
@@ -448,7 +449,7 @@ class CLSAttentionMaps(_LayerAttention):
     state_version = 2  # 2: the kept images' pixels
     description = "average (and a few single-image) CLS attention maps per layer and head"
 
-    def __init__(self, vm: Any, layers: Any = None, keep_images: int = 4):
+    def __init__(self, vm: Any, layers: Any = None, keep_images: NonNegative = 4):
         super().__init__(vm, layers)
         if int(keep_images) < 0:
             raise VitscopeError(f"{self.name}: keep_images must be >= 0, got {keep_images}")
@@ -699,7 +700,7 @@ class SaliencyIoU(_LayerAttention):
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
     def __init__(self, vm: Any, layers: Any = None, queries: str | Sequence[str] = ("cls", "mean"),
-                 mass: float = 0.6):
+                 mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
         super().__init__(vm, layers)
         queries = [queries] if isinstance(queries, str) else list(queries)
         bad = [q for q in queries if q not in ("cls", "mean")]

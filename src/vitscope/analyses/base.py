@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pandas as pd
 import torch
 
+from vitscope.bounds import check_annotated
 from vitscope.errors import ConfigError, VitscopeError, close_matches
 
 if TYPE_CHECKING:
@@ -248,18 +249,40 @@ def _planner_key(key: str) -> bool:
 def analysis_parameters(cls: type[Analysis]) -> dict[str, inspect.Parameter]:
     """The parameters ``cls`` takes (its ``__init__`` after ``vm``), annotations resolved where they can be,
     in signature order: ``{name: inspect.Parameter}`` (``.default``, ``.annotation``)."""
-    sig = inspect.signature(cls.__init__)
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # noqa: BLE001 - an unresolvable annotation is left unchecked, not an error
-        hints = {}
-    out = {}
+    out: dict[str, inspect.Parameter] = {}
     skip = 3 if getattr(cls, "pair", False) else 2  # self and the model (a pair analysis: both models)
-    for i, (name, p) in enumerate(sig.parameters.items()):
-        if i < skip or p.kind is inspect.Parameter.VAR_POSITIONAL:
-            continue
-        out[name] = p.replace(annotation=hints.get(name, Any)) if p.kind is not p.VAR_KEYWORD else p
+    # ``**kw`` handed on to the parent class's __init__ (band_noise -> the probe's parameters): the parent's
+    # parameters are this one's too, up to the protocol's own open-ended base classes
+    for klass in [k for k in cls.__mro__ if "__init__" in vars(k) and k not in (Analysis, PairAnalysis, object)]:
+        init = vars(klass)["__init__"]
+        hints = _type_hints(init)
+        var_kw = None
+        for i, (name, p) in enumerate(inspect.signature(init).parameters.items()):
+            if i < skip or p.kind is inspect.Parameter.VAR_POSITIONAL or name in out:
+                continue
+            if p.kind is p.VAR_KEYWORD:
+                var_kw = p
+                continue
+            out[name] = p.replace(annotation=hints.get(name, Any))
+        if var_kw is None:
+            return out
+    out["**"] = inspect.Parameter("params", inspect.Parameter.VAR_KEYWORD)
     return out
+
+
+def _type_hints(fn: Any) -> dict[str, Any]:
+    """``fn``'s annotations resolved (``Annotated`` kept); one that cannot be (a name imported only for type
+    checkers) is left out, and so unchecked, instead of losing the others."""
+    try:
+        return typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # noqa: BLE001
+        out = {}
+        for name, ann in getattr(fn, "__annotations__", {}).items():
+            try:
+                out[name] = eval(ann, fn.__globals__) if isinstance(ann, str) else ann  # noqa: S307 - our source
+            except Exception:  # noqa: BLE001
+                continue
+        return out
 
 
 def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> None:
@@ -285,6 +308,7 @@ def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> No
         if not _conforms(value, tp):
             raise ConfigError(f"parameter {key!r} of analysis {cls.name!r} must be {_describe(tp)}, "
                               f"got {value!r} ({type(value).__name__})")
+        check_annotated(value, tp, f"parameter {key!r} of analysis {cls.name!r}")
 
 
 def _union_args(tp: Any) -> tuple[Any, ...] | None:
@@ -292,6 +316,8 @@ def _union_args(tp: Any) -> tuple[Any, ...] | None:
 
 
 def _conforms(value: Any, tp: Any) -> bool:
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
     if tp is Any or tp is inspect.Parameter.empty:
         return True
     alts = _union_args(tp)
@@ -321,6 +347,8 @@ def _conforms(value: Any, tp: Any) -> bool:
 
 
 def _describe(tp: Any) -> str:
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
     alts = _union_args(tp)
     if alts is not None:
         return " or ".join(_describe(a) for a in alts)

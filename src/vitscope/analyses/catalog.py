@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from vitscope.analyses.base import ANALYSES, Analysis
+from vitscope.analyses.base import ANALYSES, Analysis, analysis_parameters
+from vitscope.bounds import annotation_text
 from vitscope.models.adapter import ModelInfo
 from vitscope.references import ANALYSIS_REFERENCES, REFERENCES, SEEDS, short_citation
 
@@ -83,12 +84,14 @@ def _type_text(p: inspect.Parameter) -> str:
 def parameters(cls: type[Analysis]) -> tuple[Param, ...]:
     """The keyword parameters a study config may set (``analyses.NAME.PARAM``), in signature order."""
     sig = inspect.signature(cls.__init__)
+    resolved = analysis_parameters(cls)
     skip = 3 if getattr(cls, "pair", False) else 2  # self and the model (a pair analysis: both models)
     out = []
     for i, p in enumerate(sig.parameters.values()):
         if i < skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
             continue
-        out.append(Param(p.name, _type_text(p), p.default))
+        ranged = annotation_text(resolved[p.name].annotation) if p.name in resolved else None
+        out.append(Param(p.name, ranged or _type_text(p), p.default))
     return tuple(out)
 
 

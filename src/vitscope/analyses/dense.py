@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
+from vitscope.bounds import Count, NonNegative, Positive
 from vitscope.capture.views import token_view
 from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
@@ -230,8 +231,8 @@ class Propagation(_Dense):
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
 
-    def __init__(self, vm: Any, layers: Any = None, n_last_frames: int = D.N_LAST_FRAMES,
-                 radius: int = D.NEIGHBOURHOOD, topk: int = D.TOPK, temperature: float = D.TEMPERATURE,
+    def __init__(self, vm: Any, layers: Any = None, n_last_frames: Count = D.N_LAST_FRAMES,
+                 radius: NonNegative = D.NEIGHBOURHOOD, topk: Count = D.TOPK, temperature: Positive = D.TEMPERATURE,
                  bound_th: float = D.BOUND_TH, skip_last: bool = True, final_norm: bool = True):
         super().__init__(vm, layers, final_norm)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
@@ -604,7 +605,7 @@ class Retrieval(_Dense):
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
 
-    def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: int = 32,
+    def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: Count = 32,
                  seed: int = 0, final_norm: bool = True):
         super().__init__(vm, layers, final_norm)
         views = [views] if isinstance(views, str) else list(views)

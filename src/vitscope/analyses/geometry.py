@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import geometry as G
@@ -77,8 +78,8 @@ class SVDVolume(_PerTap):
     state_version = 2  # 2: per-image sums of squares of the token-level volume
     _sums = ("tok", "tvar", "ntok", "sx", "sxx", "tokvol", "tokvol_sq")
 
-    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", k: int = 32, seed: int = 0,
-                 token_every: int = 4):
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", k: Count = 32, seed: int = 0,
+                 token_every: Count = 4):
         super().__init__(vm, taps)
         self.k, self.seed, self.token_every = int(k), int(seed), max(1, int(token_every))
         self.tok: dict[str, torch.Tensor] = {}  # sums over the token-level images (id % token_every == 0)
@@ -233,8 +234,8 @@ class TSNE(Analysis):
     name = "tsne"
     description = "2-D t-SNE of the patch tokens of a few images at chosen layers"
 
-    def __init__(self, vm: Any, layers: Any = (-1,), n_images: int = 4, perplexity: float = 30.0, seed: int = 0,
-                 max_iter: int = 500):
+    def __init__(self, vm: Any, layers: Any = (-1,), n_images: Count = 4, perplexity: Positive = 30.0, seed: int = 0,
+                 max_iter: Iterations = 500):
         super().__init__(vm)
         self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
         self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)

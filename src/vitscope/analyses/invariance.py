@@ -42,6 +42,7 @@ import pandas as pd
 import torch
 
 from vitscope import invariance as INV
+from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import parse_tap
 from vitscope.capture.views import VIEWS
 from vitscope.data import perturb as P
@@ -128,9 +129,10 @@ class Stir(PairAnalysis):
         return ["clean"]
 
     def __init__(self, info_a: ModelInfo, info_b: ModelInfo, *, layers: Any = None, tap: str = "out",
-                 iterations: int = INV.DEFAULT_ITERATIONS, step_size: float = INV.DEFAULT_STEP, repeats: int = 1,
+                 iterations: Iterations = INV.DEFAULT_ITERATIONS, step_size: Positive = INV.DEFAULT_STEP,
+                 repeats: Count = 1,
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
-                 max_rows: int | None = None, corruptions: Any = "default",
+                 max_rows: Count | None = None, corruptions: Any = "default",
                  cka_estimator: str = "minibatch_unbiased", **params: Any):
         params.pop("pairs", None)  # which pairs: the planner's business
         if params:

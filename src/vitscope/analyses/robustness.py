@@ -30,19 +30,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
-from vitscope.analyses.splits import check_test_every, split_warnings, stratified_test
+from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
+from vitscope.bounds import Count, Iterations, NonNegative, Positive, Range
 from vitscope.capture.views import token_view
 from vitscope.data import perturb as P
 from vitscope.errors import ConfigError
 from vitscope.metrics import robustness as R
 from vitscope.metrics import semantics as S
+
+#: frequency bands: each is a pass over every image
+Bands = Annotated[int, Range(1, 100, why="each band is one more pass over every image")]
+#: a corruption severity of the ImageNet-C / CIFAR-10-C tables
+Severity = Annotated[int, Range(min(P.SEVERITIES), max(P.SEVERITIES))]
 
 READOUTS = ("auto", "head", "probe")
 HEAD_SPACES = ("imagenet-1k", "cifar10", "none")
@@ -131,9 +137,9 @@ class _Robustness(Analysis):
     state_version: ClassVar[int] = 2
 
     def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
-                 classes: Sequence[str] | None = None, token_view: str | None = None, max_images: int = 5000,
-                 test_every: int = 5, probe_tune: bool = True, probe_grid: Sequence[float] = S.PROBE_GRID,
-                 probe_folds: int = 2, probe_max_iter: int = 1000, probe_weight_decay: float = 1e-4):
+                 classes: Sequence[str] | None = None, token_view: str | None = None, max_images: Count = 5000,
+                 test_every: TestEvery = 5, probe_tune: bool = True, probe_grid: Sequence[Positive] = S.PROBE_GRID,
+                 probe_folds: ProbeFolds = 2, probe_max_iter: Iterations = 1000, probe_weight_decay: Positive = 1e-4):
         super().__init__(vm)
         if readout not in READOUTS:
             raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
@@ -556,8 +562,9 @@ class BandNoise(_ViewAccuracy):
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
     state_version = 3  # 3: stratified split, tuned probe; 2: band_definition (circular_rms | square_sign)
 
-    def __init__(self, vm: Any, n_bands: int = P.N_BANDS, bands: Sequence[int] | None = None, rms: float = 0.1,
-                 width: float = P.BAND_WIDTH, band_definition: str = "circular_rms", eps: float = 0.1, **kw: Any):
+    def __init__(self, vm: Any, n_bands: Bands = P.N_BANDS, bands: Sequence[NonNegative] | None = None,
+                 rms: Positive = 0.1, width: Positive = P.BAND_WIDTH, band_definition: str = "circular_rms",
+                 eps: Positive = 0.1, **kw: Any):
         super().__init__(vm, **kw)
         self.params = {"n_bands": n_bands, "bands": bands, "rms": rms, "width": width,
                        "band_definition": band_definition, "eps": eps}
@@ -644,7 +651,7 @@ class Corruptions(_ViewAccuracy):
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
 
-    def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[int] = P.SEVERITIES,
+    def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[Severity] = P.SEVERITIES,
                  backend: str = "auto", table: str = "imagenet", **kw: Any):
         super().__init__(vm, **kw)
         self.params = {"corruptions": corruptions, "severities": severities, "backend": backend, "table": table}

@@ -15,7 +15,8 @@ import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.pooled import PooledTable
-from vitscope.analyses.splits import check_test_every, split_warnings, stratified_test
+from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
+from vitscope.bounds import Count, Fraction, Iterations, Positive, Restarts
 from vitscope.capture.views import region_pool, region_weights, token_view
 from vitscope.errors import ConfigError, ResultWarning
 from vitscope.metrics import semantics as S
@@ -77,13 +78,13 @@ class Semantics(Analysis):
 
     def __init__(self, vm: Any, layers: Any = None,
                  views: str | Sequence[str] = ("cls", "gap", "gap_spatial", "object", "part"),
-                 max_images: int = 5000, test_every: int = 5, ks: Sequence[int] = (10, 20, 100, 200),
-                 temperature: float = 0.07,
+                 max_images: Count = 5000, test_every: TestEvery = 5, ks: Sequence[Count] = (10, 20, 100, 200),
+                 temperature: Positive = 0.07,
                  kmeans: bool | str | Sequence[str] = ("cls", "gap_spatial", "object", "part"),
                  probe: bool | str | Sequence[str] = ("cls", "gap_spatial"),
-                 seed: int = 0, min_region_tokens: float = 0.5, kmeans_n_init: int = 1, probe_tune: bool = True,
-                 probe_grid: Sequence[float] = S.PROBE_GRID, probe_folds: int = 2, probe_max_iter: int = 1000,
-                 probe_weight_decay: float = 1e-4):
+                 seed: int = 0, min_region_tokens: Fraction = 0.5, kmeans_n_init: Restarts = 1, probe_tune: bool = True,
+                 probe_grid: Sequence[Positive] = S.PROBE_GRID, probe_folds: ProbeFolds = 2,
+                 probe_max_iter: Iterations = 1000, probe_weight_decay: Positive = 1e-4):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         views = [views] if isinstance(views, str) else list(views)

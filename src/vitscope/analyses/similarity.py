@@ -18,15 +18,20 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.bounds import Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.metrics import cka as C
+
+#: images per CKA batch: the unbiased HSIC estimator needs at least C.MIN_HSIC1_EXAMPLES
+CkaBatch = Annotated[int, Range(C.MIN_HSIC1_EXAMPLES,
+                                why="the unbiased HSIC estimator needs that many images per batch")]
 
 
 class GramGroups:
@@ -48,29 +53,44 @@ class GramGroups:
         self.n = n
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_ids = torch.empty(0, dtype=torch.long)
+        self.pending_pos = torch.empty(0, dtype=torch.long)
+        self.next_pos = 0  # the position the next row takes when a batch gives none
         self.ref: dict[str, torch.Tensor | None] = {}
 
-    def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor) -> list[tuple[torch.Tensor, dict]]:
+    def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor,
+            positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict]]:
+        """``positions``: each row's position in the study's selection of images (`batch.extra['position']`).
+        Group g holds the rows at positions g n .. (g + 1) n - 1, so an unreadable image makes its own group
+        smaller instead of shifting every later group, and a shard (cut at a multiple of n) forms the groups
+        one process forms. Without positions, rows are numbered in arrival order."""
         rows = {k: x.reshape(x.shape[0], x.shape[1], -1) if k.startswith("*") else x.reshape(x.shape[0], -1)
                 for k, x in feats.items()}
         ids = ids.cpu().long()
+        pos = (positions.cpu().long() if positions is not None
+               else torch.arange(self.next_pos, self.next_pos + len(ids), dtype=torch.long))
+        self.next_pos = int(pos[-1]) + 1 if len(pos) else self.next_pos
         if len(self.pending_ids):
             rows = {k: torch.cat([self.pending[k], x]) for k, x in rows.items()}
             ids = torch.cat([self.pending_ids, ids])
-        return self._close(rows, ids, final=False)
+            pos = torch.cat([self.pending_pos, pos])
+        return self._close(rows, ids, pos, final=False)
 
     def flush(self) -> list[tuple[torch.Tensor, dict]]:
-        return self._close(self.pending, self.pending_ids, final=True)
+        return self._close(self.pending, self.pending_ids, self.pending_pos, final=True)
 
-    def _close(self, rows: dict[str, torch.Tensor], ids: torch.Tensor, final: bool) -> list[tuple[torch.Tensor, dict]]:
+    def _close(self, rows: dict[str, torch.Tensor], ids: torch.Tensor, pos: torch.Tensor,
+               final: bool) -> list[tuple[torch.Tensor, dict]]:
         out = []
+        group = pos // self.n
         start = 0
-        while len(ids) - start >= self.n or (final and len(ids) > start):
-            stop = min(start + self.n, len(ids))
+        while start < len(ids):
+            stop = start + int((group[start:] == group[start]).sum())  # positions increase: one run per group
+            if stop == len(ids) and not final and stop - start < self.n:  # open: its positions may still come
+                break
             out.append((ids[start:stop], self._grams({k: x[start:stop] for k, x in rows.items()})))
             start = stop
         self.pending = {k: x[start:] for k, x in rows.items()} if start < len(ids) else {}
-        self.pending_ids = ids[start:]
+        self.pending_ids, self.pending_pos = ids[start:], pos[start:]
         return out
 
     def _grams(self, rows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -86,10 +106,14 @@ class GramGroups:
         return grams
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "pending": dict(self.pending), "pending_ids": self.pending_ids, "ref": dict(self.ref)}
+        return {"n": self.n, "pending": dict(self.pending), "pending_ids": self.pending_ids, "ref": dict(self.ref),
+                "pending_pos": self.pending_pos, "next_pos": self.next_pos}
 
     def load_state_dict(self, s: Mapping[str, Any]) -> None:
         self.n, self.pending, self.pending_ids, self.ref = s["n"], dict(s["pending"]), s["pending_ids"], dict(s["ref"])
+        n_pending = len(self.pending_ids)  # a state saved before positions: its rows numbered in arrival order
+        self.next_pos = int(s.get("next_pos", n_pending))
+        self.pending_pos = s.get("pending_pos", torch.arange(self.next_pos - n_pending, self.next_pos))
 
 
 SHIFT_MIN_ENERGY = 0.1
@@ -129,7 +153,7 @@ def _grouped_gram(x: torch.Tensor, ref: torch.Tensor | None) -> torch.Tensor:
 class _GramAnalysis(Analysis):
     """Shared plumbing: a `GramGroups`, Grams kept per stream and batch, merge by concatenation."""
 
-    def __init__(self, vm: Any, batch_size: int = 32):
+    def __init__(self, vm: Any, batch_size: CkaBatch = 32):
         super().__init__(vm)
         self.batch_size = int(batch_size)
         self.groups = GramGroups(self.batch_size)
@@ -140,7 +164,7 @@ class _GramAnalysis(Analysis):
         raise NotImplementedError
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        self._store(self.groups.add(self._streams(feats), batch.index))
+        self._store(self.groups.add(self._streams(feats), batch.index, batch.extra.get("position")))
         self.n_images += len(batch)
 
     def _store(self, closed: list[tuple[torch.Tensor, dict]]) -> None:
@@ -238,7 +262,7 @@ class CKA(_GramAnalysis):
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out",
-                 views: str | Sequence[str] = ("cls", "gap"), batch_size: int = 32):
+                 views: str | Sequence[str] = ("cls", "gap"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         views = [views] if isinstance(views, str) else list(views)
@@ -318,7 +342,7 @@ class ResidualCKA(_GramAnalysis):
     state_version = 2  # 2: stderr columns (batch means, as `cka`)
     description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
 
-    def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: int = 32):
+    def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
@@ -376,7 +400,7 @@ class Diversity(Analysis):
     state_version = 2  # 2: sums of squares (stderr)
     description = "similarity between heads, between spatial tokens, and before/after attention (CKA, cosine)"
 
-    def __init__(self, vm: Any, layers: Any = None, batch_size: int = 32):
+    def __init__(self, vm: Any, layers: Any = None, batch_size: CkaBatch = 32):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
         self.batch_size = int(batch_size)
@@ -438,7 +462,7 @@ class Diversity(Analysis):
             streams[f"*h{j}"] = per_head.permute(0, 2, 1, 3)  # (B, H, T, hd): one stream per head
             streams[f"*t{j}"] = spatial  # (B, S, D): one stream per spatial position
             streams[f"in{j}"], streams[f"mid{j}"] = feats[self._input_tap(i)], feats[f"block{i}.resid_mid"]
-        self._reduce(self.groups.add(streams, batch.index))
+        self._reduce(self.groups.add(streams, batch.index, batch.extra.get("position")))
         self.n_images += len(batch)
 
     def _reduce(self, closed: list[tuple[torch.Tensor, dict]]) -> None:

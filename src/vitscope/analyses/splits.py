@@ -14,11 +14,18 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Annotated
 
 import numpy as np
 import torch
 
+from vitscope.bounds import Range
 from vitscope.errors import ConfigError, ResultWarning
+
+#: every test_every-th image of each class is a test image: 1 would leave no training image
+TestEvery = Annotated[int, Range(2, why="every test_every-th image of each class is held out for testing")]
+#: the probe's cross-validation folds
+ProbeFolds = Annotated[int, Range(2, why="the probe's weight decay is chosen by cross-validation")]
 
 Tensor = torch.Tensor
 

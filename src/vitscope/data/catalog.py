@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from vitscope.bounds import MAX_GENERATED_IMAGES, MAX_IMAGE_SIDE, Range
 from vitscope.errors import ConfigError, close_matches
 
 #: what a dataset can provide, with the batch fields that carry it
@@ -62,11 +63,49 @@ def get_format(name: str) -> Format:
     return FORMATS[name]
 
 
+#: the range of every count a dataset config or a format's options may set (checked by `check_counts` when the
+#: config is validated, before any model loads; a format's own loader checks its option names)
+COUNT_RANGES: dict[str, Range] = {
+    "n_images": Range(1), "size": Range(1, MAX_IMAGE_SIDE), "per_class": Range(1),   # DatasetConfig fields
+    # generated sets' options
+    "n_frames": Range(1, MAX_GENERATED_IMAGES), "n_videos": Range(1, MAX_GENERATED_IMAGES),
+    "n_pairs": Range(1, MAX_GENERATED_IMAGES), "views": Range(1, MAX_GENERATED_IMAGES),
+    "n_queries": Range(1, MAX_GENERATED_IMAGES), "n_distractors": Range(0, MAX_GENERATED_IMAGES),
+    "tile_scale": Range(1, 64), "patch": Range(1, MAX_IMAGE_SIDE),
+}
+
+
+def check_counts(where: str, cfg: Any) -> None:
+    """Every count of a dataset's config (its fields and ``options``; ``where`` is its key, e.g.
+    ``datasets.shapes``) within `COUNT_RANGES`: one ConfigError sentence naming the key otherwise."""
+    values = {k: getattr(cfg, k, None) for k in ("n_images", "size", "per_class")}
+    values.update({f"options.{k}": v for k, v in dict(cfg.options or {}).items()})
+    for key, value in values.items():
+        r = COUNT_RANGES.get(key.removeprefix("options."))
+        if r is None or value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}.{key} must be an integer; got {value!r}")
+        r.check(value, f"{where}.{key}")
+    fmt = FORMATS.get(cfg.name)
+    if fmt is not None and fmt.generated:  # drawn on the fly, but each item's parameters are kept
+        Range(1, MAX_GENERATED_IMAGES, why="a generated set keeps every item's parameters").check(
+            cfg.n_images, f"{where}.n_images")
+
+
 def build_dataset(cfg: Any) -> Any:
     """The dataset a `DatasetConfig` describes (its ``name`` is the format)."""
+    import re
+
     fmt = get_format(cfg.name)
-    ds = fmt.build(cfg)
-    return ds
+    try:
+        return fmt.build(cfg)
+    except TypeError as e:  # an option the format's loader does not take (options reach it as keywords)
+        m = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+        if m is None:
+            raise
+        raise ConfigError(f"dataset format {cfg.name!r} takes no option {m.group(1)!r} (`vitscope datasets` lists "
+                          "each format's options)") from None
 
 
 def _need_root(cfg: Any, what: str) -> str:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from vitscope.errors import CheckpointError, VitscopeError, WeightsUnavailableError
+from vitscope.files import inside
 from vitscope.models.checkpoints import Converted, read_checkpoint
 from vitscope.models.registry import (
     CLIP_MEAN,
@@ -161,11 +162,12 @@ def weight_files(directory: str | Path) -> list[Path]:
             continue
         if name.endswith(".index.json"):
             index = json.loads(path.read_text())
-            shards = sorted(set(index.get("weight_map", {}).values()))
-            missing = [s for s in shards if not (directory / s).is_file()]
+            shards = [inside(directory, s, f"{directory / name}: weight_map")
+                      for s in sorted(set(index.get("weight_map", {}).values()))]
+            missing = [s.name for s in shards if not s.is_file()]
             if missing:
                 raise CheckpointError(f"{directory}: shards listed in {name} are missing: {', '.join(missing)}")
-            return [directory / s for s in shards]
+            return shards
         return [path]
     raise CheckpointError(f"{directory} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
 

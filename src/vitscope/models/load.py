@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,12 +13,14 @@ from typing import Any
 import timm
 import torch
 
+from vitscope.bounds import MAX_DEPTH, MAX_IMAGE_SIDE, MAX_WIDTH, Range
 from vitscope.errors import (
     CheckpointError,
     UnknownModelError,
     VitscopeError,
     WeightsUnavailableError,
     close_matches,
+    first_line,
 )
 from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
@@ -59,6 +62,9 @@ def load_model(
     strict: refuse checkpoints that leave any weight at init or bring unknown keys.
     model_kwargs: passed to ``timm.create_model`` (e.g. ``img_size=448``, ``depth=2`` for tiny tests).
     """
+    file = file_given(name_or_path, None)
+    if file and not pretrained:
+        raise VitscopeError(random_init_takes_no_file(file))
     spec = resolve_spec(name_or_path)
     if Path(str(name_or_path)).is_file() and weights is None:
         weights = name_or_path
@@ -120,6 +126,23 @@ def load_model(
     return ViTModel(model=model, name=spec.name, spec=replace(spec, model_kwargs=kwargs), load_report=report)
 
 
+def file_given(name_or_path: str | Path, weights: str | Path | None) -> str | None:
+    """The local weights a model entry names: ``weights`` (a file or a transformers directory), else the name
+    when it is a checkpoint file (a transformers directory as the name also gives its architecture, which a
+    random init can use), or None."""
+    if weights and "://" not in str(weights) and (Path(str(weights)).is_file() or hf.is_model_dir(weights)):
+        return str(weights)
+    return str(name_or_path) if name_or_path and Path(str(name_or_path)).is_file() else None
+
+
+def random_init_takes_no_file(file: str) -> str:
+    """The sentence for ``pretrained: false`` beside a file: a file is weights, a random init takes none (the
+    model would be the file's trained network recorded as untrained)."""
+    return (f"{file!r} is a weights file, and pretrained: false asks for a random init, which takes no file; "
+            "drop pretrained: false to load the file, or name the architecture (a timm or registry name) with "
+            "pretrained: false for a random init")
+
+
 def resolve_spec(name_or_path: str | Path) -> ModelSpec:
     """Registry entry, ad-hoc entry for a timm name, or the entry stored in a vitscope checkpoint."""
     name = str(name_or_path)
@@ -171,7 +194,25 @@ def _timm_preprocessing(name: str) -> Preprocessing:
                          str(c.get("interpolation", "bicubic")))
 
 
+#: the ranges of the architecture arguments a config may give (timm kwargs, or read off a transformers
+#: config.json): sizes no machine holds are one sentence before timm allocates the model
+ARCH_RANGES = {"img_size": Range(1, MAX_IMAGE_SIDE), "patch_size": Range(1, MAX_IMAGE_SIDE),
+               "depth": Range(1, MAX_DEPTH), "embed_dim": Range(1, MAX_WIDTH), "num_heads": Range(1, MAX_WIDTH),
+               "mlp_ratio": Range(0, 64, open_lo=True)}
+
+
+def check_arch(kwargs: Mapping[str, Any], who: str) -> None:
+    """Every architecture argument of ``kwargs`` within `ARCH_RANGES` (``img_size`` also as a pair): one
+    ConfigError sentence naming ``who`` and the argument otherwise."""
+    for key, r in ARCH_RANGES.items():
+        value = kwargs.get(key)
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if v is not None:
+                r.check(v, f"{who}: {key}")
+
+
 def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
+    check_arch(kwargs, arch)
     timm_kwargs, extra = hf.split_build_kwargs(kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -266,9 +307,18 @@ def read_vitscope_metadata(path: Path) -> ModelSpec | None:
     raw = meta.get("vitscope.spec")
     if raw is None:
         return None
-    d = json.loads(raw)
-    pre = d.pop("preprocessing")
-    pre = Preprocessing(tuple(pre["mean"]), tuple(pre["std"]), pre["input_size"], pre["crop_pct"],
-                        pre["interpolation"])
-    d["weights"] = WeightSource("file", str(path), "timm")
-    return ModelSpec(preprocessing=pre, **d)
+    try:
+        d = json.loads(raw)
+        pre = d.pop("preprocessing")
+        pre = Preprocessing(tuple(pre["mean"]), tuple(pre["std"]), pre["input_size"], pre["crop_pct"],
+                            pre["interpolation"])
+        d["weights"] = WeightSource("file", str(path), "timm")
+        spec = ModelSpec(preprocessing=pre, **d)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ck.CheckpointError(f"{str(path)!r}: its vitscope.spec metadata is not what save_checkpoint writes "
+                                 f"({type(e).__name__}: {first_line(e)}); rewrite the file with save_checkpoint"
+                                 ) from None
+    if not isinstance(spec.arch, str) or not timm.is_model(spec.arch):  # a timm architecture, never a hub lookup
+        raise ck.CheckpointError(f"{str(path)!r}: its vitscope.spec names {spec.arch!r}, which is not a timm "
+                                 "architecture (files name architectures, never hub repositories)")
+    return spec

@@ -8,6 +8,10 @@ one asked for — with its fonts kept at their printed size (6-9 pt), and saved:
 * ``svg``: vector, glyphs as paths (no font needed to view it);
 * ``png``: 300 dpi.
 
+The figures are written into a fresh folder beside DIR, the index last, and the folder then replaces DIR
+whole (`vitscope.files.swap_dir`): a killed export leaves DIR as it was, figures of an earlier export that
+this one does not write are gone, and files in DIR that no export wrote are kept.
+
 A legend wider than a quarter of the width moves from the side of the panels to below them. A figure too
 large for two columns (e.g. a CKA grid of many models) keeps its own size; `figures.tsv` in DIR lists every
 file with its caption and size, and says which ones.
@@ -15,6 +19,8 @@ file with its caption and size, and says which ones.
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 from pathlib import Path
 
@@ -22,6 +28,7 @@ import matplotlib as mpl
 import matplotlib.pyplot as plt
 
 from vitscope.errors import VitscopeError
+from vitscope.files import disk_error, keep_foreign, swap_dir
 from vitscope.report.run import load_run
 
 FORMATS = ("pdf", "svg", "png")
@@ -102,19 +109,76 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "pdf", columns: 
     if not run.tables:
         raise VitscopeError(f"{run_dir}: no results/*.parquet (is it a vitscope run directory?)")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    fresh = _fresh_folder(out)
     written, index = [], ["file\twidth_in\theight_in\tlayout\tcaption"]
     names = [n for n in run.tables if analyses is None or n in analyses]
     with mpl.rc_context(RC):
         for name in names:
             for k, (caption, fig) in enumerate(run.figures(name), start=1):
                 layout = _relayout(fig, columns)
-                path = out / f"{name}-{k:02d}.{fmt}"
+                path = fresh / f"{name}-{k:02d}.{fmt}"
                 meta = {"Title": caption[:200]} if fmt in ("pdf", "svg") else {}
                 fig.savefig(path, format=fmt, dpi=DPI, metadata=meta)
                 w, h = fig.get_size_inches()
                 plt.close(fig)
                 written.append(path)
                 index.append(f"{path.name}\t{w:.2f}\t{h:.2f}\t{layout}\t{caption}")
-    (out / "figures.tsv").write_text("\n".join(index) + "\n", encoding="utf-8")
-    return written
+    (fresh / INDEX).write_text("\n".join(index) + "\n", encoding="utf-8")  # last: a folder with it is complete
+    swap_dir(fresh, out, _exported(out), trash=out.parent / f".{out.name}{_OLD}{time.monotonic_ns()}")
+    return [out / p.name for p in written]
+
+
+# -- writing: a fresh folder renamed into place ------------------------------------------------------------
+
+INDEX = "figures.tsv"
+_FRESH, _OLD = ".vitscope-export-", ".vitscope-export-old-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _exported(folder: Path) -> set[str]:
+    """The files of an earlier export in ``folder`` (its index and the files the index lists): replaced by a
+    new export; anything else there is the user's and stays."""
+    try:
+        rows = (folder / INDEX).read_text(encoding="utf-8").splitlines()[1:]
+    except (OSError, UnicodeDecodeError):
+        return set()
+    return {INDEX} | {r.split("\t", 1)[0] for r in rows if r and "/" not in r.split("\t", 1)[0]}
+
+
+def _fresh_folder(out: Path) -> Path:
+    """An empty folder beside ``out`` that the export fills; leftovers of a killed export (a fresh folder never
+    renamed into place: only figure files and an index; a replaced export: its foreign files moved back) are
+    dealt with first. One sentence when ``out`` is a file or its parent cannot be written."""
+    if out.exists() and not out.is_dir():
+        raise VitscopeError(f"--export {str(out)!r} is a file; give a directory for the figures")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        for p in parent.glob(f".{out.name}{_OLD}*"):  # killed between the two renames: out is the new export
+            out.mkdir(exist_ok=True)
+            keep_foreign(p, out, _exported(p))
+        for p in parent.glob(f".{out.name}{_FRESH}*-*"):  # killed while drawing: only its figures inside
+            pid = p.name.removeprefix(f".{out.name}{_FRESH}").split("-")[0]
+            if p.is_dir() and pid.isdigit() and not _alive(int(pid)):
+                for f in p.iterdir():
+                    if f.name == INDEX or f.suffix[1:] in FORMATS:
+                        f.unlink()
+                if not any(p.iterdir()):
+                    p.rmdir()
+        fresh = parent / f".{out.name}{_FRESH}{os.getpid()}-{time.monotonic_ns()}"
+        fresh.mkdir()
+    except OSError as e:
+        err = disk_error(e, parent)
+        raise (err if err is not e else VitscopeError(f"cannot write the figures beside {str(out)!r} "
+                                                      f"({e.strerror or e}); choose another --export directory")
+               ) from None
+    return fresh

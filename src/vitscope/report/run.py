@@ -15,6 +15,7 @@ from typing import Any
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from vitscope.errors import VitscopeError, first_line
 from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context
 
@@ -63,12 +64,22 @@ def load_run(run_dir: str | Path) -> Run:
 
     path = Path(run_dir)
     mf = path / "manifest.json"
-    manifest = json.loads(mf.read_text()) if mf.is_file() else {}
+    try:
+        manifest = json.loads(mf.read_text()) if mf.is_file() else {}
+    except (ValueError, UnicodeDecodeError) as e:
+        raise VitscopeError(f"{str(mf)!r} is not a vitscope manifest ({first_line(e)}); rerun the study into a "
+                            "fresh output_dir") from None
+    if not isinstance(manifest, dict):
+        raise VitscopeError(f"{str(mf)!r} is not a vitscope manifest (not a mapping); rerun the study")
     order = {name: i for i, name in enumerate(ANALYSES)}
     files = sorted((path / "results").glob("*.parquet"), key=lambda p: (order.get(p.stem, len(order)), p.stem))
     run = Run(path, manifest)
     for p in files:
         raw = p.read_bytes()  # one read: the table and its digest come from the same bytes
-        run.tables[p.stem] = pd.read_parquet(io.BytesIO(raw))
+        try:
+            run.tables[p.stem] = pd.read_parquet(io.BytesIO(raw))
+        except Exception as e:  # noqa: BLE001 - whatever pyarrow says of a file that is not a table
+            raise VitscopeError(f"{str(p)!r} is not a table vitscope wrote ({first_line(e)}); rerun the study "
+                                "to rewrite it") from None
         run.digests[p.stem] = hashlib.sha256(raw).hexdigest()
     return run

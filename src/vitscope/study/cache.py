@@ -4,7 +4,7 @@
     <cache_dir>/<model key>/<analysis>-<analysis key>.part-<r>of<w>.pt   partial state of shard r (resume)
 
 The model key hashes what determines the weights and the inputs without loading the model (registry
-entry or timm name, architecture arguments, weight source with the file's size and mtime, seed of a
+entry or timm name, architecture arguments, weight source with the file's `file_fingerprint`, seed of a
 random init, preprocessing); the analysis key adds the analysis name and parameters, the dataset spec,
 the dtype and the vitscope version. Writes go to a temporary file renamed into place, so a killed run
 never leaves a corrupt entry; a file lock per model directory keeps two runs from interleaving writes.
@@ -50,16 +50,36 @@ def digest(*parts: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: bytes read from each end of a weights file for its fingerprint
+FINGERPRINT_BYTES = 1 << 20
+
+
+def file_fingerprint(path: str | Path) -> list[Any]:
+    """What decides a local weights file's content, cheaply: its size, mtime (ns) and the sha256 of its first and
+    last MiB. A file replaced by other weights changes it (even copied with its size and mtime kept), so the
+    results computed from the old file are not reused."""
+    p = Path(path)
+    st = p.stat()
+    h = hashlib.sha256()
+    with p.open("rb") as f:
+        h.update(f.read(FINGERPRINT_BYTES))
+        if st.st_size > FINGERPRINT_BYTES:
+            f.seek(max(FINGERPRINT_BYTES, st.st_size - FINGERPRINT_BYTES))
+            h.update(f.read(FINGERPRINT_BYTES))
+    return [st.st_size, st.st_mtime_ns, h.hexdigest()]
+
+
 def model_key(spec: ModelSpec, weights: str | None, pretrained: bool, checkpoint_format: str, seed: int,
               kwargs: dict[str, Any]) -> str:
+    """``weights``: the local file or transformers directory the entry loads (its name when that is a file,
+    `vitscope.models.load.file_given`), whose content fingerprint is part of the key."""
     src: Any = weights
     local_dir = weights or (spec.weights.location if pretrained and spec.weights.kind == "hf" else None)
     if weights and "://" not in weights and Path(weights).is_file():
-        st = Path(weights).stat()
-        src = [str(Path(weights).resolve()), st.st_size, st.st_mtime_ns]
+        src = [str(Path(weights).resolve()), *file_fingerprint(weights)]
     elif local_dir and Path(local_dir).is_dir():  # a transformers checkpoint directory: its files
         files = sorted(f for f in Path(local_dir).iterdir() if f.is_file())
-        src = [str(Path(local_dir).resolve())] + [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        src = [str(Path(local_dir).resolve())] + [[f.name, *file_fingerprint(f)] for f in files]
     elif not weights and pretrained and spec.weights.kind == "file":  # shipped weights: their content decides
         from vitscope.models.load import package_file
 

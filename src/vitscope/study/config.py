@@ -21,7 +21,7 @@ class ModelConfig:
     name: str = ""                         # registry name, timm name, or checkpoint file
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
-    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded)
+    pretrained: bool = True                # fetch the entry's weights; false = random init (seeded), no file
     checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit or simmim
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
@@ -86,11 +86,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         for o in overrides:  # one at a time, by path, so list items can be set too (models.0.weights=...)
             if o.startswith("~"):
                 continue
-            key, eq, _ = o.partition("=")
+            key, eq, raw = o.partition("=")
             if not eq or not key.strip():
                 raise ConfigError(f"override {o!r} is not of the form key=value (or ~key to remove an entry)")
+            _refuse_resolvers(raw, path.name, key.strip())
             value = OmegaConf.select(_yaml(lambda o=o: OmegaConf.from_dotlist([o]), "the overrides"), key.strip())
             OmegaConf.update(cfg, key.strip(), value, merge=True)
+        _refuse_resolvers(OmegaConf.to_container(cfg, resolve=False), path.name)
         for key in removals:  # Hydra-style `~analyses.cka` removes an entry
             parent, _, leaf = key.rpartition(".")
             node = OmegaConf.select(cfg, parent) if parent else cfg
@@ -133,10 +135,29 @@ def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig
     return [m for m in models if (m.label or m.name) not in dropped]
 
 
+_RESOLVER = re.compile(r"\$\{\s*[\w.-]+\s*:")
+
+
+def _refuse_resolvers(node: Any, what: str, key: str = "") -> None:
+    """OmegaConf resolvers (``${oc.env:HOME}``, ``${oc.decode:...}``) are off: the value they produce would be
+    written into config.yaml and the report; plain references (``${datasets.a.root}``) stay allowed."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _refuse_resolvers(v, what, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _refuse_resolvers(v, what, f"{key}.{i}")
+    elif isinstance(node, str) and _RESOLVER.search(node):
+        raise ConfigError(f"{key} in {what} (or its overrides) calls a resolver ({node!r}); vitscope reads no "
+                          "environment or resolver values into a study: write the value itself")
+
+
 def _yaml(load: Any, what: str) -> Any:
     """``load()``, a YAML syntax error turned into one sentence saying where."""
     try:
         return load()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not a text (YAML) file: byte {e.start} is not {e.encoding}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -161,15 +182,25 @@ def validate(cfg: StudyConfig) -> None:
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
         raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
+    from vitscope.models.load import check_arch, file_given, random_init_takes_no_file
+
     for i, m in enumerate(cfg.models):
+        check_arch(m.kwargs or {}, f"models[{i}].kwargs")
+        file = file_given(m.name, m.weights) if not m.pretrained else None
+        if file:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
         for key in m.kwargs or {}:
             if key in _LOAD_ARGS:
                 field_ = _LOAD_ARGS[key]
                 raise ConfigError(f"models[{i}].kwargs.{key}: kwargs are timm.create_model arguments; "
                                   + (f"set {field_} instead" if field_ else f"{key} cannot be set from a study "
                                      "config (call vitscope.load_model in code for that)"))
-    if cfg.batch_size < 1 or any(d.n_images < 1 for d in study_datasets(cfg).values()):
-        raise ConfigError("batch_size and every dataset's n_images must be at least 1")
+    from vitscope.bounds import Range
+    from vitscope.data.catalog import check_counts
+
+    Range(1).check(cfg.batch_size, "batch_size")
+    for name, d in study_datasets(cfg).items():
+        check_counts("dataset" if d is cfg.dataset else f"datasets.{name}", d)
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")
@@ -286,12 +317,30 @@ def expand_models(models: list[ModelConfig]) -> list[ModelConfig]:
             continue
         files = _checkpoint_files(m.checkpoints)
         base = m.label or m.name or Path(str(m.checkpoints)).name
+        epochs = []
         for k, f in enumerate(files):
             found = _EPOCH.search(Path(f).stem)
             epoch = int(found.group(1)) if found else k
+            epochs.append(epoch)
             out.append(replace(m, name=m.name or f, weights=f if m.name else m.weights, checkpoints=None,
                                label=f"{base}@{epoch}", epoch=epoch))
+        if any(_EPOCH.search(Path(f).stem) is None for f in files):
+            import warnings
+
+            from vitscope.errors import ResultWarning, preview
+
+            order = ("in the natural order of their names" if isinstance(m.checkpoints, str)
+                     else "in the order listed")
+            warnings.warn(f"checkpoints of {base}: not every file name says its epoch (..epoch012..), so epochs "
+                          f"follow the files {order}: " + preview([f"{Path(f).name} -> {base}@{e}"
+                                                                  for f, e in zip(files, epochs, strict=True)]),
+                          ResultWarning, stacklevel=3)
     return out
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key of names by the numbers in them: step2 < step10 < step100 (plain sorting gives 10, 100, 2)."""
+    return [(0, int(t), "") if t.isdigit() else (1, 0, t.lower()) for t in re.split(r"(\d+)", name)]
 
 
 def _checkpoint_files(spec: Any) -> list[str]:
@@ -300,7 +349,7 @@ def _checkpoint_files(spec: Any) -> list[str]:
         if not root.is_dir():
             raise ConfigError(f"checkpoints: {spec!r} is not a directory; give a run directory or a list of files")
         folder = root / "checkpoints" if (root / "checkpoints").is_dir() else root
-        files = sorted(str(p) for p in folder.iterdir() if p.suffix in CHECKPOINT_SUFFIXES)
+        files = sorted((str(p) for p in folder.iterdir() if p.suffix in CHECKPOINT_SUFFIXES), key=natural_key)
         if not files:
             raise ConfigError(f"checkpoints: no checkpoint files ({', '.join(CHECKPOINT_SUFFIXES)}) in {str(folder)!r}")
         return files

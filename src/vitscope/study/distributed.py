@@ -1,4 +1,5 @@
-"""torchrun support: rank/world from the environment, gather of accumulator states to rank 0.
+"""torchrun support: rank/world from the environment, gather of accumulator states (and of the images each
+rank could not read) to rank 0.
 
 `torchrun --nproc_per_node=N -m vitscope run ...` sets RANK / WORLD_SIZE; the process group uses gloo on
 CPU and nccl on GPU. Without those variables everything here is a no-op for a single process.
@@ -39,11 +40,15 @@ class Dist:
         if self.world > 1:
             tdist.barrier()
 
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order (every rank gets the list). Single process: [obj]."""
+        if self.world == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world
+        tdist.all_gather_object(gathered, obj)
+        return gathered
+
     def gather_states(self, jobs: list[Any]) -> list[list[dict[str, Any]]]:
         """Per job, the state of every rank in rank order (rank 0's first). Single process: [[own]]."""
-        own = [j.analysis.state_dict() for j in jobs]
-        if self.world == 1:
-            return [[s] for s in own]
-        gathered: list[Any] = [None] * self.world
-        tdist.all_gather_object(gathered, own)
+        gathered = self.gather([j.analysis.state_dict() for j in jobs])
         return [[gathered[r][i] for r in range(self.world)] for i in range(len(jobs))]

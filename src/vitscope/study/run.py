@@ -16,11 +16,9 @@ with the same `merge` that resume uses. A run directory holds:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import platform
-import shutil
 import sys
 import time
 from collections import defaultdict
@@ -37,11 +35,12 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import ConfigError, InputError
+from vitscope.errors import InputError
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
-from vitscope.models.load import resolve_spec
+from vitscope.models.load import file_given, resolve_spec
+from vitscope.study import rundir
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.distributed import Dist
@@ -82,6 +81,9 @@ class Source:
     signature: str
     skipped: dict[str, str] = field(default_factory=dict)
     selection: str = ""  # digest of every rank's selected ids (in the analyses' cache keys)
+    read_here: set[str] = field(default_factory=set)  # the skipped images this rank's own passes met
+    offset: int = 0      # position of this shard's first id in the selection (torchrun; 0 in one process)
+    n_selected: int = 0  # ids selected on every rank together
 
 
 def _pk(p: PassKey) -> str:
@@ -94,12 +96,22 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     refused unless ``overwrite``."""
     preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
-    plan = make_plan(cfg)
     out = Path(cfg.output_dir)
+    lock = rundir.hold(out) if dist.is_main else None  # one writer per run directory, for the whole run
+    try:
+        return _run_study(cfg, dist, out, on_batch, overwrite)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str, int], None] | None,
+               overwrite: bool) -> Path:
+    plan = make_plan(cfg)
     config_key = _config_key(cfg)
-    if dist.is_main:
-        _claim_output_dir(out, config_key, overwrite)
-    cache = Cache(cfg.cache_dir or default_cache_dir(out))
+    cache_root = Path(cfg.cache_dir or default_cache_dir(out))
+    claimed = rundir.claim(out, config_key, overwrite, keep=(cache_root,)) if dist.is_main else {}
+    cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     manifest: dict[str, Any] = {
         "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
@@ -171,7 +183,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     # of an analysis makes the tables written by the old one stale, even when its states come from the cache)
     results_key = digest(config_key, sorted(mkeys.values()),
                          sorted((ap.name, ap.cls.state_version) for ap in plan.analyses))
-    previous = _read_manifest(out)
+    previous = claimed
     pairs_cached = all(p["from_cache"] for m in manifest["models"].values() for p in m.get("pairs", {}).values())
     unchanged = n_jobs == total and pairs_cached and previous.get("results_key") == results_key \
         and previous.get("report_done") and (out / "report.html").is_file() and _tables_match(out, frames) \
@@ -189,12 +201,13 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
             cross = type(group[0]).cross(group)
             if cross is not None and len(cross):
                 frames[name].append(cross)
-        _write_tables(out, frames, epochs)
+        manifest["results_files"] = _write_tables(out, frames, epochs, previous)
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
+    manifest.setdefault("results_files", previous.get("results_files", []))
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     manifest["report_done"] = bool(unchanged)
-    _write_json(out / "manifest.json", manifest)
+    rundir.write_json(out / rundir.MANIFEST, manifest)
     write_atomic(out / "config.yaml", lambda f: f.write(to_yaml(cfg).encode()))
     if not unchanged:  # a fully cached rerun of the same study leaves results and report as they are
         from vitscope.report import write_report
@@ -205,7 +218,7 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
         timings["report"] = round(time.perf_counter() - t0, 2)
         manifest["timings"] = timings
         manifest["report_done"] = True
-        _write_json(out / "manifest.json", manifest)
+        rundir.write_json(out / rundir.MANIFEST, manifest)
     dist.barrier()
     return out
 
@@ -221,41 +234,11 @@ def _config_key(cfg: StudyConfig) -> str:
     return digest(d)
 
 
-def _read_manifest(out: Path) -> dict[str, Any]:
-    try:
-        return json.loads((out / "manifest.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _claim_output_dir(out: Path, config_key: str, overwrite: bool) -> None:
-    """The output directory must be writable, and hold this config's results or none (or be overwritten)."""
-    if out.exists() and not out.is_dir():
-        raise InputError(f"output_dir {str(out)!r} is a file, not a directory: choose another output_dir")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{time.monotonic_ns()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise InputError(f"output_dir {str(out)!r} is not writable ({e.strerror or e}): choose another "
-                         "output_dir") from None
-    previous = _read_manifest(out)
-    if previous and previous.get("config_key") not in (None, config_key) and not overwrite:
-        raise ConfigError(f"{str(out)!r} holds the results of another config: pass --overwrite to replace them, "
-                          "or choose another output_dir")
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)
-
-
-def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int]) -> None:
-    """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole."""
-    tmp = out / f".results-{time.monotonic_ns()}"
-    tmp.mkdir(parents=True)
+def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int],
+                  previous: dict[str, Any]) -> list[str]:
+    """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole (files there
+    that vitscope did not write are kept: `rundir.swap_tables`). Returns the files written."""
+    tables = {}
     for name, parts in frames.items():
         parts = [p for p in parts if p is not None and len(p)]
         if parts:
@@ -264,17 +247,13 @@ def _write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict
                 df["epoch"] = df["model"].map(epochs).astype("Int64")
                 if "model_b" in df.columns:
                     df["epoch_b"] = df["model_b"].map(epochs).astype("Int64")
-            df.to_parquet(tmp / f"{name}.parquet", index=False)
-    old = out / "results"
-    if old.exists():
-        trash = out / f".results-old-{time.monotonic_ns()}"
-        old.rename(trash)
-        tmp.rename(old)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        tmp.rename(old)
-    for stale in out.glob(".results-*"):  # leftovers of a killed run
-        shutil.rmtree(stale, ignore_errors=True)
+            tables[f"{name}.parquet"] = df
+
+    def write(folder: Path) -> None:
+        for file, df in tables.items():
+            df.to_parquet(folder / file, index=False)
+
+    return rundir.swap_tables(out, write, list(tables), previous)
 
 
 def _report_is_of(out: Path) -> bool:
@@ -296,7 +275,7 @@ def _tables_match(out: Path, frames: dict[str, list[pd.DataFrame]]) -> bool:
 
 def _dataset_summary(src: Source) -> dict[str, Any]:
     return {"name": src.name, "format": getattr(src.dataset, "name", src.name),
-            "n_images": sum(len(c) for c in src.chunks), "available": len(src.dataset)}
+            "n_images": src.n_selected, "available": len(src.dataset)}
 
 
 def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Source:
@@ -304,9 +283,10 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     if len(ds) == 0:
         raise InputError(f"dataset {name!r} ({dc.name}) has no images")
     ids = _select_ids(ds, dc.n_images)
-    shard = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
+    shard, offset = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
-    return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids))
+    return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids), offset=offset,
+                  n_selected=len(ids))
 
 
 def _units(ds: Any, n: int) -> list[int] | None:
@@ -376,11 +356,12 @@ def balanced_ids(labels: Sequence[int], n_images: int) -> list[int]:
     return sorted(i for c, members in by_class.items() for i in (members[j] for j in _spread(len(members), quota[c])))
 
 
-def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
-    """This rank's contiguous block of ``ids``: boundaries at multiples of ``align`` positions, moved forward
-    to the next unit start where the dataset has units, so no video or pair is split across ranks."""
+def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> tuple[list[int], int]:
+    """This rank's contiguous block of ``ids`` and the position of its first: boundaries at multiples of
+    ``align`` positions, moved forward to the next unit start where the dataset has units, so no video or pair
+    is split across ranks."""
     if dist.world == 1:
-        return ids
+        return ids, 0
     n = len(ids)
     per = math.ceil(math.ceil(n / align) / dist.world) * align
     cuts = [min(r * per, n) for r in range(dist.world + 1)]
@@ -392,7 +373,19 @@ def _shard(ids: list[int], ds: Any, align: int, dist: Dist) -> list[int]:
             while 0 < c < n and ids[c] not in starts:
                 c += 1
             cuts[r] = max(c, cuts[r - 1])
-    return ids[cuts[dist.rank]:cuts[dist.rank + 1]]
+    return ids[cuts[dist.rank]:cuts[dist.rank + 1]], cuts[dist.rank]
+
+
+def _set_positions(batch: Any, ids: list[int], first: int) -> None:
+    """``extra['position']`` of every image of a chunk's batch: its place in the study's selection (the chunk
+    starts at ``first``), the same in one process and in any shard, also when images of the chunk could not
+    be read (CKA groups follow it: `analyses.similarity.GramGroups`). Left out where the batch's index is not
+    the chunk's ids (tiles)."""
+    where = {int(i): first + j for j, i in enumerate(ids)}
+    for part in batch_parts(batch):
+        index = [int(i) for i in part.index]
+        if all(i in where for i in index):
+            part.extra["position"] = torch.tensor([where[i] for i in index], dtype=torch.long)
 
 
 def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
@@ -401,18 +394,21 @@ def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
     yields an empty marker so chunk numbers stay aligned), under ``view``."""
     from vitscope.data.formats.common import NothingReadable
 
-    for ids in src.chunks[start:]:
+    size = len(src.chunks[0]) if src.chunks else 0
+    for k, ids in enumerate(src.chunks[start:], start=start):
         try:
             got = list(src.dataset.batches(len(ids), pre, indices=ids))
         except NothingReadable:
             got = []
         for path, reason in getattr(src.dataset, "skipped", []):
             src.skipped.setdefault(str(path), str(reason))
+            src.read_here.add(str(path))
         if not got:
             yield None
             continue
         batch = got[0] if len(got) == 1 else _concat(got)
         batch.dataset, batch.view = src.name, view
+        _set_positions(batch, ids, src.offset + k * size)
         if view != CLEAN:
             t0 = time.perf_counter()
             for part in batch_parts(batch):
@@ -480,7 +476,8 @@ class _ModelPool:
 
 def _model_key(mc: Any) -> tuple[Any, str]:
     spec = resolve_spec(mc.name)
-    return spec, model_key(spec, mc.weights, mc.pretrained, mc.checkpoint_format, mc.seed, dict(mc.kwargs))
+    return spec, model_key(spec, file_given(mc.name, mc.weights) or mc.weights, mc.pretrained, mc.checkpoint_format,
+                           mc.seed, dict(mc.kwargs))
 
 
 def _analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> str:
@@ -527,14 +524,20 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
     for job in jobs:  # finished entries: no model needed
         entry = cache.load(job.final)
         if entry is not None and entry.get("finished"):
-            info = ModelInfo(**{**entry["info"], "name": label})
-            job.analysis = job.plan.cls(info, **job.plan.params)
-            job.analysis.load_state_dict(entry["state"])
+            try:
+                info_c = ModelInfo(**{**entry["info"], "name": label})
+                analysis = job.plan.cls(info_c, **job.plan.params)
+                analysis.load_state_dict(entry["state"])
+                frame = _relabel(entry.get("frame"), entry.get("label"), label)
+                meta = dict(entry.get("model_meta", {}))
+            except Exception as e:  # noqa: BLE001 - data of the wrong fields or types: recomputed, not trusted
+                _unusable(job.final, e)
+                continue
+            info, job.analysis, job.frame = info_c, analysis, frame
             job.analysis.model_name = label
             _relate(job.analysis, job.plan, mc)
             job.finished, job.meta = True, {"from_cache": True}
-            job.frame = _relabel(entry.get("frame"), entry.get("label"), label)
-            mmeta.update(entry.get("model_meta", {}))
+            mmeta.update(meta)
             _restore_skipped(entry, sources, job.plan)
     todo = [j for j in jobs if not j.finished]
     timings: dict[str, Any] = {}
@@ -553,8 +556,16 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                                     for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
             if part is not None and part.get("chunks") == _chunk_signature(job, sources):
-                job.analysis.load_state_dict(part["state"])
-                job.done = {str(k): int(v) for k, v in part["done"].items()}
+                try:
+                    job.analysis.load_state_dict(part["state"])
+                    job.done = {str(k): int(v) for k, v in part["done"].items()}
+                except Exception as e:  # noqa: BLE001 - started again from the first chunk
+                    _unusable(job.part, e)
+                    job.analysis, job.done = job.plan.cls(vm, **job.plan.params), {}
+                    _relate(job.analysis, job.plan, mc)
+                    job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
+                                            for slot, d in job.plan.slots.items()})
+                    continue
                 _restore_skipped(part, sources, job.plan)
         timings["load"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
@@ -566,6 +577,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
             _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
         timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # forward, and each update
+        _gather_skipped(sources, dist)
         merged = dist.gather_states(todo)
         if dist.is_main:
             for job, parts in zip(todo, merged, strict=True):
@@ -609,6 +621,25 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
         return None
     _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
     return Helper(cfg, labels)
+
+
+def _unusable(path: Path, e: Exception) -> None:
+    """A cache entry that reads as data but whose fields or types do not fit its analysis (another layout, a
+    hand-edited file): said once, and recomputed instead of stopping every rerun with a traceback."""
+    from vitscope.errors import first_line
+
+    log.warning("ignoring cache entry %s (%s: %s); it is recomputed", path, type(e).__name__, first_line(e))
+
+
+def _gather_skipped(sources: dict[str, Source], dist: Dist) -> None:
+    """Every rank's unreadable images into every rank's sources (torchrun: each rank reads only its shard), so
+    the cache entries and the manifest list them all, as one process would."""
+    if dist.world == 1:
+        return
+    for theirs in dist.gather({n: dict(s.skipped) for n, s in sources.items()}):
+        for n, items in theirs.items():
+            for path, reason in items.items():
+                sources[n].skipped.setdefault(path, reason)
 
 
 def _skipped_for(ap: AnalysisPlan, sources: dict[str, Source]) -> dict[str, dict[str, str]]:
@@ -678,7 +709,8 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
     for job, k in zip(jobs, seen, strict=True):
         job.done[key] = k
     n = sum(len(c) for c in src.chunks)
-    if n and len(src.skipped) >= n:
+    # under torchrun the skip list also holds other ranks' images: count this shard's own
+    if n and len(src.read_here if dist.world > 1 else src.skipped) >= n:
         raise InputError(f"dataset {src.name!r}: none of its {n} images could be read (first: "
                          f"{next(iter(src.skipped.items()))})")
 
@@ -714,12 +746,16 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
 
     entry = cache.load(job.final)
     if entry is not None and entry.get("finished"):
-        job.analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
-        job.analysis.load_state_dict(entry["state"])
-        job.finished, job.meta = True, {"from_cache": True}
-        frame = _relabel(entry.get("frame"), entry.get("label_a"), a)
-        job.frame = _relabel(frame, entry.get("label_b"), b)
-        return job
+        try:
+            analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
+            analysis.load_state_dict(entry["state"])
+            frame = _relabel(_relabel(entry.get("frame"), entry.get("label_a"), a), entry.get("label_b"), b)
+        except Exception as e:  # noqa: BLE001 - recomputed, not trusted
+            _unusable(job.final, e)
+        else:
+            job.analysis, job.frame = analysis, frame
+            job.finished, job.meta = True, {"from_cache": True}
+            return job
     vm_a, vm_b = pool.get(a), pool.get(b)
     if tuple(vm_a.img_size) != tuple(vm_b.img_size) or vm_a.preprocessing != vm_b.preprocessing:
         raise InputError(f"analysis {ap.name} compares {a!r} and {b!r}, whose inputs differ (size {vm_a.img_size} "
@@ -727,8 +763,12 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     job.analysis = make(vm_a.info(), vm_b.info())
     part = cache.load(job.part)
     if part is not None and part.get("chunks") == _chunk_signature(job, sources):
-        job.analysis.load_state_dict(part["state"])
-        job.done = {str(k): int(v) for k, v in part["done"].items()}
+        try:
+            job.analysis.load_state_dict(part["state"])
+            job.done = {str(k): int(v) for k, v in part["done"].items()}
+        except Exception as e:  # noqa: BLE001 - started again from the first chunk
+            _unusable(job.part, e)
+            job.analysis, job.done = make(vm_a.info(), vm_b.info()), {}
     src = sources[ap.slots["data"]]
     key = _pk((src.name, CLEAN))
     start = job.done.get(key, 0)
@@ -747,6 +787,7 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     except BaseException:
         _save_parts([job], cache, pkey, sources)
         raise
+    _gather_skipped(sources, dist)
     merged = dist.gather_states([job])[0]
     if dist.is_main:
         for state in merged[1:]:

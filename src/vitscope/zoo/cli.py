@@ -30,8 +30,19 @@ def _arch_overrides(items: list[str]) -> dict[str, Any]:
         k, sep, v = item.partition("=")
         if not sep or k not in kw:
             raise VitscopeError(f"--arch takes key=value with key in {', '.join(kw)}; got {item!r}")
-        kw[k] = type(kw[k])(v)
+        try:
+            kw[k] = type(kw[k])(v)
+        except ValueError:
+            raise VitscopeError(f"--arch {k} must be {type(kw[k]).__name__} (like {kw[k]!r}); got {v!r}") from None
     return kw
+
+
+def _need_file(run_dir: str, name: str, what: str) -> None:
+    """One sentence when ``run_dir`` lacks ``name`` (instead of a FileNotFoundError traceback)."""
+    from pathlib import Path
+
+    if not (Path(run_dir) / name).is_file():
+        raise VitscopeError(f"{run_dir!r} has no {name}: pass {what}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -86,6 +97,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    _need_file(args.run_dir, "card.json", "a `vitscope zoo train` output directory")
     card = add_to_card(args.run_dir, args.data, tuple(args.synthetic_n), per_block=not args.final_only,
                        reconstruction_only=args.reconstruction_only)
     e = card["eval"]
@@ -104,6 +116,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 def _cmd_findings(args: argparse.Namespace) -> int:
     from vitscope.zoo.findings import check, to_markdown
 
+    _need_file(args.run_dir, "manifest.json", "the output_dir of a `vitscope run` of zoo models")
     table = check(args.run_dir)
     if table.empty:
         raise VitscopeError(f"{args.run_dir}: no finding could be checked (the study needs contrastive and "

@@ -291,6 +291,10 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     if state_path.exists() and not resume:
         raise VitscopeError(f"{out} already holds a training state; pass resume=True (--resume) to continue "
                             "it, or choose another output directory")
+    written = [f for f in (CARD_FILE, LOG_FILE, WEIGHTS_FILE, DECODER_FILE) if (out / f).exists()]
+    if written and not (resume and state_path.exists()):  # a run that is not resumed would replace them
+        raise VitscopeError(f"{out} already holds {', '.join(written)} of another training run (no training state "
+                            "to resume): choose another output directory, so that they are not replaced")
     if resume and state_path.exists() and (out / CARD_FILE).exists():  # finished already: nothing to load
         card = json.loads((out / CARD_FILE).read_text())
         st = load_state(state_path)

@@ -17,6 +17,7 @@ import numpy as np
 from vitscope.data.base import Sample
 from vitscope.data.formats.common import FileDataset, Unreadable, read_rgb, require_files
 from vitscope.errors import InputError
+from vitscope.files import inside
 
 
 def load_coco(annotations: str | Path) -> Any:
@@ -32,6 +33,65 @@ def load_coco(annotations: str | Path) -> Any:
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise InputError(f"{str(path)!r} is not a COCO-format annotation file ({type(e).__name__}: {e}); "
                          "expected 'images', 'annotations' and 'categories'") from e
+
+
+#: how far outside its image an annotation's coordinates may lie, in image sizes (polygons that extend past
+#: the border are clipped; coordinates farther out are an error: pycocotools dies on some without a message)
+COORD_MARGIN = 1.0
+
+
+def check_annotation(ann: dict, image: dict, source: str) -> None:
+    """One InputError sentence naming ``source`` (the json) and the annotation when its values are not what
+    pycocotools can draw: a polygon's coordinates must be finite numbers within `COORD_MARGIN` image sizes of
+    the image (``image``'s width and height), in pairs, at least three points; an RLE must match the image's
+    size; a bbox must hold four finite numbers."""
+    who = f"{source}: annotation {ann.get('id', '?')} (image {ann.get('image_id', '?')})"
+    w, h = image.get("width"), image.get("height")
+    seg = ann.get("segmentation")
+
+    def bad(why: str) -> InputError:
+        return InputError(f"{who}: {why}; fix or remove the annotation")
+
+    def numbers(xs: Any) -> np.ndarray:
+        try:
+            arr = np.asarray(xs, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise bad("its coordinates are not numbers") from None
+        if arr.ndim != 1 or not np.isfinite(arr).all():
+            raise bad(f"its coordinates must be finite numbers, got {_nonfinite(arr)}")
+        return arr
+
+    if isinstance(seg, list):
+        for poly in seg:
+            xy = numbers(poly)
+            if len(xy) < 6 or len(xy) % 2:
+                raise bad(f"a polygon needs x, y pairs of at least 3 points, got {len(xy)} numbers")
+            if isinstance(w, int | float) and isinstance(h, int | float):
+                far = np.abs(xy - np.tile([w / 2, h / 2], len(xy) // 2)) > np.tile([w, h], len(xy) // 2) * (
+                    COORD_MARGIN + 0.5)
+                if far.any():
+                    raise bad(f"a polygon coordinate of {xy[far][0]:g} lies more than {COORD_MARGIN:g} image size "
+                              f"outside the {w}x{h} image")
+    elif isinstance(seg, dict):
+        size = seg.get("size")
+        if not (isinstance(size, list) and len(size) == 2) or (h is not None and list(size) != [h, w]):
+            raise bad(f"its RLE size {size!r} is not the image's [height, width] [{h}, {w}]")
+        counts = seg.get("counts")
+        if isinstance(counts, list):
+            c = numbers(counts)
+            if (c < 0).any() or c.sum() != size[0] * size[1]:
+                raise bad(f"its RLE counts must be non-negative and add up to {size[0]}x{size[1]} pixels")
+        elif not isinstance(counts, str | bytes):
+            raise bad("its RLE counts are neither a list nor a compressed string")
+    elif seg is not None:
+        raise bad(f"its segmentation is a {type(seg).__name__}, not polygons or an RLE")
+    if "bbox" in ann and len(numbers(ann["bbox"])) != 4:
+        raise bad("its bbox must hold 4 numbers (x, y, width, height)")
+
+
+def _nonfinite(arr: np.ndarray) -> str:
+    odd = arr[~np.isfinite(arr)] if arr.ndim == 1 else arr.ravel()
+    return ", ".join(f"{v:g}" for v in odd[:3]) if odd.size else "an array of shape " + str(arr.shape)
 
 
 def ann_mask(coco: Any, ann: dict) -> np.ndarray:
@@ -65,8 +125,11 @@ class _CocoBase(FileDataset):
             raise InputError(f"{str(annotations)!r} lists no images" + (" with annotations of the chosen "
                              "categories" if only_annotated or category_ids is not None else ""))
         self.image_ids = ids
-        self.files = [self.images_dir / self.coco.imgs[i]["file_name"] for i in ids]
+        self.files = [inside(self.images_dir, self.coco.imgs[i]["file_name"],
+                             f"{Path(annotations).name}: image {i}") for i in ids]
         require_files(self.files, f"{str(annotations)!r} refers to (under {str(self.images_dir)!r})")
+        for a in self.coco.dataset.get("annotations", []):
+            check_annotation(a, self.coco.imgs.get(a.get("image_id"), {}), Path(annotations).name)
 
     def __len__(self) -> int:
         return len(self.image_ids)

@@ -22,7 +22,7 @@ import torch
 
 from vitscope.data.base import Batch, Sample
 from vitscope.data.formats.common import FileDataset, image_files, read_rgb
-from vitscope.errors import InputError
+from vitscope.errors import InputError, first_line
 
 CUE_CONFLICT_NAME = re.compile(r"^(?P<shape>[a-z]+)(?P<i>\d+)-(?P<texture>[a-z]+)(?P<j>\d+)$")
 
@@ -105,12 +105,17 @@ class CorruptedFolder(FileDataset):
         if npys:  # CIFAR-10-C
             if not (self.root / "labels.npy").is_file():
                 raise InputError(f"{str(self.root)!r} holds .npy files but no labels.npy (the CIFAR-10-C layout)")
-            labels = np.load(self.root / "labels.npy")
+            labels = _npy(self.root / "labels.npy", "an integer label per image", ndim=1)
+            if labels.dtype.kind not in "iu" or (len(labels) and not 0 <= labels.min() <= labels.max()
+                                                 < len(CIFAR10_CLASSES)):
+                raise InputError(f"{str(self.root / 'labels.npy')!r} must hold class ids 0..{len(CIFAR10_CLASSES) - 1} "
+                                 f"(CIFAR-10-C), got {labels.dtype} values {labels.min() if len(labels) else ''}"
+                                 f"..{labels.max() if len(labels) else ''}")
             names = corruptions or npys
             self._check(names, npys, CORRUPTIONS)
             self.classes = list(CIFAR10_CLASSES)
             for c in names:
-                arr = np.load(self.root / f"{c}.npy", mmap_mode="r")
+                arr = _npy(self.root / f"{c}.npy", "uint8 images (N, H, W, 3)", ndim=4, mmap_mode="r")
                 per = len(arr) // 5
                 self.arrays[c] = arr
                 for s in sev:
@@ -165,3 +170,15 @@ class CorruptedFolder(FileDataset):
         b.extra["corruption"] = [s.extra["corruption"] for s in chunk]
         b.extra["severity"] = torch.tensor([s.extra["severity"] for s in chunk], dtype=torch.long)
         return b
+
+
+def _npy(path: Path, what: str, ndim: int, mmap_mode: str | None = None) -> np.ndarray:
+    """A CIFAR-10-C array: numbers only (an object array would need pickle, which is refused), of ``ndim``
+    dimensions; one InputError sentence naming the file otherwise."""
+    try:
+        arr = np.load(path, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise InputError(f"{str(path)!r} is not a plain .npy array of {what} ({first_line(e)})") from None
+    if arr.ndim != ndim or arr.dtype.kind not in "iub":
+        raise InputError(f"{str(path)!r} must hold {what}; got {arr.dtype} of shape {arr.shape}")
+    return arr

@@ -18,6 +18,7 @@ from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
 from vitscope.data.formats.common import FileDataset, read_rgb, require_files, runs_of_one_size
 from vitscope.data.transforms import Framing
 from vitscope.errors import InputError
+from vitscope.files import inside
 from vitscope.models.registry import Preprocessing
 
 SPLITS = ("trn", "val", "test")
@@ -86,7 +87,8 @@ class SPair71k(FileDataset):
                       f"the pair annotations in {str(folder)!r} refer to")
 
     def _path(self, rec: dict, side: str) -> Path:
-        return self.root / "JPEGImages" / rec["category"] / rec[f"{side}_imname"]
+        return inside(self.root / "JPEGImages", f"{rec['category']}/{rec[f'{side}_imname']}",
+                      f"{rec['file']}: {side}_imname")
 
     def __len__(self) -> int:
         return 2 * len(self.pairs) if self.flat else len(self.pairs)

@@ -1,0 +1,166 @@
+"""Declared ranges of numeric parameters, checked before any model loads.
+
+A range is declared once, beside the parameter: an analysis annotates its ``__init__`` argument
+(``k: Count = 32``, ``ks: Sequence[Count]``, ``rms: Annotated[float, Range(0, open_lo=True)]``) and
+`vitscope.analyses.base.validate_params` reads the annotation; a dataset format declares its options' ranges
+in `vitscope.data.catalog` (``OPTION_RANGES``). A value outside its range is one `ConfigError` sentence naming
+the parameter, the range and the value (``k = 0`` would otherwise write a ``knn0_top1`` row with a number).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from vitscope.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Range:
+    """``lo <= value <= hi`` (``lo < value`` with ``open_lo``); ``None`` leaves a side open. ``why`` is said
+    after the range when the value is outside it."""
+
+    lo: float | None = None
+    hi: float | None = None
+    open_lo: bool = False
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        if not math.isfinite(value):  # nan, inf: no parameter means anything at infinity
+            return False
+        if self.lo is not None and (value <= self.lo if self.open_lo else value < self.lo):
+            return False
+        return self.hi is None or value <= self.hi
+
+    def describe(self) -> str:
+        def num(x: float) -> str:
+            return f"{x:g}" if isinstance(x, float) else str(x)
+
+        if self.lo is not None and self.hi is not None and not self.open_lo:
+            return f"between {num(self.lo)} and {num(self.hi)}"
+        parts = []
+        if self.lo is not None:
+            parts.append(("greater than " if self.open_lo else "at least ") + num(self.lo))
+        if self.hi is not None:
+            parts.append(f"at most {num(self.hi)}")
+        return " and ".join(parts)
+
+    def short(self) -> str:
+        """``>= 1``, ``> 0``, ``1..5``: the range in a listing of parameters."""
+        def num(x: float) -> str:
+            return f"{x:g}" if isinstance(x, float) else str(x)
+
+        if self.lo is not None and self.hi is not None and not self.open_lo:
+            return f"{num(self.lo)}..{num(self.hi)}"
+        parts = [f"{'>' if self.open_lo else '>='} {num(self.lo)}"] if self.lo is not None else []
+        return ", ".join(parts + ([f"<= {num(self.hi)}"] if self.hi is not None else []))
+
+    def check(self, value: Any, what: str) -> None:
+        """One ConfigError sentence when the number ``value`` of ``what`` is outside the range (non-numbers
+        are the type check's business)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return
+        if not self.holds(value):
+            rule = self.describe() if math.isfinite(value) else f"a finite number {self.describe()}"
+            raise ConfigError(f"{what} must be {rule}" + (f" ({self.why})" if self.why else "") + f"; got {value!r}")
+
+
+def AtLeast(lo: float, why: str = "") -> Range:  # noqa: N802 - reads as a type in annotations
+    return Range(lo, why=why)
+
+
+# -- what a machine can be asked for: stated limits, refused before anything is allocated --------------------
+
+#: pixels on an image side: generated images, whole frames, a model's input (4096 px at patch 16 is 65,536
+#: tokens, whose attention matrix alone is 17 GB per head and image in float32)
+MAX_IMAGE_SIDE = 4096
+#: images of a generated data set (its items are drawn on the fly; their parameters are kept per item)
+MAX_GENERATED_IMAGES = 1_000_000
+#: blocks and channels of a model built from a config (timm arguments, a transformers config.json)
+MAX_DEPTH, MAX_WIDTH = 256, 16384
+
+#: iterations of an optimisation (probe, t-SNE, inversion) and restarts of k-means: beyond these a run takes
+#: hours for no change in its numbers
+MAX_ITERATIONS, MAX_RESTARTS = 100_000, 1000
+#: iterations of an optimisation
+Iterations = Annotated[int, Range(1, MAX_ITERATIONS, why="beyond that a run takes hours")]
+#: restarts of k-means
+Restarts = Annotated[int, Range(1, MAX_RESTARTS, why="beyond that a run takes hours")]
+
+#: a count of things: 1 or more
+Count = Annotated[int, Range(1)]
+#: 0 or more
+NonNegative = Annotated[int, Range(0)]
+#: a number greater than 0
+Positive = Annotated[float, Range(0, open_lo=True)]
+#: a share: 0 to 1
+Fraction = Annotated[float, Range(0, 1)]
+
+
+def ranges_of(tp: Any) -> list[Range]:
+    """The ranges an ``Annotated[...]`` annotation declares (none for any other)."""
+    if typing.get_origin(tp) is Annotated:
+        return [m for m in tp.__metadata__ if isinstance(m, Range)]
+    return []
+
+
+def annotation_text(tp: Any) -> str | None:
+    """``int >= 1``, ``Sequence[int 1..5] | None``: an annotation that declares a range, written out for a
+    listing of parameters (`vitscope analyses`); None for one that declares none."""
+    if not _has_range(tp):
+        return None
+
+    def text(t: Any) -> str:
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin is Annotated:
+            return " ".join([text(args[0]), *(r.short() for r in ranges_of(t))])
+        if origin in (typing.Union, types.UnionType):
+            return " | ".join(text(a) for a in args)
+        if t is type(None):
+            return "None"
+        if origin is not None:
+            return f"{getattr(origin, '__name__', str(origin))}[{', '.join(text(a) for a in args)}]"
+        return getattr(t, "__name__", str(t))
+
+    return text(tp)
+
+
+def _has_range(tp: Any) -> bool:
+    return bool(ranges_of(tp)) or any(_has_range(a) for a in typing.get_args(tp) if not isinstance(a, Range))
+
+
+def check_annotated(value: Any, tp: Any, what: str) -> None:
+    """Every range ``tp`` declares for ``value``, through ``X | None``, sequences and mappings (their values):
+    one ConfigError sentence naming ``what`` (and the item) at the first value outside its range."""
+    if typing.get_origin(tp) is Annotated:
+        for r in ranges_of(tp):
+            r.check(value, what)
+        tp = typing.get_args(tp)[0]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        for a in args:
+            if a is not type(None) and value is not None and _plausible(value, a):
+                check_annotated(value, a, what)
+        return
+    if origin in (Sequence, list, tuple) and isinstance(value, list | tuple) and args:
+        for v in value:
+            check_annotated(v, args[0], f"every item of {what}")
+    elif origin in (Mapping, dict) and isinstance(value, Mapping) and len(args) == 2:
+        for k, v in value.items():
+            check_annotated(v, args[1], f"{what}.{k}")
+
+
+def _plausible(value: Any, tp: Any) -> bool:
+    base = typing.get_args(tp)[0] if typing.get_origin(tp) is Annotated else tp
+    origin = typing.get_origin(base) or base
+    if origin in (int, float):
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if origin in (Sequence, list, tuple):
+        return isinstance(value, list | tuple)
+    if origin in (Mapping, dict):
+        return isinstance(value, Mapping)
+    return False

@@ -1,0 +1,564 @@
+"""Issue 32 (reliability, round 2): counts validated before any model loads, checkpoint lists in natural order,
+weights files in the cache key, nothing vitscope did not write deleted, one writer per run directory."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import typing
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+import vitscope.study.run as run_mod
+from vitscope.analyses import ANALYSES
+from vitscope.analyses.base import analysis_parameters, validate_params
+from vitscope.bounds import Range, ranges_of
+from vitscope.cli import main
+from vitscope.errors import ConfigError
+
+TINY_KW = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+YAML = f"""
+models:
+  - name: vit_small_patch16_224
+    label: tiny
+    pretrained: false
+    kwargs: {TINY_KW}
+dataset: {{name: synthetic-shapes, n_images: 8}}
+analyses:
+  cka: {{batch_size: 4, views: [gap]}}
+batch_size: 4
+progress: false
+"""
+
+
+@pytest.fixture
+def config(tmp_path):
+    p = tmp_path / "study.yaml"
+    p.write_text(YAML)
+    return p
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the error must come before any model loads")
+
+    monkeypatch.setattr(run_mod, "load_model", refuse)
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+# -- a. every count parameter has a declared range, checked at config time --------------------------------
+
+def _ranges(tp, listed=False):
+    """(range, inside a list) for every range an annotation declares, through unions and sequences."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        yield from ((r, listed) for r in ranges_of(tp))
+        return
+    for arg in typing.get_args(tp):
+        yield from _ranges(arg, listed or origin in (list, tuple, Sequence))
+
+
+def _declared() -> list[tuple[str, str, Range, bool]]:
+    """(analysis, parameter, range, in a list) for every range an analysis declares."""
+    return [(name, pname, r, listed) for name, cls in ANALYSES.items()
+            for pname, p in analysis_parameters(cls).items() for r, listed in _ranges(p.annotation)]
+
+
+def test_the_count_parameters_the_issue_names_declare_a_range():
+    declared = {(a, p) for a, p, _, _ in _declared()}
+    for needed in [("semantics", "ks"), ("semantics", "test_every"), ("semantics", "max_images"),
+                   ("semantics", "kmeans_n_init"), ("band_noise", "n_bands"), ("band_noise", "test_every"),
+                   ("cka", "batch_size"), ("residual_cka", "batch_size"), ("svd_volume", "k"),
+                   ("stir", "iterations"), ("propagation", "n_last_frames")]:
+        assert needed in declared, needed
+
+
+@pytest.mark.parametrize("analysis,param,rng,listed", _declared(), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_a_value_outside_a_declared_range_is_one_sentence_and_the_default_passes(analysis, param, rng, listed):
+    cls = ANALYSES[analysis]
+    default = analysis_parameters(cls)[param].default
+    if default is not inspect.Parameter.empty and default is not None:
+        validate_params(cls, {param: list(default) if isinstance(default, tuple) else default})
+    is_int = isinstance(default, int) or (listed and default and isinstance(default[0], int))
+    outside = []
+    if rng.lo is not None:
+        outside.append(rng.lo - (1 if is_int else 0.5) if not rng.open_lo else rng.lo)
+    if rng.hi is not None:
+        outside.append(rng.hi + 1)
+    if not is_int:
+        outside.append(float("nan"))
+    for bad in outside:
+        with pytest.raises(ConfigError, match=rf"{param}.*must be.*got"):
+            validate_params(cls, {param: [bad] if listed else bad})
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["analyses.semantics={ks: [0, 10]}"], "'ks' of analysis 'semantics' must be at least 1; got 0"),
+    (["analyses.semantics={test_every: 1}"], "'test_every' of analysis 'semantics' must be at least 2"),
+    (["analyses.cka.batch_size=1"], "'batch_size' of analysis 'cka' must be at least"),
+    (["analyses.band_noise={n_bands: 0}"], "'n_bands' of analysis 'band_noise' must be between 1 and"),
+    (["analyses.band_noise={rms: .inf}"], "'rms' of analysis 'band_noise' must be a finite number"),
+    (["dataset.options.n_frames=0", "dataset.name=synthetic-videos"], "dataset.options.n_frames must be between 1 and"),
+    (["dataset.n_images=0"], "dataset.n_images must be at least 1"),
+    (["batch_size=0"], "batch_size must be at least 1"),
+])
+def test_bad_counts_are_one_line_before_any_model_loads(config, tmp_path, capsys, no_model, overrides, needle):
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
+    assert needle in err
+
+
+# -- b. a checkpoint-list directory in natural order, and said ----------------------------------------------
+
+def test_a_checkpoint_directory_is_read_in_natural_order_and_says_which_epoch_each_file_became(tmp_path):
+    import re
+
+    from vitscope.errors import ResultWarning
+    from vitscope.study import load_config
+
+    run = tmp_path / "ft" / "checkpoints"
+    run.mkdir(parents=True)
+    steps = [100, 2, 10]
+    for s in steps:
+        (run / f"step{s}.pt").write_bytes(b"")
+    study = tmp_path / "study.yaml"
+    study.write_text(YAML.replace("models:\n", f"models:\n  - {{name: vit_small_patch16_224, label: ft, "
+                                               f"checkpoints: {tmp_path / 'ft'}, kwargs: {TINY_KW}}}\n", 1))
+    with pytest.warns(ResultWarning, match="epoch") as caught:
+        cfg = load_config(study)
+    by_step = {int(re.search(r"step(\d+)", m.weights).group(1)): m.epoch for m in cfg.models if m.epoch is not None}
+    assert sorted(by_step) == sorted(steps)
+    assert [by_step[s] for s in sorted(steps)] == sorted(by_step.values())  # more steps, later epoch
+    said = " ".join(str(w.message) for w in caught)
+    for s, e in by_step.items():
+        assert f"step{s}.pt -> ft@{e}" in said
+
+
+# -- c. a file is weights: random init takes none; the cache key follows the file's content ----------------
+
+def _weights_file(path, seed=0, n=(5 << 20) // 2):
+    import numpy as np
+
+    path.write_bytes(np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes())
+    return path
+
+
+def test_pretrained_false_beside_a_weights_file_is_one_line(config, tmp_path, capsys, no_model):
+    import vitscope as vs
+
+    f = _weights_file(tmp_path / "trained.pth")
+    for model in ([f"models.0.name={f}"], [f"models.0.weights={f}"]):
+        err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *model])
+        assert "random init, which takes no file" in err and str(f) in err
+    with pytest.raises(vs.VitscopeError, match="takes no file"):
+        vs.load_model(str(f), pretrained=False)
+
+
+@pytest.mark.parametrize("as_name", [True, False])
+def test_a_replaced_weights_file_changes_the_cache_key_even_with_its_size_and_mtime_kept(tmp_path, as_name):
+    import os
+
+    from vitscope.study.config import ModelConfig
+    from vitscope.study.run import _model_key
+
+    f = _weights_file(tmp_path / "w.pth")
+    mc = (ModelConfig(name=str(f)) if as_name else
+          ModelConfig(name="vit_small_patch16_224", weights=str(f), kwargs={"img_size": 32, "patch_size": 8}))
+    before = _model_key(mc)[1]
+    assert _model_key(mc)[1] == before  # the key is a function of the file
+    st = f.stat()
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF  # other weights, same size; copied with the old mtime (cp -p, rsync -t)
+    f.write_bytes(bytes(data))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    assert _model_key(mc)[1] != before
+
+
+# -- d. nothing vitscope did not write is deleted or replaced ------------------------------------------------
+
+def _files(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file()}
+
+
+def test_a_directory_holding_a_users_files_is_refused_and_overwrite_keeps_them(config, tmp_path, capsys):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    (out / "results").mkdir(parents=True)
+    (out / "results" / "mine.csv").write_text("a,b\n1,2\n")
+    (out / ".results-123").mkdir()
+    (out / ".results-123" / "notes.txt").write_text("keep")
+    users = _files(out)
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={out}"])
+    assert "vitscope did not write" in err and "results/mine.csv" in err and "--overwrite" in err
+    assert {k: v for k, v in _files(out).items() if k != rundir.LOCK} == users  # nothing written but the lock
+    for _ in range(2):  # the first run replaces nothing of the user's; the second replaces its own tables only
+        assert main(["run", str(config), f"output_dir={out}", "--overwrite"]) == 0
+        now = _files(out)
+        assert {k: now[k] for k in users} == users
+        assert any(k.startswith("results/") and k.endswith(".parquet") for k in now)
+    # a rerun of the same config without --overwrite is still refused: the user's files are there
+    assert "vitscope did not write" in one_line_error(capsys, ["run", str(config), f"output_dir={out}"])
+
+
+def test_a_vitscope_run_directory_is_rerun_and_a_killed_swap_loses_nothing(config, tmp_path):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    assert main(["run", str(config), f"output_dir={out}"]) == 0
+    assert rundir.foreign_entries(out) == []
+    tables = sorted(p.name for p in (out / "results").glob("*.parquet"))
+    assert tables and set(tables) <= set(rundir.read_manifest(out)["results_files"])
+    # a run killed between moving results/ aside and putting the fresh one in place, with a user's file inside
+    (out / "results" / "mine.csv").write_text("x")
+    old = out / f"{rundir._OLD}1"
+    (out / "results").rename(old)
+    assert main(["run", str(config), f"output_dir={out}", "--overwrite"]) == 0
+    assert (out / "results" / "mine.csv").read_text() == "x"
+    assert not old.exists()
+    assert sorted(p.name for p in (out / "results").glob("*.parquet")) == tables
+
+
+def test_a_manifest_marks_a_new_run_directory_as_vitscopes(config, tmp_path, monkeypatch):
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+
+    def die(*a, **k):
+        raise RuntimeError("killed")
+
+    monkeypatch.setattr(run_mod, "load_model", die)
+    with pytest.raises(RuntimeError):
+        main(["run", str(config), f"output_dir={out}"])
+    assert rundir.read_manifest(out) and rundir.foreign_entries(out) == []
+
+
+# -- e. one writer per run directory --------------------------------------------------------------------------
+
+def test_a_second_run_into_the_same_directory_is_refused_while_the_first_holds_it(config, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from filelock import FileLock
+
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom vitscope.study import rundir\nlock = rundir.hold(sys.argv[1])\n"
+        "print('held', flush=True)\ntime.sleep(60)\n"), str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        other = tmp_path / "other.yaml"  # another config: the refusal does not depend on it
+        other.write_text(YAML.replace("batch_size: 4\n", "batch_size: 8\n"))
+        for study in (config, other):
+            err = one_line_error(capsys, ["run", str(study), f"output_dir={out}"])
+            assert "another vitscope run is writing into" in err
+        assert not (out / "results").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert main(["run", str(config), f"output_dir={out}"]) == 0  # the lock dies with its process
+    with FileLock(str(out / rundir.LOCK), timeout=0):  # and a finished run leaves it free
+        pass
+
+
+def test_zoo_train_refuses_to_replace_a_card_or_log_it_did_not_resume(tmp_path, capsys):
+    from vitscope.zoo.train import CARD_FILE, LOG_FILE
+
+    for name in (CARD_FILE, LOG_FILE):
+        out = tmp_path / name.replace(".", "-")
+        out.mkdir()
+        (out / name).write_text("a user's file")
+        args = ["zoo", "train", "--objective", "supervised", "--data", "synthetic", "--synthetic-n", "64", "32",
+                "--budget-views", "32", "--batch-size", "16", "--knn-train", "24", "--knn-test", "12",
+                "--arch", "img_size=16", "embed_dim=32", "depth=2", "num_heads=2", "--out", str(out),
+                "--no-progress", "--threads", "1"]
+        for extra in ([], ["--resume"]):  # --resume with no training state to resume: the same
+            err = one_line_error(capsys, [*args, *extra])
+            assert name in err and "another output directory" in err
+        assert (out / name).read_text() == "a user's file"
+
+
+# -- g. COCO annotation values checked before pycocotools; files outside the dataset refused -----------------
+
+def _coco_with(tmp_path, change):
+    import json
+
+    from test_data_loaders import _coco_fixture
+
+    path, _ = _coco_fixture(tmp_path)
+    ann = json.loads(path.read_text())
+    change(ann)
+    path.write_text(json.dumps(ann))  # NaN and Infinity as Python's json writes them
+    return path
+
+
+def _polygon(value):
+    def change(ann):
+        ann["annotations"][0]["segmentation"] = [[10, 5, value, 5, 30, 20, 10, 20]]
+    return change
+
+
+@pytest.mark.parametrize("change,needle", [
+    (_polygon(1e9), "outside the 60x40 image"),
+    (_polygon(1e30), "outside the 60x40 image"),
+    (_polygon(-1e9), "outside the 60x40 image"),
+    (_polygon(float("nan")), "finite numbers"),
+    (_polygon(float("inf")), "finite numbers"),
+    (lambda a: a["annotations"][0].update(segmentation=[[10, 5]]), "at least 3 points"),
+    (lambda a: a["annotations"][1]["segmentation"].update(size=[4, 4]), "RLE size"),
+    (lambda a: a["annotations"][2]["segmentation"].update(counts=[10 ** 9]), "add up to"),
+])
+def test_coco_annotation_values_are_one_sentence_naming_file_and_annotation(tmp_path, change, needle):
+    from vitscope.data.formats.coco import CocoInstances
+    from vitscope.errors import InputError
+
+    path = _coco_with(tmp_path, change)
+    with pytest.raises(InputError, match=needle) as e:
+        CocoInstances(tmp_path / "images", path)
+    assert str(e.value).startswith("instances.json: annotation ") and "\n" not in str(e.value)
+
+
+def test_coco_values_at_the_edge_of_the_stated_bound_load(tmp_path):
+    from vitscope.data.formats.coco import COORD_MARGIN, CocoInstances
+
+    w = 60  # the fixture's image width (its json says so)
+    path = _coco_with(tmp_path, _polygon((1 + COORD_MARGIN) * w))  # a polygon past the border, within the bound
+    assert CocoInstances(tmp_path / "images", path)[0].objects.any()
+
+
+@pytest.mark.parametrize("name", ["../outside.jpg", "ABSOLUTE"])
+def test_annotations_naming_files_outside_the_dataset_are_refused(tmp_path, name):
+    from vitscope.data.formats.coco import CocoInstances
+    from vitscope.errors import InputError
+
+    outside = tmp_path / "outside.jpg"
+    outside.write_bytes(b"not read")
+    name = str(outside) if name == "ABSOLUTE" else name
+    path = _coco_with(tmp_path, lambda a: a["images"][0].update(file_name=name))
+    with pytest.raises(InputError, match="outside the folder"):
+        CocoInstances(tmp_path / "images", path)
+
+
+def test_spair_names_and_transformers_shard_lists_outside_their_folder_are_refused(tmp_path):
+    import json
+
+    from test_data_loaders import _spair
+
+    from vitscope.data.formats.spair import SPair71k
+    from vitscope.errors import InputError
+    from vitscope.models.hf import weight_files
+
+    _spair(tmp_path / "spair")
+    f = sorted((tmp_path / "spair" / "PairAnnotation" / "test").glob("*.json"))[0]
+    d = json.loads(f.read_text())
+    (tmp_path / "secret.jpg").write_bytes(b"x")
+    f.write_text(json.dumps({**d, "src_imname": "../../../secret.jpg"}))
+    with pytest.raises(InputError, match=rf"{re.escape(f.name)}: src_imname .*outside the folder"):
+        SPair71k(tmp_path / "spair", split="test")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": str(tmp_path / "x.bin")}}))
+    with pytest.raises(InputError, match="outside the folder"):
+        weight_files(hf)
+
+
+# -- i. config hygiene ------------------------------------------------------------------------------------------
+
+def test_resolvers_are_off_in_the_yaml_and_in_overrides(config, tmp_path, capsys, no_model, monkeypatch):
+    secret = "vitscope-test-secret-value"
+    monkeypatch.setenv("VITSCOPE_TEST_SECRET", secret)
+    bad = tmp_path / "env.yaml"
+    bad.write_text(YAML.replace("label: tiny", "label: ${oc.env:VITSCOPE_TEST_SECRET}"))
+    for argv in (["run", str(bad)], ["run", str(config), "models.0.label=${oc.env:VITSCOPE_TEST_SECRET}"]):
+        err = one_line_error(capsys, [*argv, f"output_dir={tmp_path / 'out'}"])
+        assert "resolver" in err and "models.0.label" in err and secret not in err
+    assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+
+def test_a_binary_file_as_yaml_is_one_sentence(tmp_path, capsys, no_model):
+    import numpy as np
+
+    binary = tmp_path / "model.yaml"
+    binary.write_bytes(np.random.default_rng(0).integers(128, 256, 512, dtype=np.uint8).tobytes())
+    err = one_line_error(capsys, ["run", str(binary)])
+    assert "model.yaml is not a text (YAML) file" in err
+
+
+def test_overrides_after_a_flag_are_overrides(config, tmp_path, capsys, no_model):
+    err = one_line_error(capsys, ["run", str(config), "-q", f"output_dir={tmp_path / 'out'}", "batch_size=0"])
+    assert "batch_size must be at least 1" in err  # reached the config: the override was read
+    err = one_line_error(capsys, ["run", str(config), "--overwrite", "analyses.semantics={ks: [0]}"])
+    assert "'ks' of analysis 'semantics'" in err
+    with pytest.raises(SystemExit) as e:  # a stray word is still argparse's error
+        main(["run", str(config), "-q", "stray"])
+    assert e.value.code == 2
+
+
+# -- j. the remaining tracebacks: one sentence, exit code 2, no model loaded ------------------------------------
+
+def _image_folder(root):
+    import numpy as np
+    from PIL import Image
+
+    for cls in ("a", "b"):
+        (root / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(root / cls / f"{i}.png")
+    return root
+
+
+def _run_dir_with(tmp_path, table_bytes=None):
+    import pandas as pd
+
+    run = tmp_path / "rundir"
+    (run / "results").mkdir(parents=True)
+    if table_bytes is None:
+        pd.DataFrame({"model": ["m"], "value": [1.0]}).to_parquet(run / "results" / "cka.parquet")
+    else:
+        (run / "results" / "cka.parquet").write_bytes(table_bytes)
+    return run
+
+
+ZOO_TRAIN = ["zoo", "train", "--objective", "dino", "--data", "synthetic", "--no-progress"]
+
+POOR = [  # (name, argv built from tmp_path and the study config, what the sentence says)
+    ("unknown dataset option", lambda t, c: ["run", str(c), f"output_dir={t / 'o'}", "dataset.options.bogus=1"],
+     "takes no option 'bogus'"),
+    ("output_dir is the image folder", lambda t, c: ["run", str(c), f"output_dir={_image_folder(t / 'imgs')}"],
+     "vitscope did not write"),
+    ("report of a malformed table", lambda t, c: ["report", str(_run_dir_with(t, b"PAR1 not a table"))],
+     "is not a table vitscope wrote"),
+    ("report of a malformed manifest", lambda t, c: ["report", str(_bad_manifest(_run_dir_with(t)))],
+     "is not a vitscope manifest"),
+    ("--export to a file", lambda t, c: ["report", str(_run_dir_with(t)), "--export", str(_a_file(t))],
+     "is a file; give a directory"),
+    ("zoo train --arch of the wrong type", lambda t, c: [*ZOO_TRAIN, "--arch", "depth=x", "--out", str(t / "z")],
+     "--arch depth must be int"),
+    ("zoo evaluate of no run", lambda t, c: ["zoo", "evaluate", str(t / "none")], "has no card.json"),
+    ("zoo findings of no run", lambda t, c: ["zoo", "findings", str(t / "none")], "has no manifest.json"),
+]
+
+
+def _bad_manifest(run):
+    (run / "manifest.json").write_bytes(b"\xff\xfe not json")
+    return run
+
+
+def _a_file(t):
+    (t / "figs.pdf").write_text("x")
+    return t / "figs.pdf"
+
+
+@pytest.mark.parametrize("name,argv,needle", POOR, ids=[p[0] for p in POOR])
+def test_poor_cases_are_one_sentence_exit_2_no_model(config, tmp_path, capsys, no_model, name, argv, needle):
+    err = one_line_error(capsys, argv(tmp_path, config))
+    assert needle in err, err
+
+
+def test_a_data_only_cache_entry_with_wrong_fields_is_recomputed_not_a_traceback(config, tmp_path, caplog):
+    import pandas as pd
+    import torch
+
+    from vitscope.study.cache import FORMAT
+
+    cache = tmp_path / "cache"
+    args = ["run", str(config), f"output_dir={tmp_path / 'a'}", f"cache_dir={cache}"]
+    assert main(args) == 0
+    ref = pd.read_parquet(tmp_path / "a" / "results" / "cka.parquet")
+    entries = [p for p in cache.rglob("*.pt") if ".part-" not in p.name]
+    assert entries
+    for p in entries:  # data only, readable, but not what the analysis wrote
+        torch.save({"format": FORMAT, "finished": True, "info": {"bogus": 1}, "state": [1, 2]}, p)
+    assert main(["run", str(config), f"output_dir={tmp_path / 'b'}", f"cache_dir={cache}"]) == 0
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "b" / "results" / "cka.parquet"), ref)
+    assert "it is recomputed" in caplog.text
+
+
+# -- Deliver 6: sizes no machine holds refused before anything is allocated -------------------------------------
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["dataset.n_images=1000000000"], "dataset.n_images must be between 1 and"),
+    (["dataset.size=100000"], "dataset.size must be between 1 and"),
+    (["models.0.kwargs.img_size=100000"], "models[0].kwargs: img_size must be between 1 and"),
+    (["models.0.kwargs.depth=1000000000"], "models[0].kwargs: depth must be between 1 and"),
+    (["analyses.semantics={kmeans_n_init: 1000000}"], "'kmeans_n_init' of analysis 'semantics' must be between"),
+    (["analyses.band_noise={n_bands: 100000}"], "'n_bands' of analysis 'band_noise' must be between"),
+])
+def test_absurd_resource_requests_are_refused_before_anything_is_allocated(config, tmp_path, capsys, no_model,
+                                                                          overrides, needle):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
+    assert needle in err
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: nothing big allocated
+
+
+def test_a_transformers_config_of_absurd_size_is_refused_before_timm_builds_it(tmp_path, monkeypatch):
+    import vitscope.models.load as load
+    from vitscope.bounds import MAX_WIDTH
+    from vitscope.errors import ConfigError
+
+    def no_build(*a, **k):
+        raise AssertionError("timm must not be asked to build it")
+
+    monkeypatch.setattr(load.timm, "create_model", no_build)
+    with pytest.raises(ConfigError, match="embed_dim must be between"):
+        load._create("vit_small_patch16_224", {"embed_dim": MAX_WIDTH + 1}, 0)
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda d: d.update(arch="hf-hub:someone/model"), "not a timm architecture"),
+    (lambda d: d.pop("preprocessing"), "vitscope.spec metadata is not what save_checkpoint writes"),
+    (lambda d: d.update(unexpected=1), "vitscope.spec metadata is not what save_checkpoint writes"),
+])
+def test_a_checkpoints_spec_metadata_is_one_sentence_and_never_a_hub_lookup(tmp_path, monkeypatch, change, needle):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import vitscope as vs
+    import vitscope.models.load as load
+    from vitscope.models import save_checkpoint
+
+    vm = vs.load_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48, depth=2,
+                       num_heads=3)
+    path = save_checkpoint(vm.model, tmp_path / "m.safetensors", vm.spec)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    spec = json.loads(meta["vitscope.spec"])
+    change(spec)
+    save_file(load_file(str(path)), str(path), metadata={**meta, "vitscope.spec": json.dumps(spec)})
+    monkeypatch.setattr(load.timm, "create_model", lambda *a, **k: pytest.fail("no model may be built"))
+    with pytest.raises(vs.VitscopeError, match=needle) as e:
+        vs.load_model(str(path))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("labels,images,needle", [
+    (np.arange(4) + 7, np.zeros((20, 4, 4, 3), np.uint8), "must hold class ids 0..9"),
+    (np.zeros(4, np.int64), np.array([None] * 20, dtype=object), "not a plain .npy array"),
+])
+def test_cifar10c_arrays_that_are_not_plain_numbers_or_labels_out_of_range_are_one_sentence(tmp_path, labels, images,
+                                                                                             needle):
+    from vitscope.data.formats.robustness import CorruptedFolder
+    from vitscope.errors import InputError
+
+    np.save(tmp_path / "labels.npy", labels)
+    np.save(tmp_path / "fog.npy", images, allow_pickle=True)
+    with pytest.raises(InputError, match=needle):
+        CorruptedFolder(tmp_path)
