@@ -67,12 +67,9 @@ def _cmd_taps(args: argparse.Namespace) -> int:
 
 
 def _cmd_analyses(args: argparse.Namespace) -> int:
-    from vitscope.analyses import ANALYSES, get_analysis
-    from vitscope.analyses.catalog import describe, format_markdown, format_text
+    from vitscope.analyses_listing import format_markdown, format_text, snapshot
 
-    for name in args.names:
-        get_analysis(name)  # an unknown name: one sentence with the close matches
-    infos = [describe(n) for n in (args.names or ANALYSES)]
+    infos = snapshot(args.names)  # read off the code when it was generated: no torch (vitscope/analyses_listing.py)
     print(format_markdown(infos) if args.markdown else format_text(infos, full=bool(args.names)), end="")
     return 0
 

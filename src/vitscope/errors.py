@@ -56,6 +56,15 @@ def close_matches(name: str, candidates: Iterable[str], n: int = 5) -> list[str]
     return out
 
 
+def unknown_name(what: str, name: str, names: Iterable[str]) -> VitscopeError:
+    """The one sentence for a name that is not one of ``names``: "unknown WHAT 'name'; did you mean ...?
+    Available: ...". """
+    names = list(names)
+    hint = close_matches(name, names)
+    return VitscopeError(f"unknown {what} {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
+                         + f" Available: {', '.join(sorted(names))}.")
+
+
 def preview(names: Iterable[str], limit: int = 12) -> str:
     names = list(names)
     shown = ", ".join(names[:limit])

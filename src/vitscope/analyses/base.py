@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pandas as pd
 import torch
 
-from vitscope.errors import ConfigError, VitscopeError, close_matches
+from vitscope.errors import ConfigError, VitscopeError, close_matches, unknown_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -229,9 +229,7 @@ def register_analysis(cls: type[Any]) -> type[Any]:
 
 def get_analysis(name: str) -> type[Any]:
     if name not in ANALYSES:
-        hint = close_matches(name, ANALYSES)
-        raise VitscopeError(f"unknown analysis {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
-                            + f" Available: {', '.join(sorted(ANALYSES))}.")
+        raise unknown_name("analysis", name, ANALYSES)
     return ANALYSES[name]
 
 
