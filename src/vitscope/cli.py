@@ -51,18 +51,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
-    import torch
+    from vitscope.taps_listing import text
 
-    from vitscope.capture import extract
-    from vitscope.models import load_model
-
-    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None)
-    print(vm)
-    h, w = vm.img_size
-    feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)
-    for tap in vm.taps:
-        print(f"  {tap:<22} {tuple(feats[tap].shape)}")
-    print(f"token views: cls, spatial, gap, gap_spatial (prefix tokens: {vm.num_prefix_tokens})")
+    print(text(args.model, args.weights), end="")  # a registry entry: the shipped snapshot, no torch
     return 0
 
 
@@ -218,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     except VitscopeError as e:
         print(f"vitscope: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a study says what is saved and that rerunning resumes)
+        print(f"vitscope: {e}" if str(e) else "vitscope: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ class ConfigError(VitscopeError, ValueError):
     """A study config that does not validate."""
 
 
+class StudyInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a study, with what the cache holds by then (``str(e)``: one sentence for the command line,
+    which rerunning the same command resumes from)."""
+
+
 class ResultWarning(UserWarning):
     """A result was computed but means little: one class (every accuracy is 1.0, which is chance), fewer test
     images than classes, a probe trained on a single class."""
