@@ -68,7 +68,7 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitscope.study import load_config, run_study
+    from vitscope.study.config import load_config
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
@@ -77,6 +77,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
+    from vitscope.study.run import run_study  # torch and timm: after the config is known to be valid
+
     try:
         out = run_study(cfg, overwrite=args.overwrite)
     except OSError as e:  # a write the cache did not already explain: the run directory's
