@@ -77,7 +77,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
-    from vitscope.study.run import run_study  # torch and timm: after the config is known to be valid
+    from vitscope.study import run_study  # torch and timm: after the config is known to be valid
 
     try:
         out = run_study(cfg, overwrite=args.overwrite)
