@@ -113,6 +113,8 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
     try:
         for mc in plan.models:
             mkey = _model_key(mc)[1]
+            if not (cache.root / mkey).is_dir():  # nothing of it yet (and `cache.path` would create the folder)
+                continue
             paths = [(cache.path(mkey, ap.name, k), cache.path(mkey, ap.name, k, (0, 1)))
                      for ap in single for k in [_analysis_key(mkey, ap, sources, cfg)]]
             if all(final.is_file() for final, _ in paths):
