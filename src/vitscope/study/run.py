@@ -127,7 +127,7 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
     if partial:
         said += f", with partial states of {', '.join(partial)}"
     if len(done) == len(plan.models):
-        said += " (the tables and report were not written)"
+        said += f" (the {'report was' if progress.get('tables') else 'tables and report were'} not written)"
     return f"interrupted: {said}; {resume}"
 
 
@@ -232,6 +232,7 @@ def _run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, ov
             if cross is not None and len(cross):
                 frames[name].append(cross)
         _write_tables(out, frames, epochs)
+        progress["tables"] = True
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
     manifest["results_key"] = results_key
     manifest["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
