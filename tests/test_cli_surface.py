@@ -50,6 +50,9 @@ def test_import_vitscope_is_lazy_and_keeps_its_public_api():
                 "assert vs.ViTModel is ViTModel and vs.plot is plot and callable(vs.cka) and callable(vs.load_model)\n"
                 "assert vs.metrics.attention.attention_distance and 'load_model' in dir(vs)\n"
                 "assert vs.REGISTRY['zoo-dino'].name == 'zoo-dino'\n"
+                "import types, vitscope.zoo.train\n"  # a submodule of an exported name's: the export stays
+                "from vitscope.zoo import TrainConfig, train\n"
+                "assert callable(train) and not isinstance(train, types.ModuleType) and TrainConfig\n"
                 "try:\n    vs.no_such_name\nexcept AttributeError as e:\n    print('OK', e)\n")
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.startswith("OK") and "no_such_name" in p.stdout

@@ -26,14 +26,13 @@ from vitscope.errors import (
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "metrics": "vitscope.metrics",
     "Capture": "vitscope.capture.engine", "extract": "vitscope.capture.engine", "stream": "vitscope.capture.engine",
     "cka": "vitscope.metrics.cka",
     "REGISTRY": "vitscope.models.registry", "ModelSpec": "vitscope.models.registry",
     "ViTModel": "vitscope.models.adapter", "load_model": "vitscope.models.load",
     "save_checkpoint": "vitscope.models.load",
     "plot": "vitscope.report.plot",
-})
+}, submodules=("metrics",))
 
 __all__ = [
     "REGISTRY", "Capture", "CheckpointError", "ConfigError", "InputError", "ModelSpec", "UnknownModelError",
