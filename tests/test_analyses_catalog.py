@@ -11,6 +11,7 @@ import vitscope as vs
 from conftest import tiny
 from vitscope.analyses import ANALYSES
 from vitscope.analyses.catalog import compress_taps, describe, describe_all, format_markdown
+from vitscope.analyses_listing import SNAPSHOT, snapshot, to_json
 from vitscope.cli import main
 from vitscope.errors import VitscopeError
 from vitscope.references import ANALYSIS_REFERENCES, REFERENCES, SEEDS
@@ -72,6 +73,14 @@ def test_listed_taps_are_what_the_analysis_captures():
     assert compress_taps(["embed"] + [f"block{i}.out" for i in range(11)], 12) == "embed, block0-10.out"
     assert compress_taps(["block11.out"], 12) == "block11.out"
     assert describe("residual_cka").taps == "embed, block0-10.out, block*.attn_out, block*.mlp_out"
+
+
+def test_shipped_listing_is_the_live_catalog():
+    """`vitscope analyses` prints the snapshot (no torch); it must be what the code says today."""
+    assert SNAPSHOT.read_text(encoding="utf-8") == to_json(describe_all()), \
+        "src/vitscope/analyses_listing.json is stale: regenerate it with " \
+        "`python -m vitscope.analyses.catalog > src/vitscope/analyses_listing.json`"
+    assert snapshot() == describe_all()
 
 
 def test_docs_page_is_generated_from_the_code():

@@ -637,3 +637,31 @@ def test_full_is_the_biased_full_batch_estimator():
     ref = float(torch.trace(K @ H @ L @ H) / torch.sqrt(torch.trace(K @ H @ K @ H) * torch.trace(L @ H @ L @ H)))
     assert C.cka(x, y, estimator="full") == pytest.approx(ref, rel=1e-10)
     assert C.cka(x, y, estimator="full") == C.cka(x, y, estimator="linear")
+
+
+def test_cka_on_few_examples_warns_why_and_the_reason_holds() -> None:
+    """`vs.cka` below FEW_CKA_EXAMPLES examples warns (the unbiased estimator's variance), at it does not; and
+    what the warning says is so: between unrelated representations the estimate spreads far more at 4 examples
+    than at FEW_CKA_EXAMPLES, and it leaves [0, 1]."""
+    import warnings
+
+    from vitscope.errors import ResultWarning
+
+    rng = np.random.default_rng(0)
+    few = C.FEW_CKA_EXAMPLES
+    x, y = correlated_pair(rng, few - 1, 16, 8, 0.5)
+    with pytest.warns(ResultWarning, match=rf"CKA from {few - 1} examples .*variance.* at least {few} examples"):
+        C.cka(x, y)
+    x, y = correlated_pair(rng, few, 16, 8, 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        C.cka(x, y)
+        C.cka(x, y, estimator="full")  # the biased full-batch estimator is not the one meant
+    spread = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResultWarning)
+        for n in (4, few):
+            values = [C.cka(rng.standard_normal((n, 64)), rng.standard_normal((n, 64)), batch_size=n)
+                      for _ in range(100)]
+            spread[n] = (statistics.stdev(values), min(values))
+    assert spread[4][0] > 5 * spread[few][0] and spread[4][1] < 0

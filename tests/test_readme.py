@@ -2,17 +2,23 @@
 its ```bash blocks goes through the command line, with network-free stand-ins only where the README names
 things this machine cannot have (hub weights, the user's photos and checkpoint, their study file)."""
 
+import ast
 import re
 import shlex
+import warnings
 from pathlib import Path
 
+import matplotlib.figure
+import matplotlib.pyplot as plt
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from PIL import Image
 
 import vitscope
 from vitscope.cli import main
+from vitscope.errors import ResultWarning
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -79,17 +85,75 @@ def test_readme_has_the_blocks_this_test_runs():
     assert sum(c.startswith("vitscope ") for c in cmds) >= 8
 
 
+#: what each statement of the README's python blocks gives, as its comment documents it: a value's type, or
+#: a check of it (a statement missing here fails the test: document its type here too)
+DOCUMENTED = {
+    "m = vs.load_model(": vitscope.ViTModel,
+    "m2 = vs.load_model(": vitscope.ViTModel,
+    "m.taps": lambda v: isinstance(v, list) and "block3.attn" in v and "block3.out" in v,
+    "images = ": list,
+    "feats = vs.extract(": lambda v: set(v) == {"block3.out", "block3.attn"} and v["block3.out"].shape[0] == 4,
+    "feats2 = vs.extract(": lambda v: isinstance(v, dict) and all(isinstance(t, torch.Tensor) for t in v.values()),
+    "vs.cka(": float,
+    "vs.metrics.attention.attention_distance(": torch.Tensor,
+    "fig = vs.plot(": matplotlib.figure.Figure,
+    "fig.get_label()": lambda v: isinstance(v, str) and len(v) > 10,
+    "df = pd.read_parquet(": pd.DataFrame,
+}
+
+
+def _statements(code: str) -> list[tuple[str, ast.stmt]]:
+    return [(ast.get_source_segment(code, node), node) for node in ast.parse(code).body]
+
+
+def _documented(text: str) -> object:
+    keys = [k for k in DOCUMENTED if text.startswith(k)]
+    assert len(keys) == 1, f"README statement without a documented type in test_readme.DOCUMENTED: {text!r}"
+    return DOCUMENTED[keys[0]]
+
+
+def _check(expected: object, value: object) -> bool:
+    return isinstance(value, expected) if isinstance(expected, type) else bool(expected(value))
+
+
+@pytest.fixture
+def run_dir(offline):
+    """RUN_DIR of the README's python blocks: a tiny study run here (its models: `a` and zoo-dino)."""
+    (offline / "study.yaml").write_text(STUDY)
+    assert main(["-q", "run", "study.yaml"]) == 0
+    return "vitscope-runs/study"
+
+
 @pytest.mark.parametrize("i", range(len(blocks("python"))))
-def test_readme_python_block_runs(i, offline):
+def test_readme_python_block_runs_and_gives_what_it_documents(i, offline, request):
+    """Each statement in turn; each value (an expression's, or what an assignment binds) is of the type its
+    comment documents. The CKA of 4 images warns that it is mostly noise, as the comment says."""
     code = blocks("python")[i]
-    ns: dict = {}
-    exec(compile(code, f"README.md python block {i}", "exec"), ns)
-    if "feats" in ns:  # the Use block: what its comments promise
-        assert set(ns["feats"]) == {"block3.out", "block3.attn"}
-        assert ns["feats"]["block3.out"].shape[0] == 4
-        # 4 images: the unbiased estimator is finite but not bounded to [0, 1]; a representation with itself is 1
-        assert np.isfinite(vitscope.cka(ns["feats"]["block3.out"], ns["feats2"]))
-        assert vitscope.cka(ns["feats"]["block3.out"], ns["feats"]["block3.out"]) == pytest.approx(1.0, abs=1e-6)
+    ns: dict = {"RUN_DIR": request.getfixturevalue("run_dir")} if "RUN_DIR" in code else {}
+    checked = 0
+    for text, node in _statements(code):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            exec(compile(ast.Module([node], []), f"README.md python block {i}", "exec"), ns)
+            continue
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if isinstance(node, ast.Expr):
+                value = eval(compile(ast.Expression(node.value), f"README.md python block {i}", "eval"), ns)
+            else:
+                assert isinstance(node, ast.Assign) and len(node.targets) == 1, text
+                exec(compile(ast.Module([node], []), f"README.md python block {i}", "exec"), ns)
+                value = ns[node.targets[0].id]
+        assert _check(_documented(text), value), (text, type(value))
+        checked += 1
+        if text.startswith("vs.cka("):  # 4 images: warned, and the value may fall outside [0, 1]
+            assert any(issubclass(w.category, ResultWarning) and "variance" in str(w.message) for w in caught)
+    assert checked >= 3
+    if "feats" in ns:  # the Use block: a representation with itself is 1 whatever the number of images
+        with pytest.warns(ResultWarning):
+            assert np.isfinite(vitscope.cka(ns["feats"]["block3.out"], ns["feats2"]))
+        with pytest.warns(ResultWarning):
+            assert vitscope.cka(ns["feats"]["block3.out"], ns["feats"]["block3.out"]) == pytest.approx(1.0, abs=1e-6)
+    plt.close("all")
 
 
 STUDY = """models:

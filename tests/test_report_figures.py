@@ -207,14 +207,25 @@ def test_export_writes_every_figure_at_a_column_width_with_embedded_fonts(run_di
 
 
 def test_plot_draws_any_figure_from_a_run_or_a_table(run_dir):
-    figs = vs.plot(run_dir, "attention_distance")
-    assert len(figs) == 1 and figs[0].get_label().startswith("Attention distance")
+    import matplotlib.figure
+
+    from vitscope.report.plot import figures
+
+    fig = vs.plot(run_dir, "attention_distance")  # one Figure, its panels its axes (README: fig.get_label())
+    assert isinstance(fig, matplotlib.figure.Figure) and fig.get_label().startswith("Attention distance")
     df = pd.read_parquet(run_dir / "results" / "attention_distance.parquet")
-    only = vs.plot(df, models=["tiny-vit"], untrained=["tiny-vit"])[0]
+    only = vs.plot(df, models=["tiny-vit"], untrained=["tiny-vit"])
     labels = [t.get_text() for leg in only.legends for t in leg.get_texts()]
     assert "tiny-vit (untrained)" in labels and not any("tiny-beit" in x for x in labels)
-    cka = vs.plot(run_dir / "results" / "cka.parquet", token_view="gap")
+    cka = figures(run_dir / "results" / "cka.parquet", token_view="gap")
     assert len(cka) == 2 and "gap token view" in cka[0].get_label()  # the grid and the divergence, one view
+    assert all(isinstance(f, matplotlib.figure.Figure) for f in cka)
+    second = vs.plot(run_dir / "results" / "cka.parquet", token_view="gap", figure=1)  # one of several
+    assert isinstance(second, matplotlib.figure.Figure) and second.get_label() == cka[1].get_label()
+    by_caption = vs.plot(run_dir, "cka", token_view="gap", figure=cka[1].get_label()[:40])
+    assert by_caption.get_label() == cka[1].get_label()
+    with pytest.raises(vs.VitscopeError, match=r"draws 2 figures; pass figure=.*0: .*1: "):
+        vs.plot(run_dir, "cka", token_view="gap")  # which one is not guessed
     with pytest.raises(vs.VitscopeError, match="name the analysis"):
         vs.plot(run_dir)
     plt.close("all")

@@ -5,12 +5,14 @@
     feats = vs.extract(m, images, taps=["block3.out", "block3.attn"])
     vs.cka(X, Y)                                       # minibatch CKA, unbiased HSIC_1
     vs.metrics.attention.attention_distance(attn, m.grid_size, m.num_prefix_tokens)
-    vs.plot("vitscope-runs/default", "attention_distance")   # a report figure from a run, to restyle
+    fig = vs.plot("vitscope-runs/default", "attention_distance")   # a report figure from a run, to restyle
+
+Every name below is imported on first use (PEP 562), so ``import vitscope`` (and the command line's listings)
+loads neither torch nor timm nor matplotlib until something needs them.
 """
 
 import vitscope.threads  # noqa: F401 - first: sets OMP_WAIT_POLICY before torch starts its OpenMP runtime
-from vitscope import metrics
-from vitscope.capture import Capture, extract, stream
+from vitscope._lazy import lazy_exports
 from vitscope.errors import (
     CheckpointError,
     ConfigError,
@@ -20,18 +22,17 @@ from vitscope.errors import (
     VitscopeError,
     WeightsUnavailableError,
 )
-from vitscope.metrics.cka import cka
-from vitscope.models import REGISTRY, ModelSpec, ViTModel, load_model, save_checkpoint
 
 __version__ = "0.1.0"
 
-
-def plot(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201 - the signature is vitscope.report.plot's
-    """The figures of one analysis from its results table (a run directory, a parquet file or a DataFrame):
-    `vitscope.report.plot.plot`. Imported on first use, so ``import vitscope`` does not load matplotlib."""
-    from vitscope.report.plot import plot as _plot
-
-    return _plot(*args, **kwargs)
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "Capture": "vitscope.capture.engine", "extract": "vitscope.capture.engine", "stream": "vitscope.capture.engine",
+    "cka": "vitscope.metrics.cka",
+    "REGISTRY": "vitscope.models.registry", "ModelSpec": "vitscope.models.registry",
+    "ViTModel": "vitscope.models.adapter", "load_model": "vitscope.models.load",
+    "save_checkpoint": "vitscope.models.load",
+    "plot": "vitscope.report.plot",
+}, submodules=("metrics",))
 
 __all__ = [
     "REGISTRY", "Capture", "CheckpointError", "ConfigError", "InputError", "ModelSpec", "UnknownModelError",

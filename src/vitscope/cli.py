@@ -51,31 +51,16 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
 
 def _cmd_taps(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from vitscope.taps_listing import text
 
-    import torch
-
-    from vitscope.capture import extract
-    from vitscope.models import load_model
-
-    # the architecture alone gives the shapes (a random init), except a checkpoint file, which is its weights
-    vm = load_model(args.model, weights=args.weights, pretrained=args.weights is not None or Path(args.model).is_file())
-    print(vm)
-    h, w = vm.img_size
-    feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)
-    for tap in vm.taps:
-        print(f"  {tap:<22} {tuple(feats[tap].shape)}")
-    print(f"token views: cls, spatial, gap, gap_spatial (prefix tokens: {vm.num_prefix_tokens})")
+    print(text(args.model, args.weights), end="")  # a registry entry: the shipped snapshot, no torch
     return 0
 
 
 def _cmd_analyses(args: argparse.Namespace) -> int:
-    from vitscope.analyses import ANALYSES, get_analysis
-    from vitscope.analyses.catalog import describe, format_markdown, format_text
+    from vitscope.analyses_listing import format_markdown, format_text, snapshot
 
-    for name in args.names:
-        get_analysis(name)  # an unknown name: one sentence with the close matches
-    infos = [describe(n) for n in (args.names or ANALYSES)]
+    infos = snapshot(args.names)  # read off the code when it was generated: no torch (vitscope/analyses_listing.py)
     print(format_markdown(infos) if args.markdown else format_text(infos, full=bool(args.names)), end="")
     return 0
 
@@ -83,7 +68,7 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitscope.study import load_config, run_study
+    from vitscope.study.config import load_config
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
@@ -92,6 +77,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(config, overrides)
     if args.quiet:
         cfg.progress = False
+    from vitscope.study import run_study  # torch and timm: after the config is known to be valid
+
     try:
         out = run_study(cfg, overwrite=args.overwrite)
     except OSError as e:  # a write the cache did not already explain: the run directory's
@@ -231,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     except VitscopeError as e:
         print(f"vitscope: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C: one line (a study says what is saved and that rerunning resumes)
+        print(f"vitscope: {e}" if str(e) else "vitscope: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ class ConfigError(VitscopeError, ValueError):
     """A study config that does not validate."""
 
 
+class StudyInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a study, with what the cache holds by then (``str(e)``: one sentence for the command line,
+    which rerunning the same command resumes from)."""
+
+
 class ResultWarning(UserWarning):
     """A result was computed but means little: one class (every accuracy is 1.0, which is chance), fewer test
     images than classes, a probe trained on a single class."""
@@ -54,6 +59,15 @@ def close_matches(name: str, candidates: Iterable[str], n: int = 5) -> list[str]
         if c not in out and (low in c.lower() or c.lower() in low):
             out.append(c)
     return out
+
+
+def unknown_name(what: str, name: str, names: Iterable[str]) -> VitscopeError:
+    """The one sentence for a name that is not one of ``names``: "unknown WHAT 'name'; did you mean ...?
+    Available: ...". """
+    names = list(names)
+    hint = close_matches(name, names)
+    return VitscopeError(f"unknown {what} {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
+                         + f" Available: {', '.join(sorted(names))}.")
 
 
 def preview(names: Iterable[str], limit: int = 12) -> str:

@@ -51,11 +51,14 @@ def workers() -> int:
 def die_with_parent() -> None:
     """Make this (child) process die when its parent does, on Linux (``PR_SET_PDEATHSIG``): a helper or drawing
     process must not outlive a study killed with SIGKILL (it would hold the study's pipes open and keep
-    working for nobody). Elsewhere a no-op."""
+    working for nobody). Elsewhere a no-op. Everywhere, Ctrl-C ends it at once and silently (SIGINT's default
+    action, not Python's KeyboardInterrupt, whose traceback would print beside the one line the study's process
+    says; the helper starts with SIGINT blocked, so the study ends it instead)."""
     import ctypes
     import signal
     import sys
 
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

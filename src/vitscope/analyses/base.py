@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 
 from vitscope.bounds import check_annotated
-from vitscope.errors import ConfigError, VitscopeError, close_matches
+from vitscope.errors import ConfigError, VitscopeError, close_matches, unknown_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -230,9 +230,7 @@ def register_analysis(cls: type[Any]) -> type[Any]:
 
 def get_analysis(name: str) -> type[Any]:
     if name not in ANALYSES:
-        hint = close_matches(name, ANALYSES)
-        raise VitscopeError(f"unknown analysis {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
-                            + f" Available: {', '.join(sorted(ANALYSES))}.")
+        raise unknown_name("analysis", name, ANALYSES)
     return ANALYSES[name]
 
 

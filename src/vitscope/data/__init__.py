@@ -5,14 +5,26 @@ Generated (no download): `SyntheticShapes` (classification with masks, parts, ke
 instance-retrieval split. Real formats: `vitscope.data.loaders`. Dense tiling: `vitscope.data.tiling`.
 """
 
-from vitscope.data.base import Batch, Sample
-from vitscope.data.synthetic import VARIANT_NAMES, SyntheticShapes
-from vitscope.data.synthetic_tasks import SyntheticPairs, SyntheticRetrieval, SyntheticVideos
+from typing import Any
+
+from vitscope._lazy import lazy_exports
+
+_getattr, __dir__ = lazy_exports(__name__, {
+    "Batch": "vitscope.data.base", "Sample": "vitscope.data.base", "SyntheticShapes": "vitscope.data.synthetic",
+    **{n: "vitscope.data.synthetic_tasks" for n in ("SyntheticPairs", "SyntheticRetrieval", "SyntheticVideos")},
+})
 
 __all__ = ["DATASETS", "Batch", "Sample", "SyntheticPairs", "SyntheticRetrieval", "SyntheticShapes",
            "SyntheticVideos", "make_dataset"]
 
-DATASETS = {name: variant for variant, name in VARIANT_NAMES.items()}
+
+def __getattr__(name: str) -> Any:
+    """The exports above on first use (torch comes with them); ``DATASETS``: generated set name -> variant."""
+    if name == "DATASETS":
+        from vitscope.data.synthetic import VARIANT_NAMES
+
+        return {n: variant for variant, n in VARIANT_NAMES.items()}
+    return _getattr(name)
 
 
 def make_dataset(cfg):  # noqa: ANN001, ANN201 - DatasetConfig -> Dataset

@@ -1,13 +1,16 @@
 """Draw any analysis's figures from a results table, e.g. in a notebook to restyle them:
 
     import vitscope as vs
-    figs = vs.plot("vitscope-runs/default", "attention_distance")      # a run directory
-    figs = vs.plot(df, models=["zoo-dino", "zoo-mae"])                  # a table (pandas) of one analysis
-    fig = figs[0]; fig.get_label()                                      # the caption the report gives it
+    fig = vs.plot("vitscope-runs/default", "attention_distance")       # a run directory: one Figure
+    fig = vs.plot(df, models=["zoo-dino", "zoo-mae"])                   # a table (pandas) of one analysis
+    fig.get_label()                                                     # the caption the report gives it
     fig.axes[0].set_ylim(0, 20); fig.savefig("distance.pdf")
+    fig = vs.plot(run, "cka", token_view="gap", figure=1)               # an analysis that draws several
+    figs = figures(run, "cka")                                          # all of them: [Figure, ...]
 
 The figures are the report's, drawn by `vitscope.report.figures` with the run's context (model colours, the
-untrained baselines, other tables a figure combines with) when a run directory is given.
+untrained baselines, other tables a figure combines with) when a run directory is given. A figure with several
+panels is one Figure (its panels are ``fig.axes``).
 """
 
 from __future__ import annotations
@@ -39,9 +42,45 @@ def _select(df: pd.DataFrame, models: Iterable[str] | None, where: dict[str, Any
     return df
 
 
-def plot(source: str | Path | pd.DataFrame, analysis: str | None = None, *, models: Iterable[str] | None = None,
-         untrained: Iterable[str] | None = None, **where: Any) -> list[plt.Figure]:
-    """The figures of one analysis, drawn from its results table.
+def plot(source: str | Path | pd.DataFrame, analysis: str | None = None, *, figure: int | str | None = None,
+         models: Iterable[str] | None = None, untrained: Iterable[str] | None = None, **where: Any) -> plt.Figure:
+    """One figure of one analysis, drawn from its results table, as the report draws it (``vs.plot``).
+
+    Args:
+        source, analysis, models, untrained, where: as for `figures`.
+        figure: which one, where the analysis draws several (e.g. a CKA grid and its divergence per token
+            view): its position, or a piece of its caption; not needed where it draws one.
+
+    Returns:
+        The matplotlib Figure, labelled with its caption (``fig.get_label()``); nothing is shown or saved.
+    """
+    drawn = figures(source, analysis, models=models, untrained=untrained, **where)
+    if not drawn:
+        raise VitscopeError("nothing to draw: the selected rows hold no figure of this analysis")
+    captions = [f.get_label() for f in drawn]
+    if figure is None and len(drawn) == 1:
+        return drawn[0]
+    if isinstance(figure, int) and -len(drawn) <= figure < len(drawn):
+        chosen = drawn[figure]
+    elif isinstance(figure, str) and sum(figure in c for c in captions) == 1:
+        chosen = next(f for f, c in zip(drawn, captions, strict=True) if figure in c)
+    else:
+        for f in drawn:
+            plt.close(f)
+        choices = "; ".join(f"{i}: {c}" for i, c in enumerate(captions))
+        asked = "it draws" if figure is None else f"figure={figure!r} is not one of the"
+        raise VitscopeError(f"{asked} {len(drawn)} figures; pass figure= (a position or a piece of the caption), "
+                            f"or a filter such as token_view=, or use vitscope.report.plot.figures for all: {choices}")
+    for f in drawn:
+        if f is not chosen:
+            plt.close(f)
+    return chosen
+
+
+def figures(source: str | Path | pd.DataFrame, analysis: str | None = None, *,
+            models: Iterable[str] | None = None, untrained: Iterable[str] | None = None,
+            **where: Any) -> list[plt.Figure]:
+    """Every figure of one analysis, drawn from its results table.
 
     Args:
         source: a run directory, a ``results/<analysis>.parquet`` file, or the table itself.

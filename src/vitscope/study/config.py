@@ -3,6 +3,7 @@ before any model is loaded."""
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -101,11 +102,43 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             node.pop(leaf)
         obj: StudyConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid config {path.name}: {e}".replace("\n", "; ")) from e
+        raise ConfigError(omegaconf_sentence(e)) from None
     validate(obj)
     if embedded:
         obj.models = _zoo_models_that_pass_the_bar(obj.models)
     return obj
+
+
+#: how a field's annotation reads in an error ("batch_size must be an integer")
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "a string",
+               "str | None": "a string (or null)", "int | None": "an integer (or null)",
+               "dict[str, Any]": "a mapping", "list[ModelConfig]": "a list of models ({name: ...} each)",
+               "DatasetConfig | None": "a dataset ({name: ..., n_images: ...})",
+               "dict[str, DatasetConfig]": "a mapping of names to datasets ({name: ..., n_images: ...} each)",
+               "dict[str, dict[str, Any]]": "a mapping of analysis names to their parameters"}
+
+
+def omegaconf_sentence(e: OmegaConfBaseException) -> str:
+    """OmegaConf's error as one sentence naming the key: an unknown key with its close match ("datasets.photos:
+    unknown key 'n_image'; did you mean 'n_images'?"), a value of the wrong type with the type the key takes
+    ("batch_size must be an integer, not 'abc'"); OmegaConf's own first line otherwise, never its
+    full_key / reference_type / object_type lines."""
+    import dataclasses
+
+    full_key, key = str(getattr(e, "full_key", None) or ""), getattr(e, "key", None)
+    owner = getattr(e, "object_type", None)
+    fields = {f.name: f.type for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else {}
+    first = (getattr(e, "msg", None) or str(e)).strip().splitlines()[0]
+    if fields and key is not None and key not in fields:  # a misspelt or unknown key
+        where = full_key[:-len(str(key))].rstrip(".") or "the study config"
+        hint = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+        return (f"{where}: unknown key {str(key)!r}; "
+                + (f"did you mean {hint[0]!r}?" if hint else f"the keys are {', '.join(fields)}"))
+    if fields and key in fields:  # a value of the wrong type
+        want = str(fields[key])
+        got = re.match(r"Value '(.*?)' (?:of type|is not)", first) or re.search(r"value: (.*)$", first)
+        return f"{full_key} must be {_TYPE_WORDS.get(want, want)}" + (f", not {got.group(1)!r}" if got else "")
+    return f"{full_key}: {first}" if full_key and full_key not in first else first
 
 
 def _zoo_models_that_pass_the_bar(models: list[ModelConfig]) -> list[ModelConfig]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import queue
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,15 @@ class Helper:
         self._queue: Any = ctx.Queue()
         self._proc = ctx.Process(target=_main, args=(dataclasses.replace(cfg, progress=False), self.labels,
                                                      self._queue), daemon=True, name="vitscope-helper")
-        self._proc.start()
+        # Ctrl-C blocked while it starts (the mask is inherited): a child still importing would print a
+        # traceback; once running, it ignores SIGINT (`die_with_parent`) and the study ends it
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") \
+            else None
+        try:
+            self._proc.start()
+        finally:
+            if blocked is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._done: dict[str, dict[str, Any]] = {}
         self._failed: str | None = None
 

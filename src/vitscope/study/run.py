@@ -35,7 +35,7 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import InputError
+from vitscope.errors import ConfigError, InputError, StudyInterrupted
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
@@ -93,26 +93,68 @@ def _pk(p: PassKey) -> str:
 def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False) -> Path:
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run). A directory holding another config's results is
-    refused unless ``overwrite``."""
+    refused unless ``overwrite``. Ctrl-C raises `StudyInterrupted`, saying what the cache holds."""
+    progress: dict[str, Any] = {}
+    try:
+        return _locked_run(cfg, on_batch, overwrite, progress)
+    except KeyboardInterrupt as e:
+        if isinstance(e, StudyInterrupted):
+            raise
+        raise StudyInterrupted(_what_is_saved(cfg, progress)) from None
+
+
+def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
+    """One sentence after Ctrl-C: how many of the study's models have every analysis in the cache, which hold
+    partial states, and that the same command resumes (a pass saves its partial states when it dies)."""
+    resume = "rerun the same command to resume from there"
+    if "sources" not in progress:
+        return "interrupted before any model ran: nothing was computed yet"
+    plan, sources, cache = progress["plan"], progress["sources"], progress["cache"]
+    single = [ap for ap in plan.analyses if not ap.pair]
+    done, partial = [], []
+    try:
+        for mc in plan.models:
+            mkey = _model_key(mc)[1]
+            if not (cache.root / mkey).is_dir():  # nothing of it yet (and `cache.path` would create the folder)
+                continue
+            paths = [(cache.path(mkey, ap.name, k), cache.path(mkey, ap.name, k, (0, 1)))
+                     for ap in single for k in [_analysis_key(mkey, ap, sources, cfg)]]
+            if all(final.is_file() for final, _ in paths):
+                done.append(label_of(mc))
+            elif any(final.is_file() or part.is_file() for final, part in paths):
+                partial.append(label_of(mc))
+    except Exception:  # noqa: BLE001 - the message must not fail: say the general case
+        return f"interrupted; what was finished is in the cache ({cache.root}): {resume}"
+    said = f"{len(done)} of {len(plan.models)} models' results are in the cache ({cache.root})"
+    if partial:
+        said += f", with partial states of {', '.join(partial)}"
+    if len(done) == len(plan.models):
+        said += f" (the {'report was' if progress.get('tables') else 'tables and report were'} not written)"
+    return f"interrupted: {said}; {resume}"
+
+
+def _locked_run(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, overwrite: bool,
+                progress: dict[str, Any]) -> Path:
     preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
     out = Path(cfg.output_dir)
     lock = rundir.hold(out) if dist.is_main else None  # one writer per run directory, for the whole run
     try:
-        return _run_study(cfg, dist, out, on_batch, overwrite)
+        return _run_study(cfg, dist, out, on_batch, overwrite, progress)
     finally:
         if lock is not None:
             lock.release()
 
 
 def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str, int], None] | None,
-               overwrite: bool) -> Path:
+               overwrite: bool, progress: dict[str, Any]) -> Path:
     plan = make_plan(cfg)
     config_key = _config_key(cfg)
     cache_root = Path(cfg.cache_dir or default_cache_dir(out))
     claimed = rundir.claim(out, config_key, overwrite, keep=(cache_root,)) if dist.is_main else {}
     cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+    progress.update(plan=plan, sources=sources, cache=cache)  # what Ctrl-C reports on
     manifest: dict[str, Any] = {
         "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
         "dataset": _dataset_summary(next(iter(sources.values()))),
@@ -202,6 +244,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
             if cross is not None and len(cross):
                 frames[name].append(cross)
         manifest["results_files"] = _write_tables(out, frames, epochs, previous)
+        progress["tables"] = True
         timings["cross_and_tables"] = round(time.perf_counter() - t0, 2)
     manifest.setdefault("results_files", previous.get("results_files", []))
     manifest["results_key"] = results_key

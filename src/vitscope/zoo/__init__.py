@@ -7,10 +7,14 @@ Objectives (one module each): supervised, dino, mocov3, mae, simmim, hybrid, fin
 the architecture, the budget arithmetic and the commands.
 """
 
-from vitscope.zoo.arch import ZOO_ARCH, ZooArch, build_encoder, encode
-from vitscope.zoo.base import Objective
-from vitscope.zoo.objectives import OBJECTIVES, build_objective
-from vitscope.zoo.train import ZOO_BATCH_SIZE, ZOO_BUDGET_VIEWS, TrainConfig, train
+from vitscope._lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(__name__, {  # imported on first use: `vitscope zoo --help` needs no torch
+    **{n: "vitscope.zoo.arch" for n in ("ZOO_ARCH", "ZooArch", "build_encoder", "encode")},
+    "Objective": "vitscope.zoo.base", "OBJECTIVES": "vitscope.zoo.objectives",
+    "build_objective": "vitscope.zoo.objectives",
+    **{n: "vitscope.zoo.train" for n in ("ZOO_BATCH_SIZE", "ZOO_BUDGET_VIEWS", "TrainConfig", "train")},
+})
 
 __all__ = ["OBJECTIVES", "ZOO_ARCH", "ZOO_BATCH_SIZE", "ZOO_BUDGET_VIEWS", "Objective", "TrainConfig", "ZooArch",
            "build_encoder", "build_objective", "encode", "train"]
