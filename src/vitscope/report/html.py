@@ -256,10 +256,11 @@ def write_report(run_dir: str | Path) -> Path:
              "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>"]
     parts += _summary(run)
     if models:
-        parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>source</th><th>blocks</th><th>heads</th>"
-                     "<th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
+        parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>family</th><th>source</th>"
+                     "<th>blocks</th><th>heads</th><th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
+        families = run.families
         for label, m in models.items():
-            parts.append(f"<tr><td>{_esc(label)}{' (untrained)' if label in run.untrained else ''}</td>"
+            parts.append(f"<tr><td>{_esc(label)}</td><td>{_esc(families.get(label, ''))}</td>"
                          f"<td><code>{_esc(m.get('source'))}</code></td>"
                          f"<td>{_esc(m.get('depth', ''))}</td><td>{_esc(m.get('heads', ''))}</td>"
                          f"<td>{_esc(m.get('grid', ''))}</td><td>{_esc(m.get('patch', ''))}</td>"

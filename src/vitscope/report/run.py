@@ -19,10 +19,18 @@ from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context
 
 
+def model_families(manifest: dict[str, Any]) -> dict[str, str]:
+    """``{model: family}`` as a reader should see it (`vitscope.models.registry.describe_family`): "untrained" for
+    a random initialisation, "untrained → classification" for one fine-tuned from it."""
+    from vitscope.models.registry import describe_family
+
+    return {m: describe_family(meta.get("objective_family"), meta.get("supervision"), meta.get("finetuned_from"))
+            for m, meta in manifest.get("models", {}).items()}
+
+
 def untrained_models(manifest: dict[str, Any]) -> list[str]:
-    """The models the manifest records as untrained (random initialisation): the baselines."""
-    return [m for m, meta in manifest.get("models", {}).items()
-            if meta.get("objective_family") == "none" or meta.get("supervision") == "random init"]
+    """The models the manifest records as untrained (random initialisation, not fine-tuned): the baselines."""
+    return [m for m, family in model_families(manifest).items() if family == "untrained"]
 
 
 @dataclass
@@ -40,9 +48,13 @@ class Run:
     def untrained(self) -> list[str]:
         return untrained_models(self.manifest)
 
+    @property
+    def families(self) -> dict[str, str]:
+        return model_families(self.manifest)
+
     @contextmanager
     def figure_context(self) -> Iterator[None]:
-        with context(self.models, self.untrained, self.tables):
+        with context(self.models, self.untrained, self.tables, self.families):
             yield
 
     def figures(self, name: str) -> Iterator[tuple[str, plt.Figure]]:
