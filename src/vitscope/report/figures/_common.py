@@ -112,13 +112,23 @@ def model_color(model: str, models: Sequence[str] | None = None) -> object:
     return PALETTE[k % len(PALETTE)]
 
 
-def model_label(model: str) -> str:
+def model_label(model: str, lines: bool = False) -> str:
     """The model's name, with "(untrained)" for a baseline and its family for a fine-tuned model (its start's
-    family and what it was tuned for, e.g. "untrained → classification")."""
-    if model in _CONTEXT.untrained:
-        return f"{model} (untrained)"
-    family = _CONTEXT.families.get(model, "")
-    return f"{model} ({family})" if "→" in family else str(model)
+    family and what it was tuned for, e.g. "untrained → classification"); ``lines``: the family on a line of its
+    own (a panel's title)."""
+    family = "untrained" if model in _CONTEXT.untrained else _CONTEXT.families.get(model, "")
+    if family != "untrained" and "→" not in family:
+        return str(model)
+    return f"{model}{chr(10) if lines else ' '}({family})"
+
+
+def wrap_labels(fig: plt.Figure) -> None:
+    """Titles and axis labels wrap at the figure's edge instead of running past it (matplotlib's ``wrap``;
+    `vitscope.report.run.Run.figures` applies it to every figure, so a figure laid out again at a column's width
+    keeps them whole)."""
+    for ax in fig.axes:
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            text.set_wrap(True)
 
 
 def panels(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (3.6, 2.8), **kw: object

@@ -113,7 +113,7 @@ def _divergence(div: pd.DataFrame, view: str) -> tuple[str, plt.Figure]:
     for ax, model in zip(axes.flat, models, strict=False):
         g = both[both.model == model]
         others = g.assign(model=g["model_b"])  # a line per other model, in its own colour
-        layer_lines(ax, others, "cka_divergence", title=f"{model_label(model)} vs ...")
+        layer_lines(ax, others, "cka_divergence", title=f"{model_label(model, lines=True)} vs ...")
     for ax in axes.flat[len(models):]:
         ax.set_axis_off()
     for ax in axes[:, 0]:
