@@ -75,7 +75,10 @@ def shape_bias(df: pd.DataFrame) -> Figures:
     ax2.set_ylabel("shape bias (probe)")
     ax2.set_title("per layer", fontsize=9)
     ax2.grid(alpha=0.3)
-    if ax2.get_legend_handles_labels()[0]:
+    probes = d[d.readout == "probe"]["value"] if "readout" in d.columns else d["value"].iloc[:0]
+    if len(probes) and probes.isna().all():
+        not_computed(ax2, "every probe's clean accuracy is within noise of chance: no shape bias from a probe")
+    elif ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.set_layout_engine("constrained")
     at_chance = list(dict.fromkeys(d[d["reason"].notna()]["model"])) if "reason" in d.columns else []
@@ -116,7 +119,7 @@ def band_noise(df: pd.DataFrame) -> Figures:
             ax.set_ylabel("band (low -> high freq.)")
         for k in range(len(models), rows * cols):
             axes[k // cols][k % cols].axis("off")
-        grid_layout(fig, right=1.1)
+        grid_layout(fig, right=1.1, top=0.5)
         if im is not None:
             w = fig.get_size_inches()[0]
             cax = fig.add_axes((1 - 0.9 / w, 0.15, 0.12 / w, 0.7))
