@@ -127,6 +127,8 @@ def wrap_labels(fig: plt.Figure) -> None:
     `vitscope.report.run.Run.figures` applies it to every figure, so a figure laid out again at a column's width
     keeps them whole)."""
     for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":  # beside the figure's edge while laid out: it would wrap to nothing
+            continue
         for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
             text.set_wrap(True)
 

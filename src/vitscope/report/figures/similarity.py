@@ -91,8 +91,8 @@ def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
     ax.tick_params(which="minor", length=1.5, labelsize=fs)
     ax.tick_params(axis="x", which="minor", labelrotation=90)
     centres = [off[m] + (len(taps[m]) - 1) / 2 for m in models]
-    ax.set_xticks(centres, [model_label(m) for m in models], rotation=30, ha="right")
-    ax.set_yticks(centres, [model_label(m) for m in models])
+    ax.set_xticks(centres, [model_label(m, lines=True) for m in models], rotation=30, ha="right")
+    ax.set_yticks(centres, [model_label(m, lines=True) for m in models])
     pad = 6 + 0.75 * fs * max(len(s) for s in short)  # points: beyond the taps' labels
     ax.tick_params(which="major", length=0, pad=pad, labelsize=7)
     ax.set_xlabel("model B (its taps)", fontsize=8)
