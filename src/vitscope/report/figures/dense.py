@@ -139,7 +139,7 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
         c = r.chance if np.isfinite(r.chance) else 0.0
         gain[i, j] = (r.score - c) / max(1 - c, 1e-9)
         where = r.best if "best" in r and isinstance(r.best, str) else f"block {r.best_layer}"
-        text[i][j] = f"{r.score:.2f}\n" + where.replace("no layer above", "no layer\nabove")
+        text[i][j] = f"{r.score:.2f}\n" + ("at chance" if where == NOT_ABOVE_CHANCE else where)
     fig, ax = plt.subplots(figsize=(1.4 + 1.05 * len(models), 1.4 + 0.75 * len(tasks)), layout="constrained")
     norm = CenteredNorm(0.0, halfrange=max(float(np.nanmax(np.abs(gain))), 1e-6))
     cmap = plt.get_cmap("RdBu_r")
@@ -153,8 +153,8 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
     ax.set_yticks(range(len(tasks)), [TASKS[t][1] for t in tasks], fontsize=8)
     colorbar(fig, im, ax, "(score - chance) / (1 - chance)\n(0 = chance, < 0 below)")
     return [("Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
-             "block's score and where it is, or \"no layer above chance\" where the best score is within noise of "
-             "the task's chance level; colour = the score's distance from chance (blue: below chance)", fig)]
+             "block's score and where it is, or \"at chance\" where no layer is above chance (the best score is within "
+             "noise of the task's chance level, or below it); colour = the score's distance from chance (blue: below chance)", fig)]
 
 
 __all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "above_chance", "best_layer_summary", "summary_figure"]

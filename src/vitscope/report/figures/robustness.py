@@ -172,7 +172,7 @@ def corruptions(df: pd.DataFrame) -> Figures:
             ax.plot(xs, ys, ":o" if chance else "-o", ms=3, color=model_color(m, models), alpha=0.5 if chance else 1,
                     label=f"{model_label(m)} ({g['where'].iloc[0]}{', at chance' if chance else ''})")
         ax.set_title(f"{fam} corruptions" if fam != "all" else "all corruptions", fontsize=9)
-        ax.set_xlabel("severity (0 = clean)")
+        ax.set_xlabel("severity")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
@@ -186,7 +186,7 @@ def corruptions(df: pd.DataFrame) -> Figures:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     legend_outside(fig, handles=axes[0][0].get_legend_handles_labels()[0])
-    return [("Accuracy under common corruptions vs severity (Hendrycks & Dietterich, ICLR 2019), mean over the "
+    return [("Accuracy under common corruptions vs severity (0 = clean; Hendrycks & Dietterich, ICLR 2019), mean over the "
              "corruptions of each family, at each model's decision (head, else last-layer probe); right: the mean "
              "corruption accuracy per block. Dotted: a readout whose clean accuracy is within noise of chance, whose "
              "accuracy says nothing about robustness." + _chance_note(at_chance), fig)]
