@@ -666,8 +666,8 @@ class BandNoise(_ViewAccuracy):
             c = clean.get((r["readout"], r["layer"]), {"value": math.nan, "reason": None, "extra": {}})
             rows.append({**base, "metric": "accuracy", "value": r["value"], **(c["extra"] if band == -1 else {})})
             if band != -1:
-                rows.append({**base, "metric": "drop", "value": math.nan if c["reason"] else R.drop(c["value"], r["value"]),
-                             "reason": c["reason"]})
+                drop = math.nan if c["reason"] else R.drop(c["value"], r["value"])
+                rows.append({**base, "metric": "drop", "value": drop, "reason": c["reason"]})
         df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         n = int(self.params["n_bands"])

@@ -93,7 +93,8 @@ def _relayout(fig: plt.Figure, columns: int | None) -> str:
 def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "pdf", columns: int | None = None,
            analyses: list[str] | None = None) -> list[Path]:
     """Write every figure of ``run_dir``'s report (or of ``analyses``; the dense tasks' best-layer heat table is
-    ``best_layers``) into ``out_dir`` as ``<analysis>-<k>.<fmt>``; returns the files. ``columns``: 1 or 2 to force a width, None to choose per figure."""
+    ``best_layers``) into ``out_dir`` as ``<analysis>-<k>.<fmt>``; returns the files. ``columns``: 1 or 2 to force
+    a width, None to choose per figure."""
     if fmt not in FORMATS:
         raise VitscopeError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if columns not in (None, 1, 2):

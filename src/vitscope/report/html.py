@@ -165,9 +165,9 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
            "and the task's chance level (\"no layer above chance\": the best score is within noise of it, 1.96 "
-           "standard errors over the objects, keypoints or queries); <code>protocol</code> says how the images reached the model (whole frame "
-           "or centre crop, the model input's size, where propagation was scored). A best layer equal to the "
-           "model's depth is the last block after the final norm. Table: "
+           "standard errors over the objects, keypoints or queries); <code>protocol</code> says how the images "
+           "reached the model (whole frame or centre crop, the model input's size, where propagation was scored). "
+           "A best layer equal to the model's depth is the last block after the final norm. Table: "
            "<code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
     for title, png in drawn:
         out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"

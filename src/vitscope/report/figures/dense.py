@@ -154,7 +154,8 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
     colorbar(fig, im, ax, "(score - chance) / (1 - chance)\n(0 = chance, < 0 below)")
     return [("Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
              "block's score and where it is, or \"at chance\" where no layer is above chance (the best score is within "
-             "noise of the task's chance level, or below it); colour = the score's distance from chance (blue: below chance)", fig)]
+             "noise of the task's chance level, or below it); colour = the score's distance from chance (blue: below "
+             "chance)", fig)]
 
 
 __all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "above_chance", "best_layer_summary", "summary_figure"]
