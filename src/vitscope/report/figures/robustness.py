@@ -188,8 +188,8 @@ def corruptions(df: pd.DataFrame) -> Figures:
     legend_outside(fig, handles=axes[0][0].get_legend_handles_labels()[0])
     return [("Accuracy under common corruptions vs severity (0 = clean; Hendrycks & Dietterich, ICLR 2019), mean "
              "over the corruptions of each family, at each model's decision (head, else last-layer probe); right: the "
-             "mean corruption accuracy per block. Dotted: a readout whose clean accuracy is within noise of chance, whose "
-             "accuracy says nothing about robustness." + _chance_note(at_chance), fig)]
+             "mean corruption accuracy per block. Dotted: a readout whose clean accuracy is within noise of chance, "
+             "whose accuracy says nothing about robustness." + _chance_note(at_chance), fig)]
 
 
 FIGURES = {"shape_bias": shape_bias, "band_noise": band_noise, "corruptions": corruptions}
