@@ -256,10 +256,11 @@ def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model(
     s = points["semantics"]
     assert "good 0.6 [0.56, 0.64] at block 0" in s.text and "Chance (majority class) is 0.1" in s.text
     assert "within noise of chance: weak, random" in s.text and "within noise of the untrained random: weak" in s.text
-    assert s.flags == ["chance", "the untrained model"]
+    assert s.flags == ["chance", "the untrained model"] and s.not_above_chance == ["weak", "random"]
     d = points["attention_distance"]
     # 16.6 vs 16.5 px with standard errors 0.1 and 0.05: |0.1| <= 1.96 sqrt(0.1² + 0.05²) = 0.22 -> within noise
-    assert "highest good 20.00 ± 0.20 px" in d.text and "Within noise of the untrained model: weak." in d.text
+    assert "good 20.00 ± 0.20 px; weak 16.60 ± 0.20 px; random (untrained) 16.500 ± 0.098 px" in d.text  # every model
+    assert "Highest good, lowest weak" in d.text and "Within noise of the untrained model: weak." in d.text
     assert d.flags == ["the untrained model"]
 
 
@@ -307,3 +308,131 @@ def test_report_drawn_in_two_processes_is_the_same_report(run_dir, monkeypatch):
     monkeypatch.setenv("VITSCOPE_WORKERS", "2")
     two = write_report(run_dir).read_bytes()
     assert one == two and one.count(b"data:image/png;base64,") > 10
+
+
+# ------------------------------------------------------------------ the default study, small: every figure whole
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    """The embedded default study (every analysis) on its pretrained -> fine-tuned pair (zoo-random and
+    zoo-random-ft-cls, whose CIFAR-10 head gives the robustness lenses their head readout) and a few images: every
+    figure family of the report, drawn from the zoo's real weights."""
+    import yaml
+
+    from vitscope.study.config import default_config_path
+
+    cfg = yaml.safe_load(default_config_path().read_text())
+    cfg["models"] = [m for m in cfg["models"] if m["name"] in ("zoo-random", "zoo-random-ft-cls")]
+    small = {"cifar10": 60, "shapes": 120, "cue-conflict": 24, "cifar10-128": 40, "pairs": 16, "stir_small": 8}
+    for name, n in small.items():
+        cfg["datasets"][name]["n_images"] = n
+    cfg["analyses"]["stir"].update(iterations=2, layers=[1, 7])
+    cfg["analyses"]["semantics"].update(probe_tune=False, probe_max_iter=50)
+    d = tmp_path_factory.mktemp("default-small")
+    cfg.update(output_dir=str(d / "run"), progress=False)
+    (d / "study.yaml").write_text(yaml.safe_dump(cfg))
+    return run_study(load_config(d / "study.yaml"))
+
+
+def _text_outside(fig):
+    """Text that runs past the figure's edges, in display pixels after a draw: titles, labels, legends, notes,
+    and of every axis the tick labels it draws (`Axis.get_tightbbox`: those inside its view) with its label."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    boxes, tick_labels = [], set()
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            tick_labels.update(id(t) for t in axis.get_ticklabels(which="both"))
+            box = axis.get_tightbbox(renderer) if ax.get_visible() and ax.axison and axis.get_visible() else None
+            if box is not None:
+                boxes.append((f"an axis of {ax.get_title()!r}", box))
+    boxes += [(repr(t.get_text()), t.get_window_extent(renderer)) for t in fig.findobj(Text)
+              if id(t) not in tick_labels and t.get_visible() and t.get_text().strip()]
+    edge = fig.bbox
+    return [f"{what} at {box.bounds} leaves the figure {edge.bounds}" for what, box in boxes
+            if box.x0 < edge.x0 - 1 or box.y0 < edge.y0 - 1 or box.x1 > edge.x1 + 1 or box.y1 > edge.y1 + 1]
+
+
+def test_every_figure_of_the_default_study_keeps_its_text_inside_and_draws_without_a_warning(default_run):
+    import warnings
+
+    import matplotlib as mpl
+
+    from vitscope.report.export import RC, _relayout
+
+    run = load_run(default_run)
+    assert {"shape_bias", "band_noise", "corruptions", "retrieval", "stir", "best_layers"} <= set(run.figure_names())
+    n = 0
+    for name in run.figure_names():
+        for exported in (False, True):  # as the report draws it, and laid out again at a column's width
+            with warnings.catch_warnings(record=True) as caught, mpl.rc_context(RC if exported else {}):
+                warnings.simplefilter("always")
+                for caption, fig in run.figures(name):
+                    if exported:
+                        _relayout(fig, None)
+                    assert _text_outside(fig) == [], (name, exported, caption)  # after a draw: warnings are out
+                    plt.close(fig)
+                    n += 1
+            assert [str(w.message) for w in caught] == [], (name, exported)
+    assert n > 2 * len(run.tables)
+
+
+def test_export_writes_exactly_the_report_figures(default_run, tmp_path):
+    html = (default_run / "report.html").read_text()
+    files = vs.report.export(default_run, tmp_path, "png")
+    assert len(files) == html.count("<figure>")
+    names = {re.sub(r"-\d+\.png$", "", f.name) for f in files}
+    assert names == set(load_run(default_run).figure_names()) and "best_layers" in names
+
+
+def test_a_fine_tuned_model_is_named_for_its_start_and_its_task_and_has_its_own_colour(default_run):
+    from vitscope.models.registry import describe_family
+    from vitscope.report.figures._common import UNTRAINED_COLOR, context, model_color, model_label
+
+    run = load_run(default_run)
+    assert run.families["zoo-random-ft-cls"] == "untrained → classification"
+    assert run.untrained == ["zoo-random"]
+    assert describe_family("contrastive", "mocov3+ft-reconstruction") == "contrastive → reconstruction"
+    assert describe_family("explicit", "supervised") == "explicit"
+    html = (default_run / "report.html").read_text()
+    assert "<td>zoo-random-ft-cls</td><td>untrained → classification</td>" in html
+    with run.figure_context():
+        assert model_label("zoo-random-ft-cls") == "zoo-random-ft-cls (untrained → classification)"
+        assert model_color("zoo-random-ft-cls") != UNTRAINED_COLOR == model_color("zoo-random")
+    (caption, fig), = run.figures("attention_distance")
+    labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert "zoo-random-ft-cls (untrained → classification)" in labels and "zoo-random (untrained)" in labels
+    plt.close(fig)
+    summary = html[html.index("id='summary'"):html.index("id='models'")]
+    for m in run.models:  # the summary covers every model
+        assert m in summary
+    # twelve models: twelve colours, none of them the untrained grey
+    models = [f"m{i}" for i in range(12)]
+    with context(models, ["m11"]):
+        colours = [model_color(m) for m in models]
+    assert len(set(colours)) == 12 and colours.count(UNTRAINED_COLOR) == 1 and colours[11] == UNTRAINED_COLOR
+
+
+def test_best_layer_within_noise_of_chance_is_no_layer_above_chance():
+    from vitscope.report.figures.dense import NOT_ABOVE_CHANCE, best_layer_summary, summary_figure
+    from vitscope.report.summary import Study, summarize
+
+    def table(model, value, stderr):
+        return {"model": model, "metric": "best_mAP_medium", "layer": 3, "token_view": "cls", "value": value,
+                "stderr": stderr, "chance": 0.12, "last_layer_value": value}
+
+    # clearly above chance; within noise of it; below it (beyond noise): the last two name no layer
+    df = pd.DataFrame([table("good", 0.5, 0.02), table("noisy", 0.15, 0.03), table("below", 0.08, 0.01)])
+    s = best_layer_summary({"retrieval": df}).set_index("model")
+    assert s.loc["good", "best"] == "block 3" and bool(s.loc["good", "above_chance"])
+    assert s.loc["noisy", "best"] == s.loc["below", "best"] == NOT_ABOVE_CHANCE
+    assert not s["above_chance"].loc[["noisy", "below"]].any()
+    (caption, fig), = summary_figure(s.reset_index())
+    image = fig.axes[0].images[0]
+    assert image.norm.vmin < 0 < image.norm.vmax  # the scale reaches below chance, diverging around it
+    cells = [t.get_text() for t in fig.axes[0].texts]
+    assert sum("at chance" in t for t in cells) == 2 and "block 3" in cells[0]
+    plt.close(fig)
+    point, = summarize({"retrieval": df}, Study(["good", "noisy", "below"], []))
+    assert point.not_above_chance == ["noisy", "below"] and "good 0.500 ± 0.039 at block 3" in point.text

@@ -255,6 +255,30 @@ def test_shape_bias_of_a_colour_histogram_readout_is_zero_and_of_a_shape_oracle_
         assert set(df["match_denominator"]) == {"all"}  # the protocol setting, named in the table
 
 
+def test_a_probe_at_chance_gives_a_reason_not_a_shape_bias():
+    """Features that carry no class (noise) give a probe within noise of chance on the held-out clean images: no
+    shape bias, a reason; features that carry the shape give a number and no reason."""
+    gen = torch.Generator().manual_seed(0)
+    ytr, ycue = torch.arange(300) % 12, torch.arange(120) % 12
+    tcue = (ycue + 1) % 12
+    for xtr, xcue, informative in [(torch.randn(300, 12, generator=gen), torch.randn(120, 12, generator=gen), False),
+                                   (torch.eye(12)[ytr], torch.eye(12)[ycue], True)]:
+        an = ShapeBias(_info(), test_every=5)
+        an.datasets = {"data": "cue", "train": "train"}
+        an.configure({"data": list(range(12)), "train": list(range(12))})
+        _feed_vectors(an, xtr, ytr, None, "train")
+        _feed_vectors(an, xcue, ycue, tcue, "cue")
+        df = an.finalize()
+        bias = df[df.metric == "shape_bias"].iloc[0]
+        acc = df[df.metric == "clean_accuracy"].iloc[0]
+        if informative:
+            assert np.isfinite(bias["value"]) and bias["reason"] is None and acc["value_lo"] > acc["chance"]
+        else:
+            assert acc["value_lo"] <= acc["chance"] and np.isnan(bias["value"])
+            assert "within noise of chance" in bias["reason"]
+            assert ShapeBias.key_numbers(df)["reason"].iloc[0] == bias["reason"]
+
+
 def test_shape_bias_counts_add_up_and_leave_out_agreeing_cues():
     d = torch.tensor([0, 1, 2, 3, 1, 0])
     s = torch.tensor([0, 0, 2, 3, 3, 1])

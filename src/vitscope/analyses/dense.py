@@ -8,7 +8,9 @@ and 5): which layer of which model is best for local tasks.
 
 Every one reports, per model, its best layer (``metric = 'best_<headline>'``, ``layer`` = the block) beside
 the task's chance level (``<metric>_chance``): propagation with constant features, a uniformly random target
-token, a uniformly random ranking. What each expects of the batches it is fed (the dataset formats in
+token, a uniformly random ranking. The overall per-layer scores carry their ``stderr`` (over objects, keypoints
+or queries), and so does the best-layer row, so a best layer within noise of chance can be told apart
+(`vitscope.report.figures.dense.best_layer_summary`). What each expects of the batches it is fed (the dataset formats in
 `vitscope.data.synthetic_tasks` and `vitscope.data.formats` provide it):
 
   propagation     ``objects`` (B, H, W) label maps at the model input (0 background, 255 void), ``sequences``
@@ -163,7 +165,8 @@ class _Dense(Analysis):
         last = [r["value"] for r in cand
                 if r["layer"] == self.layers[-1] and r.get("token_view") == best.get("token_view")]
         return [{"metric": f"best_{metric}", "layer": best["layer"], "token_view": best.get("token_view"),
-                 "value": best["value"], "chance": chance[0] if chance else float("nan"),
+                 "value": best["value"], "stderr": best.get("stderr", float("nan")),
+                 "chance": chance[0] if chance else float("nan"),
                  "last_layer_value": last[0] if last else float("nan"), "task": self.name}]
 
 
@@ -190,6 +193,12 @@ def _plain_item(batch: Any, b: int) -> dict[str, Any]:
             "frame": int(batch.frames[b]) if batch.frames is not None else None,
             "sequence": batch.sequences[b] if batch.sequences is not None else None,
             "pair": at("pair"), "role": at("role"), "category": at("category"), "ref_size": at("ref_size")}
+
+
+def _stderr(x: torch.Tensor) -> float:
+    """Standard error of the mean of the finite values of ``x`` (NaN for fewer than two)."""
+    x = x.double()[torch.isfinite(x.double())]
+    return float(x.std() / math.sqrt(len(x))) if len(x) > 1 else float("nan")
 
 
 def _nan(v: Any) -> bool:
@@ -226,7 +235,8 @@ class Propagation(_Dense):
     input size, so they are whole frames as they are."""
 
     name = "propagation"
-    state_version = 2  # 2: whole frames scored at the annotation's resolution, void as background, final norm
+    state_version = 3  # 3: stderr over objects; 2: whole frames scored at the annotation's resolution, void as
+    # background, final norm
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -378,9 +388,10 @@ class Propagation(_Dense):
             for k, layer in enumerate([*self.layers, None]):
                 sfx = "" if layer is not None else "_chance"
                 jm, fm = float(j[k].mean()), float(f[k].mean())
-                rows += [{"metric": "J" + sfx, "layer": layer, "value": jm},
-                         {"metric": "F" + sfx, "layer": layer, "value": fm},
-                         {"metric": "JF" + sfx, "layer": layer, "value": (jm + fm) / 2}]
+                rows += [{"metric": "J" + sfx, "layer": layer, "value": jm, "stderr": _stderr(j[k])},
+                         {"metric": "F" + sfx, "layer": layer, "value": fm, "stderr": _stderr(f[k])},
+                         {"metric": "JF" + sfx, "layer": layer, "value": (jm + fm) / 2,
+                          "stderr": _stderr((j[k] + f[k]) / 2)}]
                 for v in self.videos:
                     vj, vf = float(v["J"][k].mean()), float(v["F"][k].mean())
                     rows += [{"metric": "video_J" + sfx, "layer": layer, "value": vj, "video": v["sequence"]},
@@ -425,7 +436,7 @@ class Correspondence(_Dense):
     columns say which protocol a run used."""
 
     name = "correspondence"
-    state_version = 2  # 2: whole images, PCK in the file's pixels, final norm layer
+    state_version = 3  # 3: stderr over keypoints; 2: whole images, PCK in the file's pixels, final norm layer
     needs = frozenset({"pairs", "keypoints"})
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
@@ -555,7 +566,8 @@ class Correspondence(_Dense):
                 m = f"pck@{alpha:g}"
                 per_cat = {k: v["correct"][:, a].double() / v["keypoints"] for k, v in cats.items()}
                 for li, layer in enumerate(self.layers):
-                    rows.append({"metric": m, "layer": layer, "value": float(correct[li, a]) / n})
+                    p = float(correct[li, a]) / n
+                    rows.append({"metric": m, "layer": layer, "value": p, "stderr": math.sqrt(p * (1 - p) / n)})
                     rows.append({"metric": m + "_catmean", "layer": layer,
                                  "value": float(np.mean([float(p[li]) for p in per_cat.values()]))})
                     for k, p in per_cat.items():
@@ -600,7 +612,7 @@ class Retrieval(_Dense):
     columns say which protocol a run used."""
 
     name = "retrieval"
-    state_version = 2  # 2: whole images, final norm layer
+    state_version = 3  # 3: stderr over queries; 2: whole images, final norm layer
     needs = frozenset({"retrieval"})
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
@@ -686,7 +698,8 @@ class Retrieval(_Dense):
                 for name, prot in mapped.items():
                     aps = D.retrieval_aps(scores, prot)
                     rows.append({"metric": f"mAP_{name}", "layer": layer, "token_view": v,
-                                 "value": float(np.nanmean(aps)) if np.isfinite(aps).any() else float("nan")})
+                                 "value": float(np.nanmean(aps)) if np.isfinite(aps).any() else float("nan"),
+                                 "stderr": _stderr(torch.as_tensor(np.asarray(aps, dtype=float)))})
             for name, prot in mapped.items():
                 rows.append({"metric": f"mAP_{name}_chance", "layer": None, "token_view": v,
                              "value": D.random_ranking_map(prot, len(d_rows), self.chance_repeats, self.seed)})

@@ -19,6 +19,11 @@ Every number needs class decisions, from one of two *readouts* (column ``readout
   ``n_train``, ``n_test``, ``probe_weight_decay`` and ``probe_iterations``, and a class without training
   images or with fewer than two test images warns, naming it.
 
+A readout whose clean accuracy is within noise of chance (its 95 % Wilson interval reaches the majority-class
+rate) decides nothing worth reading: its bias or robustness figures (``shape_bias``; ``drop``;
+``relative_drop``, ``mca_relative_drop``) are left empty (NaN) and the column ``reason`` says why
+(`chance_reason`); the clean accuracy rows carry ``chance``, ``value_lo`` and ``value_hi``.
+
 ``readout: auto`` computes both where possible (the head where it covers the data; probes where clean
 training images exist), ``head`` / ``probe`` one of them; neither possible fails at configuration with one
 sentence. Perturbations are views of the main dataset (`views()`), one forward pass each, shared by every
@@ -116,6 +121,22 @@ def decision_rows(df: pd.DataFrame, head_only: bool = False, column: str = "deci
             last = pd.to_numeric(probe["layer"]).max()
             out.append(probe[pd.to_numeric(probe["layer"]) == last].assign(**{column: f"probe, block {int(last)}"}))
     return pd.concat(out, ignore_index=True) if out else df.iloc[:0].assign(**{column: None})
+
+
+def chance_reason(accuracy: float, n: int, chance: float) -> str | None:
+    """Why a readout's bias or robustness figure is not reported: its clean ``accuracy`` on ``n`` images is within
+    noise of ``chance`` (the 95 % Wilson interval reaches it); None when it is above chance (or unknown)."""
+    lo, hi, _ = S.binomial_interval(accuracy, n)
+    if not (math.isfinite(lo) and math.isfinite(chance)) or lo > chance:
+        return None
+    return (f"readout at chance: clean accuracy {accuracy:.3g} [{lo:.3g}, {hi:.3g}] on {n} images is within noise "
+            f"of chance {chance:.3g}")
+
+
+def _clean_columns(accuracy: float, n: int, chance: float) -> dict[str, float]:
+    """``chance``, ``value_lo``, ``value_hi`` of a clean accuracy row."""
+    lo, hi, _ = S.binomial_interval(accuracy, n)
+    return {"chance": chance, "value_lo": lo, "value_hi": hi}
 
 
 def _parse_view(view: str) -> tuple[str, dict[str, str]]:
@@ -338,7 +359,8 @@ class ShapeBias(_Robustness):
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
-    state_version = 3  # 3: stratified split, tuned probe; 2: match_denominator (every image by default)
+    state_version = 4  # 4: no shape bias from a probe at chance (reason); 3: stratified split, tuned probe;
+    # 2: match_denominator (every image by default)
 
     def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
         super().__init__(vm, **kw)
@@ -429,8 +451,9 @@ class ShapeBias(_Robustness):
                                               f"{int(v.get('n_other', 0))}",
                    "clean accuracy (probe)": v.get("clean_accuracy", float("nan"))}
             per = df[(df.model == model) & (df.metric == "shape_bias") & (df.readout == "probe")]
-            if len(per) and decision != "head":
+            if len(per) and decision != "head" and per["value"].notna().any():
                 row["peak block"] = int(per.loc[per["value"].astype(float).idxmax(), "layer"])
+            row["reason"] = _reason_of(g)
             rows.append(row)
         return pd.DataFrame(rows)
 
@@ -454,10 +477,16 @@ class ShapeBias(_Robustness):
                 xtr = train.layer(j)
                 (d_cue, d_test), cols = self._probe(xtr[fit], ytr[fit], [cue.layer(j), xtr[test]], c)
                 counts = R.shape_bias_counts(d_cue, shape, texture, self.match_denominator)
-                counts["clean_accuracy"] = R.accuracy(d_test, ytr[test])
-                rows += [{"metric": k, "layer": layer, "readout": "probe", "value": float(v), **sizes, **cols}
+                acc, n_test = R.accuracy(d_test, ytr[test]), int(test.sum())
+                chance = S.majority_rate(ytr[fit], ytr[test])
+                reason = chance_reason(acc, n_test, chance)
+                rows += [{"metric": k, "layer": layer, "readout": "probe", **sizes, **cols,
+                          **({"value": math.nan, "reason": reason} if reason and k == "shape_bias"
+                             else {"value": float(v)})}
                          for k, v in counts.items()]
-        df = self.tidy(rows)
+                rows.append({"metric": "clean_accuracy", "layer": layer, "readout": "probe", "value": acc,
+                             **sizes, **cols, **_clean_columns(acc, n_test, chance)})
+        df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         df["dataset"] = self.datasets.get("data")
         df["match_denominator"] = self.match_denominator
@@ -512,7 +541,7 @@ class _ViewAccuracy(_Robustness):
             if v in self.heads:
                 d, y = self._head_column(v, "decisions"), self._head_column(v, "labels")
                 out.append({"readout": "head", "layer": None, "view": v, "value": R.accuracy(d, y),
-                            "n_images": len(y)})
+                            "n_images": len(y), "chance": S.majority_rate(y, y)})
         clean = self.tables.get("clean")
         if self.use_probe and clean is not None and len(clean) > 1:
             y, test = clean.column("labels"), self._split(clean)
@@ -526,17 +555,42 @@ class _ViewAccuracy(_Robustness):
                         tests[v] = ((lambda j, t=t, keep=keep: t.layer(j)[keep]), t.column("labels")[keep])
                 c = self._num_classes(y)
                 sizes = {"n_train": int((~test).sum()), "n_test": int(test.sum())}
+                chance = S.majority_rate(y[~test], y[test])
                 for j, layer in enumerate(self.layers):
                     xtr = clean.layer(j)[~test]
                     decs, cols = self._probe(xtr, y[~test], [f(j) for f, _ in tests.values()], c)
                     for (v, (_, yv)), d in zip(tests.items(), decs, strict=True):
                         out.append({"readout": "probe", "layer": layer, "view": v, "value": R.accuracy(d, yv),
-                                    "n_images": len(yv), **sizes, **cols})
+                                    "n_images": len(yv), "chance": chance, **sizes, **cols})
         return out
 
     def _view_order(self) -> list[str]:
         seen = list(dict.fromkeys([*self.heads, *self.tables]))
         return ["clean"] + [v for v in seen if v != "clean"]
+
+    @staticmethod
+    def _clean(acc: list[dict[str, Any]]) -> dict[tuple[str, Any], dict[str, Any]]:
+        """Per (readout, layer): the clean accuracy row, and ``reason`` (`chance_reason`) and ``extra`` (the
+        columns of its own row) beside it."""
+        out = {}
+        for r in acc:
+            if r["view"] == "clean":
+                out[(r["readout"], r["layer"])] = {**r, "reason": chance_reason(r["value"], r["n_images"], r["chance"]),
+                                                   "extra": _clean_columns(r["value"], r["n_images"], r["chance"])}
+        return out
+
+
+def _reason_of(g: pd.DataFrame) -> str:
+    """The first ``reason`` among the rows (a key-numbers cell; empty where every figure is reported)."""
+    reasons = g["reason"].dropna() if "reason" in g.columns else []
+    return str(reasons.iloc[0]) if len(reasons) else ""
+
+
+def _with_reason(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``reason`` column present (None where a figure is reported)."""
+    if "reason" not in df.columns:
+        df["reason"] = None
+    return df
 
 
 def _band_of(view: str) -> int | None:
@@ -560,7 +614,8 @@ class BandNoise(_ViewAccuracy):
 
     name = "band_noise"
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
-    state_version = 3  # 3: stratified split, tuned probe; 2: band_definition (circular_rms | square_sign)
+    state_version = 4  # 4: no drop from a readout at chance (reason); 3: stratified split, tuned probe;
+    # 2: band_definition (circular_rms | square_sign)
 
     def __init__(self, vm: Any, n_bands: Bands = P.N_BANDS, bands: Sequence[NonNegative] | None = None,
                  rms: Positive = 0.1, width: Positive = P.BAND_WIDTH, band_definition: str = "circular_rms",
@@ -603,22 +658,24 @@ class BandNoise(_ViewAccuracy):
             rows.append({"model": model, "readout": decision, "clean accuracy": acc.get(-1, float("nan")),
                          f"drop, band {int(drop.index[0])} (low)": drop.iloc[0],
                          f"drop, band {int(drop.index[-1])} (high)": drop.iloc[-1],
-                         "worst band": int(drop.astype(float).idxmax()), "worst drop": drop.max()})
+                         "worst band": int(drop.astype(float).idxmax()) if drop.notna().any() else None,
+                         "worst drop": drop.max(), "reason": _reason_of(g)})
         return pd.DataFrame(rows)
 
     def finalize(self) -> pd.DataFrame:
         rows = []
         acc = self._accuracies()
-        clean = {(r["readout"], r["layer"]): r["value"] for r in acc if r["view"] == "clean"}
+        clean = self._clean(acc)
         for r in acc:
             band = -1 if r["view"] == "clean" else _band_of(r["view"])
             base = {"layer": r["layer"], "readout": r["readout"], "band": band, "n_images": r["n_images"],
                     **{k: r[k] for k in PROBE_COLUMNS if k in r}}
-            rows.append({**base, "metric": "accuracy", "value": r["value"]})
+            c = clean.get((r["readout"], r["layer"]), {"value": math.nan, "reason": None, "extra": {}})
+            rows.append({**base, "metric": "accuracy", "value": r["value"], **(c["extra"] if band == -1 else {})})
             if band != -1:
-                c = clean.get((r["readout"], r["layer"]), float("nan"))
-                rows.append({**base, "metric": "drop", "value": R.drop(c, r["value"])})
-        df = self.tidy(rows)
+                drop = math.nan if c["reason"] else R.drop(c["value"], r["value"])
+                rows.append({**base, "metric": "drop", "value": drop, "reason": c["reason"]})
+        df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         n = int(self.params["n_bands"])
         width = float(self.params["width"])
@@ -650,6 +707,7 @@ class Corruptions(_ViewAccuracy):
 
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
+    state_version = 3  # 3: no relative drop from a readout at chance (reason)
 
     def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[Severity] = P.SEVERITIES,
                  backend: str = "auto", table: str = "imagenet", **kw: Any):
@@ -708,28 +766,33 @@ class Corruptions(_ViewAccuracy):
                          "clean accuracy": float(clean.iloc[0]) if len(clean) else float("nan"),
                          "mean corruption accuracy": v.get("mca", float("nan")),
                          "relative drop": v.get("mca_relative_drop", float("nan")),
-                         "worst corruption": acc.idxmin() if len(acc) else None})
+                         "worst corruption": acc.idxmin() if len(acc) else None, "reason": _reason_of(g)})
         return pd.DataFrame(rows)
 
     def finalize(self) -> pd.DataFrame:
         rows = []
         acc = self._accuracies()
-        clean = {(r["readout"], r["layer"]): r["value"] for r in acc if r["view"] == "clean"}
+        clean = self._clean(acc)
+        none = {"value": math.nan, "reason": None, "extra": {}}
         per: dict[tuple[str, Any], dict[tuple[str, int], float]] = {}
         for r in acc:
             key = (r["readout"], r["layer"])
+            c = clean.get(key, none)
             cs = ("clean", 0) if r["view"] == "clean" else _corruption_of(r["view"])
             base = {"layer": r["layer"], "readout": r["readout"], "corruption": cs[0], "severity": cs[1],
                     "family": P.FAMILY_OF.get(cs[0], "clean"), "n_images": r["n_images"],
                     **{k: r[k] for k in PROBE_COLUMNS if k in r}}
-            rows.append({**base, "metric": "accuracy", "value": r["value"]})
+            rows.append({**base, "metric": "accuracy", "value": r["value"], **(c["extra"] if not cs[1] else {})})
             if cs[1]:
                 per.setdefault(key, {})[cs] = r["value"]
-                rows.append({**base, "metric": "relative_drop",
-                             "value": R.relative_drop(clean.get(key, float("nan")), r["value"])})
+                rows.append({**base, "metric": "relative_drop", "reason": c["reason"],
+                             "value": math.nan if c["reason"] else R.relative_drop(c["value"], r["value"])})
         for (readout, layer), a in per.items():
-            s = R.corruption_summary(a, clean.get((readout, layer), float("nan")))
-            rows += [{"metric": k, "layer": layer, "readout": readout, "value": v} for k, v in s.items()]
-        df = self.tidy(rows)
+            c = clean.get((readout, layer), none)
+            s = R.corruption_summary(a, c["value"])
+            rows += [{"metric": k, "layer": layer, "readout": readout,
+                      **({"value": math.nan, "reason": c["reason"]} if c["reason"] and k != "mca" else {"value": v})}
+                     for k, v in s.items()]
+        df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         return df

@@ -108,6 +108,17 @@ class ModelSpec:
         return self.arch
 
 
+def describe_family(family: str | None, supervision: str | None, finetuned_from: str | None = None) -> str:
+    """What a model is, for a reader: its objective family ("untrained" for a random initialisation), and for a
+    fine-tuned model its start's family plus what it was tuned for, read off the supervision the fine-tuning
+    trainer writes ("random init+ft-classification" -> "untrained → classification")."""
+    start, _, tuned = str(supervision or "").partition("+ft-")
+    base = "untrained" if family in (None, "none") or start == "random init" else str(family)
+    if not tuned and finetuned_from:
+        tuned = "fine-tuned"
+    return f"{base} → {tuned}" if tuned else base
+
+
 REGISTRY: dict[str, ModelSpec] = {}
 
 

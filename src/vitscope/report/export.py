@@ -99,8 +99,9 @@ def _relayout(fig: plt.Figure, columns: int | None) -> str:
 
 def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "pdf", columns: int | None = None,
            analyses: list[str] | None = None) -> list[Path]:
-    """Write every figure of ``run_dir`` (or of ``analyses``) into ``out_dir`` as ``<analysis>-<k>.<fmt>``;
-    returns the files. ``columns``: 1 or 2 to force a width, None to choose per figure."""
+    """Write every figure of ``run_dir``'s report (or of ``analyses``; the dense tasks' best-layer heat table is
+    ``best_layers``) into ``out_dir`` as ``<analysis>-<k>.<fmt>``; returns the files. ``columns``: 1 or 2 to force
+    a width, None to choose per figure."""
     if fmt not in FORMATS:
         raise VitscopeError(f"unknown figure format {fmt!r}; choose one of {', '.join(FORMATS)}")
     if columns not in (None, 1, 2):
@@ -111,7 +112,7 @@ def export(run_dir: str | Path, out_dir: str | Path, fmt: str = "pdf", columns: 
     out = Path(out_dir)
     fresh = _fresh_folder(out)
     written, index = [], ["file\twidth_in\theight_in\tlayout\tcaption"]
-    names = [n for n in run.tables if analyses is None or n in analyses]
+    names = [n for n in run.figure_names() if analyses is None or n in analyses]
     with mpl.rc_context(RC):
         for name in names:
             for k, (caption, fig) in enumerate(run.figures(name), start=1):

@@ -18,7 +18,7 @@ import pandas as pd
 
 from vitscope.files import write_atomic
 from vitscope.references import REFERENCES, SHORT
-from vitscope.report.run import Run, load_run
+from vitscope.report.run import BEST_LAYERS, Run, load_run
 from vitscope.report.summary import Study, summarize
 from vitscope.threads import die_with_parent, single_threaded
 
@@ -99,6 +99,10 @@ def _summary(run: Run) -> list[str]:
         mark = " † (MIM semantics: see the budget caveat)" if caveat and p.analysis in SEMANTIC_ANALYSES else ""
         parts.append(f"<li{' class=flagged' if p.flags else ''}><a href='#{_esc(p.analysis)}'>{_esc(p.analysis)}</a>: "
                      f"{_esc(p.text)}{mark}{flag}</li>")
+    below = [f"{p.analysis} ({', '.join(p.not_above_chance)})" for p in points if p.not_above_chance]
+    if below:
+        parts.append(f"<li class=flagged><b>Not above chance</b> (within noise of chance, or below it): "
+                     f"{_esc('; '.join(below))}.</li>")
     parts.append("</ul><p class='muted'>± and brackets: 95 % intervals over the images (standard errors in the "
                  "tables' <code>stderr</code> column; accuracies binomial). Within noise: the difference is at most "
                  "1.96 standard errors.</p>")
@@ -143,30 +147,30 @@ def _findings(run: Run) -> list[str]:
     return rows
 
 
-def _dense_summary(run_dir: Path, results: list[Path], models: dict) -> list[str]:
+def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
     """The best-layer summary of the dense downstream tasks: written to results/summary/best_layers.parquet
     (derived from the tasks' tables, rebuilt with the report; in a subfolder, so the study's check that results/
-    holds exactly its analyses' tables is unaffected) and shown as a table and a task x model heat table."""
-    from vitscope.report.figures.dense import TASKS, best_layer_summary, summary_figure
-
-    tables = {p.stem: pd.read_parquet(p) for p in results if p.stem in TASKS}
-    summary = best_layer_summary(tables, models) if tables else pd.DataFrame()
+    holds exactly its analyses' tables is unaffected) and shown as a table and a task x model heat table
+    (``drawn``: its (caption, PNG))."""
+    summary = run.best_layers()
     if summary.empty:
         return []
+    run_dir = run.path
     (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
     summary.to_parquet(run_dir / "results" / "summary" / "best_layers.parquet", index=False)
-    shown = summary[["label", "model", "supervision", "best_layer", "token_view", "score", "last_layer_score",
-                     "random_init_score", "chance", "protocol"]].rename(columns={"label": "task"})
+    shown = summary[["label", "model", "supervision", "best", "token_view", "score", "last_layer_score",
+                     "random_init_score", "chance", "protocol"]].rename(columns={"label": "task", "best": "best layer"})
     out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",
            "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
-           "and the task's chance level; <code>protocol</code> says how the images reached the model (whole frame "
-           "or centre crop, the model input's size, where propagation was scored). A best layer equal to the "
-           "model's depth is the last block after the final norm. Table: "
+           "and the task's chance level (\"no layer above chance\": the best score is within noise of it, 1.96 "
+           "standard errors over the objects, keypoints or queries); <code>protocol</code> says how the images "
+           "reached the model (whole frame or centre crop, the model input's size, where propagation was scored). "
+           "A best layer equal to the model's depth is the last block after the final norm. Table: "
            "<code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
-    for title, fig in summary_figure(summary):
-        out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{_png(fig)}'>"
+    for title, png in drawn:
+        out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
                    f"<figcaption>{_esc(title)}</figcaption></figure>")
     return out
 
@@ -256,24 +260,25 @@ def write_report(run_dir: str | Path) -> Path:
              "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>"]
     parts += _summary(run)
     if models:
-        parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>source</th><th>blocks</th><th>heads</th>"
-                     "<th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
+        parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>family</th><th>source</th>"
+                     "<th>blocks</th><th>heads</th><th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
+        families = run.families
         for label, m in models.items():
-            parts.append(f"<tr><td>{_esc(label)}{' (untrained)' if label in run.untrained else ''}</td>"
+            parts.append(f"<tr><td>{_esc(label)}</td><td>{_esc(families.get(label, ''))}</td>"
                          f"<td><code>{_esc(m.get('source'))}</code></td>"
                          f"<td>{_esc(m.get('depth', ''))}</td><td>{_esc(m.get('heads', ''))}</td>"
                          f"<td>{_esc(m.get('grid', ''))}</td><td>{_esc(m.get('patch', ''))}</td>"
                          f"<td>{_esc(m.get('load_report', ''))}</td>"
                          f"<td>{_esc(', '.join(m.get('analyses_from_cache', [])) or '-')}</td></tr>")
         parts.append("</table>")
-    parts += _dense_summary(run_dir, [run_dir / "results" / f"{n}.parquet" for n in names], models)
+    drawn = _draw_all(run, run.figure_names())
+    parts += _dense_summary(run, drawn.get(BEST_LAYERS, []))
     skipped = manifest.get("skipped_images") or {}
     if isinstance(skipped, list):  # manifests written before datasets were named
         skipped = {"dataset": skipped}
     for name, items in skipped.items():
         parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
                      "manifest.json).</p>")
-    drawn = _draw_all(run, names)
     for name, df in run.tables.items():
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""

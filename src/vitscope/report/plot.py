@@ -122,7 +122,7 @@ def figures(source: str | Path | pd.DataFrame, analysis: str | None = None, *,
     order = run.models if run is not None else list(dict.fromkeys(df["model"].dropna()))
     base = set(run.untrained if run is not None else []) | set(untrained or [])
     tables = {k: _select(v, models, {}) for k, v in run.tables.items()} if run is not None else {}
-    with context(order, base, tables):
+    with context(order, base, tables, run.families if run is not None else None):
         drawn = FIGURES[analysis](df)
     for caption, fig in drawn:
         fig.set_label(caption)

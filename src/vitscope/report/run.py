@@ -17,13 +17,25 @@ import pandas as pd
 
 from vitscope.errors import VitscopeError, first_line
 from vitscope.report.figures import FIGURES
-from vitscope.report.figures._common import context
+from vitscope.report.figures._common import context, wrap_labels
+
+
+def model_families(manifest: dict[str, Any]) -> dict[str, str]:
+    """``{model: family}`` as a reader should see it (`vitscope.models.registry.describe_family`): "untrained" for
+    a random initialisation, "untrained → classification" for one fine-tuned from it."""
+    from vitscope.models.registry import describe_family
+
+    return {m: describe_family(meta.get("objective_family"), meta.get("supervision"), meta.get("finetuned_from"))
+            for m, meta in manifest.get("models", {}).items()}
 
 
 def untrained_models(manifest: dict[str, Any]) -> list[str]:
-    """The models the manifest records as untrained (random initialisation): the baselines."""
-    return [m for m, meta in manifest.get("models", {}).items()
-            if meta.get("objective_family") == "none" or meta.get("supervision") == "random init"]
+    """The models the manifest records as untrained (random initialisation, not fine-tuned): the baselines."""
+    return [m for m, family in model_families(manifest).items() if family == "untrained"]
+
+
+BEST_LAYERS = "best_layers"
+"""The report's figure of the dense tasks' best layers (a summary over their tables, not an analysis)."""
 
 
 @dataclass
@@ -41,13 +53,40 @@ class Run:
     def untrained(self) -> list[str]:
         return untrained_models(self.manifest)
 
+    @property
+    def families(self) -> dict[str, str]:
+        return model_families(self.manifest)
+
     @contextmanager
     def figure_context(self) -> Iterator[None]:
-        with context(self.models, self.untrained, self.tables):
+        with context(self.models, self.untrained, self.tables, self.families):
             yield
 
+    def best_layers(self) -> pd.DataFrame:
+        """The dense tasks' best layer per (task, model) (`vitscope.report.figures.dense.best_layer_summary`)."""
+        from vitscope.report.figures.dense import TASKS, best_layer_summary
+
+        tables = {n: t for n, t in self.tables.items() if n in TASKS}
+        return best_layer_summary(tables, self.manifest.get("models", {})) if tables else pd.DataFrame()
+
+    def figure_names(self) -> list[str]:
+        """What the report draws figures for, in its order: every analysis, then the dense tasks' best layers
+        (`BEST_LAYERS`) where there are any; the export writes exactly these."""
+        return [*self.tables, *([BEST_LAYERS] if not self.best_layers().empty else [])]
+
     def figures(self, name: str) -> Iterator[tuple[str, plt.Figure]]:
-        """(caption, figure) of one analysis, drawn in the run's context; each figure's label is its caption."""
+        """(caption, figure) of one analysis (or of `BEST_LAYERS`), drawn in the run's context; each figure's label
+        is its caption."""
+        if name == BEST_LAYERS:
+            from vitscope.report.figures.dense import summary_figure
+
+            with self.figure_context():
+                drawn = summary_figure(self.best_layers())
+            for caption, fig in drawn:
+                fig.set_label(caption)
+                wrap_labels(fig)
+                yield caption, fig
+            return
         fn = FIGURES.get(name)
         if fn is None or name not in self.tables:
             return
@@ -55,6 +94,7 @@ class Run:
             drawn = fn(self.tables[name])
         for caption, fig in drawn:
             fig.set_label(caption)
+            wrap_labels(fig)
             yield caption, fig
 
 

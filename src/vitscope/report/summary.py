@@ -31,17 +31,29 @@ class Study:
 
 @dataclass
 class Point:
-    """One sentence of the summary; ``flags`` name what it is within noise of ("chance", "the untrained model")."""
+    """One sentence of the summary; ``flags`` name what it is within noise of ("chance", "the untrained model");
+    ``not_above_chance``: the models whose result it states is not above chance (the report lists them)."""
 
     analysis: str
     text: str
     flags: list[str] = field(default_factory=list)
+    not_above_chance: list[str] = field(default_factory=list)
 
 
 def within_noise(a: float, se_a: float, b: float, se_b: float = 0.0) -> bool:
     """|a - b| <= 1.96 sqrt(se_a² + se_b²); False when an error is unknown (NaN)."""
     se = math.sqrt(se_a ** 2 + se_b ** 2)
     return bool(np.isfinite(se) and abs(a - b) <= Z95 * se)
+
+
+def above_chance(score: float, stderr: float, chance: float) -> bool:
+    """Whether a score is above its chance level beyond noise (not `within_noise` of it); without a stderr, whether
+    it is above at all; without a chance level, True."""
+    if not np.isfinite(chance):
+        return True
+    if not np.isfinite(stderr):
+        return bool(score > chance)
+    return bool(score > chance and not within_noise(score, stderr, chance))
 
 
 def _fmt(v: float, se: float, unit: str = "", digits: int = 3) -> str:
@@ -80,18 +92,20 @@ def _vs_untrained(values: Mapping[str, tuple[float, float]], study: Study) -> tu
 
 
 def _extremes_sentence(what: str, values: Mapping[str, tuple[float, float]], study: Study, unit: str = "") -> Point:
+    """Every model's value in the study's order, then the highest and lowest trained model and those within noise
+    of the untrained one."""
+    each = "; ".join(f"{m}{' (untrained)' if m in study.untrained else ''} {_fmt(*v, unit)}" for m, v in values.items())
+    text = f"{what}: {each}"
     trained = {m: v for m, v in values.items() if m not in study.untrained}
-    pool = trained or dict(values)
-    hi = max(pool, key=lambda m: pool[m][0])
-    lo = min(pool, key=lambda m: pool[m][0])
-    text = f"{what}: highest {hi} {_fmt(*pool[hi], unit)}, lowest {lo} {_fmt(*pool[lo], unit)}"
+    if len(trained) > 1:
+        hi = max(trained, key=lambda m: trained[m][0])
+        lo = min(trained, key=lambda m: trained[m][0])
+        text += f". Highest {hi}, lowest {lo}"
     close, base = _vs_untrained(values, study)
     flags = []
-    if base is not None:
-        text += f"; untrained {base} {_fmt(*values[base], unit)}"
-        if close:
-            text += f". Within noise of the untrained model: {', '.join(close)}"
-            flags.append("the untrained model")
+    if close:
+        text += f". Within noise of the untrained model: {', '.join(close)}"
+        flags.append("the untrained model")
     return Point("", text + ".", flags)
 
 
@@ -181,12 +195,75 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
         if at_chance:
             text += f"; within noise of chance: {', '.join(at_chance)}"
             flags.append("chance")
+    else:
+        at_chance = []
     close, base = _vs_untrained({m: (b[0], b[1]) for m, b in best.items()}, study)
     if close:
         text += f"; within noise of the untrained {base}: {', '.join(close)}"
         flags.append("the untrained model")
-    points.append(Point("", text + ".", flags))
+    points.append(Point("", text + ".", flags, at_chance))
     return points
+
+
+DENSE_TASKS = {"propagation": ("JF", "video propagation J&F"), "correspondence": ("pck@0.1", "keypoint PCK@0.1"),
+               "retrieval": ("mAP_medium", "retrieval mAP (Medium)")}
+
+
+def _best_layer(task: str) -> Callable[[pd.DataFrame, Study], list[Point]]:
+    metric, label = DENSE_TASKS[task]
+
+    def point(df: pd.DataFrame, study: Study) -> list[Point]:
+        best = df[df.metric == f"best_{metric}"]
+        if best.empty:
+            return []
+        parts, below, chance = [], [], float("nan")
+        for m in _models(best, study):
+            r = best[best.model == m].iloc[0]
+            se = float(r["stderr"]) if "stderr" in r and pd.notna(r["stderr"]) else float("nan")
+            chance = float(r["chance"]) if "chance" in r and pd.notna(r["chance"]) else chance
+            if above_chance(float(r["value"]), se, float(r.get("chance", float("nan")))):
+                parts.append(f"{m} {_fmt(float(r['value']), se)} at block {int(r['layer'])}")
+            else:
+                below.append(m)
+        text = f"Best layer for {label} (± 95 %): " + ("; ".join(parts) if parts else "none above chance")
+        if np.isfinite(chance):
+            text += f". Chance is {chance:.3g}"
+        if below:
+            text += f"; no layer above chance: {', '.join(below)}"
+        return [Point("", text + ".", ["chance"] if below else [], below)]
+
+    return point
+
+
+def _readout(metric: str, what: str) -> Callable[[pd.DataFrame, Study], list[Point]]:
+    """A robustness figure at each model's decision (head, else last-layer probe); models whose readout is at chance
+    (``reason``) are listed, not given a number."""
+
+    def point(df: pd.DataFrame, study: Study) -> list[Point]:
+        from vitscope.analyses.robustness import decision_rows
+
+        d = df[df.metric == metric]
+        if "band" in d.columns and d["band"].notna().any():
+            d = d[d["band"] == d["band"].max()]
+        if "corruption" in d.columns and metric == "mca":
+            d = d[d["corruption"].isna()]
+        if d.empty:
+            return []
+        d = decision_rows(d, head_only=True, column="where")
+        parts, below = [], []
+        for m in _models(d, study):
+            g = d[d.model == m]
+            reasons = g["reason"].dropna() if "reason" in g.columns else []
+            if len(reasons) or g["value"].isna().all():
+                below.append(m)
+            else:
+                parts.append(f"{m} {float(g['value'].mean()):.3g} ({g['where'].iloc[0]})")
+        text = f"{what}: " + ("; ".join(parts) if parts else "no readout above chance")
+        if below:
+            text += f"; not reported, the readout's clean accuracy is within noise of chance: {', '.join(below)}"
+        return [Point("", text + ".", ["chance"] if below else [], below)]
+
+    return point
 
 
 def cka(df: pd.DataFrame, study: Study) -> list[Point]:
@@ -219,6 +296,11 @@ SUMMARIES: dict[str, Callable[[pd.DataFrame, Study], list[Point]]] = {
     "saliency_iou": saliency_iou,
     "semantics": semantics,
     "cka": cka,
+    "shape_bias": _readout("shape_bias", "Shape bias (fraction of shape decisions) at each model's decision"),
+    "band_noise": _readout("drop", "Accuracy drop under the highest-frequency noise band at each model's decision"),
+    "corruptions": _readout("mca_relative_drop", "Relative accuracy drop under the corruptions (mean) at each "
+                                                 "model's decision"),
+    **{task: _best_layer(task) for task in DENSE_TASKS},
 }
 
 

@@ -14,8 +14,9 @@ instead of an empty panel):
     colorbar(fig, image, axes, "label")                   the colour scale of a heat map (one per shared scale)
     not_computed(ax, "probe not computed ...: enable with ...")
                                                           an empty panel that says why, in place
-    model_color(m), model_label(m)                        one colour per model in every figure; untrained
-                                                          baselines grey, labelled "(untrained)"
+    model_color(m), model_label(m)                        one colour per model in every figure (`PALETTE`);
+                                                          untrained baselines alone grey, labelled "(untrained)",
+                                                          a fine-tuned model labelled with its family
 
 Which models are untrained, the study's model order and the other analyses' tables come from `context`,
 which the report and `vitscope.report.plot` set from the run's manifest; figure functions read them with
@@ -50,7 +51,11 @@ Figures = list[tuple[str, plt.Figure]]
 Z95 = 1.959964
 """Two-sided 95 % normal quantile: bands are value ± Z95 · stderr when a table has no value_lo / value_hi."""
 
-UNTRAINED_COLOR = "0.3"
+UNTRAINED_COLOR = "0.45"
+PALETTE = ("#0077BB", "#EE7733", "#117733", "#CC3311", "#AA4499", "#88CCEE", "#DDCC77", "#332288", "#44AA99",
+           "#882255", "#999933", "#CC6677")
+"""Twelve colours that stay apart for colour-blind readers (Paul Tol's vibrant and muted schemes, no grey): the
+trained models in the study's order; beyond twelve they repeat."""
 NOT_COMPUTED_GID = "not-computed"
 
 
@@ -62,6 +67,7 @@ class Context:
     models: list[str] = field(default_factory=list)
     untrained: set[str] = field(default_factory=set)
     tables: Mapping[str, pd.DataFrame] = field(default_factory=dict)
+    families: Mapping[str, str] = field(default_factory=dict)  # model -> what it is (`models.registry.describe_family`)
 
 
 _CONTEXT = Context()
@@ -74,11 +80,13 @@ def current() -> Context:
 
 @contextmanager
 def context(models: Sequence[str] = (), untrained: Iterable[str] = (),
-            tables: Mapping[str, pd.DataFrame] | None = None) -> Iterator[Context]:
-    """Draw figures knowing the study's model order, its untrained models and the other tables."""
+            tables: Mapping[str, pd.DataFrame] | None = None, families: Mapping[str, str] | None = None
+            ) -> Iterator[Context]:
+    """Draw figures knowing the study's model order, its untrained models, the other tables and what each model
+    is (its family)."""
     global _CONTEXT
     previous = _CONTEXT
-    _CONTEXT = Context(list(models), set(untrained), dict(tables or {}))
+    _CONTEXT = Context(list(models), set(untrained), dict(tables or {}), dict(families or {}))
     try:
         yield _CONTEXT
     finally:
@@ -93,20 +101,36 @@ def models_of(df: pd.DataFrame, column: str = "model") -> list[str]:
 
 
 def model_color(model: str, models: Sequence[str] | None = None) -> object:
-    """One colour per model, the same in every figure of a report: trained models take tab10 (tab20 beyond
-    ten) in the study's order; untrained ones are grey."""
+    """One colour per model, the same in every figure of a report: trained models (fine-tuned ones included)
+    take `PALETTE` in the study's order; untrained ones alone are grey."""
     if model in _CONTEXT.untrained:
         return UNTRAINED_COLOR
     order = [m for m in (_CONTEXT.models or list(models or [])) if m not in _CONTEXT.untrained]
     if model not in order:
         order = [*order, *[m for m in (models or []) if m not in order and m not in _CONTEXT.untrained]]
     k = order.index(model) if model in order else 0
-    cmap = plt.get_cmap("tab10" if len(order) <= 10 else "tab20")
-    return cmap(k % cmap.N)
+    return PALETTE[k % len(PALETTE)]
 
 
-def model_label(model: str) -> str:
-    return f"{model} (untrained)" if model in _CONTEXT.untrained else str(model)
+def model_label(model: str, lines: bool = False) -> str:
+    """The model's name, with "(untrained)" for a baseline and its family for a fine-tuned model (its start's
+    family and what it was tuned for, e.g. "untrained → classification"); ``lines``: the family on a line of its
+    own (a panel's title)."""
+    family = "untrained" if model in _CONTEXT.untrained else _CONTEXT.families.get(model, "")
+    if family != "untrained" and "→" not in family:
+        return str(model)
+    return f"{model}{chr(10) if lines else ' '}({family})"
+
+
+def wrap_labels(fig: plt.Figure) -> None:
+    """Titles and axis labels wrap at the figure's edge instead of running past it (matplotlib's ``wrap``;
+    `vitscope.report.run.Run.figures` applies it to every figure, so a figure laid out again at a column's width
+    keeps them whole)."""
+    for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":  # beside the figure's edge while laid out: it would wrap to nothing
+            continue
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            text.set_wrap(True)
 
 
 def panels(nrows: int = 1, ncols: int = 1, panel: tuple[float, float] = (3.6, 2.8), **kw: object

@@ -266,7 +266,9 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
                     notes.append((r, c, "no map", "0.3"))
         cell = 0.9
         fig, ax = plt.subplots(figsize=(cell * (len(layers) + 1) + 2.4, cell * len(rows) + 0.7), layout="constrained")
-        ax.imshow(mosaic, interpolation="nearest")
+        # aspect 'auto' (the figure's size keeps the cells near square): constrained layout reserves the row labels'
+        # margin around the axes' box, and a mosaic that kept its aspect inside the box would slide past it
+        ax.imshow(mosaic, interpolation="nearest", aspect="auto")
         for r, c, text, colour in notes:
             ax.text(c * step + 0.04 * side, r * step + 0.04 * side, text, fontsize=5, va="top", ha="left",
                     color=colour)
@@ -274,7 +276,7 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
                       [f"image {image_id}", *(f"block {layer}" for layer in layers)], fontsize=7)
         ax.xaxis.set_ticks_position("top")
         kinds = {"mean": "CLS, mean of heads", "best": "best saliency head"}
-        labels = [f"{model_label(m).replace(' (', chr(10) + '(')}\n{kinds[k]}" for m, k in rows]
+        labels = [f"{model_label(m, lines=True)}\n{kinds[k]}" for m, k in rows]
         ax.set_yticks([r * step + (side - 1) / 2 for r in range(len(rows))], labels, fontsize=6)
         ax.tick_params(length=0)
         for spine in ax.spines.values():
@@ -335,7 +337,7 @@ def aligned_attention_maps(df: pd.DataFrame) -> Figures:
         ax.set_xlabel("head", fontsize=8)
         ax.set_ylabel("block", fontsize=8)
         n_local = int(t["type"].isin(["strict_local", "soft_local", "axial", "offset_local"]).sum())
-        ax.set_title(f"{model_label(model)}\n{n_local} of {len(t)} heads local", fontsize=8)
+        ax.set_title(f"{model_label(model, lines=True)}\n{n_local} of {len(t)} heads local", fontsize=8)
     legend_outside(fig, handles=[Patch(color=HEAD_TYPE_COLORS[n], label=n.replace("_", " ")) for n in names],
                    title="head type")
     out.append(("Head types from the AAAM (strict local, soft local, axial, offset local, global, mixed; rules in "

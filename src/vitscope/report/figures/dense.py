@@ -10,13 +10,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, grid_layout, layer_lines, legend_outside, plt
+from vitscope.report.figures._common import Figures, colorbar, grid_layout, layer_lines, legend_outside, plt
+from vitscope.report.summary import DENSE_TASKS, above_chance
 
-TASKS = {  # analysis -> (headline metric, label)
-    "propagation": ("JF", "video propagation J&F"),
-    "correspondence": ("pck@0.1", "keypoint PCK@0.1"),
-    "retrieval": ("mAP_medium", "retrieval mAP (Medium)"),
-}
+TASKS = DENSE_TASKS  # analysis -> (headline metric, label)
 
 
 def _panels(df: pd.DataFrame, panels: list[tuple[str, str]], rows: list[tuple[str, pd.DataFrame]],
@@ -80,12 +77,16 @@ def _protocol(row: Any) -> str | None:
     return "; ".join(text) or None
 
 
+NOT_ABOVE_CHANCE = "no layer above chance"
+
+
 def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, Any] | None = None) -> pd.DataFrame:
-    """One row per (task, model): the best layer, its score, the last layer's score, the chance level and the
-    protocol the task ran under (``protocol``: whole frame or centre crop, input size, ...), from the ``best_*``
-    rows of each task's table; ``models`` (the manifest's) adds each model's supervision
-    and, for every trained model, the best score of a random-init model of the same architecture (depth, heads,
-    grid, patch) in the same study."""
+    """One row per (task, model): the best layer, its score and ``stderr``, the last layer's score, the chance
+    level, whether the best score is above chance beyond noise (``above_chance``; ``best``: "block N", or "no
+    layer above chance") and the protocol the task ran under (``protocol``: whole frame or centre crop, input
+    size, ...), from the ``best_*`` rows of each task's table; ``models`` (the manifest's) adds each model's
+    supervision and, for every trained model, the best score of a random-init model of the same architecture
+    (depth, heads, grid, patch) in the same study."""
     models = dict(models or {})
     rows = []
     for task, (metric, label) in TASKS.items():
@@ -94,10 +95,14 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
             continue
         best = df[df.metric == f"best_{metric}"]
         for _, r in best.iterrows():
+            score, chance = float(r["value"]), float(r.get("chance", np.nan))
+            stderr = float(r["stderr"]) if "stderr" in r and pd.notna(r["stderr"]) else np.nan
+            above = above_chance(score, stderr, chance)
             rows.append({"task": task, "label": label, "model": r["model"], "best_layer": int(r["layer"]),
-                         "token_view": r["token_view"], "score": float(r["value"]),
+                         "best": f"block {int(r['layer'])}" if above else NOT_ABOVE_CHANCE,
+                         "token_view": r["token_view"], "score": score, "stderr": stderr,
                          "last_layer_score": float(r.get("last_layer_value", np.nan)),
-                         "chance": float(r.get("chance", np.nan)), "protocol": _protocol(r)})
+                         "chance": chance, "above_chance": above, "protocol": _protocol(r)})
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -118,36 +123,39 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
 
 
 def summary_figure(summary: pd.DataFrame) -> Figures:
-    """Task x model heat table: each cell the best layer's score (colour: score above chance, as a share of
-    the way from chance to 1) and the block it is at."""
+    """Task x model heat table: each cell the best layer's score and the block it is at ("no layer above chance"
+    where the best score is within noise of chance); colour: the score's distance from chance as a share of the
+    way from chance to 1, diverging around chance (below chance shows as such)."""
     if summary.empty:
         return []
+    from matplotlib.colors import CenteredNorm
+
     tasks = [t for t in TASKS if t in set(summary.task)]
     models = list(dict.fromkeys(summary.model))
-    score = np.full((len(tasks), len(models)), np.nan)
-    gain = np.full_like(score, np.nan)
+    gain = np.full((len(tasks), len(models)), np.nan)
     text = [["" for _ in models] for _ in tasks]
     for _, r in summary.iterrows():
         i, j = tasks.index(r.task), models.index(r.model)
-        score[i, j] = r.score
         c = r.chance if np.isfinite(r.chance) else 0.0
         gain[i, j] = (r.score - c) / max(1 - c, 1e-9)
-        text[i][j] = f"{r.score:.2f}\nblock {r.best_layer}"
-    fig, ax = plt.subplots(figsize=(1.0 + 1.05 * len(models), 0.9 + 0.62 * len(tasks)))
-    im = ax.imshow(gain, cmap="viridis", vmin=0, vmax=max(float(np.nanmax(gain)), 1e-6), aspect="auto")
+        where = r.best if "best" in r and isinstance(r.best, str) else f"block {r.best_layer}"
+        text[i][j] = f"{r.score:.2f}\n" + ("at chance" if where == NOT_ABOVE_CHANCE else where)
+    fig, ax = plt.subplots(figsize=(1.4 + 1.05 * len(models), 1.4 + 0.75 * len(tasks)), layout="constrained")
+    norm = CenteredNorm(0.0, halfrange=max(float(np.nanmax(np.abs(gain))), 1e-6))
+    cmap = plt.get_cmap("RdBu_r")
+    im = ax.imshow(gain, cmap=cmap, norm=norm, aspect="auto")
     for i in range(len(tasks)):
         for j in range(len(models)):
             if text[i][j]:
-                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=7,
-                        color="white" if gain[i, j] < 0.6 * np.nanmax(gain) else "black")
+                ax.text(j, i, text[i][j], ha="center", va="center", fontsize=6.5,
+                        color="white" if abs(norm(gain[i, j]) - 0.5) > 0.3 else "black")
     ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
     ax.set_yticks(range(len(tasks)), [TASKS[t][1] for t in tasks], fontsize=8)
-    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
-    cb.set_label("(score - chance) / (1 - chance)", fontsize=7)
-    cb.ax.tick_params(labelsize=7)
-    fig.tight_layout()
+    colorbar(fig, im, ax, "(score - chance) / (1 - chance)\n(0 = chance, < 0 below)")
     return [("Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
-             "block's score and where it is; colour = the score above the task's chance level", fig)]
+             "block's score and where it is, or \"at chance\" where no layer is above chance (the best score is within "
+             "noise of the task's chance level, or below it); colour = the score's distance from chance (blue: below "
+             "chance)", fig)]
 
 
-__all__ = ["FIGURES", "TASKS", "best_layer_summary", "summary_figure"]
+__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "above_chance", "best_layer_summary", "summary_figure"]

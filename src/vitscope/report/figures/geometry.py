@@ -60,7 +60,7 @@ def fourier(df: pd.DataFrame) -> Figures:
             for layer in sorted(g["layer"].dropna().unique()):
                 h = g[g.layer == layer].sort_values("freq")
                 ax.plot(h["freq"], h["value"], color=cmap(norm(layer)), lw=1)
-            ax.set_title(model_label(model), fontsize=8)
+            ax.set_title(model_label(model, lines=True), fontsize=8)
             ax.set_xlabel("frequency (× π)")
             ax.grid(alpha=0.3)
         for ax in axes.flat[len(models):]:
@@ -95,7 +95,7 @@ def tsne(df: pd.DataFrame) -> Figures:
                 ax.scatter(h["x"], h["y"], s=4, color=colors[img], alpha=0.8, lw=0)
             ax.set_xticks([])
             ax.set_yticks([])
-            ax.set_title(model_label(model), fontsize=8)
+            ax.set_title(model_label(model, lines=True), fontsize=8)
         for ax in axes.flat[len(models):]:
             ax.set_axis_off()
         handles = [style_handle("o", labels[i], color=colors[i], ms=4) for i in images]

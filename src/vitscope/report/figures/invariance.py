@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, grid_layout, legend_outside, plt
+from vitscope.report.figures._common import Figures, colorbar, grid_layout, legend_outside, plt
 
 
 def _pairs(df: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
@@ -38,43 +38,72 @@ def _settings(g: pd.DataFrame) -> str:
             + (f", {get('cka_estimator')} CKA" if "cka_estimator" in g.columns else ""))
 
 
-def _panels(n: int, w: float = 3.3, h: float = 2.8) -> tuple[plt.Figure, np.ndarray]:
+def _panels(n: int, w: float = 3.3, h: float = 2.8, **kw: object) -> tuple[plt.Figure, np.ndarray]:
     cols = min(n, 3)
     rows = math.ceil(n / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(w * cols + 0.4, h * rows + 0.3), squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(w * cols + 0.4, h * rows + 0.3), squeeze=False, **kw)
     return fig, axes
 
 
-def stir(df: pd.DataFrame) -> Figures:
+def _fidelity(pairs: list[tuple[str, str, pd.DataFrame]]) -> str:
+    """The inversions' fidelity per model of each pair (CKA of a layer on the images and on their inversions, the
+    range over the blocks): how much of 1 - STIR the inversions alone account for."""
+    parts = []
+    for a, b, g in pairs:
+        for side, m in (("a", a), ("b", b)):
+            f = g[g.metric == f"fidelity_{side}"]["value"].astype(float)
+            if f.notna().any():
+                parts.append(f"{m} {f.min():.2f}-{f.max():.2f}")
+    return ("Inversion fidelity (CKA of a block on the images and on their inversions, over the blocks): "
+            + "; ".join(dict.fromkeys(parts)) + ".") if parts else ""
+
+
+RAW = (("learning", "learning"), ("forgetting", "forgetting"), ("cka_divergence", "cka divergence"))
+VS_SELF = (("learning_vs_self", "learning (vs self)"), ("forgetting_vs_self", "forgetting (vs self)"),
+           ("cka_divergence", "cka divergence"))
+
+
+def stir(df: pd.DataFrame, raw: bool = False) -> Figures:
+    """Learning / forgetting per block, floor-corrected (``*_vs_self``: the inversions' own STIR as the first term)
+    by default; the raw 1 - STIR with ``raw=True``, or where the table has no ``*_vs_self`` rows (e.g.
+    ``vitscope.plot(run, "stir", metric=["learning", "forgetting", "cka_divergence"])``); then the Invariance Flow
+    matrices and the dynamics over epochs."""
     out: Figures = []
     pairs = _pairs(df)
     if not pairs:
         return out
     # learning / forgetting / cka divergence per layer
+    raw = raw or not df.metric.isin(["learning_vs_self", "forgetting_vs_self"]).any()
+    metrics = RAW if raw else VS_SELF
     fig, axes = _panels(len(pairs))
-    shown = pd.concat([g[g.metric.isin(["learning", "forgetting", "cka_divergence"])] for _, _, g in pairs])
-    top = float(np.nanmax(shown["value"].astype(float))) if len(shown) else 1.0
+    shown = pd.concat([g[g.metric.isin([m for m, _ in metrics])] for _, _, g in pairs])
+    values = shown["value"].astype(float) if len(shown) else pd.Series([0.0, 1.0])
+    top, bottom = max(float(np.nanmax(values)), 0.05), min(float(np.nanmin(values)), 0.0)
+    pad = 0.05 * (top - bottom)
     for ax, (a, b, g) in zip(axes.flat, pairs, strict=False):
-        for k, (metric, label) in enumerate((("learning", "learning"), ("forgetting", "forgetting"),
-                                             ("cka_divergence", "cka divergence"))):
+        for k, (metric, label) in enumerate(metrics):
             d = g[g.metric == metric].sort_values("layer")
             ax.plot(d["layer"].astype(int), d["value"].astype(float), "-o", ms=3, color=f"C{k}", label=label)
+        ax.axhline(0, color="0.6", lw=0.8)
         ax.set_title(f"{a} ->\n{b}", fontsize=8)
         ax.set_xlabel("block", fontsize=8)
-        ax.set_ylim(0, max(top, 0.05) * 1.05)  # one scale for every pair: panels compare
+        ax.set_ylim(bottom - pad, top + pad)  # one scale for every pair: panels compare
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(pairs):]:
         ax.set_axis_off()
     grid_layout(fig, left=0.5, right=0.15, top=0.35, bottom=0.5, wspace=0.3, hspace=0.55)
     legend_outside(fig)  # beside the panels, never over a curve
-    out.append(("Learning (1 - STIR(pt[i] | ft[i])), forgetting (1 - STIR(ft[i] | pt[i])) and cka divergence "
-                "(1 - CKA(ft[i], pt[i])) per block, one panel per pretrained -> fine-tuned pair (Merlin et al. "
-                f"eqs. 2-4); {_settings(pairs[0][2])}.", fig))
+    what = ("Learning (1 - STIR(pt[i] | ft[i])), forgetting (1 - STIR(ft[i] | pt[i]))" if raw else
+            "Learning (STIR(ft[i] | ft[i]) - STIR(pt[i] | ft[i])) and forgetting (STIR(pt[i] | pt[i]) - STIR(ft[i] | "
+            "pt[i])), floor-corrected: the first term measured on the same inversions, so imperfect inversions cancel "
+            "(raw 1 - STIR: vitscope.plot(run, 'stir', metric=['learning', 'forgetting', 'cka_divergence'])),")
+    out.append((f"{what} and cka divergence (1 - CKA(ft[i], pt[i])) per block, one panel per pretrained -> "
+                f"fine-tuned pair (Merlin et al. eqs. 2-4); {_settings(pairs[0][2])}. {_fidelity(pairs)}", fig))
     # Invariance Flow matrices
     flows = [(a, b, g[g.metric == "invariance_flow"]) for a, b, g in pairs]
     flows = [f for f in flows if len(f[2])]
     if flows:
-        fig, axes = _panels(len(flows), 3.2, 3.0)
+        fig, axes = _panels(len(flows), 3.2, 3.0, layout="constrained")
         vmax = max(float(np.nanmax(np.abs(f[2]["value"].astype(float)))) for f in flows) or 1.0
         im = None
         notes = []
@@ -92,11 +121,12 @@ def stir(df: pd.DataFrame) -> Figures:
                 notes.append(f"{a} -> {b}: compression {float(comp.iloc[0]):.3f}, expansion {float(exp_.iloc[0]):.3f}")
         for ax in list(axes.flat)[len(flows):]:
             ax.set_axis_off()
-        fig.colorbar(im, ax=axes, fraction=0.035)
-        grid_layout(fig, left=0.6, right=0.9, top=0.3, bottom=0.55, wspace=0.45, hspace=0.5)
-        out.append(("Invariance Flow matrix STIR(ft[j] | pt[i]) - STIR(ft[i] | pt[i]) (Merlin et al. eq. 5): red "
-                    "below the diagonal (j < i) = invariances of pretrained block i found in a shallower fine-tuned "
-                    "block (compression), above it (j > i) = expansion. " + "; ".join(notes) + ".", fig))
+        colorbar(fig, im, axes, "flow (STIR difference)")
+        out.append(("Invariance Flow matrix STIR(ft[j] | pt[i]) - STIR(ft[i] | pt[i]) (Merlin et al. eq. 5), block i "
+                    "of the pretrained model up the y axis, block j of the fine-tuned one along the x axis: red above "
+                    "the diagonal (upper left, j < i) = invariances of pretrained block i found in a shallower "
+                    "fine-tuned block (compression), red below it (lower right, j > i) = expansion. "
+                    + "; ".join(notes) + ".", fig))
     # dynamics over epochs
     dyn = df[df.metric.astype(str).str.startswith("dynamics:")]
     if len(dyn) and "epoch" in dyn.columns:

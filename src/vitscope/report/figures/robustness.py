@@ -9,7 +9,28 @@ import numpy as np
 import pandas as pd
 
 from vitscope.analyses.robustness import decision_rows
-from vitscope.report.figures._common import Figures, grid_layout, plt
+from vitscope.report.figures._common import (
+    Figures,
+    grid_layout,
+    legend_outside,
+    model_color,
+    model_label,
+    not_computed,
+    plt,
+)
+
+
+def _at_chance(df: pd.DataFrame) -> list[str]:
+    """Models whose decision (head, else last-layer probe) is at chance: rows with a ``reason``."""
+    if "reason" not in df.columns:
+        return []
+    d = _last(df)
+    return list(dict.fromkeys(d[d["reason"].notna()]["model"]))
+
+
+def _chance_note(models: list[str]) -> str:
+    return (f" Not reported, the readout's clean accuracy within noise of chance: {', '.join(models)}."
+            if models else "")
 
 
 def _last(df: pd.DataFrame) -> pd.DataFrame:
@@ -28,16 +49,20 @@ def shape_bias(df: pd.DataFrame) -> Figures:
                                   gridspec_kw={"width_ratios": [1, 1.3]})
     for k, m in enumerate(models):
         g = d[d.model == m]
+        color = model_color(m, models)
         head = g[g.readout == "head"]["value"]
         probe = g[g.readout == "probe"]
         if len(head):
-            ax.plot([float(head.iloc[0])], [k], "o", color=f"C{k}", ms=7)
+            ax.plot([float(head.iloc[0])], [k], "o", color=color, ms=7)
         if len(probe):
             last = probe.loc[pd.to_numeric(probe["layer"]).idxmax(), "value"]
-            ax.plot([float(last)], [k], "o", mfc="none", color=f"C{k}", ms=7)
+            if np.isfinite(float(last)):
+                ax.plot([float(last)], [k], "o", mfc="none", color=color, ms=7)
+            elif not len(head):
+                ax.text(0.02, k, "probe at chance: no shape bias", fontsize=6.5, va="center", color="0.35")
             per = probe.assign(layer=pd.to_numeric(probe["layer"])).sort_values("layer")
-            ax2.plot(per["layer"], per["value"], "-o", ms=3, color=f"C{k}", label=m)
-    ax.set_yticks(range(len(models)), models, fontsize=8)
+            ax2.plot(per["layer"], per["value"], "-o", ms=3, color=color, label=model_label(m))
+    ax.set_yticks(range(len(models)), [model_label(m) for m in models], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.axvline(0.5, color="0.6", lw=0.8, ls=":")
@@ -50,15 +75,15 @@ def shape_bias(df: pd.DataFrame) -> Figures:
     ax2.set_ylabel("shape bias (probe)")
     ax2.set_title("per layer", fontsize=9)
     ax2.grid(alpha=0.3)
-    if ax2.get_legend_handles_labels()[0]:
+    probes = d[d.readout == "probe"]["value"] if "readout" in d.columns else d["value"].iloc[:0]
+    if len(probes) and probes.isna().all():
+        not_computed(ax2, "every probe's clean accuracy is within noise of chance: no shape bias from a probe")
+    elif ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    acc = df[(df.metric == "clean_accuracy") & (df.readout == "probe")]
-    note = ""
-    if len(acc):
-        lo = acc.groupby("model")["value"].max().min()
-        note = (f" The probes' best clean accuracy is {lo:.2f} for the weakest model: read a shape bias only where "
-                "the clean accuracy is well above chance.")
+    fig.set_layout_engine("constrained")
+    at_chance = list(dict.fromkeys(d[d["reason"].notna()]["model"])) if "reason" in d.columns else []
+    note = (f" No shape bias where the probe's clean accuracy is within noise of chance (gaps; probes at chance in "
+            f"some block: {', '.join(at_chance)})." if at_chance else "")
     return [("Shape vs texture bias on cue-conflict images: among decisions for the shape or the texture class, "
              "the fraction for the shape (Geirhos et al., ICLR 2019; Park et al., ICLR 2023)." + note, fig)]
 
@@ -76,41 +101,50 @@ def band_noise(df: pd.DataFrame) -> Figures:
         cols = min(4, len(models))
         rows = math.ceil(len(models) / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(3.1 * cols + 0.8, 2.6 * rows), squeeze=False)
-        vmax = max(float(np.nanmax(np.abs(probe["value"].to_numpy(dtype=float)))), 1e-3)
+        vmax = max(float(np.nan_to_num(np.nanmax(np.abs(probe["value"].to_numpy(dtype=float))))), 1e-3) \
+            if probe["value"].notna().any() else 1e-3
         im = None
         for k, m in enumerate(models):
             ax = axes[k // cols][k % cols]
             g = probe[probe.model == m].assign(layer=lambda x: pd.to_numeric(x["layer"]))
             grid = g.pivot_table(index="band", columns="layer", values="value").sort_index()
+            ax.set_title(model_label(m, lines=True), fontsize=9)
+            if grid.isna().all().all():
+                not_computed(ax, "the probe is at chance at every block: no drop", width=22)
+                continue
             im = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="RdBu_r", vmin=-vmax,
                            vmax=vmax, extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5,
                                               grid.index.min() - 0.5, grid.index.max() + 0.5))
-            ax.set_title(m, fontsize=9)
             ax.set_xlabel("block")
             ax.set_ylabel("band (low -> high freq.)")
         for k in range(len(models), rows * cols):
             axes[k // cols][k % cols].axis("off")
-        grid_layout(fig, right=0.9)
+        grid_layout(fig, right=1.1, top=0.5)
         if im is not None:
-            cax = fig.add_axes((1 - 0.75 / fig.get_size_inches()[0], 0.15, 0.12 / fig.get_size_inches()[0], 0.7))
+            w = fig.get_size_inches()[0]
+            cax = fig.add_axes((1 - 0.9 / w, 0.15, 0.12 / w, 0.7))
             fig.colorbar(im, cax=cax, label="accuracy drop")
         out.append(("Accuracy drop under frequency-band noise (probe per block; red = accuracy lost), band 0 = lowest "
-                    "frequencies (Park et al., ICLR 2023)", fig))
+                    "frequencies (Park et al., ICLR 2023); blank: the probe's clean accuracy is within noise of chance "
+                    "there, so no drop is reported", fig))
     last = _last(d)
     if len(last):
-        fig, ax = plt.subplots(figsize=(6.2, 3.2))
-        for k, (m, g) in enumerate(last.groupby("model", sort=False)):
+        fig, ax = plt.subplots(figsize=(6.2, 3.2), layout="constrained")
+        models = list(dict.fromkeys(last["model"]))
+        for m, g in last.groupby("model", sort=False):
             g = g.sort_values("band")
-            ax.plot(g["band_low"].to_numpy(dtype=float) + 0.05, g["value"], "-o", ms=3, color=f"C{k}",
-                    label=f"{m} ({g['where'].iloc[0]})")
+            if g["value"].isna().all():
+                continue
+            ax.plot(g["band_low"].to_numpy(dtype=float) + 0.05, g["value"], "-o", ms=3, color=model_color(m, models),
+                    label=f"{model_label(m)} ({g['where'].iloc[0]})")
         ax.axhline(0, color="0.6", lw=0.8)
         ax.set_xlabel("noise frequency (x pi rad / pixel, band centre)")
         ax.set_ylabel("accuracy drop")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-        fig.tight_layout()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         out.append(("Accuracy drop per noise band at each model's decision (head, else last-layer probe): "
-                    "low-frequency vs high-frequency fragility", fig))
+                    "low-frequency vs high-frequency fragility." + _chance_note(_at_chance(d)), fig))
     return out
 
 
@@ -123,35 +157,39 @@ def corruptions(df: pd.DataFrame) -> Figures:
     last = _last(d)
     fams = [f for f in ("noise", "blur", "weather", "digital", "held-out") if (last["family"] == f).any()]
     panels = ["all", *fams]
-    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(2.9 * (len(panels) + 1) + 1.2, 2.9), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels) + 1, figsize=(2.9 * (len(panels) + 1) + 1.2, 2.9), squeeze=False,
+                             layout="constrained")
+    models = list(dict.fromkeys(df["model"]))
+    at_chance = _at_chance(df[df.metric == "relative_drop"])
     for p, fam in enumerate(panels):
         ax = axes[0][p]
-        for k, (m, g) in enumerate(last.groupby("model", sort=False)):
+        for m, g in last.groupby("model", sort=False):
             clean = g[g.severity == 0]["value"].mean()
             sel = g[(g.severity > 0) & ((g.family == fam) if fam != "all" else True)]
             per = sel.groupby("severity")["value"].mean()
             xs, ys = [0, *per.index.astype(int)], [clean, *per.values]
-            ax.plot(xs, ys, "-o", ms=3, color=f"C{k}", label=f"{m} ({g['where'].iloc[0]})")
+            chance = m in at_chance
+            ax.plot(xs, ys, ":o" if chance else "-o", ms=3, color=model_color(m, models), alpha=0.5 if chance else 1,
+                    label=f"{model_label(m)} ({g['where'].iloc[0]}{', at chance' if chance else ''})")
         ax.set_title(f"{fam} corruptions" if fam != "all" else "all corruptions", fontsize=9)
-        ax.set_xlabel("severity (0 = clean)")
+        ax.set_xlabel("severity")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("accuracy")
     ax = axes[0][-1]
     mca = df[(df.metric == "mca") & (df.readout == "probe")]
-    for k, (m, g) in enumerate(mca.groupby("model", sort=False)):
+    for m, g in mca.groupby("model", sort=False):
         g = g.assign(layer=pd.to_numeric(g["layer"])).sort_values("layer")
-        ax.plot(g["layer"], g["value"], "-o", ms=3, color=f"C{k}", label=m)
+        ax.plot(g["layer"], g["value"], "-o", ms=3, color=model_color(m, models), label=model_label(m))
     ax.set_title("mean corruption accuracy per block (probe)", fontsize=9)
     ax.set_xlabel("block")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="center right")
-    fig.tight_layout(rect=(0, 0, 1 - 1.9 / fig.get_size_inches()[0], 1))
-    return [("Accuracy under common corruptions vs severity (Hendrycks & Dietterich, ICLR 2019), mean over the "
-             "corruptions of each family, at each model's decision (head, else last-layer probe); right: the mean "
-             "corruption accuracy per block", fig)]
+    legend_outside(fig, handles=axes[0][0].get_legend_handles_labels()[0])
+    return [("Accuracy under common corruptions vs severity (0 = clean; Hendrycks & Dietterich, ICLR 2019), mean "
+             "over the corruptions of each family, at each model's decision (head, else last-layer probe); right: the "
+             "mean corruption accuracy per block. Dotted: a readout whose clean accuracy is within noise of chance, "
+             "whose accuracy says nothing about robustness." + _chance_note(at_chance), fig)]
 
 
 FIGURES = {"shape_bias": shape_bias, "band_noise": band_noise, "corruptions": corruptions}

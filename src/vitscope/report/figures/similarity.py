@@ -91,8 +91,8 @@ def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
     ax.tick_params(which="minor", length=1.5, labelsize=fs)
     ax.tick_params(axis="x", which="minor", labelrotation=90)
     centres = [off[m] + (len(taps[m]) - 1) / 2 for m in models]
-    ax.set_xticks(centres, [model_label(m) for m in models], rotation=30, ha="right")
-    ax.set_yticks(centres, [model_label(m) for m in models])
+    ax.set_xticks(centres, [model_label(m, lines=True) for m in models], rotation=30, ha="right")
+    ax.set_yticks(centres, [model_label(m, lines=True) for m in models])
     pad = 6 + 0.75 * fs * max(len(s) for s in short)  # points: beyond the taps' labels
     ax.tick_params(which="major", length=0, pad=pad, labelsize=7)
     ax.set_xlabel("model B (its taps)", fontsize=8)
@@ -113,7 +113,7 @@ def _divergence(div: pd.DataFrame, view: str) -> tuple[str, plt.Figure]:
     for ax, model in zip(axes.flat, models, strict=False):
         g = both[both.model == model]
         others = g.assign(model=g["model_b"])  # a line per other model, in its own colour
-        layer_lines(ax, others, "cka_divergence", title=f"{model_label(model)} vs ...")
+        layer_lines(ax, others, "cka_divergence", title=f"{model_label(model, lines=True)} vs ...")
     for ax in axes.flat[len(models):]:
         ax.set_axis_off()
     for ax in axes[:, 0]:
