@@ -900,7 +900,10 @@ def test_a_state_written_before_an_architecture_field_existed_resumes_with_its_d
 
 def test_zoo_random_is_the_encoder_every_objective_starts_from():
     """zoo-random (a shipped file since the zoo initialises mimetically with fixed sin-cos positions) holds, to
-    float16 rounding, the encoder a self-supervised objective builds at seed 0, and it is not timm's default init."""
+    float16 rounding, the encoder a self-supervised objective builds at seed 0, and it is not timm's default init.
+    The attention weights come from an SVD (`arch._factor`), whose last bits depend on the CPU's LAPACK kernels:
+    they agree to 5e-4 absolute (the differences seen are 1e-4 to 2e-4 on weights of scale 0.1), as does mlp.fc1
+    (whose values can sit on a float16 rounding boundary); every other tensor is equal exactly."""
     from vitscope.zoo import ZOO_ARCH
 
     assert (ZOO_ARCH.init, ZOO_ARCH.pos_embed) == ("mimetic", "sincos")
@@ -909,7 +912,9 @@ def test_zoo_random_is_the_encoder_every_objective_starts_from():
         start = build_objective(objective, ZOO_ARCH, seed=0).encoder.state_dict()
         assert set(start) == set(shipped)
         for k, v in start.items():
-            torch.testing.assert_close(shipped[k].float(), v.half().float(), rtol=0, atol=0, msg=k)
+            svd = k.endswith(("attn.qkv.weight", "attn.proj.weight", "mlp.fc1.weight"))
+            torch.testing.assert_close(shipped[k].float(), v.half().float(), rtol=0, atol=5e-4 if svd else 0,
+                                       msg=k)
     timm_init = build_objective("mae", ZooArch(**{**asdict(ZOO_ARCH), "init": "timm", "pos_embed": "learned"}),
                                 seed=0).encoder.state_dict()
     assert not torch.allclose(timm_init["blocks.0.attn.qkv.weight"].half().float(),
