@@ -122,3 +122,16 @@ def test_ctrl_c_during_a_study_is_one_line_saying_what_is_saved_and_how_to_resum
     assert err.startswith("vitscope: interrupted: ") and "rerun the same command to resume" in err
     assert "of 2 models" in err and str(tmp_path / "cache") in err and "with partial states of tiny-" in err
     assert "results:" not in out  # it did not finish
+
+
+@pytest.mark.parametrize("argv", [["datasets"], ["analyses", "--markdown"]])
+def test_a_reader_that_leaves_early_ends_a_listing_quietly(argv):
+    """`vitscope datasets | head -1`: the pipe is closed before the listing is written (the read end closed at
+    once, before the process has started); no traceback, the exit status of a process killed by SIGPIPE."""
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    p = subprocess.Popen([sys.executable, "-m", "vitscope", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env=env)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141, err
+    assert err == ""

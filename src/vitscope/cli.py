@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:  # Ctrl-C: one line (a study says what is saved and that rerunning resumes)
         print(f"vitscope: {e}" if str(e) else "vitscope: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `vitscope datasets | head`: the reader left; say nothing, as `cat` does
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would raise again
+        return 141
 
 
 if __name__ == "__main__":
