@@ -136,6 +136,10 @@ def test_cli_models_lists_the_registry(capsys):
     out = capsys.readouterr().out
     for name in ["sup-b16", "clip-b16", "dino-b16", "mocov3-b16", "mae-b16", "beit-b16", "simmim-b16"]:
         assert name in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("zoo-")}
+    assert "untrained → classification" in rows["zoo-random-ft-cls"]  # named for what it is, as in the report
+    assert "contrastive → reconstruction" in rows["zoo-mocov3-ft-rec"]
+    assert " none " not in out
 
 
 def test_cli_taps_prints_shapes(capsys):
