@@ -436,3 +436,28 @@ def test_best_layer_within_noise_of_chance_is_no_layer_above_chance():
     plt.close(fig)
     point, = summarize({"retrieval": df}, Study(["good", "noisy", "below"], []))
     assert point.not_above_chance == ["noisy", "below"] and "good 0.500 ± 0.039 at block 3" in point.text
+
+
+def test_the_reports_redraw_call_of_every_section_draws_one_of_its_figures(run_dir):
+    """The call each section of the report shows works as written: `vs.plot` gives one Figure, so a section of
+    several figures says figure=i and the range it has; a section of one shows the call without it."""
+    import re
+
+    import matplotlib.figure
+
+    from vitscope.report.plot import figures
+
+    html = (run_dir / "report.html").read_text()
+    calls = re.findall(r"<code>vitscope\.plot\(run_dir, '(\w+)'(, figure=i)?\)</code>(?: \(i from 0 to (\d+))?", html)
+    assert {name for name, _, _ in calls} == set(load_run(run_dir).tables)
+    for name, several, last in calls:
+        n = len(figures(run_dir, name))
+        plt.close("all")
+        if several:
+            assert n > 1 and int(last) == n - 1, name
+            fig = vs.plot(run_dir, name, figure=int(last))
+        else:
+            assert n == 1, name
+            fig = vs.plot(run_dir, name)
+        assert isinstance(fig, matplotlib.figure.Figure)
+        plt.close("all")

@@ -41,8 +41,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
     from vitscope.models.registry import describe_family
 
     # the family as the report names it: "untrained", "contrastive → classification" for a fine-tuned model
-    rows = [(s.name, _arch_label(s), describe_family(s.family, s.supervision), s.weights.kind, str(s.preprocessing.input_size),
-             s.citation.split(",")[0]) for s in list_specs() if args.family in (None, s.family)]
+    rows = [(s.name, _arch_label(s), describe_family(s.family, s.supervision), s.weights.kind,
+             str(s.preprocessing.input_size), s.citation.split(",")[0])
+            for s in list_specs() if args.family in (None, s.family)]
     head = ("name", "timm architecture", "family", "weights", "input", "citation")
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     for r in [head, tuple("-" * w for w in widths), *rows]:

@@ -236,6 +236,16 @@ def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
         _FORKED_RUN = None
 
 
+def _redraw(name: str, n_figures: int) -> str:
+    """How to redraw this section's figures in Python: `vs.plot` gives one Figure, so where an analysis draws
+    several the call names one (``figure=``, a position or a piece of the caption)."""
+    if n_figures <= 1:
+        return f"redraw the figure with <code>vitscope.plot(run_dir, '{_esc(name)}')</code>"
+    return (f"redraw one of its {n_figures} figures with "
+            f"<code>vitscope.plot(run_dir, '{_esc(name)}', figure=i)</code> (i from 0 to {n_figures - 1}, or a piece "
+            "of its caption)")
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -290,8 +300,8 @@ def write_report(run_dir: str | Path) -> Path:
                          f"<figcaption>{_esc(title)}</figcaption></figure>")
         # drawn from exactly the bytes whose digest is here (results_digest)
         parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
-                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>; redraw "
-                     f"any figure with <code>vitscope.plot(run_dir, '{_esc(name)}')</code>, or write them all for a "
+                     f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>; "
+                     f"{_redraw(name, len(drawn[name]))}, or write them all for a "
                      "paper with <code>vitscope report RUN_DIR --export DIR --format pdf</code>.</p>")
     parts.append("<h2 id='references'>References</h2><ul class='refs'>"
                  + "".join(f"<li><b>{_esc(SHORT[k])}</b>: {_esc(v)}</li>" for k, v in REFERENCES.items()) + "</ul>")
