@@ -372,6 +372,8 @@ def test_every_figure_of_the_default_study_keeps_its_text_inside_and_draws_witho
                     if exported:
                         _relayout(fig, None)
                     assert _text_outside(fig) == [], (name, exported, caption)  # after a draw: warnings are out
+                    if name == "stir" and caption.startswith(("Learning", "Invariance")):  # the y scale named
+                        assert fig.axes[0].get_ylabel().strip(), caption
                     plt.close(fig)
                     n += 1
             assert [str(w.message) for w in caught] == [], (name, exported)

@@ -87,6 +87,8 @@ def stir(df: pd.DataFrame, raw: bool = False) -> Figures:
         ax.axhline(0, color="0.6", lw=0.8)
         ax.set_title(f"{a} ->\n{b}", fontsize=8)
         ax.set_xlabel("block", fontsize=8)
+        if ax is axes.flat[0]:  # one scale for every pair: the first panel names it
+            ax.set_ylabel("1 - STIR, 1 - CKA" if raw else "STIR gain / loss, 1 - CKA", fontsize=8)
         ax.set_ylim(bottom - pad, top + pad)  # one scale for every pair: panels compare
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(pairs):]:
