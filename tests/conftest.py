@@ -40,3 +40,14 @@ def images():
 def _private_cache(tmp_path, monkeypatch):
     """Each test its own study cache (the default one is per user and shared by every study)."""
     monkeypatch.setenv("VITSCOPE_CACHE_DIR", str(tmp_path / "user-cache"))
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Any model load fails the test: the error under test must come before one."""
+    import vitscope.study.run as run_mod
+
+    def refuse(*a, **k):
+        raise AssertionError("the error must come before any model loads")
+
+    monkeypatch.setattr(run_mod, "load_model", refuse)

@@ -26,6 +26,38 @@ models:
 """
 
 
+#: the kwargs of that ViT as YAML
+TINY_STUDY_KW = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+
+
+def tiny_study_yaml(depth: int = 2) -> str:
+    """A one-model study (a random tiny ViT of ``depth`` blocks, 8 generated images, CKA on the mean token): the
+    smallest config a study accepts, for tests of what happens before and around it."""
+    kw = TINY_STUDY_KW.replace("depth: 2", f"depth: {depth}")
+    return f"""
+models:
+  - name: vit_small_patch16_224
+    label: tiny
+    pretrained: false
+    kwargs: {kw}
+dataset: {{name: synthetic-shapes, n_images: 8}}
+analyses:
+  cka: {{batch_size: 4, views: [gap]}}
+batch_size: 4
+progress: false
+"""
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    """The command fails with exit status 2 and one line on stderr, no traceback; returns that line."""
+    from vitscope.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
 def shift(x01: torch.Tensor, index: torch.Tensor, seed: int, *, amount: float = 0.1) -> torch.Tensor:
     """Adds uniform noise in [0, amount) per pixel, drawn per (image, view, seed)."""
     key = f"test_shift:amount={amount}"

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
+from study_fixtures import TINY_STUDY_KW, one_line_error, tiny_study_yaml
 
 import vitscope.study.run as run_mod
 from vitscope.analyses import ANALYSES
@@ -18,19 +19,7 @@ from vitscope.bounds import Range, ranges_of
 from vitscope.cli import main
 from vitscope.errors import ConfigError
 
-TINY_KW = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
-YAML = f"""
-models:
-  - name: vit_small_patch16_224
-    label: tiny
-    pretrained: false
-    kwargs: {TINY_KW}
-dataset: {{name: synthetic-shapes, n_images: 8}}
-analyses:
-  cka: {{batch_size: 4, views: [gap]}}
-batch_size: 4
-progress: false
-"""
+YAML = tiny_study_yaml(depth=2)
 
 
 @pytest.fixture
@@ -40,19 +29,6 @@ def config(tmp_path):
     return p
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the error must come before any model loads")
-
-    monkeypatch.setattr(run_mod, "load_model", refuse)
-
-
-def one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("vitscope: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 # -- a. every count parameter has a declared range, checked at config time --------------------------------
@@ -131,7 +107,7 @@ def test_a_checkpoint_directory_is_read_in_natural_order_and_says_which_epoch_ea
         (run / f"step{s}.pt").write_bytes(b"")
     study = tmp_path / "study.yaml"
     study.write_text(YAML.replace("models:\n", f"models:\n  - {{name: vit_small_patch16_224, label: ft, "
-                                               f"checkpoints: {tmp_path / 'ft'}, kwargs: {TINY_KW}}}\n", 1))
+                                               f"checkpoints: {tmp_path / 'ft'}, kwargs: {TINY_STUDY_KW}}}\n", 1))
     with pytest.warns(ResultWarning, match="epoch") as caught:
         cfg = load_config(study)
     by_step = {int(re.search(r"step(\d+)", m.weights).group(1)): m.epoch for m in cfg.models if m.epoch is not None}

@@ -9,24 +9,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from study_fixtures import one_line_error, tiny_study_yaml
 
-import vitscope.study.run as run_mod
-from vitscope.cli import main
 from vitscope.study import load_config, run_study
 
-TINY_KW = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 3, num_heads: 3}"
-YAML = f"""
-models:
-  - name: vit_small_patch16_224
-    label: tiny
-    pretrained: false
-    kwargs: {TINY_KW}
-dataset: {{name: synthetic-shapes, n_images: 8}}
-analyses:
-  cka: {{batch_size: 4, views: [gap]}}
-batch_size: 4
-progress: false
-"""
+YAML = tiny_study_yaml(depth=3)
 
 
 @pytest.fixture
@@ -36,19 +23,6 @@ def config(tmp_path):
     return p
 
 
-@pytest.fixture
-def no_model(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("the error must come before any model loads")
-
-    monkeypatch.setattr(run_mod, "load_model", refuse)
-
-
-def _one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("vitscope: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def _random_file(path: Path, n: int = 4096) -> Path:
@@ -66,48 +40,48 @@ def _random_file(path: Path, n: int = 4096) -> Path:
     (["models.0.kwargs.weights=x.pth"], "set weights instead"),
 ])
 def test_config_mistakes_are_one_line_before_any_model_loads(config, tmp_path, capsys, no_model, overrides, needle):
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", *overrides])
     assert needle in err
 
 
 def test_invalid_yaml_is_one_line_saying_where(tmp_path, capsys, no_model):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: vit_small_patch16_224\n analyses: [\n")
-    err = _one_line_error(capsys, ["run", str(bad)])
+    err = one_line_error(capsys, ["run", str(bad)])
     assert "invalid YAML in bad.yaml at line 3" in err
-    err = _one_line_error(capsys, ["run", str(bad.with_name("x.yaml")), "batch_size=[1,"])
+    err = one_line_error(capsys, ["run", str(bad.with_name("x.yaml")), "batch_size=[1,"])
     assert "does not exist" in err  # a missing file first, then the overrides' own syntax:
     good = tmp_path / "good.yaml"
     good.write_text(YAML)
-    assert "invalid YAML in the overrides" in _one_line_error(capsys, ["run", str(good), "batch_size=[1,"])
+    assert "invalid YAML in the overrides" in one_line_error(capsys, ["run", str(good), "batch_size=[1,"])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_one_line(config, tmp_path, capsys, no_model):
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", "device=cuda"])
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", "device=cuda"])
     assert "0 usable CUDA GPU(s)" in err and "device=cpu" in err
 
 
 def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(config, tmp_path, capsys, no_model):
     (tmp_path / "file").write_text("x")
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'file'}"])
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'file'}"])
     assert "is a file, not a directory" in err
     if os.geteuid() == 0:  # root writes through permissions; /sys takes no new directories, even from root
         read_only = Path("/sys/vitscope-test-run")
     else:
         (tmp_path / "ro").mkdir(mode=0o555)
         read_only = tmp_path / "ro" / "run"
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={read_only}"])
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={read_only}"])
     assert "cannot be written to" in err and str(read_only) in err
 
 
 def test_corrupt_and_random_checkpoints_are_one_line_without_advice_to_trust_them(config, tmp_path, capsys, no_model):
     corrupt = _random_file(tmp_path / "model.safetensors")
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.name={corrupt}",
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.name={corrupt}",
                                    "models.0.pretrained=true"])  # a file is weights (pretrained: false takes none)
     assert "not a valid safetensors file" in err and "models[0]" in err
     noise = _random_file(tmp_path / "weights.pth")
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.weights={noise}",
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"models.0.weights={noise}",
                                    "models.0.pretrained=true"])
     assert "is not a checkpoint" in err and "trust" not in err
 
@@ -137,7 +111,7 @@ def test_a_full_disk_names_the_directory_and_leaves_no_partial_files(config, tmp
     cache = tmp_path / "cache"  # the cache's device is full (the run directory's marker manifest is written first)
     monkeypatch.setattr(vitscope.files, "open", lambda p, mode="r": FullDisk(real_open(p, mode))
                         if str(p).startswith(str(cache)) else real_open(p, mode), raising=False)
-    err = _one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"cache_dir={cache}"])
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"cache_dir={cache}"])
     assert "no space left on the device of" in err and str(cache) in err
     assert [p for p in tmp_path.rglob("*.tmp")] == []  # the half-written file is gone
     from vitscope.study.cache import Cache
@@ -160,7 +134,7 @@ def test_nan_weights_stop_the_study_naming_the_model_and_the_first_tap(tmp_path,
                    .replace("name: vit_small_patch16_224", f"name: {ckpt}").replace("label: tiny", "label: broken")
                    .replace("pretrained: false", "pretrained: true"))  # a file is weights
     out = tmp_path / "out"
-    err = _one_line_error(capsys, ["run", str(cfg), f"output_dir={out}"])
+    err = one_line_error(capsys, ["run", str(cfg), f"output_dir={out}"])
     assert "model 'broken'" in err and "tap block1.attn" in err and "non-finite" in err
     assert not (out / "results" / "cka.parquet").exists()
 
