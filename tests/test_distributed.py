@@ -23,10 +23,9 @@ progress: false
 """
 
 
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
-def test_two_process_torchrun_equals_one_process(tmp_path):
-    cfg = tmp_path / "study.yaml"
-    cfg.write_text(YAML)
+def _sharded_and_single(cfg, tmp_path):
+    """The study run by torchrun in two processes and by one process, each with its own cache; their attention
+    distance, CKA and diversity tables equal to float rounding. Returns the two run directories."""
     sharded, single = tmp_path / "sharded", tmp_path / "single"
     subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
                     f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=240)
@@ -36,7 +35,15 @@ def test_two_process_torchrun_equals_one_process(tmp_path):
         a = pd.read_parquet(sharded / "results" / f"{name}.parquet")
         b = pd.read_parquet(single / "results" / f"{name}.parquet")
         assert len(a) == len(b) > 0
-        assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9)
+        assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9), name
+    return sharded, single
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_two_process_torchrun_equals_one_process(tmp_path):
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(YAML)
+    sharded, single = _sharded_and_single(cfg, tmp_path)
     assert '"world_size": 2' in (sharded / "manifest.json").read_text()
 
 
@@ -75,16 +82,7 @@ def test_torchrun_equals_one_process_with_an_unreadable_image_in_each_ranks_shar
         broken.append(ds.files[shard[1]])  # the second image of each rank's shard: a CKA group gets shorter
     for f in broken:
         f.write_bytes(b"not a png")
-    sharded, single = tmp_path / "sharded", tmp_path / "single"
-    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
-                    f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=240)
-    subprocess.run([sys.executable, "-m", "vitscope", "--quiet", "run", str(cfg), f"output_dir={single}",
-                    f"cache_dir={tmp_path / 'c1'}"], check=True, timeout=240)
-    for name in ("attention_distance", "cka", "diversity"):
-        a = pd.read_parquet(sharded / "results" / f"{name}.parquet")
-        b = pd.read_parquet(single / "results" / f"{name}.parquet")
-        assert len(a) == len(b) > 0
-        assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-9), name
+    sharded, single = _sharded_and_single(cfg, tmp_path)
     ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (sharded, single))
     assert ma["datasets"] == mb["datasets"] and ma["dataset"] == mb["dataset"]
     assert ma["skipped_images"] == mb["skipped_images"]
