@@ -138,6 +138,9 @@ class FileDataset:
     #: how images reach the model (`vitscope.data.transforms.Framing`); formats whose protocol is full-frame
     #: (DAVIS, SPair-71k, revisited Oxford / Paris) set ``crop='full'`` by default
     framing: Framing = Framing()
+    #: items cost a file's decoding (a study reads them in worker processes: `vitscope.data.pipeline`); False
+    #: for formats that hold their images in memory
+    reads_files: bool = True
 
     def __init__(self) -> None:
         self.skipped: list[tuple[str, str]] = []
