@@ -60,8 +60,7 @@ class StudyConfig:
     output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
     cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
-    num_workers: int | None = None         # processes reading and preprocessing images; null: the usable cores
-    #                                       minus one for datasets read from files, 0 for generated / in-memory ones
+    num_workers: int | None = None         # image-reading processes; null: usable cores - 1 for files, 0 in memory
     progress: bool = True                  # progress bars
 
 
