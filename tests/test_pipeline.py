@@ -38,16 +38,16 @@ def _children() -> list[int]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    """Running (not ended, not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _zombie_free_children() -> list[int]:
-    alive = []
-    for pid in _children():
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z":
-            alive.append(pid)
-    return alive
+    return [pid for pid in _children() if _alive(pid)]
 
 
 @pytest.fixture
@@ -201,3 +201,58 @@ def test_auto_workers_read_files_in_workers_and_generated_images_here(folder, mo
         assert pipeline.auto_workers(build_dataset(DatasetConfig(name=name, n_images=8))) == 0
     monkeypatch.setattr(pipeline, "usable_cores", lambda: 1)
     assert pipeline.auto_workers(files) == 0
+
+
+KILLED_STUDY = """
+import sys, time
+from pathlib import Path
+from vitscope.study import load_config, run_study
+
+marker = Path(sys.argv[2])
+
+
+def wait(model, b):
+    marker.write_text("in a pass")
+    time.sleep(600)
+
+
+run_study(load_config(sys.argv[1], sys.argv[3:]), on_batch=wait)
+"""
+
+
+def test_workers_die_when_the_study_process_is_killed(tmp_path, folder):
+    """SIGKILL leaves the study no chance to end its workers: the kernel ends them (PR_SET_PDEATHSIG)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script, marker = tmp_path / "study.py", tmp_path / "marker"
+    script.write_text(KILLED_STUDY)
+    cfg = tmp_path / "s.yaml"
+    cfg.write_text(f"models: [{{name: vit_small_patch16_224, pretrained: false, kwargs: {TINY}}}]\n"
+                   f"dataset: {{name: imagefolder, root: {folder}}}\nanalyses: {{attention_distance: {{}}}}\n"
+                   "batch_size: 2\nprogress: false\n")
+    proc = subprocess.Popen([sys.executable, str(script), str(cfg), str(marker), "num_workers=2",
+                             f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'c'}"],
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                [str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the study did not reach its first batch"
+            time.sleep(0.2)
+        workers = []
+        for task in Path(f"/proc/{proc.pid}/task").iterdir():
+            workers += [int(p) for p in (task / "children").read_text().split()]
+        assert len(workers) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # at once: torch's own watchdog would end an orphaned worker only after its 5 s status interval
+        deadline = time.monotonic() + 2.5
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

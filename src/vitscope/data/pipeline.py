@@ -20,7 +20,9 @@ worker loop ends quietly on it, and the study's process says its one line.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -122,6 +124,11 @@ def concat(batches: list[Any]) -> Any:
     return out
 
 
+# workers start per pass: forked where the platform can (a started worker has every module already; a
+# spawned one imports torch and vitscope again, seconds per pass), else the platform's default
+_CONTEXT = "fork" if "fork" in multiprocessing.get_all_start_methods() and sys.platform.startswith("linux") else None
+
+
 def _same(item: Chunk) -> Chunk:
     return item
 
@@ -130,7 +137,6 @@ def _worker_init(_worker_id: int) -> None:
     """A worker that outlives the study's process would read for nobody: the kernel kills it (Linux)."""
     import ctypes
     import signal
-    import sys
 
     if sys.platform.startswith("linux"):
         parent = os.getppid()
@@ -152,7 +158,8 @@ def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: 
     loader = torch.utils.data.DataLoader(
         Chunks(dataset, chunks, preprocessing), batch_size=None, sampler=order, num_workers=workers,
         collate_fn=_same, pin_memory=pin_memory, worker_init_fn=_worker_init if workers else None,
-        prefetch_factor=2 if workers else None, persistent_workers=False)
+        prefetch_factor=2 if workers else None, persistent_workers=False,
+        multiprocessing_context=_CONTEXT if workers else None)
     it = iter(loader)
     try:
         for item in it:
