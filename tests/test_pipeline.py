@@ -199,6 +199,9 @@ def test_auto_workers_read_files_in_workers_and_generated_images_here(folder, mo
     assert pipeline.auto_workers(files) == 3
     for name in ("synthetic-shapes", "cifar10-test-1k"):
         assert pipeline.auto_workers(build_dataset(DatasetConfig(name=name, n_images=8))) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun: two processes share the four cores
+    assert pipeline.auto_workers(files) == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setattr(pipeline, "usable_cores", lambda: 1)
     assert pipeline.auto_workers(files) == 0
 

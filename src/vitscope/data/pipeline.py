@@ -49,9 +49,13 @@ def reads_files(dataset: Any) -> bool:
 
 def auto_workers(dataset: Any) -> int:
     """``num_workers: null``: the usable cores minus one (the study's own process), at least 0, for datasets that
-    decode files; 0 for images in memory or generated, where a worker's start and the copy of each batch
-    between processes cost more than the reading they would take over."""
-    return max(0, usable_cores() - 1) if reads_files(dataset) else 0
+    decode files, the cores shared among torchrun's processes on this machine (``LOCAL_WORLD_SIZE``); 0 for
+    images in memory or generated, where a worker's start and the copy of each batch between processes cost
+    more than the reading they would take over."""
+    if not reads_files(dataset):
+        return 0
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return max(0, usable_cores() // max(1, int(local) if local.isdigit() else 1) - 1)
 
 
 @dataclass
