@@ -35,7 +35,7 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import ConfigError, InputError, StudyInterrupted
+from vitscope.errors import InputError, StudyInterrupted
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
