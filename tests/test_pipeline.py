@@ -92,7 +92,7 @@ def _skipped(run_dir):
     return json.loads((Path(run_dir) / "manifest.json").read_text())["skipped_images"]
 
 
-def test_tables_are_bit_identical_for_0_and_2_workers_with_a_view_an_unreadable_jpeg_and_a_resume(
+def test_tables_are_bit_identical_for_0_1_and_2_workers_with_a_view_an_unreadable_jpeg_and_a_resume(
         fixtures, tmp_path, folder):
     cfg = _study(tmp_path, folder)
     with pytest.warns(SkippedImagesWarning):
@@ -114,14 +114,18 @@ def test_tables_are_bit_identical_for_0_and_2_workers_with_a_view_an_unreadable_
     with pytest.warns(SkippedImagesWarning):  # said by the study's process, though a worker met the image
         out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
     assert fed[0] == 3  # the clean pass resumed after its third chunk (the view's pass then starts at 0)
-    a, b = _tables(ref), _tables(out)
-    assert set(a) == set(b) == {"attention_distance", "cka", "seen_ids"}
+    with pytest.warns(SkippedImagesWarning):
+        one = run_study(load_config(cfg, [f"output_dir={tmp_path / 'one'}", f"cache_dir={tmp_path / 'c1'}",
+                                          "num_workers=1"]))
+    a, b, c = _tables(ref), _tables(out), _tables(one)
+    assert set(a) == set(b) == set(c) == {"attention_distance", "cka", "seen_ids"}
     for name in a:
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=True)
+        pd.testing.assert_frame_equal(a[name], c[name], check_exact=True)
     seen = a["seen_ids"]
     assert set(seen.token_view) == {"imagefolder|clean", f"imagefolder|{VIEW}"}
     assert len(seen) == 2 * 21  # every readable image once per view, the truncated one in none
-    assert _skipped(ref) == _skipped(out) and [p for p, _ in next(iter(_skipped(out).values()))] == [
+    assert _skipped(ref) == _skipped(out) == _skipped(one) and [p for p, _ in next(iter(_skipped(out).values()))] == [
         str(folder / "dog" / "4.jpg")]
 
 
