@@ -167,11 +167,10 @@ def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: 
     it = iter(loader)
     try:
         for item in it:
-            if workers and item.skipped and hasattr(dataset, "_skipped_paths"):
+            note = getattr(dataset, "note_skipped", None)
+            if workers and note is not None:
                 for path, reason in item.skipped:  # what the worker's copy of the dataset recorded
-                    if path not in dataset._skipped_paths:
-                        dataset._skipped_paths.add(path)
-                        dataset.skipped.append((path, reason))
+                    note(path, reason)
             for category, message in item.warned:  # recorded while reading: said here, in reading order
                 warnings.warn(message, category, stacklevel=2)
             if item.error is not None:

@@ -163,9 +163,13 @@ class FileDataset:
 
     def _skip(self, e: Unreadable, new: list[tuple[str, str]]) -> None:
         new.append((e.path, e.reason))
-        if e.path not in self._skipped_paths:
-            self._skipped_paths.add(e.path)
-            self.skipped.append((e.path, e.reason))
+        self.note_skipped(e.path, e.reason)
+
+    def note_skipped(self, path: str, reason: str) -> None:
+        """Record an unreadable image once (also one that a worker process's copy of the dataset met)."""
+        if path not in self._skipped_paths:
+            self._skipped_paths.add(path)
+            self.skipped.append((path, reason))
 
     def _report(self, new: list[tuple[str, str]], tried: int, read: int, finished: bool) -> None:
         if new:
