@@ -40,6 +40,44 @@ PAIRS = {
 }
 
 
+def bare_forward_seconds(models: list[tuple[str, str, dict]], work: list, pretrained: bool) -> float:
+    """Seconds of bare forwards (fused attention, no hooks) of every model over ``work``: ((dataset, ids),
+    batch size) per pass; each dataset's batches are loaded and preprocessed before the clock starts."""
+    total = 0.0
+    for name, _label, kw in models:
+        vm = vs.load_model(name, pretrained=pretrained, **kw)
+        loaded: dict[int, list[torch.Tensor]] = {}
+        for (ds, ids), bs in work:
+            if id(ds) not in loaded:
+                loaded[id(ds)] = [b.images for b in ds.batches(bs, vm.preprocessing, indices=ids)]
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for (ds, _ids), _bs in work:
+                for images in loaded[id(ds)]:
+                    vm.model(images)
+        total += time.perf_counter() - t0
+    return total
+
+
+def print_where_time_went(manifest: dict, n_models: int) -> None:
+    """The first run's manifest timings: per model load, pass (and its parts), finalize; then the cross-model
+    stage and the report."""
+    print("  where the first run's time went (manifest timings):")
+    fin: dict[str, float] = {}
+    for label, m in manifest["models"].items():
+        t = m.get("timings", {})
+        print(f"    {label}: load {t.get('load', 0):.1f} s, pass {t.get('pass', 0):.1f} s, "
+              f"finalize {sum(t.get('finalize', {}).values()):.1f} s")
+        print("      pass: " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                     sorted(t.get("pass_parts", {}).items(), key=lambda kv: -kv[1])))
+        for k, v in t.get("finalize", {}).items():
+            fin[k] = fin.get(k, 0.0) + v
+    print(f"    finalize by analysis ({n_models} models): " + ", ".join(f"{k} {v:.1f} s" for k, v in
+                                                          sorted(fin.items(), key=lambda kv: -kv[1])))
+    t = manifest.get("timings", {})
+    print(f"    cross-model stage and tables {t.get('cross_and_tables', 0):.1f} s, report {t.get('report', 0):.1f} s")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=512)
@@ -71,20 +109,7 @@ def main() -> None:
         else:
             ds = SyntheticShapes(n=args.images)
             work = [((ds, list(range(len(ds)))), args.batch)]
-        total = 0.0
-        for name, _label, kw in MODELS:
-            vm = vs.load_model(name, pretrained=args.size == "zoo", **kw)
-            loaded: dict[int, list[torch.Tensor]] = {}
-            for (ds, ids), bs in work:
-                if id(ds) not in loaded:
-                    loaded[id(ds)] = [b.images for b in ds.batches(bs, vm.preprocessing, indices=ids)]
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                for (ds, _ids), _bs in work:
-                    for images in loaded[id(ds)]:
-                        vm.model(images)
-            total += time.perf_counter() - t0
-        return total
+        return bare_forward_seconds(MODELS, work, pretrained=args.size == "zoo")
 
     def study_config(tmp: str):  # noqa: ANN202
         overrides = [f"output_dir={tmp}/run", f"cache_dir={tmp}/cache", "progress=false"]
@@ -123,20 +148,7 @@ def main() -> None:
     print(f"  study time / bare forwards: {first / bare:.2f}x" + (" (goal for the zoo: <= 2.5x)" if args.size == "zoo"
                                                                   else ""))
     print(f"  study, cached rerun:       {cached:7.2f} s = {100 * cached / first:.1f}% of the first run (goal < 5%)")
-    print("  where the first run's time went (manifest timings):")
-    fin: dict[str, float] = {}
-    for label, m in manifest["models"].items():
-        t = m.get("timings", {})
-        print(f"    {label}: load {t.get('load', 0):.1f} s, pass {t.get('pass', 0):.1f} s, "
-              f"finalize {sum(t.get('finalize', {}).values()):.1f} s")
-        print("      pass: " + ", ".join(f"{k} {v:.1f} s" for k, v in
-                                     sorted(t.get("pass_parts", {}).items(), key=lambda kv: -kv[1])))
-        for k, v in t.get("finalize", {}).items():
-            fin[k] = fin.get(k, 0.0) + v
-    print(f"    finalize by analysis ({len(MODELS)} models): " + ", ".join(f"{k} {v:.1f} s" for k, v in
-                                                           sorted(fin.items(), key=lambda kv: -kv[1])))
-    t = manifest.get("timings", {})
-    print(f"    cross-model stage and tables {t.get('cross_and_tables', 0):.1f} s, report {t.get('report', 0):.1f} s")
+    print_where_time_went(manifest, len(MODELS))
 
 
 if __name__ == "__main__":

@@ -676,3 +676,75 @@ def test_cifar_table_without_its_constants_is_one_sentence_at_config_time():
         Corruptions.views({"corruptions": ["fog"], "severities": [3], "table": "cifar"})
     with pytest.raises(ConfigError, match="corruption table 'cifra' does not exist"):
         Corruptions.views({"corruptions": ["contrast"], "severities": [3], "table": "cifra"})
+
+
+# ---------------------------------------------------------------- views on the batch's device
+# The draws come from per-image CPU generators and everything after them runs where the batch is (a GPU in a
+# study on one). No GPU here: the CPU path is checked against a per-image reference that draws and computes
+# on the host (the implementation before views moved to the device), bit for bit, and the device path against
+# it on a CUDA device where one exists (up to float rounding).
+
+def _host_reference(name: str, x: torch.Tensor, index: torch.Tensor, seed: int, s: int) -> torch.Tensor:
+    """The native noise corruptions one image at a time, every draw and every operation on the CPU."""
+    c = P.TABLES["imagenet"][name][s - 1]
+    out = []
+    for xi, i in zip(x.cpu(), index.tolist(), strict=True):
+        g = P.image_generator(seed, P.corruption_key(name, s), int(i))
+        if name == "gaussian_noise":
+            y = xi + c * torch.randn(xi.shape, generator=g)
+        elif name == "speckle_noise":
+            y = xi + xi * c * torch.randn(xi.shape, generator=g)
+        elif name == "shot_noise":
+            y = torch.poisson(xi * c, generator=g) / c
+        else:  # impulse_noise
+            u = torch.rand((2, *xi.shape), generator=g)
+            y = xi.clone()
+            flip = u[0] < c
+            y[flip] = (u[1][flip] < 0.5).float()
+        out.append(y.clamp(0, 1))
+    return torch.stack(out)
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["gaussian_noise", "speckle_noise", "shot_noise", "impulse_noise"])
+def test_native_noise_on_the_batch_device_is_the_per_image_host_noise(name, device):
+    x = torch.rand(5, 3, 24, 20, generator=torch.Generator().manual_seed(3))
+    index = torch.tensor([7, 2, 40, 3, 11])
+    ref = _host_reference(name, x, index, 5, 3)
+    got = P.corrupt_batch(x.to(device), index, 5, name, 3, backend="native")
+    assert got.device.type == device and got.dtype == x.dtype
+    tol = 0 if device == "cpu" else 1e-6
+    torch.testing.assert_close(got.cpu(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("spec", ["band_noise:band=2", "band_noise:band=7,definition=square_sign",
+                                  "corruption:name=gaussian_blur,severity=3", "corruption:name=brightness,severity=2",
+                                  "corruption:name=contrast,severity=4", "corruption:name=pixelate,severity=3"])
+def test_a_view_stays_on_the_batch_device_and_an_image_alone_gets_its_row_of_the_batch(spec, device):
+    from vitscope.data.views import VIEW_KINDS, parse_view
+
+    kind, kwargs = parse_view(spec)
+    fn = VIEW_KINDS[kind]
+    x = torch.rand(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    index = torch.tensor([9, 0, 5, 2])
+    on_cpu = fn(x, index, 1, **kwargs)
+    got = fn(x.to(device), index, 1, **kwargs)
+    assert got.device.type == device
+    torch.testing.assert_close(got.cpu(), on_cpu, rtol=0, atol=0 if device == "cpu" else 1e-5)
+    for j in range(4):  # the same pixels whatever else is in the batch
+        alone = fn(x[j:j + 1], index[j:j + 1], 1, **kwargs)
+        torch.testing.assert_close(alone[0], on_cpu[j], rtol=0, atol=1e-6)
+
+
+def test_band_noise_of_a_float64_batch_is_the_float32_noise_up_to_rounding():
+    """The noise is made in the batch's dtype's world (as on another device): the same pixels up to rounding."""
+    x = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    index = torch.arange(3)
+    a = P.band_noise(x, index, 0, band=3)
+    b = P.band_noise(x.double(), index, 0, band=3)
+    assert b.dtype == torch.float64
+    torch.testing.assert_close(b.float(), a, rtol=0, atol=1e-6)

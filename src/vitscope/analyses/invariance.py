@@ -276,7 +276,9 @@ class Stir(PairAnalysis):
         if not self.has_head:
             return
         pre = vm.preprocessing
-        mean, std = torch.tensor(pre.mean).view(1, 3, 1, 1), torch.tensor(pre.std).view(1, 3, 1, 1)
+        dev = batch.images.device  # the model's, in a study (the corruptions are made there too)
+        mean = torch.tensor(pre.mean, device=dev).view(1, 3, 1, 1)
+        std = torch.tensor(pre.std, device=dev).view(1, 3, 1, 1)
         u = (batch.images.float() * std + mean).clamp(0, 1)
         xs = [batch.images] + [(P.corrupt_batch(u, batch.index.cpu(), self.seed, k, s, "native", CORRUPTION_TABLE)
                                 - mean) / std for k, s in self.corruptions]

@@ -86,7 +86,7 @@ def band_mask(h: int, w: int, band: int, width: float = BAND_WIDTH) -> Tensor:
 
 
 def band_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], band: int,
-                    width: float = BAND_WIDTH, rms: float = 0.1) -> Tensor:
+                    width: float = BAND_WIDTH, rms: float = 0.1, device: torch.device | str | None = None) -> Tensor:
     """(B, C, H, W) noise confined to one frequency band, root-mean-square ``rms`` per image; image b's
     noise is drawn from ``generators[b]``.
 
@@ -95,7 +95,8 @@ def band_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], b
     band's coefficients of the real-FFT half plane are drawn (a few percent of H x W numbers for the low
     bands) and inverted with one ``irfft2``. The columns the real FFT stores without their conjugate
     partner (frequency 0 and, for even W, W/2) get sqrt(2) x the scale, so each coefficient has exactly
-    the variance it has in filtered white noise."""
+    the variance it has in filtered white noise. The draws come from the (CPU) generators, everything after
+    them runs on ``device``: the same noise there up to float rounding."""
     b, c, h, w = shape
     half = band_mask(h, w, int(band), float(width))[:, : w // 2 + 1]
     rows, cols = half.nonzero(as_tuple=True)
@@ -104,10 +105,11 @@ def band_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], b
                             f"{h}x{w} image; use fewer or wider bands at this size")
     scale = torch.ones(len(cols))
     scale[(cols == 0) | ((cols == w // 2) & (w % 2 == 0))] = math.sqrt(2.0)
-    spec = torch.zeros(b, c, h, w // 2 + 1, dtype=torch.complex64)
+    spec = torch.zeros(b, c, h, w // 2 + 1, dtype=torch.complex64, device=device)
     if b:
-        z = torch.stack([torch.randn(c, len(rows), 2, generator=g) for g in generators]) * scale[:, None]
-        spec[:, :, rows, cols] = torch.view_as_complex(z.contiguous())
+        z = torch.stack([torch.randn(c, len(rows), 2, generator=g) for g in generators]).to(device)
+        z = z * scale.to(device)[:, None]
+        spec[:, :, rows.to(device), cols.to(device)] = torch.view_as_complex(z.contiguous())
     noise = torch.fft.irfft2(spec, s=(h, w))
     norm = noise.pow(2).mean(dim=(1, 2, 3), keepdim=True).sqrt().clamp_min(1e-12)
     return noise * (rms / norm)
@@ -124,19 +126,21 @@ def square_band_mask(h: int, w: int, band: int, width: float = BAND_WIDTH) -> Te
 
 
 def square_sign_noise_like(shape: tuple[int, ...], generators: list[torch.Generator], band: int,
-                           width: float = BAND_WIDTH, eps: float = 0.1) -> Tensor:
+                           width: float = BAND_WIDTH, eps: float = 0.1,
+                           device: torch.device | str | None = None) -> Tensor:
     """(B, C, H, W) noise of Park et al.'s public code: ``eps * sign(z)`` (z ~ N(0, 1) per pixel and channel,
-    image b's from ``generators[b]``) filtered to the square annulus `square_band_mask`, not renormalised."""
+    image b's from ``generators[b]``) filtered to the square annulus `square_band_mask`, not renormalised; the
+    signs are drawn on the CPU and travel as one byte each, the filter runs on ``device``."""
     b, c, h, w = shape
     mask = square_band_mask(h, w, int(band), float(width))
     if not bool(mask.any()):
         raise VitscopeError(f"frequency band {band} (width {width / math.pi:.2g} pi) holds no DFT frequency of a "
                             f"{h}x{w} image; use fewer or wider bands at this size")
     if not b:
-        return torch.zeros(shape)
-    z = torch.stack([torch.randn(c, h, w, generator=g) for g in generators]).double()
-    delta = torch.where(z >= 0, float(eps), -float(eps))
-    return torch.fft.ifft2(torch.fft.fft2(delta) * mask).real.float()
+        return torch.zeros(shape, device=device)
+    positive = torch.stack([torch.randn(c, h, w, generator=g) for g in generators]) >= 0
+    delta = torch.where(positive.to(device), float(eps), -float(eps))
+    return torch.fft.ifft2(torch.fft.fft2(delta) * mask.to(device)).real.float()
 
 
 def square_band_rms(h: int, w: int, band: int, width: float = BAND_WIDTH, eps: float = 0.1) -> float:
@@ -159,9 +163,9 @@ def band_noise(x01: Tensor, index: Tensor, seed: int, *, band: int, n_bands: int
     key = band_key(band, n_bands, width, rms, definition, eps)
     gens = [image_generator(seed, key, int(i)) for i in index.tolist()]
     if definition == "square_sign":
-        noise = square_sign_noise_like(tuple(x01.shape), gens, int(band), float(width), float(eps))
+        noise = square_sign_noise_like(tuple(x01.shape), gens, int(band), float(width), float(eps), x01.device)
     else:
-        noise = band_noise_like(tuple(x01.shape), gens, int(band), float(width), float(rms))
+        noise = band_noise_like(tuple(x01.shape), gens, int(band), float(width), float(rms), x01.device)
     return x01 + noise.to(x01.dtype)
 
 
@@ -211,7 +215,7 @@ def _gaussian_kernel(sigma: float, truncate: float = 4.0) -> Tensor:
 
 def _blur(x: Tensor, sigma: float) -> Tensor:
     """Separable Gaussian blur with scipy's 'nearest' border (skimage.filters.gaussian's default)."""
-    k = _gaussian_kernel(sigma)
+    k = _gaussian_kernel(sigma).to(x.device)
     r = len(k) // 2
     b, c, h, w = x.shape
     y = x.reshape(1, b * c, h, w)  # one depthwise (grouped) convolution: ~8x faster than a batch of 1-channel ones
@@ -224,11 +228,11 @@ def _per_image_pil(x: Tensor, fn: Callable) -> Tensor:
     from PIL import Image
 
     out = []
-    for img in x:
+    for img in x.cpu():
         u8 = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
         res = np.asarray(fn(Image.fromarray(u8)), dtype=np.float32) / 255.0
         out.append(torch.from_numpy(res).permute(2, 0, 1))
-    return torch.stack(out).to(x.dtype)
+    return torch.stack(out).to(x.device, x.dtype)
 
 
 def _jpeg(img, quality: int):
@@ -263,22 +267,25 @@ TABLES: dict[str, dict[str, tuple[float, ...]]] = {
 }
 
 
+def _draws(gens: list[torch.Generator], draw: Callable[[torch.Generator], Tensor], device: torch.device) -> Tensor:
+    """One draw per image from its (CPU) generator, stacked and moved to ``device`` (the same numbers anywhere)."""
+    return torch.stack([draw(g) for g in gens]).to(device)
+
+
 def _native(name: str, x: Tensor, gens: list[torch.Generator], s: int, table: str = "imagenet") -> Tensor:
     """The corruptions defined by a few array operations, with the constants of ``table``."""
     c = TABLES[table][name][s - 1]
     if name == "gaussian_noise":
-        return x + c * torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
+        return x + c * _draws(gens, lambda g: torch.randn(x.shape[1:], generator=g), x.device)
     if name == "speckle_noise":
-        return x + x * c * torch.stack([torch.randn(x.shape[1:], generator=g) for g in gens])
-    if name == "shot_noise":
-        return torch.stack([torch.poisson(xi * c, generator=g) for xi, g in zip(x, gens, strict=True)]) / c
+        return x + x * c * _draws(gens, lambda g: torch.randn(x.shape[1:], generator=g), x.device)
+    if name == "shot_noise":  # the Poisson draws need the images on the generators' side (the CPU)
+        rate = x.cpu() * c
+        counts = torch.stack([torch.poisson(xi, generator=g) for xi, g in zip(rate, gens, strict=True)])
+        return counts.to(x.device) / c
     if name == "impulse_noise":  # skimage's 's&p': each value flipped with prob. c, to 1 or 0 with prob. 1/2
-        out = x.clone()
-        for xi, oi, g in zip(x, out, gens, strict=True):
-            u = torch.rand((2, *xi.shape), generator=g)
-            flip = u[0] < c
-            oi[flip] = (u[1][flip] < 0.5).to(x.dtype)
-        return out
+        u = _draws(gens, lambda g: torch.rand((2, *x.shape[1:]), generator=g), x.device)
+        return torch.where(u[:, 0] < c, (u[:, 1] < 0.5).to(x.dtype), x)
     if name == "gaussian_blur":
         return _blur(x, c)
     if name == "contrast":
@@ -329,7 +336,7 @@ def _package(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tenso
     out = []
     state = np.random.get_state()
     try:
-        for img, g in zip(x, gens, strict=True):
+        for img, g in zip(x.cpu(), gens, strict=True):
             seed = _seed_of(g)
             np.random.seed(seed)
             u8 = (img.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
@@ -338,7 +345,7 @@ def _package(name: str, x: Tensor, gens: list[torch.Generator], s: int) -> Tenso
             out.append(torch.from_numpy(np.ascontiguousarray(res, dtype=np.float32) / 255.0).permute(2, 0, 1))
     finally:
         np.random.set_state(state)
-    return torch.stack(out).to(x.dtype)
+    return torch.stack(out).to(x.device, x.dtype)
 
 
 def corruption_key(name: str, severity: int) -> str:
@@ -356,7 +363,7 @@ def corrupt_batch(x01: Tensor, index: Tensor, seed: int, name: str, severity: in
     if table != "imagenet":
         check_backend([name], backend, table)
     gens = [image_generator(seed, corruption_key(name, s), int(i)) for i in index.tolist()]
-    x = x01.detach().to(torch.float32).cpu()
+    x = x01.detach().to(torch.float32)  # on the batch's device: only the draws and PIL's codecs use the CPU
     out = _package(name, x, gens, s) if needs_package(name, backend) else _native(name, x, gens, s, table)
     return out.clamp_(0, 1).to(x01.dtype)
 

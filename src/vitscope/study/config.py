@@ -60,6 +60,7 @@ class StudyConfig:
     output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
     cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
+    num_workers: int | None = None         # image-reading processes; null: usable cores - 1 for files, 0 in memory
     progress: bool = True                  # progress bars
 
 
@@ -234,6 +235,11 @@ def validate(cfg: StudyConfig) -> None:
     Range(1).check(cfg.batch_size, "batch_size")
     for name, d in study_datasets(cfg).items():
         check_counts("dataset" if d is cfg.dataset else f"datasets.{name}", d)
+    if cfg.num_workers is not None and (isinstance(cfg.num_workers, bool) or not isinstance(cfg.num_workers, int)
+                                        or cfg.num_workers < 0):
+        raise ConfigError(f"num_workers must be a whole number of processes, 0 or more (0 reads images in the "
+                          f"study's process; null: the usable cores minus one where images are read from files); got "
+                          f"{cfg.num_workers!r}")
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")

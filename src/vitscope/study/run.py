@@ -431,52 +431,44 @@ def _set_positions(batch: Any, ids: list[int], first: int) -> None:
             part.extra["position"] = torch.tensor([where[i] for i in index], dtype=torch.long)
 
 
-def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int,
-                  timings: dict[str, float] | None) -> Iterator[Any]:
+def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int, timings: dict[str, float] | None,
+                  num_workers: int | None = 0, device: torch.device | None = None) -> Iterator[Any]:
     """Chunks from ``start`` on as batches (one per chunk; a chunk none of whose images could be read
-    yields an empty marker so chunk numbers stay aligned), under ``view``."""
-    from vitscope.data.formats.common import NothingReadable
+    yields an empty marker so chunk numbers stay aligned), read by ``num_workers`` processes (None: `auto_workers`;
+    `vitscope.data.pipeline`), their images moved to ``device`` (pinned and non-blocking for a GPU), then
+    under ``view`` there."""
+    from vitscope.data.pipeline import auto_workers, chunk_batches
 
+    workers = auto_workers(src.dataset) if num_workers is None else num_workers
+    gpu = device is not None and device.type == "cuda"
     size = len(src.chunks[0]) if src.chunks else 0
-    for k, ids in enumerate(src.chunks[start:], start=start):
-        try:
-            got = list(src.dataset.batches(len(ids), pre, indices=ids))
-        except NothingReadable:
-            got = []
-        for path, reason in getattr(src.dataset, "skipped", []):
-            src.skipped.setdefault(str(path), str(reason))
-            src.read_here.add(str(path))
-        if not got:
-            yield None
-            continue
-        batch = got[0] if len(got) == 1 else _concat(got)
-        batch.dataset, batch.view = src.name, view
-        _set_positions(batch, ids, src.offset + k * size)
-        if view != CLEAN:
+    chunks = chunk_batches(src.dataset, src.chunks, pre, start, workers, pin_memory=gpu)
+    try:
+        for item in chunks:
+            k, batch = item.k, item.batch
+            for path, reason in getattr(src.dataset, "skipped", []):
+                src.skipped.setdefault(str(path), str(reason))
+                src.read_here.add(str(path))
+            if batch is None:
+                yield None
+                continue
+            batch.dataset, batch.view = src.name, view
+            _set_positions(batch, src.chunks[k], src.offset + k * size)
             t0 = time.perf_counter()
             for part in batch_parts(batch):
-                part.images = apply_view(part.images, part.index, view, pre.mean, pre.std, seed)
-            if timings is not None:
+                if device is not None and device.type != "cpu":
+                    part.images = part.images.to(device, non_blocking=gpu)
+                if view != CLEAN:
+                    part.images = apply_view(part.images, part.index, view, pre.mean, pre.std, seed)
+            if timings is not None and view != CLEAN:
                 timings[f"view {view}"] = timings.get(f"view {view}", 0.0) + time.perf_counter() - t0
-        yield batch
+            yield batch
+    finally:
+        chunks.close()  # the workers end with the pass, also when it fails or is interrupted
 
 
-def _concat(batches: list[Any]) -> Any:
-    from vitscope.data.base import Batch, RaggedBatch
-
-    parts = [p for b in batches for p in batch_parts(b)]
-    if len({tuple(p.images.shape[1:]) for p in parts}) > 1:
-        return RaggedBatch(parts)
-    first = batches[0]
-    out = Batch(images=torch.cat([b.images for b in batches]), index=torch.cat([b.index for b in batches]))
-    for f in ("labels", "masks", "parts", "objects", "keypoints", "boxes", "frames", "is_test"):
-        vals = [getattr(b, f) for b in batches]
-        if all(v is not None for v in vals):
-            setattr(out, f, torch.cat(vals))
-    if all(b.sequences is not None for b in batches):
-        out.sequences = [s for b in batches for s in b.sequences]
-    out.extra = dict(first.extra)
-    return out
+def _device(vm: Any) -> torch.device:
+    return next(vm.model.parameters()).device
 
 
 # ---------------------------------------------------------------- models
@@ -739,7 +731,7 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
         if on_batch is not None:
             on_batch(vm.name, b)
 
-    batches = _pass_batches(src, p[1], vm.preprocessing, cfg.seed, start, timings)
+    batches = _pass_batches(src, p[1], vm.preprocessing, cfg.seed, start, timings, cfg.num_workers, _device(vm))
     view = "" if p[1] == CLEAN else f" {p[1]}"
     desc = f"{vm.name} {p[0]}{view}" + (f" [{dist.rank}/{dist.world}]" if dist.world > 1 else "")
     try:
@@ -747,6 +739,7 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
                total=sum(len(c) for c in src.chunks[start:]), on_batch=after, first=start, seen=seen, desc=desc,
                timings=timings)
     except BaseException:
+        batches.close()  # the reading workers end first
         save()  # keep what is done: a rerun resumes from here
         raise
     for job, k in zip(jobs, seen, strict=True):
@@ -817,7 +810,8 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
     start = job.done.get(key, 0)
     last_save = time.monotonic()
     try:
-        for c, batch in enumerate(_pass_batches(src, CLEAN, vm_a.preprocessing, cfg.seed, start, None), start=start):
+        batches = _pass_batches(src, CLEAN, vm_a.preprocessing, cfg.seed, start, None, cfg.num_workers, _device(vm_a))
+        for c, batch in enumerate(batches, start=start):
             if batch is not None:
                 for part in batch_parts(batch):
                     job.analysis.update(vm_a, vm_b, part)
@@ -828,6 +822,7 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
             if on_batch is not None:
                 on_batch(f"{a}->{b}", c)
     except BaseException:
+        batches.close()
         _save_parts([job], cache, pkey, sources)
         raise
     _gather_skipped(sources, dist)

@@ -53,6 +53,8 @@ def _read(folder: Path, cls: type, train: bool, verify: bool) -> tuple[np.ndarra
 class Cifar(FileDataset):
     """CIFAR-``which`` (10 or 100), the ``train`` or test split, images (32, 32, 3) uint8 in memory."""
 
+    reads_files = False  # the images are in memory
+
     def __init__(self, root: str | Path, train: bool = False, which: int = 10, verify: bool = False,
                  name: str | None = None):
         super().__init__()

@@ -138,6 +138,9 @@ class FileDataset:
     #: how images reach the model (`vitscope.data.transforms.Framing`); formats whose protocol is full-frame
     #: (DAVIS, SPair-71k, revisited Oxford / Paris) set ``crop='full'`` by default
     framing: Framing = Framing()
+    #: items cost a file's decoding (a study reads them in worker processes: `vitscope.data.pipeline`); False
+    #: for formats that hold their images in memory
+    reads_files: bool = True
 
     def __init__(self) -> None:
         self.skipped: list[tuple[str, str]] = []
@@ -160,9 +163,13 @@ class FileDataset:
 
     def _skip(self, e: Unreadable, new: list[tuple[str, str]]) -> None:
         new.append((e.path, e.reason))
-        if e.path not in self._skipped_paths:
-            self._skipped_paths.add(e.path)
-            self.skipped.append((e.path, e.reason))
+        self.note_skipped(e.path, e.reason)
+
+    def note_skipped(self, path: str, reason: str) -> None:
+        """Record an unreadable image once (also one that a worker process's copy of the dataset met)."""
+        if path not in self._skipped_paths:
+            self._skipped_paths.add(path)
+            self.skipped.append((path, reason))
 
     def _report(self, new: list[tuple[str, str]], tried: int, read: int, finished: bool) -> None:
         if new:

@@ -22,6 +22,8 @@ class Cifar10Test1k(FileDataset):
     ``vitscope/data/shipped/README.md``). Item ``i`` is class ``i // 100``:
     sorted by class, so a study's ``n_images`` below 1,000 takes an even spread that keeps every class."""
 
+    reads_files = False  # the images are in memory
+
     def __init__(self, name: str = "cifar10-test-1k"):
         super().__init__()
         with np.load(shipped_path(CIFAR10_TEST_1K), allow_pickle=False) as z:
