@@ -1,0 +1,97 @@
+"""Pure functions of a mechanistic lens: attention rollout, a logit lens readout, high-norm token outliers.
+
+* :func:`fuse_heads` / :func:`rollout_step` / :func:`attention_rollout`: attention rollout (Abnar and Zuidema
+  2020) with the options of the public vit-explain code (head fusion mean / max / min, a discard ratio of the
+  weakest fused weights, the residual added as ``0.5 A + 0.5 I``), each row renormalised to sum 1 (vit-explain
+  divides by ``a.sum(dim=-1)`` without ``keepdim``, which broadcasts the row sums over columns; here rows).
+* :func:`kl_to_final`: KL(final || block) of two sets of logits, per image.
+* :func:`robust_outliers`: tokens whose norm lies above ``median + k * 1.4826 * MAD`` of their own image's
+  patch-token norms (the normal-consistent MAD), per image.
+
+Tensors in, tensors out; no I/O (``vitscope.metrics`` conventions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "attention_rollout", "fuse_heads", "kl_to_final", "robust_outliers",
+           "rollout_step"]
+
+HEAD_FUSIONS = ("mean", "max", "min")
+MAD_SCALE = 1.4826
+"""The MAD times this estimates the standard deviation of a normal distribution."""
+
+
+def fuse_heads(attn: Tensor, head_fusion: Literal["mean", "max", "min"] = "mean") -> Tensor:
+    """``(B, H, T, T) -> (B, T, T)``: the heads' attention fused by their mean, maximum or minimum."""
+    if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be (B, H, T, T), got shape {tuple(attn.shape)}")
+    if head_fusion == "mean":
+        return attn.mean(1)
+    if head_fusion == "max":
+        return attn.amax(1)
+    if head_fusion == "min":
+        return attn.amin(1)
+    raise ValueError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {head_fusion!r}")
+
+
+def rollout_step(fused: Tensor, discard_ratio: float = 0.0) -> Tensor:
+    """One layer's rollout factor from its fused attention ``(B, T, T)``.
+
+    The ``floor(discard_ratio * T * T)`` smallest entries of each image's fused matrix are set to 0 (ties: the
+    lower flat index goes first, a stable sort), except entry (0, 0), the first token's attention to itself,
+    which vit-explain never discards; then ``0.5 * fused + 0.5 * I`` with each row divided by its sum."""
+    if not 0.0 <= float(discard_ratio) < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    B, T, _ = fused.shape
+    a = fused
+    n = int(discard_ratio * T * T)
+    if n:
+        flat = fused.reshape(B, T * T).clone()
+        order = torch.sort(flat, dim=-1, stable=True).indices[:, :n]
+        keep_first = order != 0
+        flat.scatter_(-1, order, torch.where(keep_first, 0.0, flat.gather(-1, order)))
+        a = flat.reshape(B, T, T)
+    a = 0.5 * a + 0.5 * torch.eye(T, dtype=a.dtype, device=a.device)
+    return a / a.sum(-1, keepdim=True)
+
+
+def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max", "min"] = "mean",
+                      discard_ratio: float = 0.0, query: int = 0) -> Tensor:
+    """The rollout up to each block, row ``query`` (the CLS token by default): ``(B, L, T)``.
+
+    ``attns`` are the attention probabilities ``(B, H, T, T)`` of blocks 0 .. L-1 in order. The rollout up to
+    block l is ``R_l = F_l F_{l-1} ... F_0`` (`rollout_step` factors); row ``query`` of it is computed from
+    the left, ``e_q^T F_l`` times the earlier factors, so no ``T x T`` product of matrices is formed:
+    O(L^2 T^2) per image instead of O(L T^3)."""
+    if not attns:
+        raise ValueError("attention_rollout needs the attention of at least one block")
+    factors = [rollout_step(fuse_heads(a, head_fusion), discard_ratio) for a in attns]
+    rows = []
+    for lay in range(len(factors)):
+        v = factors[lay][:, query:query + 1, :]  # (B, 1, T)
+        for m in range(lay - 1, -1, -1):
+            v = torch.bmm(v, factors[m])
+        rows.append(v[:, 0])
+    return torch.stack(rows, 1)
+
+
+def kl_to_final(logits: Tensor, final_logits: Tensor) -> Tensor:
+    """``(N,)`` float64 KL(softmax(final) || softmax(logits)) per row, in nats."""
+    lp = torch.log_softmax(logits.double(), -1)
+    lq = torch.log_softmax(final_logits.double(), -1)
+    return (lq.exp() * (lq - lp)).sum(-1)
+
+
+def robust_outliers(norms: Tensor, k: float = 6.0) -> Tensor:
+    """``(..., N) -> (..., N)`` bool: entries above ``median + k * MAD_SCALE * MAD`` of their own last axis
+    (the lower median of an even count, as ``torch.median``). A row whose MAD is 0 flags entries above its
+    median, so a single token raised over identical ones is found."""
+    med = norms.median(-1, keepdim=True).values
+    mad = (norms - med).abs().median(-1, keepdim=True).values
+    return norms > med + k * MAD_SCALE * mad

@@ -1,0 +1,180 @@
+"""The mechanistic lens (attention rollout, logit lens, high-norm tokens) against slow references written here
+(loops and numpy, no code shared with vitscope.metrics.mechanistic), constructed cases with expected values
+derived by hand, and the accumulator protocol (merge, resume)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_analyses_attention import _ref_iou, _sem, _token_masks
+
+import vitscope as vs
+from conftest import tiny
+from vitscope.analyses import get_analysis
+from vitscope.capture import stream
+from vitscope.data import SyntheticShapes
+from vitscope.metrics import mechanistic as M
+
+
+def _batches(vm, n=7, bs=3, seed=1):
+    return list(SyntheticShapes(n=n, seed=seed).batches(bs, vm.preprocessing))
+
+
+def _stream(name, vm, batches, **params):
+    a = get_analysis(name)(vm, **params)
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+def _fed(name, vm, batches, **params):
+    a = get_analysis(name)(vm, **params)
+    for b in batches:
+        with vs.Capture(vm, a.required_taps()) as cap:
+            a.update(cap(b.images), b)
+    return a
+
+
+def _rows(df, **where):
+    for k, v in where.items():
+        df = df[df[k] == v]
+    return df
+
+
+def _random_attention(B, H, T, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.softmax(3 * torch.randn(B, H, T, T, generator=g, dtype=torch.float64), -1) for _ in range(L)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# rollout: slow reference (numpy, full matrix products, one image at a time)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ref_rollout(attns, fusion, ratio):
+    """(B, L, T): CLS row of R_l = F_l ... F_0, matrices multiplied in full with numpy, image by image."""
+    B, H, T, _ = attns[0].shape
+    out = np.zeros((B, len(attns), T))
+    for b in range(B):
+        R = np.eye(T)
+        for lay, a in enumerate(attns):
+            heads = [a[b, h].numpy() for h in range(H)]
+            f = {"mean": sum(heads) / H, "max": np.maximum.reduce(heads), "min": np.minimum.reduce(heads)}[fusion]
+            f = f.copy()
+            flat = f.reshape(-1)
+            drop = [i for i in np.argsort(flat, kind="stable")[:int(ratio * T * T)] if i != 0]
+            flat[drop] = 0.0
+            a2 = 0.5 * f + 0.5 * np.eye(T)
+            for r in range(T):
+                a2[r] = a2[r] / a2[r].sum()
+            R = a2 @ R
+            out[b, lay] = R[0]
+    return out
+
+
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.9])
+def test_rollout_matches_a_loop_over_layers_on_random_attention(fusion, ratio):
+    attns = _random_attention(B=3, H=4, T=7, L=4)
+    got = M.attention_rollout(attns, fusion, ratio)
+    assert got.shape == (3, 4, 7)
+    assert got.numpy() == pytest.approx(_ref_rollout(attns, fusion, ratio), abs=1e-12)
+    assert got.sum(-1).numpy() == pytest.approx(np.ones((3, 4)))  # rows of a product of row-stochastic factors
+
+
+def test_identity_attention_everywhere_gives_the_residual_only_rollout():
+    T = 6
+    eye = torch.eye(T, dtype=torch.float64).expand(2, 3, T, T).clone()
+    got = M.attention_rollout([eye] * 5, "mean", 0.0, query=2)
+    assert torch.equal(got, torch.eye(T, dtype=torch.float64)[2].expand(2, 5, T))  # the token itself, exactly
+
+
+def test_discard_ratio_zeroes_the_smallest_weights_but_never_the_first_tokens_own():
+    fused = torch.tensor([[[0.01, 0.50, 0.49], [0.20, 0.30, 0.50], [0.05, 0.15, 0.80]]], dtype=torch.float64)
+    # floor(0.45 * 9) = 4 smallest: 0.01 (entry (0, 0): kept), 0.05, 0.15, 0.20 -> zeroed
+    kept = np.array([[0.01, 0.50, 0.49], [0.0, 0.30, 0.50], [0.0, 0.0, 0.80]]) * 0.5 + 0.5 * np.eye(3)
+    expected = kept / kept.sum(1, keepdims=True)
+    assert M.rollout_step(fused, 0.45)[0].numpy() == pytest.approx(expected, abs=1e-15)
+    plain = (0.5 * fused[0].numpy() + 0.5 * np.eye(3))
+    assert M.rollout_step(fused, 0.0)[0].numpy() == pytest.approx(plain / plain.sum(1, keepdims=True), abs=1e-15)
+    # 1/9 of the entries rounds down to 1 discarded: the smallest is (0, 0), kept, so nothing changes
+    assert torch.equal(M.rollout_step(fused, 0.12), M.rollout_step(fused, 0.0))
+    with pytest.raises(ValueError, match="discard_ratio"):
+        M.rollout_step(fused, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["vit", "reg"])
+def test_rollout_analysis_maps_and_iou_match_the_references(kind):
+    vm = tiny(kind)
+    batches = _batches(vm, n=6, bs=4)
+    df = _stream("attention_rollout", vm, batches, head_fusion="max", discard_ratio=0.2).finalize()
+    x = torch.cat([b.images for b in batches])
+    feats = vs.extract(vm, x, [f"block{i}.attn" for i in range(vm.depth)])
+    attns = [feats[f"block{i}.attn"].double() for i in range(vm.depth)]
+    ref = _ref_rollout(attns, "max", 0.2)
+    p, B = vm.num_prefix_tokens, 6
+    gt = _token_masks(torch.cat([b.masks for b in batches]), vm.grid_size)
+    assert (df.n_images == B).all() and (df.n_masked == B).all()
+    for i in range(vm.depth):
+        maps = ref[:, i, p:] / ref[:, i, p:].sum(1, keepdims=True)
+        got = _rows(df, metric="rollout_map", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert got == pytest.approx(maps.mean(0), abs=1e-6)
+        roll = [_ref_iou(torch.from_numpy(maps[b]), gt[b], 0.6) for b in range(B)]
+        cls = [_ref_iou(attns[i][b, :, 0, p:].mean(0), gt[b], 0.6) for b in range(B)]
+        for metric, vals in (("iou_rollout", roll), ("iou_cls_attention", cls),
+                             ("iou_gain", [r - c for r, c in zip(roll, cls, strict=True)])):
+            row = _rows(df, metric=metric, layer=i)
+            assert len(row) == 1 and row.value.iloc[0] == pytest.approx(np.mean(vals), abs=1e-6)  # float32 IoU
+            assert row.stderr.iloc[0] == pytest.approx(float(_sem(vals)), rel=1e-4, abs=1e-9)
+    # the last block's CLS attention scored here is saliency_iou's heads-merged CLS row, exactly
+    sal = _stream("saliency_iou", vm, batches, queries="cls").finalize()
+    for i in range(vm.depth):
+        a = _rows(sal, metric="iou_merged", layer=i).value.iloc[0]
+        assert _rows(df, metric="iou_cls_attention", layer=i).value.iloc[0] == pytest.approx(a, abs=1e-12)
+
+
+@pytest.mark.parametrize("name,params", [("attention_rollout", {"layers": [0, 2], "discard_ratio": 0.1})])
+def test_merge_of_two_parts_and_resume_equal_one_pass(name, params):
+    vm = tiny("reg")
+    batches = _batches(vm, n=7, bs=3)
+    whole = _fed(name, vm, batches, **params)
+    first, second = _fed(name, vm, batches[2:], **params), _fed(name, vm, batches[:2], **params)
+    first.merge(second)
+    part = _fed(name, vm, batches[:1], **params)
+    resumed = get_analysis(name)(vm, **params)
+    resumed.load_state_dict(part.state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert list(got.columns) == list(ref.columns) and len(got) == len(ref)
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)
+    with pytest.raises(vs.VitscopeError, match="different settings"):
+        whole.merge(get_analysis(name)(vm, **{**params, "discard_ratio": 0.0}))
+
+
+def test_rollout_refuses_bad_parameters_in_one_sentence():
+    vm = tiny("vit")
+    with pytest.raises(vs.VitscopeError, match="head_fusion"):
+        get_analysis("attention_rollout")(vm, head_fusion="median")
+    with pytest.raises(vs.VitscopeError, match="discard_ratio"):
+        get_analysis("attention_rollout")(vm, discard_ratio=1.0)
+
+
+def test_rollout_of_a_model_without_cls_token_is_empty_with_a_warning():
+    vm = vs.load_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48, depth=2,
+                       num_heads=3, class_token=False, global_pool="avg")
+    a = get_analysis("attention_rollout")(vm)
+    assert a.required_taps() == []
+    stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
+    with pytest.warns(UserWarning, match="no CLS token"):
+        assert len(a.finalize()) == 0
+
+
+_ = (math, pd)
