@@ -178,3 +178,109 @@ def test_rollout_of_a_model_without_cls_token_is_empty_with_a_warning():
 
 
 _ = (math, pd)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# logit lens: the head applied by hand (layer norm and a matrix product), KL and agreement with numpy
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _labelled(batches, classes):
+    """The batches with labels folded into ``classes`` classes (the synthetic set has 12)."""
+    return [vs.data.Batch(images=b.images, index=b.index, labels=b.labels % classes, masks=b.masks) for b in batches]
+
+
+def _ref_head(vm, out):
+    """Logits of a block output read as the model reads its last one, written out: layer norm, CLS, linear."""
+    m = vm.model
+    x = torch.nn.functional.layer_norm(out.double(), m.norm.normalized_shape, m.norm.weight.double(),
+                                       m.norm.bias.double(), m.norm.eps)[:, 0]
+    return (x @ m.head.weight.double().T + m.head.bias.double()).detach()
+
+
+def _np_kl(p_logits, q_logits):
+    """KL(softmax(q) || softmax(p)) per row, numpy."""
+    def logsm(z):
+        z = z - z.max(1, keepdims=True)
+        return z - np.log(np.exp(z).sum(1, keepdims=True))
+    lp, lq = logsm(np.asarray(p_logits)), logsm(np.asarray(q_logits))
+    return (np.exp(lq) * (lq - lp)).sum(1)
+
+
+def test_logit_lens_with_a_head_matches_the_head_applied_by_hand_and_is_the_model_at_the_last_block():
+    from vitscope.metrics.robustness import CIFAR10_CLASSES
+
+    vm = tiny("vit", num_classes=10)
+    batches = _labelled(_batches(vm, n=10, bs=4), 10)
+    a = get_analysis("logit_lens")(vm, head_classes="cifar10")
+    a.configure({"data": list(CIFAR10_CLASSES)})
+    stream(vm, batches, [a], progress=False)
+    df = a.finalize()
+    x = torch.cat([b.images for b in batches])
+    y = torch.cat([b.labels for b in batches]).numpy()
+    feats = vs.extract(vm, x, [f"block{i}.out" for i in range(vm.depth)] + ["logits"])
+    final = feats["logits"].double().numpy()
+    assert set(df.readout) == {"head"} and (df.n_images == 10).all()
+    for i in range(vm.depth):
+        lg = _ref_head(vm, feats[f"block{i}.out"]).numpy()
+        kl = _np_kl(lg, final)
+        got = _rows(df, metric="kl_to_final", layer=i)
+        assert got.value.iloc[0] == pytest.approx(kl.mean(), rel=1e-4, abs=1e-6)
+        assert got.stderr.iloc[0] == pytest.approx(kl.std(ddof=1) / np.sqrt(10), rel=1e-3, abs=1e-6)
+        agree = _rows(df, metric="agreement_with_final", layer=i)
+        assert agree.value.iloc[0] == pytest.approx(np.mean(lg.argmax(1) == final.argmax(1)))
+        acc = _rows(df, metric="top1_accuracy", layer=i)
+        assert acc.value.iloc[0] == pytest.approx(np.mean(lg.argmax(1) == y)) and acc.n.iloc[0] == 10
+        assert acc.value_lo.iloc[0] <= acc.value.iloc[0] <= acc.value_hi.iloc[0]
+    last = vm.depth - 1
+    assert _rows(df, metric="kl_to_final", layer=last).value.iloc[0] == 0.0  # the model's own readout, exactly
+    assert _rows(df, metric="agreement_with_final", layer=last).value.iloc[0] == 1.0
+    acc_last = _rows(df, metric="top1_accuracy", layer=last).value.iloc[0]
+    assert acc_last == np.mean(final.argmax(1) == y)
+
+
+def test_logit_lens_reports_no_accuracy_when_the_head_does_not_cover_the_classes():
+    vm = tiny("vit", num_classes=10)
+    a = _stream("logit_lens", vm, _batches(vm, n=4, bs=4))  # 12 synthetic classes, an unknown 10-way head
+    df = a.finalize()
+    assert set(df.metric) == {"kl_to_final", "agreement_with_final"}
+
+
+def test_logit_lens_without_a_head_fits_one_probe_on_the_last_block_and_applies_it_everywhere():
+    from vitscope.analyses.splits import stratified_test
+    from vitscope.metrics.semantics import fit_probe
+
+    vm = tiny("vit", num_classes=0)
+    batches = _batches(vm, n=48, bs=8)  # 4 images of each of the 12 classes: one test image each
+    with pytest.raises(vs.VitscopeError, match="classifier head"):
+        get_analysis("logit_lens")(vm, readout="head")
+    df = _stream("logit_lens", vm, batches, test_every=3).finalize()
+    x = torch.cat([b.images for b in batches])
+    ids = torch.cat([b.index for b in batches])
+    y = torch.cat([b.labels for b in batches])
+    feats = vs.extract(vm, x, [f"block{i}.out" for i in range(vm.depth)])
+    m = vm.model
+    pooled = [torch.nn.functional.layer_norm(feats[f"block{i}.out"], m.norm.normalized_shape, m.norm.weight,
+                                             m.norm.bias, m.norm.eps)[:, 0].detach() for i in range(vm.depth)]
+    test = stratified_test(ids, y, 3)
+    assert set(df.readout) == {f"probe fitted on block {vm.depth - 1}"}
+    final = fit_probe(pooled[-1][~test], y[~test], pooled[-1][test], y[test], warn=False)
+    for i in range(vm.depth):
+        fit = fit_probe(pooled[-1][~test], y[~test], pooled[i][test], y[test], warn=False)
+        acc = _rows(df, metric="top1_accuracy", layer=i)
+        assert acc.value.iloc[0] == pytest.approx(fit.accuracy, abs=1e-12) and acc.n.iloc[0] == int(test.sum())
+        agree = _rows(df, metric="agreement_with_final", layer=i).value.iloc[0]
+        assert agree == pytest.approx(float((fit.scores.argmax(1) == final.scores.argmax(1)).double().mean()))
+    assert _rows(df, metric="kl_to_final", layer=vm.depth - 1).value.iloc[0] == 0.0
+    # shards in any order and a resumed part give the same table
+    whole = _fed("logit_lens", vm, batches, test_every=3)
+    first, second = _fed("logit_lens", vm, batches[2:], test_every=3), _fed("logit_lens", vm, batches[:2], test_every=3)
+    first.merge(second)
+    resumed = get_analysis("logit_lens")(vm, test_every=3)
+    resumed.load_state_dict(_fed("logit_lens", vm, batches[:1], test_every=3).state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        assert other.finalize().value.to_numpy() == pytest.approx(ref.value.to_numpy(), abs=1e-9, nan_ok=True)
