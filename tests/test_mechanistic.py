@@ -4,10 +4,7 @@ derived by hand, and the accumulator protocol (merge, resume)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 from test_analyses_attention import _ref_iou, _sem, _token_masks
@@ -177,7 +174,6 @@ def test_rollout_of_a_model_without_cls_token_is_empty_with_a_warning():
         assert len(a.finalize()) == 0
 
 
-_ = (math, pd)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -284,3 +280,158 @@ def test_logit_lens_without_a_head_fits_one_probe_on_the_last_block_and_applies_
     ref = whole.finalize()
     for other in (first, resumed):
         assert other.finalize().value.to_numpy() == pytest.approx(ref.value.to_numpy(), abs=1e-9, nan_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# high-norm tokens: per-image loops over tokens in numpy, and a planted artifact
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _np_outliers(norms, k):
+    """Per row: norm > lower median + k * 1.4826 * lower-median absolute deviation, by sorting in numpy."""
+    out = np.zeros(norms.shape, dtype=bool)
+    for b, row in enumerate(np.asarray(norms)):
+        med = np.sort(row)[(len(row) - 1) // 2]
+        dev = np.abs(row - med)
+        mad = np.sort(dev)[(len(dev) - 1) // 2]
+        out[b] = row > med + k * 1.4826 * mad
+    return out
+
+
+def test_robust_outliers_match_a_sorting_reference_and_find_one_raised_token_among_equal_ones():
+    g = torch.Generator().manual_seed(3)
+    norms = torch.randn(5, 17, generator=g, dtype=torch.float64).exp()
+    for k in (1.0, 3.0):
+        assert np.array_equal(M.robust_outliers(norms, k).numpy(), _np_outliers(norms.numpy(), k))
+    flat = torch.ones(2, 6, dtype=torch.float64)
+    flat[1, 4] = 1.5
+    assert M.robust_outliers(flat, 6.0).tolist() == [[False] * 6, [False] * 4 + [True, False]]
+
+
+def _ref_high_norm(vm, batches, k):
+    """Per layer: outliers per image, patch variance and foreground share of outliers and of all tokens, CLS
+    attention of the next block on the outliers, min and max patch norm -- loops over images and tokens."""
+    x = torch.cat([b.images for b in batches]).double()
+    masks = _token_masks(torch.cat([b.masks for b in batches]), vm.grid_size).numpy()
+    taps = [f"block{i}.out" for i in range(vm.depth)] + [f"block{i}.attn" for i in range(vm.depth)]
+    feats = vs.extract(vm, x.float(), taps)
+    p, (h, w), ps = vm.num_prefix_tokens, vm.grid_size, vm.patch_size
+    B = x.shape[0]
+    var = np.zeros((B, h * w))
+    for b in range(B):
+        for r in range(h):
+            for c in range(w):
+                var[b, r * w + c] = x[b, :, r * ps:(r + 1) * ps, c * ps:(c + 1) * ps].numpy().var()
+    out = {}
+    for i in range(vm.depth):
+        norms = np.linalg.norm(feats[f"block{i}.out"][:, p:].double().numpy(), axis=-1)
+        flags = _np_outliers(norms, k)
+        res = {"count": flags.sum(1), "var_out": var[flags], "var_all": var.reshape(-1), "fg_out": masks[flags],
+               "min": norms.min(), "max": norms.max(), "flags": flags, "norms": norms.reshape(-1)}
+        if i + 1 < vm.depth:
+            cls = feats[f"block{i + 1}.attn"][:, :, 0].double().mean(1).numpy()
+            res["absorbed"] = [cls[b, p:][flags[b]].sum() for b in range(B) if flags[b].any()]
+        out[i] = res
+    return out
+
+
+@pytest.mark.parametrize("kind", ["vit", "reg"])
+def test_high_norm_tokens_match_a_loop_reference(kind):
+    vm = tiny(kind)
+    batches = _batches(vm, n=6, bs=4)
+    df = _stream("high_norm_tokens", vm, batches, k=1.0, knn=False).finalize()
+    ref = _ref_high_norm(vm, batches, 1.0)
+    for i, r in ref.items():
+        q = _rows(df, metric="norm_quantile", layer=i, token_view="spatial")
+        assert _rows(q, quantile=0.0).value.iloc[0] == pytest.approx(r["min"], rel=1e-9)
+        assert _rows(q, quantile=1.0).value.iloc[0] == pytest.approx(r["max"], rel=1e-9)
+        assert (np.diff(q.sort_values("quantile").value.to_numpy()) >= 0).all()
+        for level in (0.25, 0.5, 0.75):  # the histogram's bins are 0.01 decade (2.3 %) wide
+            want = np.sort(r["norms"])[int(np.ceil(level * len(r["norms"]))) - 1]
+            assert _rows(q, quantile=level).value.iloc[0] == pytest.approx(want, rel=0.024)
+        assert _rows(df, metric="outliers_per_image", layer=i).value.iloc[0] == pytest.approx(r["count"].mean())
+        share = _rows(df, metric="images_with_outliers", layer=i).value.iloc[0]
+        assert share == pytest.approx(np.mean(r["count"] > 0))
+        for metric, tokens, vals in (("patch_variance", "outliers", r["var_out"]), ("patch_variance", "all",
+                                     r["var_all"]), ("foreground_share", "outliers", r["fg_out"])):
+            got = _rows(df, metric=metric, layer=i, tokens=tokens)
+            assert got.value.iloc[0] == pytest.approx(np.mean(vals), rel=1e-5) and got.n.iloc[0] == len(vals)
+        pos = _rows(df, metric="outlier_position", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert np.array_equal(pos, r["flags"].sum(0))
+        if "absorbed" in r:
+            got = _rows(df, metric="cls_attention_absorbed", layer=i, tokens="outliers").value.iloc[0]
+            assert got == pytest.approx(np.mean(r["absorbed"]), rel=1e-5)
+        else:
+            assert _rows(df, metric="cls_attention_absorbed", layer=i).empty  # the last block: no next attention
+    regs = df[df.token_view == "register"]
+    assert (len(regs) > 0) == (vm.num_prefix_tokens > 1)
+
+
+def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
+    vm = tiny("vit")
+    batches = _batches(vm, n=6, bs=3)
+    token, block = 5, 1  # patch token 5 (row 1, column 1 of the 4x4 grid) raised 50-fold after block 1
+
+    def plant(module, args, out):
+        out = out.clone()
+        out[:, vm.num_prefix_tokens + token] *= 50
+        return out
+
+    clean = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    handle = vm.model.blocks[block].register_forward_hook(plant)
+    try:
+        df = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    finally:
+        handle.remove()
+
+    def at(table, layer):
+        return _rows(table, metric="outlier_position", layer=layer, row=token // 4, col=token % 4).value.iloc[0]
+
+    assert at(df, block) == 6  # every image
+    for earlier in range(block):
+        assert at(df, earlier) == at(clean, earlier) < 6
+    assert _rows(df, metric="images_with_outliers", layer=block).value.iloc[0] == 1.0
+
+
+def test_knn_of_outlier_tokens_against_random_tokens_matches_the_semantics_rule():
+    from vitscope.analyses.splits import stratified_test
+    from vitscope.metrics.semantics import knn_classify
+
+    vm = tiny("vit")
+    batches = _batches(vm, n=36, bs=12)
+    df = _stream("high_norm_tokens", vm, batches, k=1.0, layers=[1], test_every=3).finalize()
+    x = torch.cat([b.images for b in batches])
+    ids, y = torch.cat([b.index for b in batches]), torch.cat([b.labels for b in batches])
+    tok = vs.extract(vm, x, ["block1.out"])["block1.out"][:, 1:].float()
+    flags = torch.from_numpy(_np_outliers(tok.double().norm(dim=-1).numpy(), 1.0))
+    sel = flags.any(1)
+    mean_out = torch.stack([tok[b][flags[b]].mean(0) for b in range(len(tok)) if flags[b].any()]).half().float()
+    S = tok.shape[1]
+    rand = torch.stack([tok[b, (int(ids[b]) * 2654435761 + 2 * 40503) % S] for b in range(len(tok))])
+    rand = rand[sel].half().float()
+    test = stratified_test(ids[sel], y[sel], 3)
+    for tokens, feats in (("outliers", mean_out), ("random_patch", rand)):
+        want = knn_classify(feats[~test], y[sel][~test], feats[test], y[sel][test], ks=(20,))[20][0]
+        got = _rows(df, metric="knn_accuracy", layer=1, tokens=tokens)
+        assert got.value.iloc[0] == pytest.approx(want) and got.n.iloc[0] == int(test.sum())
+
+
+def test_high_norm_tokens_merge_and_resume_equal_one_pass():
+    vm = tiny("reg")
+    batches = _batches(vm, n=9, bs=3)
+    params = {"k": 1.0, "test_every": 2}
+    whole = _fed("high_norm_tokens", vm, batches, **params)
+    first, second = _fed("high_norm_tokens", vm, batches[2:], **params), _fed("high_norm_tokens", vm, batches[:2],
+                                                                              **params)
+    first.merge(second)
+    resumed = get_analysis("high_norm_tokens")(vm, **params)
+    resumed.load_state_dict(_fed("high_norm_tokens", vm, batches[:1], **params).state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert len(got) == len(ref)
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)

@@ -442,3 +442,263 @@ class LogitLens(_Mechanistic):
             correct = float((scores[j].argmax(-1) == y[test]).double().sum())
             rows.append(self._share("top1_accuracy", i, correct, m, readout))
         return rows
+
+
+NORM_BINS = torch.logspace(-3, 6, 901, dtype=torch.float64)
+"""Edges of the norm histogram: 900 bins of 0.01 decade (2.3 % wide) from 1e-3 to 1e6; norms outside land in
+the first or last bin (the exact minimum and maximum are kept beside)."""
+QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99)
+
+
+def _quantiles(hist: torch.Tensor, qs: Sequence[float]) -> list[float]:
+    """Quantiles of the values a histogram on `NORM_BINS` counted: the geometric centre of the bin that holds
+    the q-th value (2.3 % resolution); NaN when it counted nothing."""
+    n = float(hist.sum())
+    if n == 0:
+        return [float("nan")] * len(qs)
+    cum = hist.double().cumsum(0)
+    centres = (NORM_BINS[:-1] * NORM_BINS[1:]).sqrt()
+    return [float(centres[int(torch.searchsorted(cum, q * n).clamp_max(len(centres) - 1))]) for q in qs]
+
+
+def _random_token(ids: torch.Tensor, layer: int, n_tokens: int) -> torch.Tensor:
+    """A patch token per image, fixed by (image id, block) alone: the same in every shard and resumed run."""
+    return (ids.long() * 2654435761 + (layer + 1) * 40503) % n_tokens
+
+
+@register_analysis
+class HighNormTokens(_Mechanistic):
+    """High-norm artifact tokens (Darcet et al. 2024) per block, from the residual stream after the block
+    (``block{i}.out``) and the next block's attention (which reads it).
+
+    Rule: a patch token is an outlier at a block when its norm exceeds ``median + k * 1.4826 * MAD`` of its
+    own image's patch-token norms at that block (`vitscope.metrics.mechanistic.robust_outliers`; the MAD scaled
+    to a normal standard deviation, ``k`` = 6 by default). Table:
+
+    * ``norm_quantile``: per (layer, ``quantile``), the distribution of patch-token norms over every token of
+      every image (a 0.01-decade histogram; ``quantile`` 0 and 1 are the exact minimum and maximum); with
+      registers (more than one prefix token), the register tokens' norms too (``token_view`` = ``register``);
+    * ``outliers_per_image``: mean count per image (``stderr``, interval); ``images_with_outliers``: share of
+      images with at least one (Wilson interval);
+    * ``outlier_position``: per (layer, ``row``, ``col``), how many images have an outlier at that patch;
+    * ``patch_variance``: mean pixel variance (of the model's normalised input) of the patch under the token,
+      ``tokens`` = ``outliers`` or ``all`` (artifacts sit in redundant, low-variance background patches);
+      ``foreground_share``: share of tokens on the foreground mask (masks: same rule as ``saliency_iou``),
+      outliers vs all (means over tokens; the stderr treats tokens as independent);
+    * ``cls_attention_absorbed``: per image with outliers, the head-averaged CLS attention mass the next block
+      puts on them (``tokens`` = ``outliers``), beside the mass uniform attention would give that many tokens
+      (``uniform``); with registers, the mass on the registers (``registers``); not at the last block;
+    * ``knn_accuracy``: with labels and ``knn``, weighted 20-NN accuracy (DINO's rule) of the mean outlier token
+      of each image that has one, against one random patch token of the same images (``tokens`` =
+      ``outliers`` / ``random_patch``; Wilson intervals; at most ``max_images`` images kept, float16; test split
+      as the semantics analysis's).
+    """
+
+    name = "high_norm_tokens"
+    description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
+    _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
+    _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
+
+    def __init__(self, vm: Any, layers: Any = None, k: Annotated[float, Range(0, open_lo=True)] = 6.0,
+                 knn: bool = True, knn_k: Annotated[int, Range(1)] = 20, max_images: Annotated[int, Range(1)] = 1000,
+                 test_every: Annotated[int, Range(2)] = 5):
+        from vitscope.analyses.splits import check_test_every
+
+        super().__init__(vm)
+        if not float(k) > 0:
+            raise VitscopeError(f"{self.name}: k must be positive, got {k}")
+        self.layers = self.layers_param(layers)
+        self.k, self.knn, self.knn_k = float(k), bool(knn), int(knn_k)
+        self.max_images, self.test_every = int(max_images), check_test_every(test_every, self.name)
+        L = len(self.layers)
+        for name in self._MEANS:
+            setattr(self, name, _Means(L))
+        self.hist = torch.zeros(L, len(NORM_BINS) - 1, dtype=torch.float64)
+        self.reg_hist = torch.zeros_like(self.hist)
+        self.lo_hi = torch.zeros(L, 4, dtype=torch.float64)  # min, -max of patches; min, -max of registers
+        self.lo_hi[:] = float("inf")
+        self.positions = torch.zeros(L, *self.grid_size, dtype=torch.float64)
+        self.with_outliers = torch.zeros(L, dtype=torch.float64)
+        self.n_masked = 0
+        self.ids = torch.zeros(0, dtype=torch.long)
+        self.labels = torch.zeros(0, dtype=torch.long)
+        self.has_out = torch.zeros(0, L, dtype=torch.bool)
+        self.out_feats = torch.zeros(0, L, 0, dtype=torch.float16)
+        self.rand_feats = torch.zeros(0, L, 0, dtype=torch.float16)
+
+    def _settings(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "k": self.k, "knn": self.knn, "knn_k": self.knn_k,
+                "max_images": self.max_images, "test_every": self.test_every}
+
+    def required_taps(self) -> list[str]:
+        nxt = [f"block{i + 1}.attn" for i in self.layers if i + 1 < self.depth] if self.has_cls_token else []
+        return [f"block{i}.out" for i in self.layers] + nxt
+
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        self.positions = torch.zeros(len(self.layers), *grid, dtype=torch.float64)
+
+    @staticmethod
+    def _hist(norms: torch.Tensor) -> torch.Tensor:
+        idx = (torch.searchsorted(NORM_BINS.to(norms.device), norms.double().reshape(-1), right=True) - 1)
+        return torch.bincount(idx.clamp(0, len(NORM_BINS) - 2), minlength=len(NORM_BINS) - 1).double().cpu()
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        g, p = self.pass_grid(batch), self.num_prefix_tokens
+        B, S = len(batch), g[0] * g[1]
+        ps = self.patch_size
+        # pixel variance of each patch of the model's input, (B, S), in grid order
+        patches = batch.images.float().unfold(2, ps, ps).unfold(3, ps, ps)  # (B, C, h, w, ps, ps)
+        var = patches.permute(0, 2, 3, 1, 4, 5).reshape(B, S, -1).var(-1, unbiased=False).double().cpu()
+        gt = A._masks_to_grid(batch.masks, g, B).cpu() if batch.masks is not None else None
+        ids = batch.index.cpu().long()
+        L = len(self.layers)
+        counts, flags, outs, rands = [], [], [], []
+        vals_var = torch.zeros(B * S, L, dtype=torch.float64)
+        ok_out = torch.zeros(B * S, L, dtype=torch.bool)
+        absorbed = torch.full((B, L), float("nan"), dtype=torch.float64)
+        uniform = torch.full((B, L), float("nan"), dtype=torch.float64)
+        registers = torch.full((B, L), float("nan"), dtype=torch.float64)
+        for j, i in enumerate(self.layers):
+            x = feats[f"block{i}.out"]
+            norms = x[:, p:].double().norm(dim=-1)  # (B, S)
+            out = M.robust_outliers(norms, self.k)
+            self.hist[j] += self._hist(norms)
+            self.lo_hi[j, 0] = min(float(self.lo_hi[j, 0]), float(norms.min()))
+            self.lo_hi[j, 1] = min(float(self.lo_hi[j, 1]), -float(norms.max()))
+            if p > 1:
+                rn = x[:, 1:p].double().norm(dim=-1)
+                self.reg_hist[j] += self._hist(rn)
+                self.lo_hi[j, 2] = min(float(self.lo_hi[j, 2]), float(rn.min()))
+                self.lo_hi[j, 3] = min(float(self.lo_hi[j, 3]), -float(rn.max()))
+            n_out = out.sum(1).double().cpu()
+            counts.append(n_out)
+            self.positions[j] += out.double().sum(0).cpu().reshape(g)  # images with an outlier at each patch
+            self.with_outliers[j] += float((n_out > 0).sum())
+            vals_var[:, j] = var.reshape(-1)
+            ok_out[:, j] = out.cpu().reshape(-1)
+            if self.has_cls_token and i + 1 < self.depth:
+                cls = feats[f"block{i + 1}.attn"][:, :, 0].double().mean(1).cpu()  # (B, T)
+                mass = (cls[:, p:] * out.cpu()).sum(1)
+                absorbed[:, j] = torch.where(n_out > 0, mass, float("nan"))
+                uniform[:, j] = torch.where(n_out > 0, n_out / cls.shape[-1], float("nan"))
+                if p > 1:
+                    registers[:, j] = cls[:, 1:p].sum(1)
+            if self.knn and batch.labels is not None:
+                xf = x[:, p:].float()
+                w = out.float()
+                mean_out = (xf * w.unsqueeze(-1)).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+                pick = _random_token(ids, i, S).to(xf.device)
+                outs.append(mean_out.cpu())
+                rands.append(xf[torch.arange(B, device=xf.device), pick].cpu())
+                flags.append(n_out > 0)
+        self.count.add(torch.stack(counts, 1))
+        self.var_out.add(vals_var, ok_out)
+        self.var_all.add(var.reshape(-1, 1).expand(-1, L))
+        if gt is not None:
+            fg = gt.double().reshape(-1, 1).expand(-1, L)
+            self.fg_out.add(fg, ok_out)
+            self.fg_all.add(fg)
+            self.n_masked += B
+        self.absorbed.add(absorbed)
+        self.uniform.add(uniform)
+        self.registers.add(registers)
+        if outs:
+            self._keep(ids, batch.labels.cpu().long(), torch.stack(flags, 1), torch.stack(outs, 1).half(),
+                       torch.stack(rands, 1).half())
+        self.n_images += B
+
+    def _keep(self, ids: torch.Tensor, labels: torch.Tensor, has: torch.Tensor, out: torch.Tensor,
+              rand: torch.Tensor) -> None:
+        """Keep the ``max_images`` smallest ids among those kept and the new ones, in id order."""
+        if not len(self.ids):
+            self.out_feats = torch.zeros(0, *out.shape[1:], dtype=torch.float16)
+            self.rand_feats = torch.zeros(0, *rand.shape[1:], dtype=torch.float16)
+        ids, order = torch.sort(torch.cat([self.ids, ids]), stable=True)
+        sel = order[: self.max_images]
+        self.labels = torch.cat([self.labels, labels])[sel]
+        self.has_out = torch.cat([self.has_out, has])[sel]
+        self.out_feats = torch.cat([self.out_feats, out])[sel]
+        self.rand_feats = torch.cat([self.rand_feats, rand])[sel]
+        self.ids = ids[: self.max_images]
+
+    _KEPT = ("ids", "labels", "has_out", "out_feats", "rand_feats")
+
+    def merge(self, other: Analysis) -> None:
+        o = cast(HighNormTokens, other)
+        self._check_mergeable(o)
+        self._check_grid_merge(o)
+        for k in self._MEANS:
+            getattr(self, k).merge(getattr(o, k))
+        for k in ("hist", "reg_hist", "positions", "with_outliers"):
+            getattr(self, k).add_(getattr(o, k))
+        self.lo_hi = torch.minimum(self.lo_hi, o.lo_hi)
+        if len(o.ids):
+            self._keep(o.ids, o.labels, o.has_out, o.out_feats, o.rand_feats)
+        self.n_images += o.n_images
+        self.n_masked += o.n_masked
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        for k in self._KEPT:
+            setattr(self, k, state[k].clone())
+
+    def finalize(self) -> pd.DataFrame:
+        rows: list[dict[str, Any]] = []
+        views = [("spatial", self.hist, 0)] + ([("register", self.reg_hist, 2)] if self.num_prefix_tokens > 1 else [])
+        h, w = self.grid_size
+        for j, i in enumerate(self.layers):
+            for view, hist, col in views:
+                if not hist[j].sum():
+                    continue
+                lo, hi = float(self.lo_hi[j, col]), -float(self.lo_hi[j, col + 1])
+                qs = [min(max(v, lo), hi) for v in _quantiles(hist[j], QUANTILES)]  # a bin's centre: inside
+                rows += [{"metric": "norm_quantile", "layer": i, "token_view": view, "quantile": q, "value": v}
+                         for q, v in zip((0.0, *QUANTILES, 1.0), (lo, *qs, hi), strict=True)]
+            rows.append({"metric": "outliers_per_image", "layer": i, **self.count.row(j)})
+            rows.append(self._share(i, float(self.with_outliers[j]), self.n_images))
+            rows += [{"metric": "outlier_position", "layer": i, "row": r, "col": c,
+                      "value": float(self.positions[j, r, c])} for r in range(h) for c in range(w)]
+            for metric, tokens, means in (("patch_variance", "outliers", self.var_out),
+                                          ("patch_variance", "all", self.var_all),
+                                          ("foreground_share", "outliers", self.fg_out),
+                                          ("foreground_share", "all", self.fg_all),
+                                          ("cls_attention_absorbed", "outliers", self.absorbed),
+                                          ("cls_attention_absorbed", "uniform", self.uniform),
+                                          ("cls_attention_absorbed", "registers", self.registers)):
+                if means.count[j] > 0:
+                    rows.append({"metric": metric, "layer": i, "tokens": tokens, **means.row(j)})
+        rows += self._knn_rows()
+        df = self.tidy(rows)
+        df["n_images"], df["n_masked"], df["k"] = self.n_images, self.n_masked, self.k
+        return df
+
+    def _share(self, layer: int, hits: float, n: int) -> dict[str, Any]:
+        p = hits / n if n else float("nan")
+        lo, hi, se = binomial_interval(p, n)
+        return {"metric": "images_with_outliers", "layer": layer, "value": p, "stderr": se, "value_lo": lo,
+                "value_hi": hi, "n": n}
+
+    def _knn_rows(self) -> list[dict[str, Any]]:
+        from vitscope.analyses.splits import stratified_test
+        from vitscope.metrics.semantics import knn_classify
+
+        rows: list[dict[str, Any]] = []
+        if not self.knn or not len(self.ids):
+            return rows
+        for j, i in enumerate(self.layers):
+            sel = self.has_out[:, j]
+            ids, y = self.ids[sel], self.labels[sel]
+            test = stratified_test(ids, y, self.test_every)
+            if not test.any() or test.all() or len(torch.unique(y[~test])) < 2:
+                continue
+            for tokens, feats in (("outliers", self.out_feats), ("random_patch", self.rand_feats)):
+                x = feats[sel, j].float()
+                acc = knn_classify(x[~test], y[~test], x[test], y[test], ks=(self.knn_k,))[self.knn_k][0]
+                n = int(test.sum())
+                lo, hi, se = binomial_interval(acc, n)
+                rows.append({"metric": "knn_accuracy", "layer": i, "tokens": tokens, "value": acc, "stderr": se,
+                             "value_lo": lo, "value_hi": hi, "n": n})
+        return rows
