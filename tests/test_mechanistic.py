@@ -5,6 +5,7 @@ derived by hand, and the accumulator protocol (merge, resume)."""
 from __future__ import annotations
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from test_analyses_attention import _ref_iou, _sem, _token_masks
@@ -435,3 +436,34 @@ def test_high_norm_tokens_merge_and_resume_equal_one_pass():
         assert len(got) == len(ref)
         assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
                                                                abs=1e-12, nan_ok=True)
+
+
+def test_every_figure_draws_from_a_two_model_run(tmp_path):
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from vitscope.report.figures import FIGURES
+
+    tables: dict[str, list[pd.DataFrame]] = {}
+    for kind, label, kw in (("vit", "A", {"num_classes": 10}), ("reg", "B", {"num_classes": 0})):
+        vm = tiny(kind, **kw)
+        vm.name = label
+        analyses = [get_analysis(n)(vm, **p) for n, p in (("attention_rollout", {}), ("logit_lens", {"test_every": 2}),
+                                                           ("high_norm_tokens", {"k": 1.0, "test_every": 2}))]
+        stream(vm, _batches(vm, n=12, bs=6), analyses, progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # few images per class: the split warns
+            for a in analyses:
+                tables.setdefault(a.name, []).append(a.finalize())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pandas/matplotlib warnings from the figure code
+        for name, parts in tables.items():
+            path = tmp_path / f"{name}.parquet"
+            pd.concat(parts, ignore_index=True).to_parquet(path, index=False)  # as the study stores them
+            figs = FIGURES[name](pd.read_parquet(path))
+            assert len(figs) >= 1, name
+            for title, fig in figs:
+                assert isinstance(title, str) and title and isinstance(fig, plt.Figure)
+                plt.close(fig)
+    assert FIGURES["high_norm_tokens"](tables["high_norm_tokens"][0].iloc[0:0]) == []

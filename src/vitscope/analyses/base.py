@@ -61,6 +61,8 @@ class _Lifecycle(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     #: further named datasets and what each must provide; chosen with the parameter ``<slot>_dataset``
     inputs: ClassVar[dict[str, frozenset[str]]] = {}
+    #: listed in the embedded default study (configs/default.yaml); False for lenses a study names itself
+    in_default_study: ClassVar[bool] = True
 
     @classmethod
     def views(cls, params: Mapping[str, Any]) -> list[str]:

@@ -15,7 +15,9 @@ analysis                   metrics (extra columns)
                            outliers / all, intervals); ``outlier_position`` per (layer, cell)
 =========================  ===================================================================================
 
-Every state is sums and counts of a size fixed by the model, so parts merge by addition (shards, resume).
+Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
+``max_images`` pooled rows), so parts merge by addition (shards, resume). None of them is in the embedded
+default study (``in_default_study``): a study names them.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class _Means:
 
 class _Mechanistic(Analysis):
     """Shared plumbing: settings that must agree to merge, and the tensors of the state."""
+
+    in_default_study = False
 
     _MEANS: tuple[str, ...] = ()
     _TENSORS: tuple[str, ...] = ()
