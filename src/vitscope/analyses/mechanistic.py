@@ -543,72 +543,66 @@ class HighNormTokens(_Mechanistic):
 
     @staticmethod
     def _hist(norms: torch.Tensor) -> torch.Tensor:
-        idx = (torch.searchsorted(NORM_BINS.to(norms.device), norms.double().reshape(-1), right=True) - 1)
-        return torch.bincount(idx.clamp(0, len(NORM_BINS) - 2), minlength=len(NORM_BINS) - 1).double().cpu()
+        """``(L, ...)`` norms -> ``(L, bins)`` counts on `NORM_BINS` (one bincount for every block)."""
+        nb = len(NORM_BINS) - 1
+        idx = torch.searchsorted(NORM_BINS.to(norms.device), norms.double().flatten(1).contiguous(), right=True) - 1
+        idx = idx.clamp(0, nb - 1) + nb * torch.arange(len(norms), device=norms.device)[:, None]
+        return torch.bincount(idx.reshape(-1), minlength=nb * len(norms)).reshape(len(norms), nb).double().cpu()
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         g, p = self.pass_grid(batch), self.num_prefix_tokens
-        B, S = len(batch), g[0] * g[1]
-        ps = self.patch_size
+        B, S, L, ps = len(batch), g[0] * g[1], len(self.layers), self.patch_size
+        # every block at once: (L, B, T, D) residual streams -> (L, B, S) patch norms and outlier flags
+        x = torch.stack([feats[f"block{i}.out"] for i in self.layers])
+        norms = torch.linalg.vector_norm(x[:, :, p:].double(), dim=-1)
+        out = M.robust_outliers(norms, self.k)
+        self.hist += self._hist(norms)
+        lo_hi = [norms.amin((1, 2)), -norms.amax((1, 2))]
+        if p > 1:
+            rn = torch.linalg.vector_norm(x[:, :, 1:p].double(), dim=-1)
+            self.reg_hist += self._hist(rn)
+            lo_hi += [rn.amin((1, 2)), -rn.amax((1, 2))]
+        else:
+            lo_hi += [torch.full_like(lo_hi[0], float("inf"))] * 2
+        self.lo_hi = torch.minimum(self.lo_hi, torch.stack(lo_hi, 1).cpu())
+        out_c = out.cpu()
+        n_out = out_c.sum(-1).double()  # (L, B)
+        self.count.add(n_out.T)
+        self.with_outliers += (n_out > 0).sum(1).double()
+        self.positions += out_c.double().sum(1).reshape(L, *g)  # images with an outlier at each patch
         # pixel variance of each patch of the model's input, (B, S), in grid order
         patches = batch.images.float().unfold(2, ps, ps).unfold(3, ps, ps)  # (B, C, h, w, ps, ps)
         var = patches.permute(0, 2, 3, 1, 4, 5).reshape(B, S, -1).var(-1, unbiased=False).double().cpu()
-        gt = A._masks_to_grid(batch.masks, g, B).cpu() if batch.masks is not None else None
-        ids = batch.index.cpu().long()
-        L = len(self.layers)
-        counts, flags, outs, rands = [], [], [], []
-        vals_var = torch.zeros(B * S, L, dtype=torch.float64)
-        ok_out = torch.zeros(B * S, L, dtype=torch.bool)
-        absorbed = torch.full((B, L), float("nan"), dtype=torch.float64)
-        uniform = torch.full((B, L), float("nan"), dtype=torch.float64)
-        registers = torch.full((B, L), float("nan"), dtype=torch.float64)
-        for j, i in enumerate(self.layers):
-            x = feats[f"block{i}.out"]
-            norms = x[:, p:].double().norm(dim=-1)  # (B, S)
-            out = M.robust_outliers(norms, self.k)
-            self.hist[j] += self._hist(norms)
-            self.lo_hi[j, 0] = min(float(self.lo_hi[j, 0]), float(norms.min()))
-            self.lo_hi[j, 1] = min(float(self.lo_hi[j, 1]), -float(norms.max()))
-            if p > 1:
-                rn = x[:, 1:p].double().norm(dim=-1)
-                self.reg_hist[j] += self._hist(rn)
-                self.lo_hi[j, 2] = min(float(self.lo_hi[j, 2]), float(rn.min()))
-                self.lo_hi[j, 3] = min(float(self.lo_hi[j, 3]), -float(rn.max()))
-            n_out = out.sum(1).double().cpu()
-            counts.append(n_out)
-            self.positions[j] += out.double().sum(0).cpu().reshape(g)  # images with an outlier at each patch
-            self.with_outliers[j] += float((n_out > 0).sum())
-            vals_var[:, j] = var.reshape(-1)
-            ok_out[:, j] = out.cpu().reshape(-1)
-            if self.has_cls_token and i + 1 < self.depth:
-                cls = feats[f"block{i + 1}.attn"][:, :, 0].double().mean(1).cpu()  # (B, T)
-                mass = (cls[:, p:] * out.cpu()).sum(1)
-                absorbed[:, j] = torch.where(n_out > 0, mass, float("nan"))
-                uniform[:, j] = torch.where(n_out > 0, n_out / cls.shape[-1], float("nan"))
-                if p > 1:
-                    registers[:, j] = cls[:, 1:p].sum(1)
-            if self.knn and batch.labels is not None:
-                xf = x[:, p:].float()
-                w = out.float()
-                mean_out = (xf * w.unsqueeze(-1)).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
-                pick = _random_token(ids, i, S).to(xf.device)
-                outs.append(mean_out.cpu())
-                rands.append(xf[torch.arange(B, device=xf.device), pick].cpu())
-                flags.append(n_out > 0)
-        self.count.add(torch.stack(counts, 1))
-        self.var_out.add(vals_var, ok_out)
+        ok_out = out_c.permute(1, 2, 0).reshape(B * S, L)
+        self.var_out.add(var.reshape(-1, 1).expand(-1, L), ok_out)
         self.var_all.add(var.reshape(-1, 1).expand(-1, L))
-        if gt is not None:
-            fg = gt.double().reshape(-1, 1).expand(-1, L)
+        if batch.masks is not None:
+            fg = A._masks_to_grid(batch.masks, g, B).cpu().double().reshape(-1, 1).expand(-1, L)
             self.fg_out.add(fg, ok_out)
             self.fg_all.add(fg)
             self.n_masked += B
-        self.absorbed.add(absorbed)
-        self.uniform.add(uniform)
-        self.registers.add(registers)
-        if outs:
-            self._keep(ids, batch.labels.cpu().long(), torch.stack(flags, 1), torch.stack(outs, 1).half(),
-                       torch.stack(rands, 1).half())
+        nxt = [j for j, i in enumerate(self.layers) if self.has_cls_token and i + 1 < self.depth]
+        if nxt:
+            cls = torch.stack([feats[f"block{self.layers[j] + 1}.attn"][:, :, 0].mean(1) for j in nxt]).double().cpu()
+            nan = torch.full((B, L), float("nan"), dtype=torch.float64)
+            some = n_out[nxt] > 0
+            absorbed, uniform, registers = nan.clone(), nan.clone(), nan.clone()
+            absorbed[:, nxt] = torch.where(some, (cls[..., p:] * out_c[nxt]).sum(-1), float("nan")).T
+            uniform[:, nxt] = torch.where(some, n_out[nxt] / cls.shape[-1], float("nan")).T
+            if p > 1:
+                registers[:, nxt] = cls[..., 1:p].sum(-1).T
+            self.absorbed.add(absorbed)
+            self.uniform.add(uniform)
+            self.registers.add(registers)
+        if self.knn and batch.labels is not None:
+            ids = batch.index.cpu().long()
+            xs = x[:, :, p:]
+            w = out.to(xs.dtype)
+            mean_out = torch.einsum("lbs,lbsd->lbd", w, xs) / w.sum(-1, keepdim=True).clamp_min(1)
+            pick = torch.stack([_random_token(ids, i, S) for i in self.layers]).to(xs.device)  # (L, B)
+            rand = xs.gather(2, pick[..., None, None].expand(-1, -1, 1, xs.shape[-1]))[:, :, 0]
+            self._keep(ids, batch.labels.cpu().long(), (n_out > 0).T, mean_out.transpose(0, 1).half().cpu(),
+                       rand.transpose(0, 1).half().cpu())
         self.n_images += B
 
     def _keep(self, ids: torch.Tensor, labels: torch.Tensor, has: torch.Tensor, out: torch.Tensor,

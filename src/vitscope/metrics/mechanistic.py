@@ -68,17 +68,18 @@ def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max
     ``attns`` are the attention probabilities ``(B, H, T, T)`` of blocks 0 .. L-1 in order. The rollout up to
     block l is ``R_l = F_l F_{l-1} ... F_0`` (`rollout_step` factors); row ``query`` of it is computed from
     the left, ``e_q^T F_l`` times the earlier factors, so no ``T x T`` product of matrices is formed:
-    O(L^2 T^2) per image instead of O(L T^3)."""
+    O(L^2 T^2) per image instead of O(L T^3), in L batched products (every block's row advanced at once)."""
     if not attns:
         raise ValueError("attention_rollout needs the attention of at least one block")
     factors = [rollout_step(fuse_heads(a, head_fusion), discard_ratio) for a in attns]
-    rows = []
-    for lay in range(len(factors)):
-        v = factors[lay][:, query:query + 1, :]  # (B, 1, T)
-        for m in range(lay - 1, -1, -1):
-            v = torch.bmm(v, factors[m])
-        rows.append(v[:, 0])
-    return torch.stack(rows, 1)
+    B, T = factors[0].shape[:2]
+    # row l of ``rows`` is e_q^T F_l F_{l-1} ... F_{m+1} after the step for block m: one batched product a block
+    rows = factors[0].new_zeros(B, len(factors), T)
+    for m in range(len(factors) - 1, -1, -1):
+        if m + 1 < len(factors):
+            rows[:, m + 1:] = torch.bmm(rows[:, m + 1:], factors[m])
+        rows[:, m] = factors[m][:, query]
+    return rows
 
 
 def kl_to_final(logits: Tensor, final_logits: Tensor) -> Tensor:
