@@ -344,8 +344,8 @@ def test_high_norm_tokens_match_a_loop_reference(kind):
     ref = _ref_high_norm(vm, batches, 1.0)
     for i, r in ref.items():
         q = _rows(df, metric="norm_quantile", layer=i, token_view="spatial")
-        assert _rows(q, quantile=0.0).value.iloc[0] == pytest.approx(r["min"], rel=1e-9)
-        assert _rows(q, quantile=1.0).value.iloc[0] == pytest.approx(r["max"], rel=1e-9)
+        assert _rows(q, quantile=0.0).value.iloc[0] == pytest.approx(r["min"], rel=1e-6)  # float32 norms
+        assert _rows(q, quantile=1.0).value.iloc[0] == pytest.approx(r["max"], rel=1e-6)
         assert (np.diff(q.sort_values("quantile").value.to_numpy()) >= 0).all()
         for level in (0.25, 0.5, 0.75):  # the histogram's bins are 0.01 decade (2.3 %) wide
             want = np.sort(r["norms"])[int(np.ceil(level * len(r["norms"]))) - 1]

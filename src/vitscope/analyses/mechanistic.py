@@ -449,8 +449,8 @@ class LogitLens(_Mechanistic):
 
 
 NORM_BINS = torch.logspace(-3, 6, 901, dtype=torch.float64)
-"""Edges of the norm histogram: 900 bins of 0.01 decade (2.3 % wide) from 1e-3 to 1e6; norms outside land in
-the first or last bin (the exact minimum and maximum are kept beside)."""
+"""Edges of the norm histogram: 900 bins of 0.01 decade (2.3 % wide) from 1e-3 to 1e6, bin ``floor(100 (log10
+norm + 3))``; norms outside land in the first or last bin (the exact minimum and maximum are kept beside)."""
 QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99)
 
 
@@ -545,21 +545,21 @@ class HighNormTokens(_Mechanistic):
     def _hist(norms: torch.Tensor) -> torch.Tensor:
         """``(L, ...)`` norms -> ``(L, bins)`` counts on `NORM_BINS` (one bincount for every block)."""
         nb = len(NORM_BINS) - 1
-        idx = torch.searchsorted(NORM_BINS.to(norms.device), norms.double().flatten(1).contiguous(), right=True) - 1
-        idx = idx.clamp(0, nb - 1) + nb * torch.arange(len(norms), device=norms.device)[:, None]
+        idx = ((torch.log10(norms.flatten(1)) + 3) * 100).floor_().nan_to_num_(0).clamp_(0, nb - 1).long()
+        idx += nb * torch.arange(len(norms), device=norms.device)[:, None]
         return torch.bincount(idx.reshape(-1), minlength=nb * len(norms)).reshape(len(norms), nb).double().cpu()
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         g, p = self.pass_grid(batch), self.num_prefix_tokens
         B, S, L, ps = len(batch), g[0] * g[1], len(self.layers), self.patch_size
-        # every block at once: (L, B, T, D) residual streams -> (L, B, S) patch norms and outlier flags
-        x = torch.stack([feats[f"block{i}.out"] for i in self.layers])
-        norms = torch.linalg.vector_norm(x[:, :, p:].double(), dim=-1)
+        # (L, B, S) patch norms (float32 norms of float32 tokens, then float64) and outlier flags, every block
+        xs = [feats[f"block{i}.out"] for i in self.layers]
+        norms = torch.stack([torch.linalg.vector_norm(t[:, p:], dim=-1) for t in xs]).double()
         out = M.robust_outliers(norms, self.k)
         self.hist += self._hist(norms)
         lo_hi = [norms.amin((1, 2)), -norms.amax((1, 2))]
         if p > 1:
-            rn = torch.linalg.vector_norm(x[:, :, 1:p].double(), dim=-1)
+            rn = torch.stack([torch.linalg.vector_norm(t[:, 1:p], dim=-1) for t in xs]).double()
             self.reg_hist += self._hist(rn)
             lo_hi += [rn.amin((1, 2)), -rn.amax((1, 2))]
         else:
@@ -571,8 +571,8 @@ class HighNormTokens(_Mechanistic):
         self.with_outliers += (n_out > 0).sum(1).double()
         self.positions += out_c.double().sum(1).reshape(L, *g)  # images with an outlier at each patch
         # pixel variance of each patch of the model's input, (B, S), in grid order
-        patches = batch.images.float().unfold(2, ps, ps).unfold(3, ps, ps)  # (B, C, h, w, ps, ps)
-        var = patches.permute(0, 2, 3, 1, 4, 5).reshape(B, S, -1).var(-1, unbiased=False).double().cpu()
+        img = batch.images.float()[..., :g[0] * ps, :g[1] * ps].reshape(B, -1, g[0], ps, g[1], ps)
+        var = img.var(dim=(1, 3, 5), unbiased=False).reshape(B, S).double().cpu()
         ok_out = out_c.permute(1, 2, 0).reshape(B * S, L)
         self.var_out.add(var.reshape(-1, 1).expand(-1, L), ok_out)
         self.var_all.add(var.reshape(-1, 1).expand(-1, L))
@@ -596,13 +596,14 @@ class HighNormTokens(_Mechanistic):
             self.registers.add(registers)
         if self.knn and batch.labels is not None:
             ids = batch.index.cpu().long()
-            xs = x[:, :, p:]
-            w = out.to(xs.dtype)
-            mean_out = torch.einsum("lbs,lbsd->lbd", w, xs) / w.sum(-1, keepdim=True).clamp_min(1)
-            pick = torch.stack([_random_token(ids, i, S) for i in self.layers]).to(xs.device)  # (L, B)
-            rand = xs.gather(2, pick[..., None, None].expand(-1, -1, 1, xs.shape[-1]))[:, :, 0]
-            self._keep(ids, batch.labels.cpu().long(), (n_out > 0).T, mean_out.transpose(0, 1).half().cpu(),
-                       rand.transpose(0, 1).half().cpu())
+            mean_out, rand = [], []
+            for j, i in enumerate(self.layers):
+                tok = xs[j][:, p:]
+                w = out[j].to(tok.dtype)
+                mean_out.append(torch.bmm(w[:, None], tok)[:, 0] / w.sum(-1, keepdim=True).clamp_min(1))
+                rand.append(tok[torch.arange(B, device=tok.device), _random_token(ids, i, S).to(tok.device)])
+            self._keep(ids, batch.labels.cpu().long(), (n_out > 0).T, torch.stack(mean_out, 1).half().cpu(),
+                       torch.stack(rand, 1).half().cpu())
         self.n_images += B
 
     def _keep(self, ids: torch.Tensor, labels: torch.Tensor, has: torch.Tensor, out: torch.Tensor,
