@@ -49,16 +49,15 @@ def rollout_step(fused: Tensor, discard_ratio: float = 0.0) -> Tensor:
     if not 0.0 <= float(discard_ratio) < 1.0:
         raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
     B, T, _ = fused.shape
-    a = fused
+    a = (fused * 0.5).contiguous()  # a copy: the input is left as it is
     n = int(discard_ratio * T * T)
     if n:
-        flat = fused.reshape(B, T * T).clone()
-        order = torch.sort(flat, dim=-1, stable=True).indices[:, :n]
-        keep_first = order != 0
-        flat.scatter_(-1, order, torch.where(keep_first, 0.0, flat.gather(-1, order)))
-        a = flat.reshape(B, T, T)
-    a = 0.5 * a + 0.5 * torch.eye(T, dtype=a.dtype, device=a.device)
-    return a / a.sum(-1, keepdim=True)
+        order = torch.sort(fused.reshape(B, T * T), dim=-1, stable=True).indices[:, :n]
+        first = a[:, 0, 0].clone()  # entry (0, 0) is never discarded
+        a.view(B, T * T).scatter_(-1, order, 0.0)
+        a[:, 0, 0] = first
+    a.diagonal(dim1=-2, dim2=-1).add_(0.5)
+    return a.div_(a.sum(-1, keepdim=True))
 
 
 def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max", "min"] = "mean",
