@@ -44,6 +44,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--model", default="zoo-sup")
+    ap.add_argument("--images", type=int, default=256, help="images of the per-model estimate (the default "
+                    "study's synthetic-shapes set has 256)")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     print("tuned allocator:", engine.tune_allocator())
@@ -79,6 +81,18 @@ def main() -> None:
         a = ANALYSES[n](vm)
         times = [_time(lambda a=a: a.update(feats, batch)) for _ in range(max(3, args.reps // 2))]
         print(f"  update {n:<18} alone: median {statistics.median(times):6.3f} s   min {min(times):6.3f} s")
+
+    # what one model of a study would pay: the updates of every batch of --images images and the finalize
+    batches = list(SyntheticShapes(n=args.images, seed=0).batches(args.batch, vm.preprocessing))
+    feats_of = []
+    for b in batches:
+        with vs.Capture(vm, taps) as cap:
+            feats_of.append(cap(b.images))
+    for n in NEW + ("logit_lens",):
+        a = ANALYSES[n](vm)
+        up = sum(_time(lambda a=a, f=f, b=b: a.update(f, b)) for f, b in zip(feats_of, batches, strict=True))
+        fin = _time(a.finalize)
+        print(f"  {n:<18} on {args.images} images: updates {up:6.3f} s, finalize {fin:6.3f} s")
 
 
 if __name__ == "__main__":
