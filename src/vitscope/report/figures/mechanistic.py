@@ -86,6 +86,8 @@ def logit_lens(df: pd.DataFrame) -> Figures:
     fig, axes = panels(1, len(metrics), panel=(3.3, 2.8))
     for ax, (metric, title) in zip(axes[0], metrics, strict=True):
         layer_lines(ax, df, metric, title=title)
+        if metric == "kl_to_final":
+            ax.set_yscale("symlog", linthresh=0.1)  # a probe read on early blocks can sit tens of nats away
     legend_outside(fig, extra=[band_handle("band: 95 % interval")])
     readouts = ", ".join(sorted({str(r) for r in df.get("readout", pd.Series(dtype=str)).dropna()}))
     return [(f"Logit lens: each block read out by the final norm and the {readouts or 'head'} "
