@@ -134,8 +134,10 @@ def test_rollout_analysis_maps_and_iou_match_the_references(kind):
         assert _rows(df, metric="iou_cls_attention", layer=i).value.iloc[0] == pytest.approx(a, abs=1e-12)
 
 
-@pytest.mark.parametrize("name,params", [("attention_rollout", {"layers": [0, 2], "discard_ratio": 0.1})])
-def test_merge_of_two_parts_and_resume_equal_one_pass(name, params):
+@pytest.mark.parametrize("name,params,changed", [
+    ("attention_rollout", {"layers": [0, 2], "discard_ratio": 0.1}, {"discard_ratio": 0.0}),
+    ("gradient_rollout", {"layers": [0, 2]}, {"mass": 0.5})])
+def test_merge_of_two_parts_and_resume_equal_one_pass(name, params, changed):
     vm = tiny("reg")
     batches = _batches(vm, n=7, bs=3)
     whole = _fed(name, vm, batches, **params)
@@ -154,7 +156,7 @@ def test_merge_of_two_parts_and_resume_equal_one_pass(name, params):
         assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
                                                                abs=1e-12, nan_ok=True)
     with pytest.raises(vs.VitscopeError, match="different settings"):
-        whole.merge(get_analysis(name)(vm, **{**params, "discard_ratio": 0.0}))
+        whole.merge(get_analysis(name)(vm, **{**params, **changed}))
 
 
 def test_rollout_refuses_bad_parameters_in_one_sentence():
@@ -449,7 +451,8 @@ def test_every_figure_draws_from_a_two_model_run(tmp_path):
     for kind, label, kw in (("vit", "A", {"num_classes": 10}), ("reg", "B", {"num_classes": 0})):
         vm = tiny(kind, **kw)
         vm.name = label
-        analyses = [get_analysis(n)(vm, **p) for n, p in (("attention_rollout", {}), ("logit_lens", {"test_every": 2}),
+        analyses = [get_analysis(n)(vm, **p) for n, p in (("attention_rollout", {}), ("gradient_rollout", {}),
+                                                           ("logit_lens", {"test_every": 2}),
                                                            ("high_norm_tokens", {"k": 1.0, "test_every": 2}))]
         stream(vm, _batches(vm, n=12, bs=6), analyses, progress=False)
         with warnings.catch_warnings():
@@ -467,3 +470,74 @@ def test_every_figure_draws_from_a_two_model_run(tmp_path):
                 assert isinstance(title, str) and title and isinstance(fig, plt.Figure)
                 plt.close(fig)
     assert FIGURES["high_norm_tokens"](tables["high_norm_tokens"][0].iloc[0:0]) == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# gradient rollout (Chefer et al. 2021): numpy loop, and gradients taken here with the test's own hooks
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ref_gradient_rollout(attns, grads):
+    """(B, L, T): CLS row of R after each block, R = R + mean_h(max(grad * attn, 0)) R from I, numpy."""
+    B, H, T, _ = attns[0].shape
+    out = np.zeros((B, len(attns), T))
+    for b in range(B):
+        R = np.eye(T)
+        for lay, (a, g) in enumerate(zip(attns, grads, strict=True)):
+            cam = np.maximum(a[b].numpy() * g[b].numpy(), 0).mean(0)
+            R = R + cam @ R
+            out[b, lay] = R[0]
+    return out
+
+
+def test_gradient_rollout_matches_a_loop_and_is_plain_identity_without_gradient():
+    attns = _random_attention(B=2, H=3, T=6, L=3, seed=4)
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(a.shape, generator=g, dtype=torch.float64) for a in attns]
+    got = M.gradient_rollout(attns, grads)
+    assert got.numpy() == pytest.approx(_ref_gradient_rollout(attns, grads), abs=1e-12)
+    zero = M.gradient_rollout(attns, [torch.zeros_like(a) for a in attns])
+    assert torch.equal(zero, torch.eye(6, dtype=torch.float64)[0].expand(2, 3, 6))
+
+
+def test_gradient_rollout_analysis_uses_the_gradient_of_the_predicted_class():
+    vm = tiny("vit", num_classes=5)
+    batches = _batches(vm, n=5, bs=5)
+    fused_before = [b.attn.fused_attn for b in vm.model.blocks]
+    df = _stream("gradient_rollout", vm, batches).finalize()
+    assert [b.attn.fused_attn for b in vm.model.blocks] == fused_before
+    assert all(w.grad is None for w in vm.model.parameters())
+    # the test's own gradients: the ViT written out here (pre-norm blocks, CLS readout) with its attention
+    # probabilities as tensors of this graph
+    m, H = vm.model, vm.num_heads
+    h = m.patch_embed(batches[0].images)
+    h = torch.cat([m.cls_token.expand(len(h), -1, -1), h], 1) + m.pos_embed
+    attns = []
+    for blk in m.blocks:
+        B, T, D = h.shape
+        q, k, v = blk.attn.qkv(blk.norm1(h)).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-2, -1) * (D // H) ** -0.5, -1)
+        attns.append(a)
+        h = h + blk.attn.proj((a @ v).transpose(1, 2).reshape(B, T, D))
+        h = h + blk.mlp(blk.norm2(h))
+    logits = m.head(m.norm(h)[:, 0])
+    assert logits.detach().numpy() == pytest.approx(vs.extract(vm, batches[0].images, ["logits"])["logits"].numpy(),
+                                                    abs=1e-5)
+    score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+    grads = torch.autograd.grad(score, attns)
+    ref = _ref_gradient_rollout([a.detach().double() for a in attns], [g.double() for g in grads])
+    p = vm.num_prefix_tokens
+    for i in range(vm.depth):
+        maps = ref[:, i, p:] / ref[:, i, p:].sum(1, keepdims=True)
+        got = _rows(df, metric="rollout_map", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert got == pytest.approx(maps.mean(0), rel=1e-4, abs=1e-6)
+    assert set(df.head_fusion) == {"gradient"} and _rows(df, metric="iou_rollout").value.notna().all()
+
+
+def test_gradient_rollout_of_a_headless_model_is_empty_with_a_warning():
+    vm = tiny("vit", num_classes=0)
+    a = get_analysis("gradient_rollout")(vm)
+    assert a.required_taps() == []
+    stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
+    with pytest.warns(UserWarning, match="head"):
+        assert len(a.finalize()) == 0

@@ -54,6 +54,9 @@ REFERENCES: dict[str, str] = {
                      "Pattern Recognition (CVPR), 2018.",
     "abnar2020": "Samira Abnar, Willem Zuidema. Quantifying attention flow in transformers. Annual Meeting of the "
                  "Association for Computational Linguistics (ACL), 2020. arXiv:2005.00928.",
+    "chefer2021": "Hila Chefer, Shir Gur, Lior Wolf. Generic attention-model explainability for interpreting "
+                  "bi-modal and encoder-decoder transformers. IEEE/CVF International Conference on Computer Vision "
+                  "(ICCV), 2021. arXiv:2103.15679.",
     "nostalgebraist2020": "nostalgebraist. Interpreting GPT: the logit lens. LessWrong, 2020.",
     "darcet2024": "Timothée Darcet, Maxime Oquab, Julien Mairal, Piotr Bojanowski. Vision Transformers need "
                   "registers. International Conference on Learning Representations (ICLR), 2024. arXiv:2309.16588.",
@@ -92,6 +95,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "correspondence": ["walmer2023", "min2019"],
     "retrieval": ["walmer2023", "radenovic2018"],
     "attention_rollout": ["abnar2020", "walmer2023"],
+    "gradient_rollout": ["chefer2021", "abnar2020"],
     "logit_lens": ["nostalgebraist2020"],
     "high_norm_tokens": ["darcet2024"],
 }

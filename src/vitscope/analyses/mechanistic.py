@@ -190,8 +190,7 @@ class AttentionRollout(_Mechanistic):
             self.n_images += len(batch)
             return
         g, p = self.pass_grid(batch), self.num_prefix_tokens
-        attns = [feats[f"block{i}.attn"] for i in range(max(self.layers) + 1)]
-        rows = M.attention_rollout(attns, self.head_fusion, self.discard_ratio)[:, self.layers]  # (B, L, T)
+        rows = self._rows(feats, batch)  # (B, L, T)
         maps = rows[..., p:]
         maps = maps / maps.sum(-1, keepdim=True).clamp_min(A.EPS)
         self.map_sum += maps.sum(0, dtype=torch.float64).reshape(len(self.layers), *g).cpu()
@@ -206,6 +205,14 @@ class AttentionRollout(_Mechanistic):
         self.iou_cls.add(iou[:, L:])
         self.iou_gain.add(iou[:, :L] - iou[:, L:])
         self.n_masked += len(batch)
+
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        """``(B, layers, T)``: the CLS row of the rollout up to each requested block."""
+        attns = [feats[f"block{i}.attn"] for i in range(max(self.layers) + 1)]
+        return M.attention_rollout(attns, self.head_fusion, self.discard_ratio)[:, self.layers]
+
+    def _columns(self) -> dict[str, Any]:
+        return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
 
     def mean_maps(self) -> torch.Tensor:
         """``(layers, h, w)`` float64 mean rollout map over the images seen."""
@@ -227,8 +234,84 @@ class AttentionRollout(_Mechanistic):
             rows += [{"metric": metric, "layer": i, **means.row(j)} for j, i in enumerate(self.layers)]
         df = self.tidy(rows)
         df["n_images"], df["n_masked"] = self.n_images, self.n_masked
-        df["head_fusion"], df["discard_ratio"] = self.head_fusion, self.discard_ratio
+        for k, v in self._columns().items():
+            df[k] = v
         return df
+
+
+@register_analysis
+class GradientRollout(AttentionRollout):
+    """Gradient-weighted attention rollout (Chefer et al. 2021, generic attention-model explainability): the
+    relevance of each token for the model's predicted class, ``R <- R + mean_h((dy/dA) * A)^+ R`` from ``R = I``
+    over blocks 0 .. l (`vitscope.metrics.mechanistic.gradient_rollout`), its CLS row over the patch tokens
+    renormalised as the block's map. The gradients come from a second forward and backward of each batch with
+    the model's attention kept (the pass itself runs without gradients): about three forwards' time more. The
+    table is `attention_rollout`'s (``rollout_map``, ``iou_rollout`` beside ``iou_cls_attention``, ``iou_gain``),
+    with ``head_fusion`` = ``gradient``. A model without a classifier head or a CLS token has nothing to explain:
+    the table is empty, with a warning."""
+
+    name = "gradient_rollout"
+    description = "gradient-weighted rollout (Chefer et al.) of the predicted class per block, with foreground IoU"
+
+    def __init__(self, vm: Any, layers: Any = None, mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
+        super().__init__(vm, layers=layers, mass=mass)
+        self.head_fusion = "gradient"
+        self._vm = vm if getattr(vm, "model", None) is not None else None
+        self.has_head = self._vm is None or int(getattr(vm.model, "num_classes", 0) or 0) > 0
+
+    def _settings(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "mass": self.mass, "has_head": self.has_head}
+
+    def _columns(self) -> dict[str, Any]:
+        return {"head_fusion": "gradient"}
+
+    def required_taps(self) -> list[str]:
+        if not (self.has_cls_token and self.has_head):
+            return []
+        return [f"block{i}.attn" for i in self.layers] + ["logits"]  # logits: the pass runs to the end
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if not self.has_head:
+            self.n_images += len(batch)
+            return
+        super().update(feats, batch)
+
+    def finalize(self) -> pd.DataFrame:
+        if self.has_cls_token and not self.has_head:
+            warnings.warn(f"{self.name}: model {self.model_name!r} has no classifier head, so there is no predicted "
+                          "class to explain; the table is empty", UserWarning, stacklevel=2)
+            return self.tidy([])
+        return super().finalize()
+
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        vm = self._vm
+        if vm is None:
+            raise VitscopeError(f"{self.name}: gradients need the loaded model, not a cached state")
+        model, last = vm.model, max(self.layers)
+        blocks = list(model.blocks)
+        kept: dict[int, torch.Tensor] = {}
+
+        def keep(i: int) -> Any:
+            return lambda module, args, out: kept.__setitem__(i, out)
+
+        handles = [blocks[i].attn.attn_drop.register_forward_hook(keep(i)) for i in range(last + 1)]
+        fused = [(b.attn, b.attn.fused_attn) for b in blocks if hasattr(b.attn, "fused_attn")]
+        try:
+            for module, _ in fused:
+                module.fused_attn = False  # the eager path, whose attention the hooks see
+            x = batch.images.detach().to(next(model.parameters()).device).clone().requires_grad_(True)
+            with torch.inference_mode(False), torch.enable_grad(), vm.input_size(*x.shape[-2:]):
+                logits = model(x)
+                score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+                attns = [kept[i] for i in range(last + 1)]
+                grads = torch.autograd.grad(score, attns)
+        finally:
+            for h in handles:
+                h.remove()
+            for module, flag in fused:
+                module.fused_attn = flag
+        rows = M.gradient_rollout([a.detach() for a in attns], grads)
+        return rows[:, self.layers]
 
 
 LENS_READOUTS = ("auto", "head", "probe")

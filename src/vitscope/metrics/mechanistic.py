@@ -4,6 +4,7 @@
   2020) with the options of the public vit-explain code (head fusion mean / max / min, a discard ratio of the
   weakest fused weights, the residual added as ``0.5 A + 0.5 I``), each row renormalised to sum 1 (vit-explain
   divides by ``a.sum(dim=-1)`` without ``keepdim``, which broadcasts the row sums over columns; here rows).
+* :func:`gradient_rollout`: the gradient-weighted relevance of Chefer et al. 2021, ``R <- R + mean_h(∇A ⊙ A)^+ R``.
 * :func:`kl_to_final`: KL(final || block) of two sets of logits, per image.
 * :func:`robust_outliers`: tokens whose norm lies above ``median + k * 1.4826 * MAD`` of their own image's
   patch-token norms (the normal-consistent MAD), per image.
@@ -19,8 +20,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "attention_rollout", "fuse_heads", "kl_to_final", "robust_outliers",
-           "rollout_step"]
+__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "attention_rollout", "fuse_heads", "gradient_rollout", "kl_to_final",
+           "product_rows", "robust_outliers", "rollout_step"]
 
 HEAD_FUSIONS = ("mean", "max", "min")
 MAD_SCALE = 1.4826
@@ -71,14 +72,35 @@ def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max
     if not attns:
         raise ValueError("attention_rollout needs the attention of at least one block")
     factors = [rollout_step(fuse_heads(a, head_fusion), discard_ratio) for a in attns]
+    return product_rows(factors, query)
+
+
+def product_rows(factors: Sequence[Tensor], query: int = 0) -> Tensor:
+    """``(B, L, T)``: row ``query`` of ``F_l F_{l-1} ... F_0`` for every l, from ``(B, T, T)`` factors F_0 ..
+    F_{L-1}. Row l is advanced from the left (``e_q^T F_l``, then times F_{l-1}, ...), every block's row at
+    once: L batched vector-matrix products, never a T x T matrix product."""
     B, T = factors[0].shape[:2]
-    # row l of ``rows`` is e_q^T F_l F_{l-1} ... F_{m+1} after the step for block m: one batched product a block
     rows = factors[0].new_zeros(B, len(factors), T)
     for m in range(len(factors) - 1, -1, -1):
         if m + 1 < len(factors):
             rows[:, m + 1:] = torch.bmm(rows[:, m + 1:], factors[m])
         rows[:, m] = factors[m][:, query]
     return rows
+
+
+def gradient_rollout(attns: Sequence[Tensor], grads: Sequence[Tensor], query: int = 0) -> Tensor:
+    """Chefer et al. 2021 (generic attention-model explainability) relevance up to each block, row ``query``:
+    ``(B, L, T)``. Per block ``Ā = mean_h (∇A ⊙ A)^+`` (the attention weighted by the gradient of the explained
+    score, negative parts dropped, heads averaged) and ``R_l = (I + Ā_l) R_{l-1}`` from ``R = I``: the rows are
+    not renormalised (relevance, not a distribution)."""
+    if len(attns) != len(grads) or not attns:
+        raise ValueError("gradient_rollout needs one gradient per attention tensor, and at least one block")
+    factors = []
+    for a, g in zip(attns, grads, strict=True):
+        f = (a * g).clamp_min_(0).mean(1)
+        f.diagonal(dim1=-2, dim2=-1).add_(1.0)
+        factors.append(f)
+    return product_rows(factors, query)
 
 
 def kl_to_final(logits: Tensor, final_logits: Tensor) -> Tensor:

@@ -131,4 +131,11 @@ def high_norm_tokens(df: pd.DataFrame) -> Figures:
     return [(f"High-norm tokens per block (outlier: {rule}) [{cite('darcet2024')}]", fig)]
 
 
-FIGURES = {"attention_rollout": attention_rollout, "logit_lens": logit_lens, "high_norm_tokens": high_norm_tokens}
+def gradient_rollout(df: pd.DataFrame) -> Figures:
+    """`attention_rollout`'s figures for the gradient-weighted relevance [Chefer et al. 2021]."""
+    return [(title.replace("rollout", "gradient rollout", 1).replace(cite("abnar2020"), cite("chefer2021")), fig)
+            for title, fig in attention_rollout(df)]
+
+
+FIGURES = {"attention_rollout": attention_rollout, "gradient_rollout": gradient_rollout, "logit_lens": logit_lens,
+           "high_norm_tokens": high_norm_tokens}
