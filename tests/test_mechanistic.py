@@ -452,7 +452,7 @@ def test_every_figure_draws_from_a_two_model_run(tmp_path):
         vm = tiny(kind, **kw)
         vm.name = label
         analyses = [get_analysis(n)(vm, **p) for n, p in (("attention_rollout", {}), ("gradient_rollout", {}),
-                                                           ("logit_lens", {"test_every": 2}),
+                                                           ("logit_lens", {"test_every": 2}), ("head_ablation", {}),
                                                            ("high_norm_tokens", {"k": 1.0, "test_every": 2}))]
         stream(vm, _batches(vm, n=12, bs=6), analyses, progress=False)
         with warnings.catch_warnings():
@@ -541,3 +541,77 @@ def test_gradient_rollout_of_a_headless_model_is_empty_with_a_warning():
     stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
     with pytest.warns(UserWarning, match="head"):
         assert len(a.finalize()) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# head ablation: the full model run from the image with one head zeroed by the test's own hook
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _zeroed_output(vm, x, layer, head):
+    """The model's output on ``x`` with head ``head`` of block ``layer`` zeroed before the projection."""
+    H = vm.num_heads
+
+    def zero(module, args):
+        h = args[0].clone()
+        d = h.shape[-1] // H
+        h[..., head * d:(head + 1) * d] = 0
+        return (h,)
+
+    handle = vm.model.blocks[layer].attn.proj.register_forward_pre_hook(zero)
+    try:
+        with torch.no_grad():
+            return vm.model(x).double()
+    finally:
+        handle.remove()
+
+
+def test_head_ablation_equals_full_forwards_with_the_head_zeroed():
+    from vitscope.metrics.robustness import CIFAR10_CLASSES
+
+    vm = tiny("vit", num_classes=10)
+    batches = _labelled(_batches(vm, n=7, bs=4), 10)
+    a = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    a.configure({"data": list(CIFAR10_CLASSES)})
+    stream(vm, batches, [a], progress=False)
+    df = a.finalize()
+    x = torch.cat([b.images for b in batches])
+    y = torch.cat([b.labels for b in batches]).numpy()
+    with torch.no_grad():
+        clean = vm.model(x).double().numpy()
+    for layer in range(vm.depth):
+        for head in range(vm.num_heads):
+            abl = _zeroed_output(vm, x, layer, head).numpy()
+            kl = _np_kl(abl, clean)
+            got = _rows(df, metric="kl_from_clean", layer=layer, head=head)
+            assert got.value.iloc[0] == pytest.approx(kl.mean(), rel=1e-4, abs=1e-7)
+            flips = _rows(df, metric="prediction_flips", layer=layer, head=head).value.iloc[0]
+            assert flips == pytest.approx(np.mean(abl.argmax(1) != clean.argmax(1)))
+            drop = _rows(df, metric="accuracy_drop", layer=layer, head=head).value.iloc[0]
+            assert drop == pytest.approx(np.mean(clean.argmax(1) == y) - np.mean(abl.argmax(1) == y))
+    # merge of two parts in another order equals one pass
+    first = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    first.configure({"data": list(CIFAR10_CLASSES)})
+    for b in batches[1:]:
+        with vs.Capture(vm, first.required_taps()) as cap:
+            first.update(cap(b.images), b)
+    second = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    second.configure({"data": list(CIFAR10_CLASSES)})
+    with vs.Capture(vm, second.required_taps()) as cap:
+        second.update(cap(batches[0].images), batches[0])
+    first.merge(second)
+    assert first.finalize().value.to_numpy() == pytest.approx(df.value.to_numpy(), rel=1e-9, abs=1e-12)
+
+
+def test_head_ablation_without_a_head_reports_the_change_of_the_pooled_output():
+    vm = tiny("reg", num_classes=0)
+    batches = _batches(vm, n=4, bs=4)
+    df = _stream("head_ablation", vm, batches, layers=[1]).finalize()
+    x = torch.cat([b.images for b in batches])
+    with torch.no_grad():
+        clean = vm.model(x).double()
+    assert set(df.metric) == {"output_change"} and set(df.layer) == {1}
+    for head in range(vm.num_heads):
+        abl = _zeroed_output(vm, x, 1, head)
+        want = (1 - torch.nn.functional.cosine_similarity(abl, clean, dim=-1)).mean()
+        assert _rows(df, head=head).value.iloc[0] == pytest.approx(float(want), rel=1e-4, abs=1e-8)

@@ -57,6 +57,8 @@ REFERENCES: dict[str, str] = {
     "chefer2021": "Hila Chefer, Shir Gur, Lior Wolf. Generic attention-model explainability for interpreting "
                   "bi-modal and encoder-decoder transformers. IEEE/CVF International Conference on Computer Vision "
                   "(ICCV), 2021. arXiv:2103.15679.",
+    "michel2019": "Paul Michel, Omer Levy, Graham Neubig. Are sixteen heads really better than one? Advances in "
+                  "Neural Information Processing Systems (NeurIPS), 2019. arXiv:1905.10650.",
     "nostalgebraist2020": "nostalgebraist. Interpreting GPT: the logit lens. LessWrong, 2020.",
     "darcet2024": "Timothée Darcet, Maxime Oquab, Julien Mairal, Piotr Bojanowski. Vision Transformers need "
                   "registers. International Conference on Learning Representations (ICLR), 2024. arXiv:2309.16588.",
@@ -98,6 +100,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "gradient_rollout": ["chefer2021", "abnar2020"],
     "logit_lens": ["nostalgebraist2020"],
     "high_norm_tokens": ["darcet2024"],
+    "head_ablation": ["michel2019"],
 }
 
 

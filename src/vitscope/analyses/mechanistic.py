@@ -784,3 +784,145 @@ class HighNormTokens(_Mechanistic):
                 rows.append({"metric": "knn_accuracy", "layer": i, "tokens": tokens, "value": acc, "stderr": se,
                              "value_lo": lo, "value_hi": hi, "n": n})
         return rows
+
+
+@register_analysis
+class HeadAblation(_Mechanistic):
+    """Zero-ablation of each attention head, read at the model's output: per (layer, head), the head's output
+    (its slice of ``block{i}.heads``, before the output projection) set to 0 and the rest of the network run
+    from the pass's own residual stream entering that block (``embed`` / ``block{i-1}.out``: only the blocks
+    from i on are recomputed, every head of a block in one batch of ``heads x images``). Table per (layer, head):
+
+    * with a classifier head: ``kl_from_clean`` (mean over images of KL(clean prediction || ablated), nats,
+      ``stderr``, interval) and ``prediction_flips`` (share of images whose top-1 class changes, Wilson
+      interval); ``accuracy_drop`` (clean minus ablated top-1 accuracy, over the labelled images) when the head's
+      label space covers the dataset's classes (as the logit lens decides it);
+    * without one: ``output_change`` (mean over images of 1 - cosine similarity of the model's pooled output,
+      clean vs ablated).
+
+    Cost: per block i, ``heads x (depth - i)`` block passes for every image (about ``heads x depth / 2``
+    forwards): name the blocks to ablate with ``layers``. BEiT with a shared relative position bias is refused
+    (its blocks cannot be rerun alone)."""
+
+    name = "head_ablation"
+    description = "each attention head zeroed in turn: KL to the clean prediction, flips, accuracy drop"
+    _MEANS = ("kl", "change", "drop")
+    _TENSORS = ("flips",)
+
+    def __init__(self, vm: Any, layers: Any = None, head_classes: str | None = None):
+        from vitscope.analyses.robustness import HEAD_SPACES, head_label_space
+
+        super().__init__(vm)
+        if head_classes is not None and head_classes not in HEAD_SPACES:
+            raise VitscopeError(f"{self.name}: head_classes {head_classes!r} is not a label space vitscope knows; "
+                                f"choose {', '.join(HEAD_SPACES)}")
+        self.layers = self.layers_param(layers)
+        self._model = getattr(vm, "model", None)
+        if self._model is not None and getattr(self._model, "rel_pos_bias", None) is not None:
+            raise VitscopeError(f"{self.name}: {self.model_name} shares one relative position bias across blocks, "
+                                "so a block cannot be rerun alone from the cached residual stream")
+        self.has_head = self._model is None or int(getattr(self._model, "num_classes", 0) or 0) > 0
+        self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
+        self.classes: list[str] | None = None
+        L, H = len(self.layers), self.num_heads
+        self.kl, self.change, self.drop = _Means(L, H), _Means(L, H), _Means(L, H)
+        self.flips = torch.zeros(L, H, dtype=torch.float64)
+        self.n_masked = 0  # the shared state layout: images whose labels were scored
+
+    def _settings(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "has_head": self.has_head, "head_space": self.head_space,
+                "classes": self.classes}
+
+    configure = LogitLens.configure
+    _covered_classes = LogitLens._covered_classes
+
+    def required_taps(self) -> list[str]:
+        return [("embed" if i == 0 else f"block{i - 1}.out") for i in self.layers] + ["logits"]
+
+    def _ablated(self, x: torch.Tensor, layer: int) -> torch.Tensor:
+        """``(H, B, ...)`` model outputs with head h of block ``layer`` zeroed in group h."""
+        m, H = self._model, self.num_heads
+        if m is None:
+            raise VitscopeError(f"{self.name}: ablation needs the loaded model, not a cached state")
+        B = x.shape[0]
+
+        def zero(module: Any, args: tuple) -> tuple:
+            h = args[0].clone()
+            view = h.view(H, B, h.shape[1], H, -1)
+            for g in range(H):
+                view[g, :, :, g] = 0
+            return (h, *args[1:])
+
+        handle = m.blocks[layer].attn.proj.register_forward_pre_hook(zero)
+        try:
+            with torch.inference_mode():
+                y = x.repeat(H, *([1] * (x.ndim - 1)))
+                for blk in list(m.blocks)[layer:]:
+                    y = blk(y)
+                out = m.forward_head(m.norm(y))
+        finally:
+            handle.remove()
+        return out.reshape(H, B, -1)
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        from vitscope.analyses.robustness import head_scores
+
+        B = len(batch)
+        clean = feats["logits"].double()
+        classes = self._covered_classes() if (self.has_head and batch.labels is not None) else None
+        labels = batch.labels.cpu() if classes is not None else None
+
+        def hits(logits: torch.Tensor) -> torch.Tensor:
+            scores = head_scores(cast(str, self.head_space), cast(list, classes), logits.cpu())
+            return (scores.argmax(-1) == labels).double()
+
+        kls, changes, flips, correct = [], [], [], []
+        for i in self.layers:
+            x = feats["embed"] if i == 0 else feats[f"block{i - 1}.out"]
+            abl = self._ablated(x, i).double()  # (H, B, C)
+            if self.has_head:
+                kls.append(torch.stack([M.kl_to_final(a, clean) for a in abl], 1))  # (B, H)
+                flips.append((abl.argmax(-1) != clean.argmax(-1)).double().sum(1).cpu())
+                if classes is not None:
+                    correct.append(hits(clean).unsqueeze(1) - torch.stack([hits(a) for a in abl], 1))  # (B, H)
+            else:
+                cos = torch.nn.functional.cosine_similarity(abl, clean.unsqueeze(0), dim=-1)  # (H, B)
+                changes.append((1 - cos).T)
+        if self.has_head:
+            self.kl.add(torch.stack(kls, 1))
+            self.flips += torch.stack(flips)
+            if classes is not None:
+                self.drop.add(torch.stack(correct, 1))
+                self.n_masked += B
+        else:
+            self.change.add(torch.stack(changes, 1))
+        self.n_images += B
+
+    def merge(self, other: Analysis) -> None:
+        self._check_mergeable(other)
+        o = cast(HeadAblation, other)
+        for k in self._MEANS:
+            getattr(self, k).merge(getattr(o, k))
+        for k in self._TENSORS:
+            getattr(self, k).add_(getattr(o, k))
+        self.n_images += o.n_images
+        self.n_masked += o.n_masked
+
+    def finalize(self) -> pd.DataFrame:
+        rows: list[dict[str, Any]] = []
+        n = self.n_images
+        for j, i in enumerate(self.layers):
+            for h in range(self.num_heads):
+                if not self.has_head:
+                    rows.append({"metric": "output_change", "layer": i, "head": h, **self.change.row(j, h)})
+                    continue
+                rows.append({"metric": "kl_from_clean", "layer": i, "head": h, **self.kl.row(j, h)})
+                p = float(self.flips[j, h]) / n if n else float("nan")
+                lo, hi, se = binomial_interval(p, n)
+                rows.append({"metric": "prediction_flips", "layer": i, "head": h, "value": p, "stderr": se,
+                             "value_lo": lo, "value_hi": hi, "n": n})
+                if self.drop.count[j, h] > 0:  # per image: clean correct minus ablated correct (-1, 0 or 1)
+                    rows.append({"metric": "accuracy_drop", "layer": i, "head": h, **self.drop.row(j, h)})
+        df = self.tidy(rows)
+        df["n_images"] = self.n_images
+        return df

@@ -137,5 +137,32 @@ def gradient_rollout(df: pd.DataFrame) -> Figures:
             for title, fig in attention_rollout(df)]
 
 
+def head_ablation(df: pd.DataFrame) -> Figures:
+    """Effect of zeroing each head on the model's output, block x head, one panel per model: KL to the clean
+    prediction (with a head), else 1 - cosine of the pooled output [Michel et al. 2019]."""
+    from vitscope.report.figures._common import colorbar, model_label
+
+    out: Figures = []
+    for metric, label in (("kl_from_clean", "KL(clean ‖ ablated), nats"), ("output_change", "1 - cos(clean, ablated)")):
+        d = df[df.metric == metric]
+        models = models_of(d)
+        if not models:
+            continue
+        fig, axes = panels(1, len(models), panel=(2.6, 2.4))
+        vmax = float(d["value"].max()) if d["value"].notna().any() else 1.0
+        for ax, model in zip(axes[0], models, strict=True):
+            g = d[d.model == model]
+            arr = g.pivot_table(index="layer", columns="head", values="value", aggfunc="mean")
+            im = ax.imshow(arr.to_numpy(dtype=float), aspect="auto", cmap="magma", vmin=0, vmax=vmax or 1.0,
+                           interpolation="nearest")
+            ax.set_yticks(range(len(arr.index)), [f"b{int(b)}" for b in arr.index], fontsize=6)
+            ax.set_xticks(range(len(arr.columns)), [f"h{int(h)}" for h in arr.columns], fontsize=6)
+            ax.set_title(model_label(model), fontsize=9)
+        colorbar(fig, im, axes[0, -1], label)
+        out.append((f"Each attention head zeroed in turn: change of the model's output, block x head "
+                    f"[{cite('michel2019')}]", fig))
+    return out
+
+
 FIGURES = {"attention_rollout": attention_rollout, "gradient_rollout": gradient_rollout, "logit_lens": logit_lens,
-           "high_norm_tokens": high_norm_tokens}
+           "high_norm_tokens": high_norm_tokens, "head_ablation": head_ablation}
