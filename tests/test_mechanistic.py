@@ -615,3 +615,42 @@ def test_head_ablation_without_a_head_reports_the_change_of_the_pooled_output():
         abl = _zeroed_output(vm, x, 1, head)
         want = (1 - torch.nn.functional.cosine_similarity(abl, clean, dim=-1)).mean()
         assert _rows(df, head=head).value.iloc[0] == pytest.approx(float(want), rel=1e-4, abs=1e-8)
+
+
+STUDY = """
+models:
+  - {name: vit_small_patch16_224, label: tiny-head, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}}
+  - {name: vit_small_patch16_224, label: tiny-headless, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 0}}
+dataset: {name: synthetic-shapes, n_images: 24}
+analyses:
+  attention_rollout: {discard_ratio: 0.1}
+  gradient_rollout: {}
+  logit_lens: {test_every: 2}
+  high_norm_tokens: {k: 1.0, test_every: 2}
+  head_ablation: {}
+batch_size: 4
+progress: false
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+def test_two_process_torchrun_equals_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(STUDY)
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
+                    f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "vitscope", "--quiet", "run", str(cfg), f"output_dir={single}",
+                    f"cache_dir={tmp_path / 'c1'}"], check=True, timeout=300)
+    for name in ("attention_rollout", "gradient_rollout", "logit_lens", "high_norm_tokens", "head_ablation"):
+        a = pd.read_parquet(sharded / "results" / f"{name}.parquet")
+        b = pd.read_parquet(single / "results" / f"{name}.parquet")
+        assert len(a) == len(b) > 0, name
+        assert a.value.to_numpy(dtype=float) == pytest.approx(b.value.to_numpy(dtype=float), rel=1e-6, abs=1e-9,
+                                                              nan_ok=True), name
+    assert '"world_size": 2' in (sharded / "manifest.json").read_text()
