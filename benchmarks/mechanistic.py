@@ -5,7 +5,8 @@ every ``block{i}.out`` (as svd_volume, fourier, semantics, cka do) plus the next
 of a pass that already feeds those analyses they add their updates only, no capture. Prints, from one run, a
 `stream` pass of one batch feeding the shared-tap analyses (``BASE``) against the same pass with
 attention_rollout + high_norm_tokens added (goal <= 1.10x), and with logit_lens too; then each new analysis's
-update alone on the captured tensors.
+update alone on the captured tensors, and what each of the five costs one model on the default study's
+256 shapes (gradient_rollout runs its own forward and backward, head_ablation reruns blocks: heavier, opt-in).
 
 Runs are interleaved; the median and the minimum of --reps repetitions are both reported (on a shared
 machine the minimum is the steadier estimate of the cost).
@@ -74,10 +75,11 @@ def main() -> None:
         print(f"[{label}] rollout + high-norm tokens over base: {red(t['base+rollout+norms']) / base:.3f}x "
               f"(goal <= 1.10)   with logit lens too: {red(t['base+rollout+norms+lens']) / base:.3f}x")
 
-    taps = sorted({tp for n in NEW + ("logit_lens",) for tp in ANALYSES[n](vm).required_taps()})
+    ALL = NEW + ("logit_lens", "gradient_rollout", "head_ablation")
+    taps = sorted({tp for n in ALL for tp in ANALYSES[n](vm).required_taps()})
     with vs.Capture(vm, taps) as cap:
         feats = cap(batch.images)
-    for n in NEW + ("logit_lens",):
+    for n in ALL:
         a = ANALYSES[n](vm)
         times = [_time(lambda a=a: a.update(feats, batch)) for _ in range(max(3, args.reps // 2))]
         print(f"  update {n:<18} alone: median {statistics.median(times):6.3f} s   min {min(times):6.3f} s")
@@ -88,7 +90,7 @@ def main() -> None:
     for b in batches:
         with vs.Capture(vm, taps) as cap:
             feats_of.append(cap(b.images))
-    for n in NEW + ("logit_lens",):
+    for n in ALL:
         a = ANALYSES[n](vm)
         up = sum(_time(lambda a=a, f=f, b=b: a.update(f, b)) for f, b in zip(feats_of, batches, strict=True))
         fin = _time(a.finalize)
