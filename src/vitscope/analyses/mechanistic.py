@@ -1,5 +1,5 @@
-"""A mechanistic lens: attention rollout, the logit lens and high-norm artifact tokens (math in
-`vitscope.metrics.mechanistic`).
+"""A mechanistic lens: attention rollout (plain and gradient-weighted), the logit lens, high-norm artifact tokens
+and head ablation (math in `vitscope.metrics.mechanistic`).
 
 =========================  ===================================================================================
 analysis                   metrics (extra columns)
@@ -7,12 +7,16 @@ analysis                   metrics (extra columns)
 ``attention_rollout``      ``rollout_map`` per (layer, grid cell) (``row``, ``col``); ``iou_rollout``,
                            ``iou_cls_attention``, ``iou_gain`` per layer (``stderr``, ``value_lo``,
                            ``value_hi``, ``n``); all with ``n_images``, ``n_masked``
+``gradient_rollout``       as ``attention_rollout`` (``head_fusion`` = ``gradient``)
 ``logit_lens``             ``top1_accuracy`` per layer (``value_lo``, ``value_hi``, ``n``, ``readout``);
                            ``kl_to_final``, ``agreement_with_final`` per layer (intervals, ``readout``)
 ``high_norm_tokens``       ``norm_quantile`` per (layer, quantile) (``quantile``, ``token_view``);
                            ``outliers_per_image``, ``images_with_outliers``, ``patch_variance``,
                            ``foreground_share``, ``cls_attention_absorbed`` per layer (``tokens``:
-                           outliers / all, intervals); ``outlier_position`` per (layer, cell)
+                           outliers / all, intervals); ``outlier_position`` per (layer, cell); ``knn_accuracy``
+                           per layer (``tokens``: outliers / random_patch)
+``head_ablation``          ``kl_from_clean``, ``prediction_flips``, ``accuracy_drop`` (or ``output_change``) per
+                           (layer, head) (``stderr``, ``value_lo``, ``value_hi``, ``n``)
 =========================  ===================================================================================
 
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
@@ -795,8 +799,9 @@ class HeadAblation(_Mechanistic):
 
     * with a classifier head: ``kl_from_clean`` (mean over images of KL(clean prediction || ablated), nats,
       ``stderr``, interval) and ``prediction_flips`` (share of images whose top-1 class changes, Wilson
-      interval); ``accuracy_drop`` (clean minus ablated top-1 accuracy, over the labelled images) when the head's
-      label space covers the dataset's classes (as the logit lens decides it);
+      interval); ``accuracy_drop`` (clean minus ablated top-1 accuracy, the mean of the per-image differences
+      with their ``stderr`` and interval) when the head's label space covers the dataset's classes (as the
+      logit lens decides it);
     * without one: ``output_change`` (mean over images of 1 - cosine similarity of the model's pooled output,
       clean vs ablated).
 

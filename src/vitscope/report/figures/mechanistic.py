@@ -159,7 +159,7 @@ def head_ablation(df: pd.DataFrame) -> Figures:
             ax.set_xticks(range(len(arr.columns)), [f"h{int(h)}" for h in arr.columns], fontsize=6)
             ax.set_title(model_label(model), fontsize=9)
         colorbar(fig, im, axes[0, -1], label)
-        out.append((f"Each attention head zeroed in turn: change of the model's output, block x head "
+        out.append((f"Each attention head zeroed in turn: change of the model's output ({label}), block x head "
                     f"[{cite('michel2019')}]", fig))
     return out
 
