@@ -160,6 +160,14 @@ def test_merge_of_two_parts_and_resume_equal_one_pass(name, params, changed):
 
 
 def test_rollout_refuses_bad_parameters_in_one_sentence():
+    from vitscope.analyses.base import validate_params
+
+    # before any model loads: the config's values against the choices the signature lists
+    with pytest.raises(vs.ConfigError, match="'head_fusion' of analysis 'attention_rollout' must be one of 'mean'"):
+        validate_params(get_analysis("attention_rollout"), {"head_fusion": "median"})
+    with pytest.raises(vs.ConfigError, match="'readout' of analysis 'logit_lens' must be one of 'auto', 'head'"):
+        validate_params(get_analysis("logit_lens"), {"readout": "heads"})
+    validate_params(get_analysis("attention_rollout"), {"head_fusion": "max", "discard_ratio": 0.9})
     vm = tiny("vit")
     with pytest.raises(vs.VitscopeError, match="head_fusion"):
         get_analysis("attention_rollout")(vm, head_fusion="median")

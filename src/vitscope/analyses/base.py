@@ -320,6 +320,8 @@ def _conforms(value: Any, tp: Any) -> bool:
         tp = typing.get_args(tp)[0]
     if tp is Any or tp is inspect.Parameter.empty:
         return True
+    if typing.get_origin(tp) is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     alts = _union_args(tp)
     if alts is not None:
         return any(_conforms(value, a) for a in alts)
@@ -349,6 +351,8 @@ def _conforms(value: Any, tp: Any) -> bool:
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     alts = _union_args(tp)
     if alts is not None:
         return " or ".join(_describe(a) for a in alts)

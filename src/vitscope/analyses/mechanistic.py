@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import pandas as pd
 import torch
@@ -161,7 +161,7 @@ class AttentionRollout(_Mechanistic):
     _MEANS = ("iou_rollout", "iou_cls", "iou_gain")
     _TENSORS = ("map_sum",)
 
-    def __init__(self, vm: Any, layers: Any = None, head_fusion: str = "mean",
+    def __init__(self, vm: Any, layers: Any = None, head_fusion: Literal["mean", "max", "min"] = "mean",
                  discard_ratio: Annotated[float, Range(0, 0.99)] = 0.0,
                  mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
         super().__init__(vm)
@@ -347,7 +347,8 @@ class LogitLens(_Mechanistic):
     _MEANS = ("kl",)
     _TENSORS = ("agree", "correct", "scored")
 
-    def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
+    def __init__(self, vm: Any, layers: Any = None, readout: Literal["auto", "head", "probe"] = "auto",
+                 head_classes: str | None = None,
                  max_images: Annotated[int, Range(1)] = 2000,
                  test_every: Annotated[int, Range(2)] = 5, probe_max_iter: Annotated[int, Range(1, 100000)] = 100,
                  probe_weight_decay: Annotated[float, Range(0, open_lo=True)] = 1e-4):
