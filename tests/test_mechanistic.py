@@ -662,3 +662,28 @@ def test_two_process_torchrun_equals_one_process(tmp_path):
         assert a.value.to_numpy(dtype=float) == pytest.approx(b.value.to_numpy(dtype=float), rel=1e-6, abs=1e-9,
                                                               nan_ok=True), name
     assert '"world_size": 2' in (sharded / "manifest.json").read_text()
+
+
+def test_reruns_record_nothing_into_the_open_capture_and_keep_other_hooks():
+    from vitscope.capture.engine import taps_paused
+
+    vm = tiny("vit", num_classes=10)
+    batch = _batches(vm, n=3, bs=3)[0]
+    calls = []
+    handle = vm.model.blocks[1].register_forward_hook(lambda m, a, out: calls.append(out.shape[0]))
+    try:
+        for name in ("head_ablation", "gradient_rollout"):
+            a = get_analysis(name)(vm)
+            taps = a.required_taps() + ["block0.out"]  # block0.out: also a tap no analysis here reads
+            with vs.Capture(vm, taps) as cap:
+                feats = cap(batch.images)
+                calls.clear()
+                a.update(feats, batch)
+                assert cap._store == {}, name  # the rerun blocks' taps wrote nothing
+            assert calls, name  # a hook that is not a tap still ran on the rerun
+    finally:
+        handle.remove()
+    with vs.Capture(vm, ["block0.out"]) as cap:  # early stop after block 0: paused, the full model runs
+        with taps_paused(), torch.no_grad():
+            assert vm.model(batch.images).shape == (3, 10)
+        assert set(cap(batch.images)) == {"block0.out"}

@@ -36,6 +36,7 @@ import torch
 from vitscope.analyses.attention import Z95, _saliency_iou_of, stderr_from_sums
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.bounds import Range
+from vitscope.capture.engine import taps_paused
 from vitscope.errors import VitscopeError
 from vitscope.metrics import attention as A
 from vitscope.metrics import mechanistic as M
@@ -304,7 +305,7 @@ class GradientRollout(AttentionRollout):
             for module, _ in fused:
                 module.fused_attn = False  # the eager path, whose attention the hooks see
             x = batch.images.detach().to(next(model.parameters()).device).clone().requires_grad_(True)
-            with torch.inference_mode(False), torch.enable_grad(), vm.input_size(*x.shape[-2:]):
+            with torch.inference_mode(False), torch.enable_grad(), vm.input_size(*x.shape[-2:]), taps_paused():
                 logits = model(x)
                 score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
                 attns = [kept[i] for i in range(last + 1)]
@@ -861,7 +862,7 @@ class HeadAblation(_Mechanistic):
 
         handle = m.blocks[layer].attn.proj.register_forward_pre_hook(zero)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), taps_paused():
                 y = x.repeat(H, *([1] * (x.ndim - 1)))
                 for blk in list(m.blocks)[layer:]:
                     y = blk(y)
