@@ -52,6 +52,16 @@ REFERENCES: dict[str, str] = {
     "radenovic2018": "Filip Radenović, Ahmet Iscen, Giorgos Tolias, Yannis Avrithis, Ondřej Chum. Revisiting Oxford "
                      "and Paris: large-scale image retrieval benchmarking. IEEE/CVF Conference on Computer Vision and "
                      "Pattern Recognition (CVPR), 2018.",
+    "abnar2020": "Samira Abnar, Willem Zuidema. Quantifying attention flow in transformers. Annual Meeting of the "
+                 "Association for Computational Linguistics (ACL), 2020. arXiv:2005.00928.",
+    "chefer2021": "Hila Chefer, Shir Gur, Lior Wolf. Generic attention-model explainability for interpreting "
+                  "bi-modal and encoder-decoder transformers. IEEE/CVF International Conference on Computer Vision "
+                  "(ICCV), 2021. arXiv:2103.15679.",
+    "michel2019": "Paul Michel, Omer Levy, Graham Neubig. Are sixteen heads really better than one? Advances in "
+                  "Neural Information Processing Systems (NeurIPS), 2019. arXiv:1905.10650.",
+    "nostalgebraist2020": "nostalgebraist. Interpreting GPT: the logit lens. LessWrong, 2020.",
+    "darcet2024": "Timothée Darcet, Maxime Oquab, Julien Mairal, Piotr Bojanowski. Vision Transformers need "
+                  "registers. International Conference on Learning Representations (ICLR), 2024. arXiv:2309.16588.",
     "vandermaaten2008": "Laurens van der Maaten, Geoffrey Hinton. Visualizing data using t-SNE. Journal of Machine "
                         "Learning Research 9, pp. 2579-2605, 2008.",
 }
@@ -86,6 +96,11 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "stir": ["merlin2023", "nanda2022"],
     "correspondence": ["walmer2023", "min2019"],
     "retrieval": ["walmer2023", "radenovic2018"],
+    "attention_rollout": ["abnar2020", "walmer2023"],
+    "gradient_rollout": ["chefer2021", "abnar2020"],
+    "logit_lens": ["nostalgebraist2020"],
+    "high_norm_tokens": ["darcet2024"],
+    "head_ablation": ["michel2019"],
 }
 
 

@@ -61,6 +61,8 @@ class _Lifecycle(ABC):
     needs: ClassVar[frozenset[str]] = frozenset()
     #: further named datasets and what each must provide; chosen with the parameter ``<slot>_dataset``
     inputs: ClassVar[dict[str, frozenset[str]]] = {}
+    #: listed in the embedded default study (configs/default.yaml); False for lenses a study names itself
+    in_default_study: ClassVar[bool] = True
 
     @classmethod
     def views(cls, params: Mapping[str, Any]) -> list[str]:
@@ -318,6 +320,8 @@ def _conforms(value: Any, tp: Any) -> bool:
         tp = typing.get_args(tp)[0]
     if tp is Any or tp is inspect.Parameter.empty:
         return True
+    if typing.get_origin(tp) is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
     alts = _union_args(tp)
     if alts is not None:
         return any(_conforms(value, a) for a in alts)
@@ -347,6 +351,8 @@ def _conforms(value: Any, tp: Any) -> bool:
 def _describe(tp: Any) -> str:
     if typing.get_origin(tp) is typing.Annotated:
         tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     alts = _union_args(tp)
     if alts is not None:
         return " or ".join(_describe(a) for a in alts)

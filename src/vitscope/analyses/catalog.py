@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 from typing import Any
 
 from vitscope.analyses.base import ANALYSES, Analysis, analysis_parameters
@@ -33,6 +34,8 @@ CONVENTIONS = {
 
 def _type_text(p: inspect.Parameter) -> str:
     ann = p.annotation
+    if typing.get_origin(ann) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(ann))
     if isinstance(ann, str) and ann not in ("Any", ""):
         return ann
     if ann is not inspect.Parameter.empty and not isinstance(ann, str) and ann is not Any:
@@ -59,7 +62,10 @@ def parameters(cls: type[Analysis]) -> tuple[Param, ...]:
             continue
         ranged = annotation_text(resolved[p.name].annotation) if p.name in resolved else None
         d = list(p.default) if isinstance(p.default, tuple) else p.default
-        out.append(Param(p.name, ranged or _type_text(p), "required" if d is inspect.Parameter.empty else repr(d)))
+        q = resolved.get(p.name)
+        literal = q is not None and typing.get_origin(q.annotation) is typing.Literal  # choices: listed
+        out.append(Param(p.name, ranged or _type_text(q if literal else p),
+                         "required" if d is inspect.Parameter.empty else repr(d)))
     return tuple(out)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,25 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 
 _ALLOCATOR_TUNED: bool | None = None
+
+_PAUSED = threading.local()
+
+
+@contextlib.contextmanager
+def taps_paused() -> Iterator[None]:
+    """Within it, the taps of every open `Capture` record nothing and the early stop does not fire: for an
+    analysis that reruns part of the network from captured tensors (head ablation, a gradient pass), so the
+    rerun neither overwrites nor holds the pass's tensors. Other hooks on the model (a user's) still run."""
+    before = getattr(_PAUSED, "on", False)
+    _PAUSED.on = True
+    try:
+        yield
+    finally:
+        _PAUSED.on = before
+
+
+def _recording() -> bool:
+    return not getattr(_PAUSED, "on", False)
 
 
 def tune_allocator() -> bool:
@@ -120,7 +140,8 @@ class Capture:
             last = self._last_block() if self.stop_early else None
             if last is not None:
                 def stop(module: Any, args: Any, out: Any) -> None:
-                    raise _StopForward
+                    if _recording():
+                        raise _StopForward
                 self._handles.append(self.vm.model.blocks[last].register_forward_hook(stop))
         except BaseException:
             self._restore()
@@ -131,8 +152,15 @@ class Capture:
     def _register(self, tap: str, hp: Any) -> Any:
         store, get = self._store, hp.get
         if hp.when == "pre":
-            return hp.module.register_forward_pre_hook(lambda m, args: store.__setitem__(tap, get(args, None)))
-        return hp.module.register_forward_hook(lambda m, args, out: store.__setitem__(tap, get(args, out)))
+            def pre(m: Any, args: Any) -> None:
+                if _recording():
+                    store[tap] = get(args, None)
+            return hp.module.register_forward_pre_hook(pre)
+
+        def post(m: Any, args: Any, out: Any) -> None:
+            if _recording():
+                store[tap] = get(args, out)
+        return hp.module.register_forward_hook(post)
 
     def _restore(self) -> None:
         for h in self._handles:

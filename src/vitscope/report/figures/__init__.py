@@ -8,11 +8,20 @@ from collections.abc import Callable
 
 import pandas as pd
 
-from vitscope.report.figures import attention, dense, geometry, invariance, robustness, semantics, similarity
+from vitscope.report.figures import (
+    attention,
+    dense,
+    geometry,
+    invariance,
+    mechanistic,
+    robustness,
+    semantics,
+    similarity,
+)
 from vitscope.report.figures._common import Figures
 
 FIGURES: dict[str, Callable[[pd.DataFrame], Figures]] = {}
-for _module in (attention, similarity, geometry, semantics, robustness, dense, invariance):
+for _module in (attention, similarity, geometry, semantics, robustness, dense, invariance, mechanistic):
     FIGURES.update(_module.FIGURES)
 
 __all__ = ["FIGURES", "Figures"]

@@ -1,0 +1,119 @@
+"""Pure functions of a mechanistic lens: attention rollout, a logit lens readout, high-norm token outliers.
+
+* :func:`fuse_heads` / :func:`rollout_step` / :func:`attention_rollout`: attention rollout (Abnar and Zuidema
+  2020) with the options of the public vit-explain code (head fusion mean / max / min, a discard ratio of the
+  weakest fused weights, the residual added as ``0.5 A + 0.5 I``), each row renormalised to sum 1 (vit-explain
+  divides by ``a.sum(dim=-1)`` without ``keepdim``, which broadcasts the row sums over columns; here rows).
+* :func:`gradient_rollout`: the gradient-weighted relevance of Chefer et al. 2021, ``R <- R + mean_h(∇A ⊙ A)^+ R``.
+* :func:`kl_to_final`: KL(final || block) of two sets of logits, per image.
+* :func:`robust_outliers`: tokens whose norm lies above ``median + k * 1.4826 * MAD`` of their own image's
+  patch-token norms (the normal-consistent MAD), per image.
+
+Tensors in, tensors out; no I/O (``vitscope.metrics`` conventions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "attention_rollout", "fuse_heads", "gradient_rollout", "kl_to_final",
+           "product_rows", "robust_outliers", "rollout_step"]
+
+HEAD_FUSIONS = ("mean", "max", "min")
+MAD_SCALE = 1.4826
+"""The MAD times this estimates the standard deviation of a normal distribution."""
+
+
+def fuse_heads(attn: Tensor, head_fusion: Literal["mean", "max", "min"] = "mean") -> Tensor:
+    """``(B, H, T, T) -> (B, T, T)``: the heads' attention fused by their mean, maximum or minimum."""
+    if attn.ndim != 4 or attn.shape[-1] != attn.shape[-2]:
+        raise ValueError(f"attn must be (B, H, T, T), got shape {tuple(attn.shape)}")
+    if head_fusion == "mean":
+        return attn.mean(1)
+    if head_fusion == "max":
+        return attn.amax(1)
+    if head_fusion == "min":
+        return attn.amin(1)
+    raise ValueError(f"head_fusion must be one of {', '.join(HEAD_FUSIONS)}, got {head_fusion!r}")
+
+
+def rollout_step(fused: Tensor, discard_ratio: float = 0.0) -> Tensor:
+    """One layer's rollout factor from its fused attention ``(B, T, T)``.
+
+    The ``floor(discard_ratio * T * T)`` smallest entries of each image's fused matrix are set to 0 (ties: the
+    lower flat index goes first, a stable sort), except entry (0, 0), the first token's attention to itself,
+    which vit-explain never discards; then ``0.5 * fused + 0.5 * I`` with each row divided by its sum."""
+    if not 0.0 <= float(discard_ratio) < 1.0:
+        raise ValueError(f"discard_ratio must be in [0, 1), got {discard_ratio}")
+    B, T, _ = fused.shape
+    a = (fused * 0.5).contiguous()  # a copy: the input is left as it is
+    n = int(discard_ratio * T * T)
+    if n:
+        order = torch.sort(fused.reshape(B, T * T), dim=-1, stable=True).indices[:, :n]
+        first = a[:, 0, 0].clone()  # entry (0, 0) is never discarded
+        a.view(B, T * T).scatter_(-1, order, 0.0)
+        a[:, 0, 0] = first
+    a.diagonal(dim1=-2, dim2=-1).add_(0.5)
+    return a.div_(a.sum(-1, keepdim=True))
+
+
+def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max", "min"] = "mean",
+                      discard_ratio: float = 0.0, query: int = 0) -> Tensor:
+    """The rollout up to each block, row ``query`` (the CLS token by default): ``(B, L, T)``.
+
+    ``attns`` are the attention probabilities ``(B, H, T, T)`` of blocks 0 .. L-1 in order. The rollout up to
+    block l is ``R_l = F_l F_{l-1} ... F_0`` (`rollout_step` factors); row ``query`` of it is computed from
+    the left, ``e_q^T F_l`` times the earlier factors, so no ``T x T`` product of matrices is formed:
+    O(L^2 T^2) per image instead of O(L T^3), in L batched products (every block's row advanced at once)."""
+    if not attns:
+        raise ValueError("attention_rollout needs the attention of at least one block")
+    factors = [rollout_step(fuse_heads(a, head_fusion), discard_ratio) for a in attns]
+    return product_rows(factors, query)
+
+
+def product_rows(factors: Sequence[Tensor], query: int = 0) -> Tensor:
+    """``(B, L, T)``: row ``query`` of ``F_l F_{l-1} ... F_0`` for every l, from ``(B, T, T)`` factors F_0 ..
+    F_{L-1}. Row l is advanced from the left (``e_q^T F_l``, then times F_{l-1}, ...), every block's row at
+    once: L batched vector-matrix products, never a T x T matrix product."""
+    B, T = factors[0].shape[:2]
+    rows = factors[0].new_zeros(B, len(factors), T)
+    for m in range(len(factors) - 1, -1, -1):
+        if m + 1 < len(factors):
+            rows[:, m + 1:] = torch.bmm(rows[:, m + 1:], factors[m])
+        rows[:, m] = factors[m][:, query]
+    return rows
+
+
+def gradient_rollout(attns: Sequence[Tensor], grads: Sequence[Tensor], query: int = 0) -> Tensor:
+    """Chefer et al. 2021 (generic attention-model explainability) relevance up to each block, row ``query``:
+    ``(B, L, T)``. Per block ``Ā = mean_h (∇A ⊙ A)^+`` (the attention weighted by the gradient of the explained
+    score, negative parts dropped, heads averaged) and ``R_l = (I + Ā_l) R_{l-1}`` from ``R = I``: the rows are
+    not renormalised (relevance, not a distribution)."""
+    if len(attns) != len(grads) or not attns:
+        raise ValueError("gradient_rollout needs one gradient per attention tensor, and at least one block")
+    factors = []
+    for a, g in zip(attns, grads, strict=True):
+        f = (a * g).clamp_min_(0).mean(1)
+        f.diagonal(dim1=-2, dim2=-1).add_(1.0)
+        factors.append(f)
+    return product_rows(factors, query)
+
+
+def kl_to_final(logits: Tensor, final_logits: Tensor) -> Tensor:
+    """``(N,)`` float64 KL(softmax(final) || softmax(logits)) per row, in nats."""
+    lp = torch.log_softmax(logits.double(), -1)
+    lq = torch.log_softmax(final_logits.double(), -1)
+    return (lq.exp() * (lq - lp)).sum(-1)
+
+
+def robust_outliers(norms: Tensor, k: float = 6.0) -> Tensor:
+    """``(..., N) -> (..., N)`` bool: entries above ``median + k * MAD_SCALE * MAD`` of their own last axis
+    (the lower median of an even count, as ``torch.median``). A row whose MAD is 0 flags entries above its
+    median, so a single token raised over identical ones is found."""
+    med = norms.median(-1, keepdim=True).values
+    mad = (norms - med).abs().median(-1, keepdim=True).values
+    return norms > med + k * MAD_SCALE * mad

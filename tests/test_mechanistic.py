@@ -1,0 +1,689 @@
+"""The mechanistic lens (attention rollout, logit lens, high-norm tokens) against slow references written here
+(loops and numpy, no code shared with vitscope.metrics.mechanistic), constructed cases with expected values
+derived by hand, and the accumulator protocol (merge, resume)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from test_analyses_attention import _ref_iou, _sem, _token_masks
+
+import vitscope as vs
+from conftest import tiny
+from vitscope.analyses import get_analysis
+from vitscope.capture import stream
+from vitscope.data import SyntheticShapes
+from vitscope.metrics import mechanistic as M
+
+
+def _batches(vm, n=7, bs=3, seed=1):
+    return list(SyntheticShapes(n=n, seed=seed).batches(bs, vm.preprocessing))
+
+
+def _stream(name, vm, batches, **params):
+    a = get_analysis(name)(vm, **params)
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+def _fed(name, vm, batches, **params):
+    a = get_analysis(name)(vm, **params)
+    for b in batches:
+        with vs.Capture(vm, a.required_taps()) as cap:
+            a.update(cap(b.images), b)
+    return a
+
+
+def _rows(df, **where):
+    for k, v in where.items():
+        df = df[df[k] == v]
+    return df
+
+
+def _random_attention(B, H, T, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.softmax(3 * torch.randn(B, H, T, T, generator=g, dtype=torch.float64), -1) for _ in range(L)]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# rollout: slow reference (numpy, full matrix products, one image at a time)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ref_rollout(attns, fusion, ratio):
+    """(B, L, T): CLS row of R_l = F_l ... F_0, matrices multiplied in full with numpy, image by image."""
+    B, H, T, _ = attns[0].shape
+    out = np.zeros((B, len(attns), T))
+    for b in range(B):
+        R = np.eye(T)
+        for lay, a in enumerate(attns):
+            heads = [a[b, h].numpy() for h in range(H)]
+            f = {"mean": sum(heads) / H, "max": np.maximum.reduce(heads), "min": np.minimum.reduce(heads)}[fusion]
+            f = f.copy()
+            flat = f.reshape(-1)
+            drop = [i for i in np.argsort(flat, kind="stable")[:int(ratio * T * T)] if i != 0]
+            flat[drop] = 0.0
+            a2 = 0.5 * f + 0.5 * np.eye(T)
+            for r in range(T):
+                a2[r] = a2[r] / a2[r].sum()
+            R = a2 @ R
+            out[b, lay] = R[0]
+    return out
+
+
+@pytest.mark.parametrize("fusion", ["mean", "max", "min"])
+@pytest.mark.parametrize("ratio", [0.0, 0.3, 0.9])
+def test_rollout_matches_a_loop_over_layers_on_random_attention(fusion, ratio):
+    attns = _random_attention(B=3, H=4, T=7, L=4)
+    got = M.attention_rollout(attns, fusion, ratio)
+    assert got.shape == (3, 4, 7)
+    assert got.numpy() == pytest.approx(_ref_rollout(attns, fusion, ratio), abs=1e-12)
+    assert got.sum(-1).numpy() == pytest.approx(np.ones((3, 4)))  # rows of a product of row-stochastic factors
+
+
+def test_identity_attention_everywhere_gives_the_residual_only_rollout():
+    T = 6
+    eye = torch.eye(T, dtype=torch.float64).expand(2, 3, T, T).clone()
+    got = M.attention_rollout([eye] * 5, "mean", 0.0, query=2)
+    assert torch.equal(got, torch.eye(T, dtype=torch.float64)[2].expand(2, 5, T))  # the token itself, exactly
+
+
+def test_discard_ratio_zeroes_the_smallest_weights_but_never_the_first_tokens_own():
+    fused = torch.tensor([[[0.01, 0.50, 0.49], [0.20, 0.30, 0.50], [0.05, 0.15, 0.80]]], dtype=torch.float64)
+    # floor(0.45 * 9) = 4 smallest: 0.01 (entry (0, 0): kept), 0.05, 0.15, 0.20 -> zeroed
+    kept = np.array([[0.01, 0.50, 0.49], [0.0, 0.30, 0.50], [0.0, 0.0, 0.80]]) * 0.5 + 0.5 * np.eye(3)
+    expected = kept / kept.sum(1, keepdims=True)
+    assert M.rollout_step(fused, 0.45)[0].numpy() == pytest.approx(expected, abs=1e-15)
+    plain = (0.5 * fused[0].numpy() + 0.5 * np.eye(3))
+    assert M.rollout_step(fused, 0.0)[0].numpy() == pytest.approx(plain / plain.sum(1, keepdims=True), abs=1e-15)
+    # 1/9 of the entries rounds down to 1 discarded: the smallest is (0, 0), kept, so nothing changes
+    assert torch.equal(M.rollout_step(fused, 0.12), M.rollout_step(fused, 0.0))
+    with pytest.raises(ValueError, match="discard_ratio"):
+        M.rollout_step(fused, 1.0)
+
+
+@pytest.mark.parametrize("kind", ["vit", "reg"])
+def test_rollout_analysis_maps_and_iou_match_the_references(kind):
+    vm = tiny(kind)
+    batches = _batches(vm, n=6, bs=4)
+    df = _stream("attention_rollout", vm, batches, head_fusion="max", discard_ratio=0.2).finalize()
+    x = torch.cat([b.images for b in batches])
+    feats = vs.extract(vm, x, [f"block{i}.attn" for i in range(vm.depth)])
+    attns = [feats[f"block{i}.attn"].double() for i in range(vm.depth)]
+    ref = _ref_rollout(attns, "max", 0.2)
+    p, B = vm.num_prefix_tokens, 6
+    gt = _token_masks(torch.cat([b.masks for b in batches]), vm.grid_size)
+    assert (df.n_images == B).all() and (df.n_masked == B).all()
+    for i in range(vm.depth):
+        maps = ref[:, i, p:] / ref[:, i, p:].sum(1, keepdims=True)
+        got = _rows(df, metric="rollout_map", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert got == pytest.approx(maps.mean(0), abs=1e-6)
+        roll = [_ref_iou(torch.from_numpy(maps[b]), gt[b], 0.6) for b in range(B)]
+        cls = [_ref_iou(attns[i][b, :, 0, p:].mean(0), gt[b], 0.6) for b in range(B)]
+        for metric, vals in (("iou_rollout", roll), ("iou_cls_attention", cls),
+                             ("iou_gain", [r - c for r, c in zip(roll, cls, strict=True)])):
+            row = _rows(df, metric=metric, layer=i)
+            assert len(row) == 1 and row.value.iloc[0] == pytest.approx(np.mean(vals), abs=1e-6)  # float32 IoU
+            assert row.stderr.iloc[0] == pytest.approx(float(_sem(vals)), rel=1e-4, abs=1e-9)
+    # the last block's CLS attention scored here is saliency_iou's heads-merged CLS row, exactly
+    sal = _stream("saliency_iou", vm, batches, queries="cls").finalize()
+    for i in range(vm.depth):
+        a = _rows(sal, metric="iou_merged", layer=i).value.iloc[0]
+        assert _rows(df, metric="iou_cls_attention", layer=i).value.iloc[0] == pytest.approx(a, abs=1e-12)
+
+
+@pytest.mark.parametrize("name,params,changed", [
+    ("attention_rollout", {"layers": [0, 2], "discard_ratio": 0.1}, {"discard_ratio": 0.0}),
+    ("gradient_rollout", {"layers": [0, 2]}, {"mass": 0.5})])
+def test_merge_of_two_parts_and_resume_equal_one_pass(name, params, changed):
+    vm = tiny("reg")
+    batches = _batches(vm, n=7, bs=3)
+    whole = _fed(name, vm, batches, **params)
+    first, second = _fed(name, vm, batches[2:], **params), _fed(name, vm, batches[:2], **params)
+    first.merge(second)
+    part = _fed(name, vm, batches[:1], **params)
+    resumed = get_analysis(name)(vm, **params)
+    resumed.load_state_dict(part.state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert list(got.columns) == list(ref.columns) and len(got) == len(ref)
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)
+    with pytest.raises(vs.VitscopeError, match="different settings"):
+        whole.merge(get_analysis(name)(vm, **{**params, **changed}))
+
+
+def test_rollout_refuses_bad_parameters_in_one_sentence():
+    from vitscope.analyses.base import validate_params
+
+    # before any model loads: the config's values against the choices the signature lists
+    with pytest.raises(vs.ConfigError, match="'head_fusion' of analysis 'attention_rollout' must be one of 'mean'"):
+        validate_params(get_analysis("attention_rollout"), {"head_fusion": "median"})
+    with pytest.raises(vs.ConfigError, match="'readout' of analysis 'logit_lens' must be one of 'auto', 'head'"):
+        validate_params(get_analysis("logit_lens"), {"readout": "heads"})
+    validate_params(get_analysis("attention_rollout"), {"head_fusion": "max", "discard_ratio": 0.9})
+    vm = tiny("vit")
+    with pytest.raises(vs.VitscopeError, match="head_fusion"):
+        get_analysis("attention_rollout")(vm, head_fusion="median")
+    with pytest.raises(vs.VitscopeError, match="discard_ratio"):
+        get_analysis("attention_rollout")(vm, discard_ratio=1.0)
+
+
+def test_rollout_of_a_model_without_cls_token_is_empty_with_a_warning():
+    vm = vs.load_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48, depth=2,
+                       num_heads=3, class_token=False, global_pool="avg")
+    a = get_analysis("attention_rollout")(vm)
+    assert a.required_taps() == []
+    stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
+    with pytest.warns(UserWarning, match="no CLS token"):
+        assert len(a.finalize()) == 0
+
+
+
+
+# ------------------------------------------------------------------------------------------------------------
+# logit lens: the head applied by hand (layer norm and a matrix product), KL and agreement with numpy
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _labelled(batches, classes):
+    """The batches with labels folded into ``classes`` classes (the synthetic set has 12)."""
+    return [vs.data.Batch(images=b.images, index=b.index, labels=b.labels % classes, masks=b.masks) for b in batches]
+
+
+def _ref_head(vm, out):
+    """Logits of a block output read as the model reads its last one, written out: layer norm, CLS, linear."""
+    m = vm.model
+    x = torch.nn.functional.layer_norm(out.double(), m.norm.normalized_shape, m.norm.weight.double(),
+                                       m.norm.bias.double(), m.norm.eps)[:, 0]
+    return (x @ m.head.weight.double().T + m.head.bias.double()).detach()
+
+
+def _np_kl(p_logits, q_logits):
+    """KL(softmax(q) || softmax(p)) per row, numpy."""
+    def logsm(z):
+        z = z - z.max(1, keepdims=True)
+        return z - np.log(np.exp(z).sum(1, keepdims=True))
+    lp, lq = logsm(np.asarray(p_logits)), logsm(np.asarray(q_logits))
+    return (np.exp(lq) * (lq - lp)).sum(1)
+
+
+def test_logit_lens_with_a_head_matches_the_head_applied_by_hand_and_is_the_model_at_the_last_block():
+    from vitscope.metrics.robustness import CIFAR10_CLASSES
+
+    vm = tiny("vit", num_classes=10)
+    batches = _labelled(_batches(vm, n=10, bs=4), 10)
+    a = get_analysis("logit_lens")(vm, head_classes="cifar10")
+    a.configure({"data": list(CIFAR10_CLASSES)})
+    stream(vm, batches, [a], progress=False)
+    df = a.finalize()
+    x = torch.cat([b.images for b in batches])
+    y = torch.cat([b.labels for b in batches]).numpy()
+    feats = vs.extract(vm, x, [f"block{i}.out" for i in range(vm.depth)] + ["logits"])
+    final = feats["logits"].double().numpy()
+    assert set(df.readout) == {"head"} and (df.n_images == 10).all()
+    for i in range(vm.depth):
+        lg = _ref_head(vm, feats[f"block{i}.out"]).numpy()
+        kl = _np_kl(lg, final)
+        got = _rows(df, metric="kl_to_final", layer=i)
+        assert got.value.iloc[0] == pytest.approx(kl.mean(), rel=1e-4, abs=1e-6)
+        assert got.stderr.iloc[0] == pytest.approx(kl.std(ddof=1) / np.sqrt(10), rel=1e-3, abs=1e-6)
+        agree = _rows(df, metric="agreement_with_final", layer=i)
+        assert agree.value.iloc[0] == pytest.approx(np.mean(lg.argmax(1) == final.argmax(1)))
+        acc = _rows(df, metric="top1_accuracy", layer=i)
+        assert acc.value.iloc[0] == pytest.approx(np.mean(lg.argmax(1) == y)) and acc.n.iloc[0] == 10
+        assert acc.value_lo.iloc[0] <= acc.value.iloc[0] <= acc.value_hi.iloc[0]
+    last = vm.depth - 1
+    assert _rows(df, metric="kl_to_final", layer=last).value.iloc[0] == 0.0  # the model's own readout, exactly
+    assert _rows(df, metric="agreement_with_final", layer=last).value.iloc[0] == 1.0
+    acc_last = _rows(df, metric="top1_accuracy", layer=last).value.iloc[0]
+    assert acc_last == np.mean(final.argmax(1) == y)
+
+
+def test_logit_lens_reports_no_accuracy_when_the_head_does_not_cover_the_classes():
+    vm = tiny("vit", num_classes=10)
+    a = _stream("logit_lens", vm, _batches(vm, n=4, bs=4))  # 12 synthetic classes, an unknown 10-way head
+    df = a.finalize()
+    assert set(df.metric) == {"kl_to_final", "agreement_with_final"}
+
+
+def test_logit_lens_without_a_head_fits_one_probe_on_the_last_block_and_applies_it_everywhere():
+    from vitscope.analyses.splits import stratified_test
+    from vitscope.metrics.semantics import fit_probe
+
+    vm = tiny("vit", num_classes=0)
+    batches = _batches(vm, n=48, bs=8)  # 4 images of each of the 12 classes: one test image each
+    with pytest.raises(vs.VitscopeError, match="classifier head"):
+        get_analysis("logit_lens")(vm, readout="head")
+    df = _stream("logit_lens", vm, batches, test_every=3).finalize()
+    x = torch.cat([b.images for b in batches])
+    ids = torch.cat([b.index for b in batches])
+    y = torch.cat([b.labels for b in batches])
+    feats = vs.extract(vm, x, [f"block{i}.out" for i in range(vm.depth)])
+    m = vm.model
+    pooled = [torch.nn.functional.layer_norm(feats[f"block{i}.out"], m.norm.normalized_shape, m.norm.weight,
+                                             m.norm.bias, m.norm.eps)[:, 0].detach() for i in range(vm.depth)]
+    test = stratified_test(ids, y, 3)
+    assert set(df.readout) == {f"probe fitted on block {vm.depth - 1}"}
+    final = fit_probe(pooled[-1][~test], y[~test], pooled[-1][test], y[test], warn=False)
+    for i in range(vm.depth):
+        fit = fit_probe(pooled[-1][~test], y[~test], pooled[i][test], y[test], warn=False)
+        acc = _rows(df, metric="top1_accuracy", layer=i)
+        assert acc.value.iloc[0] == pytest.approx(fit.accuracy, abs=1e-12) and acc.n.iloc[0] == int(test.sum())
+        agree = _rows(df, metric="agreement_with_final", layer=i).value.iloc[0]
+        assert agree == pytest.approx(float((fit.scores.argmax(1) == final.scores.argmax(1)).double().mean()))
+    assert _rows(df, metric="kl_to_final", layer=vm.depth - 1).value.iloc[0] == 0.0
+    # shards in any order and a resumed part give the same table
+    whole = _fed("logit_lens", vm, batches, test_every=3)
+    first, second = _fed("logit_lens", vm, batches[2:], test_every=3), _fed("logit_lens", vm, batches[:2], test_every=3)
+    first.merge(second)
+    resumed = get_analysis("logit_lens")(vm, test_every=3)
+    resumed.load_state_dict(_fed("logit_lens", vm, batches[:1], test_every=3).state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        assert other.finalize().value.to_numpy() == pytest.approx(ref.value.to_numpy(), abs=1e-9, nan_ok=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# high-norm tokens: per-image loops over tokens in numpy, and a planted artifact
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _np_outliers(norms, k):
+    """Per row: norm > lower median + k * 1.4826 * lower-median absolute deviation, by sorting in numpy."""
+    out = np.zeros(norms.shape, dtype=bool)
+    for b, row in enumerate(np.asarray(norms)):
+        med = np.sort(row)[(len(row) - 1) // 2]
+        dev = np.abs(row - med)
+        mad = np.sort(dev)[(len(dev) - 1) // 2]
+        out[b] = row > med + k * 1.4826 * mad
+    return out
+
+
+def test_robust_outliers_match_a_sorting_reference_and_find_one_raised_token_among_equal_ones():
+    g = torch.Generator().manual_seed(3)
+    norms = torch.randn(5, 17, generator=g, dtype=torch.float64).exp()
+    for k in (1.0, 3.0):
+        assert np.array_equal(M.robust_outliers(norms, k).numpy(), _np_outliers(norms.numpy(), k))
+    flat = torch.ones(2, 6, dtype=torch.float64)
+    flat[1, 4] = 1.5
+    assert M.robust_outliers(flat, 6.0).tolist() == [[False] * 6, [False] * 4 + [True, False]]
+
+
+def _ref_high_norm(vm, batches, k):
+    """Per layer: outliers per image, patch variance and foreground share of outliers and of all tokens, CLS
+    attention of the next block on the outliers, min and max patch norm -- loops over images and tokens."""
+    x = torch.cat([b.images for b in batches]).double()
+    masks = _token_masks(torch.cat([b.masks for b in batches]), vm.grid_size).numpy()
+    taps = [f"block{i}.out" for i in range(vm.depth)] + [f"block{i}.attn" for i in range(vm.depth)]
+    feats = vs.extract(vm, x.float(), taps)
+    p, (h, w), ps = vm.num_prefix_tokens, vm.grid_size, vm.patch_size
+    B = x.shape[0]
+    var = np.zeros((B, h * w))
+    for b in range(B):
+        for r in range(h):
+            for c in range(w):
+                var[b, r * w + c] = x[b, :, r * ps:(r + 1) * ps, c * ps:(c + 1) * ps].numpy().var()
+    out = {}
+    for i in range(vm.depth):
+        norms = np.linalg.norm(feats[f"block{i}.out"][:, p:].double().numpy(), axis=-1)
+        flags = _np_outliers(norms, k)
+        res = {"count": flags.sum(1), "var_out": var[flags], "var_all": var.reshape(-1), "fg_out": masks[flags],
+               "min": norms.min(), "max": norms.max(), "flags": flags, "norms": norms.reshape(-1)}
+        if i + 1 < vm.depth:
+            cls = feats[f"block{i + 1}.attn"][:, :, 0].double().mean(1).numpy()
+            res["absorbed"] = [cls[b, p:][flags[b]].sum() for b in range(B) if flags[b].any()]
+        out[i] = res
+    return out
+
+
+@pytest.mark.parametrize("kind", ["vit", "reg"])
+def test_high_norm_tokens_match_a_loop_reference(kind):
+    vm = tiny(kind)
+    batches = _batches(vm, n=6, bs=4)
+    df = _stream("high_norm_tokens", vm, batches, k=1.0, knn=False).finalize()
+    ref = _ref_high_norm(vm, batches, 1.0)
+    for i, r in ref.items():
+        q = _rows(df, metric="norm_quantile", layer=i, token_view="spatial")
+        assert _rows(q, quantile=0.0).value.iloc[0] == pytest.approx(r["min"], rel=1e-6)  # float32 norms
+        assert _rows(q, quantile=1.0).value.iloc[0] == pytest.approx(r["max"], rel=1e-6)
+        assert (np.diff(q.sort_values("quantile").value.to_numpy()) >= 0).all()
+        for level in (0.25, 0.5, 0.75):  # the histogram's bins are 0.01 decade (2.3 %) wide
+            want = np.sort(r["norms"])[int(np.ceil(level * len(r["norms"]))) - 1]
+            assert _rows(q, quantile=level).value.iloc[0] == pytest.approx(want, rel=0.024)
+        assert _rows(df, metric="outliers_per_image", layer=i).value.iloc[0] == pytest.approx(r["count"].mean())
+        share = _rows(df, metric="images_with_outliers", layer=i).value.iloc[0]
+        assert share == pytest.approx(np.mean(r["count"] > 0))
+        for metric, tokens, vals in (("patch_variance", "outliers", r["var_out"]), ("patch_variance", "all",
+                                     r["var_all"]), ("foreground_share", "outliers", r["fg_out"])):
+            got = _rows(df, metric=metric, layer=i, tokens=tokens)
+            assert got.value.iloc[0] == pytest.approx(np.mean(vals), rel=1e-5) and got.n.iloc[0] == len(vals)
+        pos = _rows(df, metric="outlier_position", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert np.array_equal(pos, r["flags"].sum(0))
+        if "absorbed" in r:
+            got = _rows(df, metric="cls_attention_absorbed", layer=i, tokens="outliers").value.iloc[0]
+            assert got == pytest.approx(np.mean(r["absorbed"]), rel=1e-5)
+        else:
+            assert _rows(df, metric="cls_attention_absorbed", layer=i).empty  # the last block: no next attention
+    regs = df[df.token_view == "register"]
+    assert (len(regs) > 0) == (vm.num_prefix_tokens > 1)
+
+
+def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
+    vm = tiny("vit")
+    batches = _batches(vm, n=6, bs=3)
+    token, block = 5, 1  # patch token 5 (row 1, column 1 of the 4x4 grid) raised 50-fold after block 1
+
+    def plant(module, args, out):
+        out = out.clone()
+        out[:, vm.num_prefix_tokens + token] *= 50
+        return out
+
+    clean = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    handle = vm.model.blocks[block].register_forward_hook(plant)
+    try:
+        df = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    finally:
+        handle.remove()
+
+    def at(table, layer):
+        return _rows(table, metric="outlier_position", layer=layer, row=token // 4, col=token % 4).value.iloc[0]
+
+    assert at(df, block) == 6  # every image
+    for earlier in range(block):
+        assert at(df, earlier) == at(clean, earlier) < 6
+    assert _rows(df, metric="images_with_outliers", layer=block).value.iloc[0] == 1.0
+
+
+def test_knn_of_outlier_tokens_against_random_tokens_matches_the_semantics_rule():
+    from vitscope.analyses.splits import stratified_test
+    from vitscope.metrics.semantics import knn_classify
+
+    vm = tiny("vit")
+    batches = _batches(vm, n=36, bs=12)
+    df = _stream("high_norm_tokens", vm, batches, k=1.0, layers=[1], test_every=3).finalize()
+    x = torch.cat([b.images for b in batches])
+    ids, y = torch.cat([b.index for b in batches]), torch.cat([b.labels for b in batches])
+    tok = vs.extract(vm, x, ["block1.out"])["block1.out"][:, 1:].float()
+    flags = torch.from_numpy(_np_outliers(tok.double().norm(dim=-1).numpy(), 1.0))
+    sel = flags.any(1)
+    mean_out = torch.stack([tok[b][flags[b]].mean(0) for b in range(len(tok)) if flags[b].any()]).half().float()
+    S = tok.shape[1]
+    rand = torch.stack([tok[b, (int(ids[b]) * 2654435761 + 2 * 40503) % S] for b in range(len(tok))])
+    rand = rand[sel].half().float()
+    test = stratified_test(ids[sel], y[sel], 3)
+    for tokens, feats in (("outliers", mean_out), ("random_patch", rand)):
+        want = knn_classify(feats[~test], y[sel][~test], feats[test], y[sel][test], ks=(20,))[20][0]
+        got = _rows(df, metric="knn_accuracy", layer=1, tokens=tokens)
+        assert got.value.iloc[0] == pytest.approx(want) and got.n.iloc[0] == int(test.sum())
+
+
+def test_high_norm_tokens_merge_and_resume_equal_one_pass():
+    vm = tiny("reg")
+    batches = _batches(vm, n=9, bs=3)
+    params = {"k": 1.0, "test_every": 2}
+    whole = _fed("high_norm_tokens", vm, batches, **params)
+    first, second = _fed("high_norm_tokens", vm, batches[2:], **params), _fed("high_norm_tokens", vm, batches[:2],
+                                                                              **params)
+    first.merge(second)
+    resumed = get_analysis("high_norm_tokens")(vm, **params)
+    resumed.load_state_dict(_fed("high_norm_tokens", vm, batches[:1], **params).state_dict())
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert len(got) == len(ref)
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)
+
+
+def test_every_figure_draws_from_a_two_model_run(tmp_path):
+    import warnings
+
+    import matplotlib.pyplot as plt
+
+    from vitscope.report.figures import FIGURES
+
+    tables: dict[str, list[pd.DataFrame]] = {}
+    for kind, label, kw in (("vit", "A", {"num_classes": 10}), ("reg", "B", {"num_classes": 0})):
+        vm = tiny(kind, **kw)
+        vm.name = label
+        analyses = [get_analysis(n)(vm, **p) for n, p in (("attention_rollout", {}), ("gradient_rollout", {}),
+                                                           ("logit_lens", {"test_every": 2}), ("head_ablation", {}),
+                                                           ("high_norm_tokens", {"k": 1.0, "test_every": 2}))]
+        stream(vm, _batches(vm, n=12, bs=6), analyses, progress=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # few images per class: the split warns
+            for a in analyses:
+                tables.setdefault(a.name, []).append(a.finalize())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no pandas/matplotlib warnings from the figure code
+        for name, parts in tables.items():
+            path = tmp_path / f"{name}.parquet"
+            pd.concat(parts, ignore_index=True).to_parquet(path, index=False)  # as the study stores them
+            figs = FIGURES[name](pd.read_parquet(path))
+            assert len(figs) >= 1, name
+            for title, fig in figs:
+                assert isinstance(title, str) and title and isinstance(fig, plt.Figure)
+                plt.close(fig)
+    assert FIGURES["high_norm_tokens"](tables["high_norm_tokens"][0].iloc[0:0]) == []
+
+
+# ------------------------------------------------------------------------------------------------------------
+# gradient rollout (Chefer et al. 2021): numpy loop, and gradients taken here with the test's own hooks
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _ref_gradient_rollout(attns, grads):
+    """(B, L, T): CLS row of R after each block, R = R + mean_h(max(grad * attn, 0)) R from I, numpy."""
+    B, H, T, _ = attns[0].shape
+    out = np.zeros((B, len(attns), T))
+    for b in range(B):
+        R = np.eye(T)
+        for lay, (a, g) in enumerate(zip(attns, grads, strict=True)):
+            cam = np.maximum(a[b].numpy() * g[b].numpy(), 0).mean(0)
+            R = R + cam @ R
+            out[b, lay] = R[0]
+    return out
+
+
+def test_gradient_rollout_matches_a_loop_and_is_plain_identity_without_gradient():
+    attns = _random_attention(B=2, H=3, T=6, L=3, seed=4)
+    g = torch.Generator().manual_seed(5)
+    grads = [torch.randn(a.shape, generator=g, dtype=torch.float64) for a in attns]
+    got = M.gradient_rollout(attns, grads)
+    assert got.numpy() == pytest.approx(_ref_gradient_rollout(attns, grads), abs=1e-12)
+    zero = M.gradient_rollout(attns, [torch.zeros_like(a) for a in attns])
+    assert torch.equal(zero, torch.eye(6, dtype=torch.float64)[0].expand(2, 3, 6))
+
+
+def test_gradient_rollout_analysis_uses_the_gradient_of_the_predicted_class():
+    vm = tiny("vit", num_classes=5)
+    batches = _batches(vm, n=5, bs=5)
+    fused_before = [b.attn.fused_attn for b in vm.model.blocks]
+    df = _stream("gradient_rollout", vm, batches).finalize()
+    assert [b.attn.fused_attn for b in vm.model.blocks] == fused_before
+    assert all(w.grad is None for w in vm.model.parameters())
+    # the test's own gradients: the ViT written out here (pre-norm blocks, CLS readout) with its attention
+    # probabilities as tensors of this graph
+    m, H = vm.model, vm.num_heads
+    h = m.patch_embed(batches[0].images)
+    h = torch.cat([m.cls_token.expand(len(h), -1, -1), h], 1) + m.pos_embed
+    attns = []
+    for blk in m.blocks:
+        B, T, D = h.shape
+        q, k, v = blk.attn.qkv(blk.norm1(h)).reshape(B, T, 3, H, D // H).permute(2, 0, 3, 1, 4)
+        a = torch.softmax(q @ k.transpose(-2, -1) * (D // H) ** -0.5, -1)
+        attns.append(a)
+        h = h + blk.attn.proj((a @ v).transpose(1, 2).reshape(B, T, D))
+        h = h + blk.mlp(blk.norm2(h))
+    logits = m.head(m.norm(h)[:, 0])
+    assert logits.detach().numpy() == pytest.approx(vs.extract(vm, batches[0].images, ["logits"])["logits"].numpy(),
+                                                    abs=1e-5)
+    score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+    grads = torch.autograd.grad(score, attns)
+    ref = _ref_gradient_rollout([a.detach().double() for a in attns], [g.double() for g in grads])
+    p = vm.num_prefix_tokens
+    for i in range(vm.depth):
+        maps = ref[:, i, p:] / ref[:, i, p:].sum(1, keepdims=True)
+        got = _rows(df, metric="rollout_map", layer=i).sort_values(["row", "col"]).value.to_numpy()
+        assert got == pytest.approx(maps.mean(0), rel=1e-4, abs=1e-6)
+    assert set(df.head_fusion) == {"gradient"} and _rows(df, metric="iou_rollout").value.notna().all()
+
+
+def test_gradient_rollout_of_a_headless_model_is_empty_with_a_warning():
+    vm = tiny("vit", num_classes=0)
+    a = get_analysis("gradient_rollout")(vm)
+    assert a.required_taps() == []
+    stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
+    with pytest.warns(UserWarning, match="head"):
+        assert len(a.finalize()) == 0
+
+
+# ------------------------------------------------------------------------------------------------------------
+# head ablation: the full model run from the image with one head zeroed by the test's own hook
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _zeroed_output(vm, x, layer, head):
+    """The model's output on ``x`` with head ``head`` of block ``layer`` zeroed before the projection."""
+    H = vm.num_heads
+
+    def zero(module, args):
+        h = args[0].clone()
+        d = h.shape[-1] // H
+        h[..., head * d:(head + 1) * d] = 0
+        return (h,)
+
+    handle = vm.model.blocks[layer].attn.proj.register_forward_pre_hook(zero)
+    try:
+        with torch.no_grad():
+            return vm.model(x).double()
+    finally:
+        handle.remove()
+
+
+def test_head_ablation_equals_full_forwards_with_the_head_zeroed():
+    from vitscope.metrics.robustness import CIFAR10_CLASSES
+
+    vm = tiny("vit", num_classes=10)
+    batches = _labelled(_batches(vm, n=7, bs=4), 10)
+    a = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    a.configure({"data": list(CIFAR10_CLASSES)})
+    stream(vm, batches, [a], progress=False)
+    df = a.finalize()
+    x = torch.cat([b.images for b in batches])
+    y = torch.cat([b.labels for b in batches]).numpy()
+    with torch.no_grad():
+        clean = vm.model(x).double().numpy()
+    for layer in range(vm.depth):
+        for head in range(vm.num_heads):
+            abl = _zeroed_output(vm, x, layer, head).numpy()
+            kl = _np_kl(abl, clean)
+            got = _rows(df, metric="kl_from_clean", layer=layer, head=head)
+            assert got.value.iloc[0] == pytest.approx(kl.mean(), rel=1e-4, abs=1e-7)
+            flips = _rows(df, metric="prediction_flips", layer=layer, head=head).value.iloc[0]
+            assert flips == pytest.approx(np.mean(abl.argmax(1) != clean.argmax(1)))
+            drop = _rows(df, metric="accuracy_drop", layer=layer, head=head).value.iloc[0]
+            assert drop == pytest.approx(np.mean(clean.argmax(1) == y) - np.mean(abl.argmax(1) == y))
+    # merge of two parts in another order equals one pass
+    first = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    first.configure({"data": list(CIFAR10_CLASSES)})
+    for b in batches[1:]:
+        with vs.Capture(vm, first.required_taps()) as cap:
+            first.update(cap(b.images), b)
+    second = get_analysis("head_ablation")(vm, head_classes="cifar10")
+    second.configure({"data": list(CIFAR10_CLASSES)})
+    with vs.Capture(vm, second.required_taps()) as cap:
+        second.update(cap(batches[0].images), batches[0])
+    first.merge(second)
+    assert first.finalize().value.to_numpy() == pytest.approx(df.value.to_numpy(), rel=1e-9, abs=1e-12)
+
+
+def test_head_ablation_without_a_head_reports_the_change_of_the_pooled_output():
+    vm = tiny("reg", num_classes=0)
+    batches = _batches(vm, n=4, bs=4)
+    df = _stream("head_ablation", vm, batches, layers=[1]).finalize()
+    x = torch.cat([b.images for b in batches])
+    with torch.no_grad():
+        clean = vm.model(x).double()
+    assert set(df.metric) == {"output_change"} and set(df.layer) == {1}
+    for head in range(vm.num_heads):
+        abl = _zeroed_output(vm, x, 1, head)
+        want = (1 - torch.nn.functional.cosine_similarity(abl, clean, dim=-1)).mean()
+        assert _rows(df, head=head).value.iloc[0] == pytest.approx(float(want), rel=1e-4, abs=1e-8)
+
+
+STUDY = """
+models:
+  - {name: vit_small_patch16_224, label: tiny-head, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}}
+  - {name: vit_small_patch16_224, label: tiny-headless, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 0}}
+dataset: {name: synthetic-shapes, n_images: 24}
+analyses:
+  attention_rollout: {discard_ratio: 0.1}
+  gradient_rollout: {}
+  logit_lens: {test_every: 2}
+  high_norm_tokens: {k: 1.0, test_every: 2}
+  head_ablation: {}
+batch_size: 4
+progress: false
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+def test_two_process_torchrun_equals_one_process(tmp_path):
+    import subprocess
+    import sys
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(STUDY)
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
+                    f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "vitscope", "--quiet", "run", str(cfg), f"output_dir={single}",
+                    f"cache_dir={tmp_path / 'c1'}"], check=True, timeout=300)
+    for name in ("attention_rollout", "gradient_rollout", "logit_lens", "high_norm_tokens", "head_ablation"):
+        a = pd.read_parquet(sharded / "results" / f"{name}.parquet")
+        b = pd.read_parquet(single / "results" / f"{name}.parquet")
+        assert len(a) == len(b) > 0, name
+        assert a.value.to_numpy(dtype=float) == pytest.approx(b.value.to_numpy(dtype=float), rel=1e-6, abs=1e-9,
+                                                              nan_ok=True), name
+    assert '"world_size": 2' in (sharded / "manifest.json").read_text()
+
+
+def test_reruns_record_nothing_into_the_open_capture_and_keep_other_hooks():
+    from vitscope.capture.engine import taps_paused
+
+    vm = tiny("vit", num_classes=10)
+    batch = _batches(vm, n=3, bs=3)[0]
+    calls = []
+    handle = vm.model.blocks[1].register_forward_hook(lambda m, a, out: calls.append(out.shape[0]))
+    try:
+        for name in ("head_ablation", "gradient_rollout"):
+            a = get_analysis(name)(vm)
+            taps = a.required_taps() + ["block0.out"]  # block0.out: also a tap no analysis here reads
+            with vs.Capture(vm, taps) as cap:
+                feats = cap(batch.images)
+                calls.clear()
+                a.update(feats, batch)
+                assert cap._store == {}, name  # the rerun blocks' taps wrote nothing
+            assert calls, name  # a hook that is not a tap still ran on the rerun
+    finally:
+        handle.remove()
+    with vs.Capture(vm, ["block0.out"]) as cap:  # early stop after block 0: paused, the full model runs
+        with taps_paused(), torch.no_grad():
+            assert vm.model(batch.images).shape == (3, 10)
+        assert set(cap(batch.images)) == {"block0.out"}
