@@ -68,19 +68,22 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitscope.study.config import load_config
+    from vitscope.study.config import load_config, parse_models_slice, slice_models
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)
         config = None
+    models = parse_models_slice(args.models) if args.models is not None else None
     cfg = load_config(config, overrides)
+    if models is not None:
+        slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads
     if args.quiet:
         cfg.progress = False
     from vitscope.study import run_study  # torch and timm: after the config is known to be valid
 
     try:
-        out = run_study(cfg, overwrite=args.overwrite)
+        out = run_study(cfg, overwrite=args.overwrite, models=models)
     except OSError as e:  # a write the cache did not already explain: the run directory's
         from vitscope.study.cache import disk_error
 
@@ -88,7 +91,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if err is e:
             raise
         raise err from e
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and models is None:
         print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
     return 0
 
@@ -161,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="key=value overrides")
     r.add_argument("--overwrite", action="store_true",
                    help="replace the results of another config in the output directory")
+    r.add_argument("--models", metavar="K/N",
+                   help="compute only the K-th of N slices of the models (round-robin) into the cache, for jobs on "
+                        "several machines sharing it; a final run without --models writes tables and report "
+                        "(docs/CLUSTER.md)")
     r.set_defaults(func=_cmd_run)
 
     d = sub.add_parser("datasets", help="list the dataset formats, what each provides and its options",

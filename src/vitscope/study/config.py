@@ -321,6 +321,27 @@ def check_writable(d: Path, what: str, mode: int = 0o777) -> None:
                           ) from None
 
 
+def parse_models_slice(text: str) -> tuple[int, int]:
+    """``--models K/N``: the K-th of N slices (1-based). ConfigError in one sentence for anything else."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if m is None:
+        raise ConfigError(f"--models {text!r} is not K/N (the K-th of N slices of the study's models, e.g. 1/4)")
+    k, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 1 <= k <= n:
+        raise ConfigError(f"--models {k}/{n}: K counts the slices from 1 to N, so it must be between 1 and {max(n, 1)}")
+    return k, n
+
+
+def slice_models(models: list[ModelConfig], k: int, n: int) -> list[ModelConfig]:
+    """The models of slice ``k`` of ``n`` (`parse_models_slice`): round-robin over the config's models (checkpoint
+    lists expanded), i.e. positions k-1, k-1+n, ...; ConfigError when the slice holds none."""
+    got = list(models)[k - 1::n]
+    if not got:
+        raise ConfigError(f"--models {k}/{n}: the study has {len(models)} model(s), so slice {k} of {n} holds none; "
+                          f"cut it into at most {len(models)} slices")
+    return got
+
+
 def study_datasets(cfg: StudyConfig) -> dict[str, DatasetConfig]:
     """The study's named datasets: ``datasets`` in order, after the ``dataset`` shorthand (named after its
     format); the generated shapes when neither is given."""

@@ -90,12 +90,20 @@ def _pk(p: PassKey) -> str:
     return f"{p[0]}|{p[1]}"
 
 
-def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False) -> Path:
+def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False,
+              models: tuple[int, int] | None = None) -> Path:
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run). A directory holding another config's results is
-    refused unless ``overwrite``. Ctrl-C raises `StudyInterrupted`, saying what the cache holds."""
+    refused unless ``overwrite``. Ctrl-C raises `StudyInterrupted`, saying what the cache holds.
+
+    ``models=(k, n)``: only slice k of n of the models (`config.slice_models`, round-robin) into the cache, for
+    jobs on several machines sharing one cache; such a run writes nothing into the run directory and takes
+    no lock on it, and leaves the pair stages, the cross-model stage, the tables and the report to a run
+    without ``models``, which reads every sliced model back from the cache (docs/CLUSTER.md)."""
     progress: dict[str, Any] = {}
     try:
+        if models is not None:
+            return _run_slice(cfg, models, on_batch, progress)
         return _locked_run(cfg, on_batch, overwrite, progress)
     except KeyboardInterrupt as e:
         if isinstance(e, StudyInterrupted):
@@ -144,6 +152,32 @@ def _locked_run(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, o
     finally:
         if lock is not None:
             lock.release()
+
+
+def _run_slice(cfg: StudyConfig, models: tuple[int, int], on_batch: Callable[[str, int], None] | None,
+               progress: dict[str, Any]) -> Path:
+    """Slice ``models`` of the study's models into the cache, each model exactly as a full run computes it
+    (`_run_model`, also under torchrun); nothing is written into the run directory."""
+    from vitscope.study.config import slice_models
+
+    preflight(cfg)
+    k, n = models
+    mine = {label_of(m) for m in slice_models(cfg.models, k, n)}
+    dist = Dist.from_env()
+    out = Path(cfg.output_dir)
+    plan = make_plan(cfg)
+    cache = Cache(Path(cfg.cache_dir or default_cache_dir(out)))
+    sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+    progress.update(plan=plan, sources=sources, cache=cache)
+    single = [ap for ap in plan.analyses if not ap.pair]
+    pool = _ModelPool(cfg, plan)
+    for mc in plan.models:
+        if label_of(mc) in mine:
+            _run_model(cfg, mc, label_of(mc), single, sources, cache, dist, pool, on_batch)
+            pool.clear()
+    _say(cfg, dist, f"slice {k}/{n}: {len(mine)} of {len(plan.models)} models in the cache ({cache.root}); "
+                    "a run without --models writes the tables and the report")
+    return out
 
 
 def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str, int], None] | None,
