@@ -666,6 +666,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                 job.frame = job.analysis.finalize()  # once: a cached rerun reads the table back
                 timings.setdefault("finalize", {})[job.name] = round(time.perf_counter() - t0, 2)
                 with cache.lock(mkey):
+                    cache.note(mkey, model=label, source=str(mc.name))
                     cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
                                            "info": asdict(info), "model_meta": mmeta, "params": job.plan.params,
                                            "frame": job.frame, "label": label,
@@ -873,6 +874,7 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
             job.analysis.merge(other)
         job.frame = job.analysis.finalize()
         with cache.lock(pkey):
+            cache.note(pkey, pair=[a, b])
             cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(), "info_a": asdict(vm_a.info()),
                                    "info_b": asdict(vm_b.info()), "frame": job.frame, "label_a": a, "label_b": b})
     dist.barrier()
