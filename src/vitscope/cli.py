@@ -81,6 +81,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads
     if args.quiet:
         cfg.progress = False
+    if args.dry_run:
+        from vitscope.study.cost import dry_run
+
+        print(dry_run(cfg, models).text())
+        return 0
     from vitscope.study import run_study  # torch and timm: after the config is known to be valid
 
     try:
@@ -208,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="compute only the K-th of N slices of the models (round-robin) into the cache, for jobs on "
                         "several machines sharing it; a final run without --models writes tables and report "
                         "(docs/CLUSTER.md)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print what the run would cost (passes, forwards, cache growth, memory of the largest "
+                        "batch's taps, superlinear finalize steps) without reading any weights or writing anything")
     r.set_defaults(func=_cmd_run)
 
     c = sub.add_parser("cache", help="list the cache by model and analysis, or prune it (least recently used first)",

@@ -163,6 +163,14 @@ class _GramAnalysis(Analysis):
     def _streams(self, feats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def state_bytes(self, n_images: int) -> int:
+        """A float32 Gram of ``batch_size`` x ``batch_size`` per group and stream, plus the features of the last,
+        open group (``n_images`` not a multiple of ``batch_size``), which the finished state keeps."""
+        taps, views = len(self.required_taps()), list(getattr(self, "views", ["all"]))
+        tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        width = sum(self.embed_dim * (tokens if v in ("all", "spatial") else 1) for v in views)
+        return 4 * taps * (n_images * self.batch_size * len(views) + (n_images % self.batch_size) * width)
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self._store(self.groups.add(self._streams(feats), batch.index, batch.extra.get("position")))
         self.n_images += len(batch)

@@ -151,6 +151,10 @@ class Cache:
         suffix = "" if shard is None else f".part-{shard[0]}of{shard[1]}"
         return self._dir(mkey) / f"{name}-{akey}{suffix}.pt"
 
+    def finished(self, mkey: str, name: str, akey: str) -> bool:
+        """Whether the finished entry is there (without creating the model's folder, as `path` does)."""
+        return (self.root / mkey / f"{name}-{akey}.pt").is_file()
+
     def store_dir(self, mkey: str, *parts: str) -> Path:
         """A directory for an analysis's reusable products under a model's key (e.g. inversions)."""
         d = self._dir(mkey) / "store" / digest(*parts)

@@ -264,11 +264,15 @@ def validate(cfg: StudyConfig) -> None:
     make_plan(cfg)  # datasets matched with analyses, views and relations checked: before any model loads
 
 
-def preflight(cfg: StudyConfig) -> None:
+def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     """What can be checked about the machine before any model loads (`run_study` calls it first): the config
     itself (`validate`), the device, every model name and local checkpoint file, and that the output and
-    cache directories can be written to (both are created). ConfigError in one sentence."""
+    cache directories can be written to (both are created). ConfigError in one sentence.
+
+    ``dry_run`` (`vitscope run --dry-run`): nothing is created, and a weights file or checkpoint that is not
+    there is not an error but one of the notes returned."""
     validate(cfg)
+    notes: list[str] = []
     import torch
 
     dev = torch.device(cfg.device)
@@ -290,18 +294,40 @@ def preflight(cfg: StudyConfig) -> None:
                 raise ConfigError(f"weights file {m.weights!r} does not exist")
             resolve_spec(m.name)
         except VitscopeError as e:
-            raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+            if not dry_run:
+                raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+            notes.append(f"models[{i}] ({m.label or m.name}): {e} (a real run stops there)")
     from vitscope.study.cache import default_cache_dir
 
     out = Path(cfg.output_dir)
-    check_writable(out, "output_dir")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(out)
+    if dry_run:
+        would_be_writable(out, "output_dir")
+        would_be_writable(cache, "the cache directory")
+        return notes
+    check_writable(out, "output_dir")
     check_writable(cache, "the cache directory", mode=0o700)
     if cache.stat().st_mode & 0o002:
         import warnings
 
         warnings.warn(f"the cache directory {str(cache)!r} is writable by every user: entries others put there "
                       "would be read as results (never run); prefer a private cache_dir", stacklevel=2)
+    return notes
+
+
+def would_be_writable(d: Path, what: str) -> None:
+    """`check_writable` without creating or writing anything (a dry run): the directory, or the nearest folder
+    that exists above it, can be written to."""
+    import os
+
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{what} {str(d)!r} is a file, not a directory; choose another path")
+    here = d
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(d)!r} cannot be written to ({str(here)!r} is not writable); choose a "
+                          "writable directory")
 
 
 def check_writable(d: Path, what: str, mode: int = 0o777) -> None:

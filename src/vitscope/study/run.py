@@ -35,7 +35,7 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import ConfigError, InputError, StudyInterrupted
+from vitscope.errors import InputError, StudyInterrupted
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
@@ -43,6 +43,7 @@ from vitscope.models.load import file_given, resolve_spec
 from vitscope.study import rundir
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
+from vitscope.study.cost import announce
 from vitscope.study.distributed import Dist
 from vitscope.study.helper import Helper, delegated
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
@@ -169,6 +170,7 @@ def _run_slice(cfg: StudyConfig, models: tuple[int, int], on_batch: Callable[[st
     cache = Cache(Path(cfg.cache_dir or default_cache_dir(out)))
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     progress.update(plan=plan, sources=sources, cache=cache)
+    announce(cfg, plan, sources, cache, dist, mine)
     single = [ap for ap in plan.analyses if not ap.pair]
     pool = _ModelPool(cfg, plan)
     for mc in plan.models:
@@ -189,6 +191,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     progress.update(plan=plan, sources=sources, cache=cache)  # what Ctrl-C reports on
+    announce(cfg, plan, sources, cache, dist)  # the cost, and a batch too large for the device refused
     manifest: dict[str, Any] = {
         "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
         "dataset": _dataset_summary(next(iter(sources.values()))),
