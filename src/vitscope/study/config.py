@@ -58,7 +58,7 @@ class StudyConfig:
     dtype: str = "fp32"                    # fp32, bf16 or fp16 forward passes
     seed: int = 0                          # seeds views (perturbations) and random choices of analyses
     output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
-    cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
+    cache_dir: str | None = None           # shared across studies and jobs; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
     progress: bool = True                  # progress bars
 
@@ -453,6 +453,12 @@ def schema_markdown() -> str:
            "Every key of a study YAML (`vitscope run study.yaml key=value ...`), generated from the dataclasses in "
            "`src/vitscope/study/config.py` (`python tools/config_schema.py > docs/CONFIG.md`; a test keeps the two "
            "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
+           "",
+           "Beside the keys, `vitscope run` takes `--dry-run` (what the run would cost: passes, forwards, cache "
+           "growth, the memory of the largest batch's captured taps, superlinear finalize steps; no weights read, "
+           "nothing written), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
+           "docs/CLUSTER.md) and `--overwrite`. `vitscope cache [DIR]` lists `cache_dir`; `vitscope cache prune "
+           "--older-than 30d --max-size 2GB` empties it, least recently used first.",
            ""]
     for cls, where in ((StudyConfig, "top level"), (ModelConfig, "each entry of `models:`"),
                        (DatasetConfig, "`dataset:` and each entry of `datasets:`")):
