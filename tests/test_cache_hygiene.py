@@ -129,6 +129,10 @@ def test_a_read_only_cache_is_one_sentence_for_prune_and_for_a_run_before_any_mo
     monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode == os.W_OK else real_access(p, mode, **k))
     with pytest.raises(VitscopeError, match="cannot be written to"):
         prune(tmp_path / "cache", older_than=0)
+    from vitscope.study.cost import dry_run
+
+    with pytest.raises(ConfigError, match="cannot be written to"):  # a dry run tells without writing
+        dry_run(load_config(cfg, [f"output_dir={tmp_path / 'run3'}", f"cache_dir={tmp_path / 'cache'}"]))
     monkeypatch.setattr(os, "access", real_access)
     import vitscope.study.run as run
 
