@@ -126,7 +126,7 @@ def test_a_read_only_cache_is_one_sentence_for_prune_and_for_a_run_before_any_mo
     cfg, over = study(tmp_path)
     run_study(load_config(cfg, over))
     real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode == os.W_OK else real_access(p, mode, **k))
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK else real_access(p, mode, **k))
     with pytest.raises(VitscopeError, match="cannot be written to"):
         prune(tmp_path / "cache", older_than=0)
     from vitscope.study.cost import dry_run
