@@ -91,7 +91,7 @@ class Analysis(_Lifecycle):
         self.model_name = vm.name
         self.depth = vm.depth
         self.num_heads = vm.num_heads
-        self.embed_dim = vm.embed_dim
+        self.embed_dim = getattr(vm, "embed_dim", None)  # None on stand-ins that lack it (tests)
         self.grid_size = vm.grid_size
         self.patch_size = vm.patch_size
         self.num_prefix_tokens = vm.num_prefix_tokens
