@@ -89,7 +89,8 @@ class GramGroups:
                 break
             out.append((ids[start:stop], self._grams({k: x[start:stop] for k, x in rows.items()})))
             start = stop
-        self.pending = {k: x[start:] for k, x in rows.items()} if start < len(ids) else {}
+        # copies, not views: a view of one row would keep (and save into the cache) the batch's whole tensor
+        self.pending = {k: x[start:].clone() for k, x in rows.items()} if start < len(ids) else {}
         self.pending_ids, self.pending_pos = ids[start:], pos[start:]
         return out
 
@@ -168,7 +169,7 @@ class _GramAnalysis(Analysis):
         open group (``n_images`` not a multiple of ``batch_size``), which the finished state keeps."""
         taps, views = len(self.required_taps()), list(getattr(self, "views", ["all"]))
         tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
-        width = sum(self.embed_dim * (tokens if v in ("all", "spatial") else 1) for v in views)
+        width = sum((self.embed_dim or 0) * (tokens if v in ("all", "spatial") else 1) for v in views)
         return 4 * taps * (n_images * self.batch_size * len(views) + (n_images % self.batch_size) * width)
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
