@@ -90,3 +90,24 @@ def test_two_slice_jobs_at_once_then_a_final_run_equal_one_plain_run(fixtures, t
     assert set(a) == set(b) == {"seen_ids", "cka", "pair_seen"}
     for name in a:
         pd.testing.assert_frame_equal(a[name], b[name])
+
+
+def test_a_slice_takes_no_lock_on_the_run_directory_and_writes_nothing_there(fixtures, tmp_path):
+    from vitscope.study import rundir
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(STUDY.replace("  pair_seen: {}\n", ""))
+    out = tmp_path / "run"
+    out.mkdir()
+    over = [f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}"]
+    lock = rundir.hold(out)  # another run is writing into the directory
+    try:
+        run_study(load_config(cfg, over), models=(2, 3))  # a slice goes ahead
+        with pytest.raises(ConfigError, match="another vitscope run is writing"):
+            run_study(load_config(cfg, over))
+    finally:
+        lock.release()
+    assert sorted(p.name for p in out.iterdir()) == [rundir.LOCK]
+    calls: list[str] = []
+    run_study(load_config(cfg, over), on_batch=lambda m, b: calls.append(m))
+    assert sorted(set(calls)) == ["other", "pt"]  # "ft" (slice 2 of 3) came from the cache
