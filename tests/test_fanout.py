@@ -111,3 +111,20 @@ def test_a_slice_takes_no_lock_on_the_run_directory_and_writes_nothing_there(fix
     calls: list[str] = []
     run_study(load_config(cfg, over), on_batch=lambda m, b: calls.append(m))
     assert sorted(set(calls)) == ["other", "pt"]  # "ft" (slice 2 of 3) came from the cache
+
+
+def test_a_slice_under_torchrun_fills_the_cache_as_one_process_does(fixtures, tmp_path):
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(STUDY.replace("  pair_seen: {}\n", ""))
+    shared, script = tmp_path / "shared-cache", str(Path(__file__).parent / "run_with_fixtures.py")
+    over = [f"output_dir={tmp_path / 'fanned'}", f"cache_dir={shared}"]
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--quiet", "run", str(cfg),
+                    "--models", "1/2", *over], check=True, timeout=300, capture_output=True)
+    calls: list[str] = []
+    run_study(load_config(cfg, over), on_batch=lambda m, b: calls.append(m))
+    assert sorted(set(calls)) == ["ft"]  # slice 1 of 2 (pt, other) came from the sharded job
+    plain = run_study(load_config(cfg, [f"output_dir={tmp_path / 'plain'}", f"cache_dir={tmp_path / 'own'}"]))
+    a, b = tables(tmp_path / "fanned"), tables(plain)
+    assert set(a) == set(b) == {"seen_ids", "cka"}
+    for name in a:
+        pd.testing.assert_frame_equal(a[name], b[name], check_exact=False, rtol=1e-6, atol=1e-9)
