@@ -160,9 +160,9 @@ class Analysis(_Lifecycle):
 
     def state_bytes(self, n_images: int) -> int:
         """About how many bytes its cache entry takes after ``n_images`` images, for the estimate before a run
-        (`study/cost.py`). Default: sums per layer and head, under a MiB; analyses that keep per-image data say
-        theirs."""
-        return 1 << 20
+        (`study/cost.py`). Default: sums per layer and head and the table, 256 KiB (the default study's such entries
+        take 10-800 KiB, 250 KiB on average); analyses that keep per-image data say theirs."""
+        return 1 << 18
 
     def superlinear(self, n_images: int) -> list[str]:
         """Its finalize steps that grow faster than linearly in the images, each with its size (`study/cost.py`)."""

@@ -428,6 +428,14 @@ class Diversity(Analysis):
     def _input_tap(self, i: int) -> str:
         return "embed" if i == 0 else f"block{i - 1}.out"
 
+    def state_bytes(self, n_images: int) -> int:
+        """The token sums (float64, S x S per layer) and the rows of the last, open CKA group, which the finished
+        state keeps: per image and layer the heads' Gram rows, the spatial tokens, the input and ``resid_mid``."""
+        S = self.grid_size[0] * self.grid_size[1]
+        T, D = self.num_prefix_tokens + S, self.embed_dim or 0
+        per_image = self.num_heads * T * (T - 1) // 2 + S * D + 2 * T * D
+        return 4 * (n_images % self.batch_size) * len(self.layers) * per_image + 8 * len(self.layers) * S * S
+
     def required_taps(self) -> list[str]:
         taps = []
         for i in self.layers:
