@@ -128,3 +128,16 @@ def test_a_slice_under_torchrun_fills_the_cache_as_one_process_does(fixtures, tm
     assert set(a) == set(b) == {"seen_ids", "cka"}
     for name in a:
         pd.testing.assert_frame_equal(a[name], b[name], check_exact=False, rtol=1e-6, atol=1e-9)
+
+
+def test_the_cost_of_a_slice_counts_its_models_alone_and_no_pair_stage(fixtures, tmp_path):
+    from vitscope.study.cost import dry_run
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(STUDY)
+    over = [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"]
+    whole = dry_run(load_config(cfg, over))
+    parts = [dry_run(load_config(cfg, over), models=(k, 2)) for k in (1, 2)]
+    assert [p.n_models for p in parts] == [2, 1]
+    assert sum(p.forwards for p in parts) == whole.forwards > 0
+    assert whole.pairs and not any(p.pairs for p in parts)  # pair stages are the final run's
