@@ -36,6 +36,26 @@ def images():
     return torch.randn(5, 3, 32, 32, generator=g)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_cache(tmp_path_factory):
+    """The whole session writes no state into the user's own cache: ``VITSCOPE_CACHE_DIR`` and ``XDG_CACHE_HOME``
+    point into a temporary folder (also for subprocesses, which inherit them). Yields the user's real cache
+    directory (tests/test_cache_hygiene.py checks that a study leaves it alone)."""
+    from vitscope.study.cache import user_cache_root
+
+    real = user_cache_root()
+    saved = {k: os.environ.get(k) for k in ("VITSCOPE_CACHE_DIR", "XDG_CACHE_HOME")}
+    tmp = tmp_path_factory.mktemp("session-cache")
+    os.environ["VITSCOPE_CACHE_DIR"] = str(tmp / "vitscope")
+    os.environ["XDG_CACHE_HOME"] = str(tmp / "xdg")
+    yield real
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @pytest.fixture(autouse=True)
 def _private_cache(tmp_path, monkeypatch):
     """Each test its own study cache (the default one is per user and shared by every study)."""

@@ -243,7 +243,7 @@ def test_a_result_warning_reaches_the_command_line_as_one_line(capsys, monkeypat
     from vitscope.cli import main
     from vitscope.errors import ResultWarning, VitscopeError
 
-    def stop(cfg, overwrite=False):
+    def stop(cfg, overwrite=False, models=None):
         raise VitscopeError("stop here")
 
     monkeypatch.setattr(ev, "shipped_bar_failures", lambda name: ["a reason"] if name == "zoo-sup" else [])

@@ -18,6 +18,7 @@ EPILOG = """examples:
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
   vitscope datasets                             the dataset formats and what each provides
   vitscope report vitscope-runs/default         rebuild a run's report.html
+  vitscope cache                                the cache by model and analysis (prune: --older-than, --max-size)
   vitscope report RUN_DIR --export figs --format pdf   every figure as a file, sized for a paper
   vitscope zoo train --objective dino --out zoo/dino   train a model of the controlled zoo (docs/ZOO.md)
 """
@@ -71,19 +72,27 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitscope.study.config import load_config
+    from vitscope.study.config import load_config, parse_models_slice, slice_models
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)
         config = None
+    models = parse_models_slice(args.models) if args.models is not None else None
     cfg = load_config(config, overrides)
+    if models is not None:
+        slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads
     if args.quiet:
         cfg.progress = False
+    if args.dry_run:
+        from vitscope.study.cost import dry_run
+
+        print(dry_run(cfg, models).text())
+        return 0
     from vitscope.study import run_study  # torch and timm: after the config is known to be valid
 
     try:
-        out = run_study(cfg, overwrite=args.overwrite)
+        out = run_study(cfg, overwrite=args.overwrite, models=models)
     except OSError as e:  # a write the cache did not already explain: the run directory's
         from vitscope.study.cache import disk_error
 
@@ -91,8 +100,47 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if err is e:
             raise
         raise err from e
-    if os.environ.get("RANK", "0") == "0":
+    if os.environ.get("RANK", "0") == "0" and models is None:
         print(f"results: {out / 'results'}\nreport:  {out / 'report.html'}")
+    return 0
+
+
+def _cmd_cache(args: argparse.Namespace) -> int:
+    """`vitscope cache [DIR]` lists; `vitscope cache prune [DIR] --older-than 30d --max-size 2GB` removes (no torch)."""
+    from pathlib import Path
+
+    from vitscope.study.cache import human, listing, parse_age, parse_size, prune, units, user_cache_root
+
+    words = list(args.args)
+    pruning = bool(words) and words[0] == "prune"
+    if pruning:
+        words.pop(0)
+    if len(words) > 1:
+        raise VitscopeError(f"vitscope cache takes one directory, got {len(words)} ({' '.join(words)}): "
+                            "`vitscope cache [DIR]` or `vitscope cache prune [DIR] --older-than 30d`")
+    older = parse_age(args.older_than) if args.older_than is not None else None
+    size = parse_size(args.max_size) if args.max_size is not None else None
+    if (older is not None or size is not None) and not pruning:
+        raise VitscopeError("--older-than and --max-size are options of `vitscope cache prune`")
+    if pruning and older is None and size is None:
+        raise VitscopeError("vitscope cache prune needs --older-than AGE (e.g. 30d) or --max-size SIZE (e.g. 2GB)")
+    if words:
+        root = Path(words[0])
+        if (root / "states").is_dir() and not units(root):  # $VITSCOPE_CACHE_DIR given: its states
+            root = root / "states"
+    else:
+        user = user_cache_root()
+        if user is None:
+            raise VitscopeError("this user has no cache directory (no home directory): pass the cache_dir to list")
+        root = user / "states"
+    if root.exists() and not root.is_dir():
+        raise VitscopeError(f"{str(root)!r} is a file, not a cache directory")
+    if not pruning:
+        print(listing(root), end="")
+        return 0
+    removed, left = prune(root, older, size)
+    print(f"removed {len(removed)} entries ({human(sum(u.size for u in removed))}); the cache {root} holds "
+          f"{human(left)}")
     return 0
 
 
@@ -164,7 +212,26 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="key=value overrides")
     r.add_argument("--overwrite", action="store_true",
                    help="replace the results of another config in the output directory")
+    r.add_argument("--models", metavar="K/N",
+                   help="compute only the K-th of N slices of the models (round-robin) into the cache, for jobs on "
+                        "several machines sharing it; a final run without --models writes tables and report "
+                        "(docs/CLUSTER.md)")
+    r.add_argument("--dry-run", action="store_true",
+                   help="print what the run would cost (passes, forwards, cache growth, memory of the largest "
+                        "batch's taps, superlinear finalize steps) without reading any weights or writing anything")
     r.set_defaults(func=_cmd_run)
+
+    c = sub.add_parser("cache", help="list the cache by model and analysis, or prune it (least recently used first)",
+                       parents=[common],
+                       description="`vitscope cache [DIR]` lists the cache (default: this user's) by model and "
+                                   "analysis with sizes and last use; `vitscope cache prune [DIR] --older-than 30d "
+                                   "--max-size 2GB` removes entries unused for longer, then the least recently used "
+                                   "until the cache fits.")
+    c.add_argument("args", nargs="*", metavar="[prune] [DIR]", help="prune, and the cache directory")
+    c.add_argument("--older-than", metavar="AGE", help="prune: entries last used longer ago (30d, 12h, 90min, 2w)")
+    c.add_argument("--max-size", metavar="SIZE", help="prune: then least recently used first, down to SIZE "
+                                                      "(2GB = 2e9 bytes, 2GiB or 2G = 2 x 1024^3)")
+    c.set_defaults(func=_cmd_cache)
 
     d = sub.add_parser("datasets", help="list the dataset formats, what each provides and its options",
                        parents=[common])

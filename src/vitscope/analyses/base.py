@@ -93,6 +93,7 @@ class Analysis(_Lifecycle):
         self.model_name = vm.name
         self.depth = vm.depth
         self.num_heads = vm.num_heads
+        self.embed_dim = getattr(vm, "embed_dim", None)  # None on stand-ins that lack it (tests)
         self.grid_size = vm.grid_size
         self.patch_size = vm.patch_size
         self.num_prefix_tokens = vm.num_prefix_tokens
@@ -158,6 +159,16 @@ class Analysis(_Lifecycle):
 
     @abstractmethod
     def required_taps(self) -> list[str]: ...
+
+    def state_bytes(self, n_images: int) -> int:
+        """About how many bytes its cache entry takes after ``n_images`` images, for the estimate before a run
+        (`study/cost.py`). Default: sums per layer and head and the table, 256 KiB (the default study's such entries
+        take 10-800 KiB, 250 KiB on average); analyses that keep per-image data say theirs."""
+        return 1 << 18
+
+    def superlinear(self, n_images: int) -> list[str]:
+        """Its finalize steps that grow faster than linearly in the images, each with its size (`study/cost.py`)."""
+        return []
 
     @abstractmethod
     def update(self, feats: Mapping[str, torch.Tensor], batch: Batch) -> None: ...

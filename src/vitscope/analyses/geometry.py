@@ -245,6 +245,15 @@ class TSNE(Analysis):
     def required_taps(self) -> list[str]:
         return [f"block{i}.out" for i in self.layers]
 
+    def state_bytes(self, n_images: int) -> int:
+        return 2 * min(n_images, self.max_images) * len(self.layers) * self.grid_size[0] * self.grid_size[1] \
+            * self.embed_dim
+
+    def superlinear(self, n_images: int) -> list[str]:
+        tokens = min(n_images, self.max_images) * self.grid_size[0] * self.grid_size[1]
+        return [f"t-SNE of {tokens} tokens ({tokens}^2 pairs, {self.max_iter} iterations) per layer "
+                f"({len(self.layers)} layers)"]
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         tokens = torch.stack([token_view(feats[f"block{i}.out"], "spatial", self.num_prefix_tokens,
                                          self.has_cls_token) for i in self.layers], 1)  # (B, L, S, D)

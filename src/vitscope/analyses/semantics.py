@@ -104,6 +104,20 @@ class Semantics(Analysis):
         self.own_split = False  # the dataset has its own split (batch.is_test), stored in the tables' is_test
         self.class_names: list[str] | None = None
 
+    def state_bytes(self, n_images: int) -> int:
+        """The pooled features: one float16 vector per image (at least; objects and parts add rows), layer and
+        view."""
+        return 2 * min(n_images, self.max_images) * len(self.layers) * len(self.views) * self.embed_dim
+
+    def superlinear(self, n_images: int) -> list[str]:
+        n = min(n_images, self.max_images)
+        test = n // self.test_every
+        grid = f"{len(self.layers)} layers x {len(self.views)} views"
+        out = [f"k-NN {test} x {n - test} similarities per layer and view ({grid})"]
+        if self.kmeans_views:
+            out.append(f"k-means of {n} rows per layer and view ({len(self.layers)} x {len(self.kmeans_views)})")
+        return out
+
     def required_taps(self) -> list[str]:
         return [f"block{i}.out" for i in self.layers]
 

@@ -89,7 +89,8 @@ class GramGroups:
                 break
             out.append((ids[start:stop], self._grams({k: x[start:stop] for k, x in rows.items()})))
             start = stop
-        self.pending = {k: x[start:] for k, x in rows.items()} if start < len(ids) else {}
+        # copies, not views: a view of one row would keep (and save into the cache) the batch's whole tensor
+        self.pending = {k: x[start:].clone() for k, x in rows.items()} if start < len(ids) else {}
         self.pending_ids, self.pending_pos = ids[start:], pos[start:]
         return out
 
@@ -162,6 +163,14 @@ class _GramAnalysis(Analysis):
 
     def _streams(self, feats: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def state_bytes(self, n_images: int) -> int:
+        """A float32 Gram of ``batch_size`` x ``batch_size`` per group and stream, plus the features of the last,
+        open group (``n_images`` not a multiple of ``batch_size``), which the finished state keeps."""
+        taps, views = len(self.required_taps()), list(getattr(self, "views", ["all"]))
+        tokens = self.num_prefix_tokens + self.grid_size[0] * self.grid_size[1]
+        width = sum((self.embed_dim or 0) * (tokens if v in ("all", "spatial") else 1) for v in views)
+        return 4 * taps * (n_images * self.batch_size * len(views) + (n_images % self.batch_size) * width)
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self._store(self.groups.add(self._streams(feats), batch.index, batch.extra.get("position")))
@@ -418,6 +427,14 @@ class Diversity(Analysis):
 
     def _input_tap(self, i: int) -> str:
         return "embed" if i == 0 else f"block{i - 1}.out"
+
+    def state_bytes(self, n_images: int) -> int:
+        """The token sums (float64, S x S per layer) and the rows of the last, open CKA group, which the finished
+        state keeps: per image and layer the heads' Gram rows, the spatial tokens, the input and ``resid_mid``."""
+        S = self.grid_size[0] * self.grid_size[1]
+        T, D = self.num_prefix_tokens + S, self.embed_dim or 0
+        per_image = self.num_heads * T * (T - 1) // 2 + S * D + 2 * T * D
+        return 4 * (n_images % self.batch_size) * len(self.layers) * per_image + 8 * len(self.layers) * S * S
 
     def required_taps(self) -> list[str]:
         taps = []

@@ -16,6 +16,10 @@ file of another format) is not read: it is recomputed and overwritten. ``mmap=Tr
 of an entry instead of reading them (the semantics analysis's pooled features).
 
 The default location is per user (`default_cache_dir`), never a directory other users can write to.
+
+Housekeeping (`vitscope cache`, without torch): reading an entry sets its mtime, so an entry's mtime is its last
+use; ``<model key>/about.json`` names the model (or pair) the folder belongs to; `listing` sums the entries by
+model and analysis, `prune` removes the least recently used first (`--older-than`, `--max-size`).
 """
 
 from __future__ import annotations
@@ -25,15 +29,16 @@ import io
 import json
 import logging
 import os
+import re
 import sys
-from dataclasses import asdict
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from vitscope.errors import first_line
+from vitscope.errors import ConfigError, VitscopeError, first_line
 from vitscope.files import disk_error, write_atomic
 from vitscope.models.registry import ModelSpec
 
@@ -41,6 +46,8 @@ log = logging.getLogger(__name__)
 
 #: layout of an entry on disk; entries of another format are recomputed
 FORMAT = 2
+#: what a model folder belongs to (written by the study, read by `listing`)
+ABOUT = "about.json"
 
 
 def digest(*parts: Any) -> str:
@@ -144,6 +151,10 @@ class Cache:
         suffix = "" if shard is None else f".part-{shard[0]}of{shard[1]}"
         return self._dir(mkey) / f"{name}-{akey}{suffix}.pt"
 
+    def finished(self, mkey: str, name: str, akey: str) -> bool:
+        """Whether the finished entry is there (without creating the model's folder, as `path` does)."""
+        return (self.root / mkey / f"{name}-{akey}.pt").is_file()
+
     def store_dir(self, mkey: str, *parts: str) -> Path:
         """A directory for an analysis's reusable products under a model's key (e.g. inversions)."""
         d = self._dir(mkey) / "store" / digest(*parts)
@@ -152,6 +163,8 @@ class Cache:
 
     def load(self, path: Path) -> dict[str, Any] | None:
         """The entry at ``path``, or None when there is none or it is not a readable data-only entry."""
+        import torch
+
         if not path.is_file():
             return None
         try:
@@ -163,12 +176,32 @@ class Cache:
                 import pandas as pd
 
                 entry["frame"] = pd.read_parquet(io.BytesIO(frame.numpy().tobytes()))
-            return entry
         except Exception as e:  # noqa: BLE001 - an unreadable entry is recomputed, never trusted
             log.warning("ignoring cache entry %s (%s); it is recomputed", path, first_line(e))
             return None
+        try:
+            os.utime(path)  # its last use, for `prune` (a read-only cache stays as it is)
+        except OSError:
+            pass
+        return entry
+
+    def note(self, mkey: str, **about: Any) -> None:
+        """``<model key>/about.json``: what the folder belongs to (``model``/``source`` or ``pair``), for
+        `listing`; rewritten only when it changes."""
+        import json
+
+        f = self._dir(mkey) / ABOUT
+        blob = json.dumps(about, sort_keys=True).encode()
+        try:
+            if f.is_file() and f.read_bytes() == blob:
+                return
+        except OSError:
+            pass
+        write_atomic(f, lambda fh: fh.write(blob))
 
     def save(self, path: Path, entry: dict[str, Any]) -> None:
+        import torch
+
         entry = {**entry, "format": FORMAT}
         frame = entry.get("frame")
         if frame is not None:  # the table as parquet bytes: data, read back without unpickling
@@ -189,3 +222,163 @@ def _sweep_temporaries(d: Path, older_than: float = 3600.0) -> None:
                 tmp.unlink()
         except OSError:
             pass
+
+
+# ---------------------------------------------------------------- housekeeping (`vitscope cache`; no torch)
+
+_ENTRY = re.compile(r"^(?P<name>.+)-(?P<key>[0-9a-f]{16})(?P<part>\.part-\d+of\d+)?\.pt$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+_AGE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*(s|min|m|h|d|w)\s*$", re.IGNORECASE)
+_AGE_SECONDS = {"s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_size(text: str) -> int:
+    """``--max-size``: bytes from ``2GB`` (SI: kB, MB, GB, TB are powers of 1000), ``2GiB`` or ``2G`` (powers of
+    1024, as ``du -h`` prints them) or a plain number of bytes."""
+    m = _SIZE.match(str(text))
+    if m is None or (m.group(3) and not m.group(2)):
+        raise ConfigError(f"--max-size {text!r} is not a size: write e.g. 500MB, 2GB, 2GiB or 2G")
+    number, unit, binary, b = float(m.group(1)), m.group(2).lower(), m.group(3), m.group(4)
+    base = 1024 if binary or (unit and not b) else 1000
+    return int(number * base ** ("kmgt".index(unit) + 1 if unit else 0))
+
+
+def parse_age(text: str) -> float:
+    """``--older-than``: seconds from ``30d``, ``12h``, ``90min`` / ``90m``, ``2w``, ``45s``."""
+    m = _AGE.match(str(text))
+    if m is None:
+        raise ConfigError(f"--older-than {text!r} is not an age: write a number and a unit, e.g. 30d, 12h, 90min "
+                          "or 2w")
+    return float(m.group(1)) * _AGE_SECONDS[m.group(2).lower()]
+
+
+@dataclass
+class Unit:
+    """What `prune` removes at once: one entry file, or one stored product folder (``store/<digest>``)."""
+
+    model_dir: Path
+    path: Path
+    analysis: str
+    size: int
+    last_use: float
+
+
+def _about(d: Path) -> str:
+    try:
+        about = json.loads((d / ABOUT).read_text())
+    except (OSError, ValueError):
+        return "?"
+    if isinstance(about, dict) and about.get("pair"):
+        return " -> ".join(str(x) for x in about["pair"])
+    return str(about.get("model", "?")) if isinstance(about, dict) else "?"
+
+
+def units(root: str | Path) -> list[Unit]:
+    """Every entry and stored product folder under ``root`` (folders that are not model keys are skipped)."""
+    root = Path(root)
+    found: list[Unit] = []
+    if not root.is_dir():
+        return found
+    for d in sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"[0-9a-f]{16}", p.name)):
+        for f in sorted(d.iterdir()):
+            m = _ENTRY.match(f.name)
+            try:
+                if m and f.is_file():
+                    st = f.stat()
+                    name = m.group("name") + (" (partial)" if m.group("part") else "")
+                    found.append(Unit(d, f, name, st.st_size, st.st_mtime))
+                elif f.name == "store" and f.is_dir():
+                    for s in sorted(f.iterdir()):
+                        files = [x.stat() for x in s.rglob("*") if x.is_file()]
+                        found.append(Unit(d, s, "store", sum(x.st_size for x in files),
+                                          max([x.st_mtime for x in files], default=s.stat().st_mtime)))
+            except OSError:  # removed meanwhile
+                continue
+    return found
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def listing(root: str | Path) -> str:
+    """The cache by model and analysis: entries, size and last use, and the total."""
+    root = Path(root)
+    found = units(root)
+    if not found:
+        return f"cache {root}: empty\n"
+    rows: dict[tuple[str, str, str], list[Unit]] = {}
+    for u in found:
+        rows.setdefault((_about(u.model_dir), u.model_dir.name, u.analysis), []).append(u)
+    table = [("model", "key", "analysis", "entries", "size", "last use")]
+    shown = None
+    for (model, key, analysis), us in sorted(rows.items()):
+        first = (model, key) != shown  # a model's name and key on its first row only
+        shown = (model, key)
+        table.append((model if first else "", key if first else "", analysis, str(len(us)),
+                      human(sum(u.size for u in us)),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(max(u.last_use for u in us)))))
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) if i < 3 else c.rjust(w) if i < 5 else c for i, (c, w) in
+                       enumerate(zip(r, widths, strict=True))).rstrip() for r in table]
+    n_models = len({u.model_dir for u in found})
+    lines.append(f"\ncache {root}: {human(sum(u.size for u in found))} in {len(found)} entries of {n_models} "
+                 "models; `vitscope cache prune --older-than 30d` or `--max-size 2GB` removes the least recently "
+                 "used")
+    return "\n".join(lines) + "\n"
+
+
+def prune(root: str | Path, older_than: float | None = None, max_size: int | None = None,
+          now: float | None = None) -> tuple[list[Unit], int]:
+    """Remove the entries last used more than ``older_than`` seconds ago, then, least recently used first, until
+    the cache holds at most ``max_size`` bytes. A model folder a study is saving into right now (its lock is
+    held) is left alone. Returns what was removed and the bytes left."""
+    import shutil
+
+    root = Path(root)
+    if root.is_dir() and not os.access(root, os.W_OK):
+        raise VitscopeError(f"the cache directory {str(root)!r} cannot be written to (read-only, or not yours), so "
+                            "nothing can be removed from it")
+    now = time.time() if now is None else now
+    found = sorted(units(root), key=lambda u: (u.last_use, str(u.path)))
+    total = sum(u.size for u in found)
+    doomed = []
+    for u in found:
+        old = older_than is not None and now - u.last_use > older_than
+        big = max_size is not None and total > max_size
+        if old or big:
+            doomed.append(u)
+            total -= u.size
+    removed: list[Unit] = []
+    for d in sorted({u.model_dir for u in doomed}):
+        lock = FileLock(str(d / ".lock"), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            log.warning("cache folder %s is being written by a study; left as it is", d)
+            continue
+        except OSError as e:
+            raise disk_error(e, d) from e
+        try:
+            for u in (u for u in doomed if u.model_dir == d):
+                try:
+                    shutil.rmtree(u.path) if u.path.is_dir() else u.path.unlink()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    raise VitscopeError(f"cannot remove {str(u.path)!r} from the cache ({e.strerror or e}); "
+                                        "prune a cache you can write to") from None
+                removed.append(u)
+            store = d / "store"
+            if store.is_dir() and not any(store.iterdir()):
+                store.rmdir()
+            if not any(_ENTRY.match(f.name) or f.name == "store" for f in d.iterdir()):
+                shutil.rmtree(d, ignore_errors=True)  # only its lock, about.json and stale temporaries were left
+        finally:
+            lock.release()
+    left = sum(u.size for u in units(root))
+    return removed, left

@@ -58,7 +58,7 @@ class StudyConfig:
     dtype: str = "fp32"                    # fp32, bf16 or fp16 forward passes
     seed: int = 0                          # seeds views (perturbations) and random choices of analyses
     output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
-    cache_dir: str | None = None           # shared across studies; default: per user (cache.default_cache_dir)
+    cache_dir: str | None = None           # shared across studies and jobs; default: per user (cache.default_cache_dir)
     save_every: int = 10                   # save partial states every N batches (resume after a kill)
     num_workers: int | None = None         # image-reading processes; null: usable cores - 1 for files, 0 in memory
     progress: bool = True                  # progress bars
@@ -270,11 +270,15 @@ def validate(cfg: StudyConfig) -> None:
     make_plan(cfg)  # datasets matched with analyses, views and relations checked: before any model loads
 
 
-def preflight(cfg: StudyConfig) -> None:
+def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     """What can be checked about the machine before any model loads (`run_study` calls it first): the config
     itself (`validate`), the device, every model name and local checkpoint file, and that the output and
-    cache directories can be written to (both are created). ConfigError in one sentence."""
+    cache directories can be written to (both are created). ConfigError in one sentence.
+
+    ``dry_run`` (`vitscope run --dry-run`): nothing is created, and a weights file or checkpoint that is not
+    there is not an error but one of the notes returned."""
     validate(cfg)
+    notes: list[str] = []
     import torch
 
     dev = torch.device(cfg.device)
@@ -296,18 +300,40 @@ def preflight(cfg: StudyConfig) -> None:
                 raise ConfigError(f"weights file {m.weights!r} does not exist")
             resolve_spec(m.name)
         except VitscopeError as e:
-            raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+            if not dry_run:
+                raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+            notes.append(f"models[{i}] ({m.label or m.name}): {e} (a real run stops there)")
     from vitscope.study.cache import default_cache_dir
 
     out = Path(cfg.output_dir)
-    check_writable(out, "output_dir")
     cache = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(out)
+    if dry_run:
+        would_be_writable(out, "output_dir")
+        would_be_writable(cache, "the cache directory")
+        return notes
+    check_writable(out, "output_dir")
     check_writable(cache, "the cache directory", mode=0o700)
     if cache.stat().st_mode & 0o002:
         import warnings
 
         warnings.warn(f"the cache directory {str(cache)!r} is writable by every user: entries others put there "
                       "would be read as results (never run); prefer a private cache_dir", stacklevel=2)
+    return notes
+
+
+def would_be_writable(d: Path, what: str) -> None:
+    """`check_writable` without creating or writing anything (a dry run): the directory, or the nearest folder
+    that exists above it, can be written to."""
+    import os
+
+    if d.exists() and not d.is_dir():
+        raise ConfigError(f"{what} {str(d)!r} is a file, not a directory; choose another path")
+    here = d
+    while not here.exists() and here.parent != here:
+        here = here.parent
+    if not here.is_dir() or not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(d)!r} cannot be written to ({str(here)!r} is not writable); choose a "
+                          "writable directory")
 
 
 def check_writable(d: Path, what: str, mode: int = 0o777) -> None:
@@ -325,6 +351,27 @@ def check_writable(d: Path, what: str, mode: int = 0o777) -> None:
         reason = e.strerror or type(e).__name__
         raise ConfigError(f"{what} {str(d)!r} cannot be written to ({reason}); choose a writable directory"
                           ) from None
+
+
+def parse_models_slice(text: str) -> tuple[int, int]:
+    """``--models K/N``: the K-th of N slices (1-based). ConfigError in one sentence for anything else."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if m is None:
+        raise ConfigError(f"--models {text!r} is not K/N (the K-th of N slices of the study's models, e.g. 1/4)")
+    k, n = int(m.group(1)), int(m.group(2))
+    if n < 1 or not 1 <= k <= n:
+        raise ConfigError(f"--models {k}/{n}: K counts the slices from 1 to N, so it must be between 1 and {max(n, 1)}")
+    return k, n
+
+
+def slice_models(models: list[ModelConfig], k: int, n: int) -> list[ModelConfig]:
+    """The models of slice ``k`` of ``n`` (`parse_models_slice`): round-robin over the config's models (checkpoint
+    lists expanded), i.e. positions k-1, k-1+n, ...; ConfigError when the slice holds none."""
+    got = list(models)[k - 1::n]
+    if not got:
+        raise ConfigError(f"--models {k}/{n}: the study has {len(models)} model(s), so slice {k} of {n} holds none; "
+                          f"cut it into at most {len(models)} slices")
+    return got
 
 
 def study_datasets(cfg: StudyConfig) -> dict[str, DatasetConfig]:
@@ -412,6 +459,12 @@ def schema_markdown() -> str:
            "Every key of a study YAML (`vitscope run study.yaml key=value ...`), generated from the dataclasses in "
            "`src/vitscope/study/config.py` (`python tools/config_schema.py > docs/CONFIG.md`; a test keeps the two "
            "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
+           "",
+           "Beside the keys, `vitscope run` takes `--dry-run` (what the run would cost: passes, forwards, cache "
+           "growth, the memory of the largest batch's captured taps, superlinear finalize steps; no weights read, "
+           "nothing written), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
+           "docs/CLUSTER.md) and `--overwrite`. `vitscope cache [DIR]` lists `cache_dir`; `vitscope cache prune "
+           "--older-than 30d --max-size 2GB` empties it, least recently used first.",
            ""]
     for cls, where in ((StudyConfig, "top level"), (ModelConfig, "each entry of `models:`"),
                        (DatasetConfig, "`dataset:` and each entry of `datasets:`")):

@@ -43,6 +43,7 @@ from vitscope.models.load import file_given, resolve_spec
 from vitscope.study import rundir
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
+from vitscope.study.cost import announce
 from vitscope.study.distributed import Dist
 from vitscope.study.helper import Helper, delegated
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
@@ -90,12 +91,20 @@ def _pk(p: PassKey) -> str:
     return f"{p[0]}|{p[1]}"
 
 
-def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False) -> Path:
+def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = None, overwrite: bool = False,
+              models: tuple[int, int] | None = None) -> Path:
     """Run (or resume, or read back) the study; returns the run directory. ``on_batch(model, i)`` is called
     after each batch (tests use it to interrupt a run). A directory holding another config's results is
-    refused unless ``overwrite``. Ctrl-C raises `StudyInterrupted`, saying what the cache holds."""
+    refused unless ``overwrite``. Ctrl-C raises `StudyInterrupted`, saying what the cache holds.
+
+    ``models=(k, n)``: only slice k of n of the models (`config.slice_models`, round-robin) into the cache, for
+    jobs on several machines sharing one cache; such a run writes nothing into the run directory and takes
+    no lock on it, and leaves the pair stages, the cross-model stage, the tables and the report to a run
+    without ``models``, which reads every sliced model back from the cache (docs/CLUSTER.md)."""
     progress: dict[str, Any] = {}
     try:
+        if models is not None:
+            return _run_slice(cfg, models, on_batch, progress)
         return _locked_run(cfg, on_batch, overwrite, progress)
     except KeyboardInterrupt as e:
         if isinstance(e, StudyInterrupted):
@@ -146,6 +155,33 @@ def _locked_run(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, o
             lock.release()
 
 
+def _run_slice(cfg: StudyConfig, models: tuple[int, int], on_batch: Callable[[str, int], None] | None,
+               progress: dict[str, Any]) -> Path:
+    """Slice ``models`` of the study's models into the cache, each model exactly as a full run computes it
+    (`_run_model`, also under torchrun); nothing is written into the run directory."""
+    from vitscope.study.config import slice_models
+
+    preflight(cfg)
+    k, n = models
+    mine = {label_of(m) for m in slice_models(cfg.models, k, n)}
+    dist = Dist.from_env()
+    out = Path(cfg.output_dir)
+    plan = make_plan(cfg)
+    cache = Cache(Path(cfg.cache_dir or default_cache_dir(out)))
+    sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+    progress.update(plan=plan, sources=sources, cache=cache)
+    announce(cfg, plan, sources, cache, dist, mine)
+    single = [ap for ap in plan.analyses if not ap.pair]
+    pool = _ModelPool(cfg, plan)
+    for mc in plan.models:
+        if label_of(mc) in mine:
+            _run_model(cfg, mc, label_of(mc), single, sources, cache, dist, pool, on_batch)
+            pool.clear()
+    _say(cfg, dist, f"slice {k}/{n}: {len(mine)} of {len(plan.models)} models in the cache ({cache.root}); "
+                    "a run without --models writes the tables and the report")
+    return out
+
+
 def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str, int], None] | None,
                overwrite: bool, progress: dict[str, Any]) -> Path:
     plan = make_plan(cfg)
@@ -155,6 +191,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     progress.update(plan=plan, sources=sources, cache=cache)  # what Ctrl-C reports on
+    announce(cfg, plan, sources, cache, dist)  # the cost, and a batch too large for the device refused
     manifest: dict[str, Any] = {
         "config": asdict(cfg), "config_key": config_key, "versions": _versions(), "world_size": dist.world,
         "dataset": _dataset_summary(next(iter(sources.values()))),
@@ -624,6 +661,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                 job.frame = job.analysis.finalize()  # once: a cached rerun reads the table back
                 timings.setdefault("finalize", {})[job.name] = round(time.perf_counter() - t0, 2)
                 with cache.lock(mkey):
+                    cache.note(mkey, model=label, source=str(mc.name))
                     cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(),
                                            "info": asdict(info), "model_meta": mmeta, "params": job.plan.params,
                                            "frame": job.frame, "label": label,
@@ -834,6 +872,7 @@ def _run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[st
             job.analysis.merge(other)
         job.frame = job.analysis.finalize()
         with cache.lock(pkey):
+            cache.note(pkey, pair=[a, b])
             cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(), "info_a": asdict(vm_a.info()),
                                    "info_b": asdict(vm_b.info()), "frame": job.frame, "label_a": a, "label_b": b})
     dist.barrier()

@@ -1,0 +1,253 @@
+"""What a study will cost, before it runs (`vitscope run --dry-run`, and the paragraph a run prints before its
+first forward): passes, images per pass, forwards, how much the cache grows, the memory of the largest batch's
+captured taps, and the finalize steps that grow faster than linearly.
+
+No weights are read: each model's architecture is built by timm on the meta device (shapes, no storage), from
+the registry entry, the timm name and the config's ``kwargs``, or the metadata a vitscope checkpoint stores;
+the analyses are instantiated on that model, so the taps and sizes are theirs (`Analysis.required_taps`,
+`state_bytes`, `superlinear`). Only a checkpoint without metadata (its architecture is read off its tensors)
+gets no estimate, which the paragraph says. Captured taps are float32 (`capture.Capture` hands them out so);
+attention maps are B x heads x T x T per block. Images are the model's native size; whole-frame datasets
+(several sizes) are estimated at it too.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from vitscope.errors import ConfigError
+from vitscope.study.plan import Plan, label_of
+
+#: bytes of a captured element (taps are handed out as float32, whatever the forward's dtype)
+TAP_BYTES = 4
+
+
+@dataclass
+class Estimate:
+    passes: int = 0                                    # (model, dataset, view) passes left to run
+    images: dict[str, int] = field(default_factory=dict)  # "dataset view" -> images per pass
+    forwards: int = 0                                  # forward batches in total
+    cache_bytes: int = 0                               # what the cache grows by
+    tap_bytes: int = 0                                 # captured taps of the largest batch
+    largest: str = ""                                  # which batch that is
+    largest_batch: int = 0                             # its images
+    superlinear: list[str] = field(default_factory=list)
+    pairs: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    n_models: int = 0
+    cached: int = 0                                    # (model, analysis) results already in the cache
+    total: int = 0                                     # (model, analysis) results of the study
+
+    def text(self) -> str:
+        """One paragraph."""
+        from vitscope.study.cache import human
+
+        views = ", ".join(f"{k}: {v}" for k, v in self.images.items())
+        said = [f"cost: {self.passes} passes (models x datasets x views; images per pass: {views or 'none'}), "
+                f"{self.forwards} forwards in total"]
+        if self.cached:
+            said.append(f"{self.cached} of {self.total} model x analysis results already in the cache")
+        said.append(f"the cache grows by about {human(self.cache_bytes)}")
+        if self.largest:
+            said.append(f"the largest batch's captured taps take {human(self.tap_bytes)} ({self.largest})")
+        if self.superlinear:
+            said.append("finalize steps that grow faster than linearly: " + "; ".join(self.superlinear))
+        if self.pairs:
+            said.append("pair stages (after both models' passes): " + "; ".join(self.pairs))
+        return ", ".join(said[:2]) + "; " + "; ".join(said[2:]) + "." + "".join(f" Note: {n}." for n in self.notes)
+
+
+def architecture(mc: Any, builds: dict[str, Any] | None = None) -> Any:
+    """``mc``'s model as timm builds it on the meta device (a `ViTModel` without weights), or a sentence
+    (str) saying why it cannot be had without reading the weights. ``builds`` caches equal architectures."""
+    import torch
+
+    from vitscope.errors import VitscopeError
+    from vitscope.models.adapter import ViTModel
+    from vitscope.models.load import _create, resolve_spec
+
+    try:
+        spec = resolve_spec(mc.name)
+    except VitscopeError as e:
+        return str(e)
+    if not spec.arch:
+        return f"{label_of(mc)}: its architecture is read off the checkpoint's tensors, so it is not estimated"
+    kwargs = {**spec.model_kwargs, **(mc.kwargs or {})}
+    key = json.dumps([spec.arch, kwargs], sort_keys=True, default=str)
+    if builds is not None and key in builds:
+        model = builds[key]
+    else:
+        try:
+            with torch.device("meta"):
+                model = _create(spec.arch, kwargs, 0)
+        except Exception as e:  # noqa: BLE001 - an estimate, never the reason a run fails
+            return f"{label_of(mc)}: timm could not build {spec.arch} on the meta device ({type(e).__name__})"
+        if builds is not None:
+            builds[key] = model
+    return ViTModel(model=model, name=label_of(mc), spec=replace(spec, model_kwargs=kwargs))
+
+
+def tap_elements(vm: Any, tap: str) -> int:
+    """Numbers one image's ``tap`` holds (`capture/taps.py` lists the shapes)."""
+    from vitscope.capture.taps import parse_tap
+
+    t, d = vm.num_tokens, vm.embed_dim
+    _block, kind = parse_tap(tap)
+    if kind == "attn":
+        return vm.num_heads * t * t
+    if kind == "qkv":
+        return 3 * t * d
+    if kind == "fc1":
+        return t * int(vm.model.blocks[0].mlp.fc1.out_features)
+    if kind == "logits":
+        return int(getattr(vm.model, "num_classes", 0) or d)
+    return t * d
+
+
+def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: Iterable[str] | None = None,
+             notes: Iterable[str] = ()) -> Estimate:
+    """The cost of running ``plan`` now: only the (model, analysis) results ``cache`` lacks (all of them for
+    an empty cache), of the models ``labels`` (all by default; a slice, which runs no pair stage)."""
+    from vitscope.study.run import _analysis_key, _model_key
+
+    est = Estimate(notes=list(notes))
+    wanted = set(labels) if labels is not None else None
+    single = [ap for ap in plan.analyses if not ap.pair]
+    builds: dict[str, Any] = {}
+    n_of = {d: sum(len(c) for c in s.chunks) for d, s in sources.items()}
+    batch_of = {d: max((len(c) for c in s.chunks), default=0) for d, s in sources.items()}
+    for mc in plan.models:
+        label = label_of(mc)
+        if wanted is not None and label not in wanted:
+            continue
+        est.n_models += 1
+        try:
+            mkey = _model_key(mc)[1]
+        except Exception:  # noqa: BLE001 - a file that is not there (a dry run notes it): nothing cached
+            mkey = None
+        todo = []
+        for ap in single:
+            est.total += 1
+            if mkey is not None and cache.finished(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)):
+                est.cached += 1
+            else:
+                todo.append(ap)
+        passes = []
+        for ap in todo:
+            passes += [p for p in ap.passes if p not in passes]
+        est.passes += len(passes)
+        for d, v in passes:
+            est.images[f"{d} {v}"] = n_of[d]
+            est.forwards += len(sources[d].chunks)
+        if not todo:
+            continue
+        vm = architecture(mc, builds)
+        if isinstance(vm, str):
+            if not any(vm in n for n in est.notes):
+                est.notes.append(vm)
+            continue
+        analyses = {ap.name: ap.cls(vm, **ap.params) for ap in todo}
+        for ap in todo:
+            est.cache_bytes += analyses[ap.name].state_bytes(n_of[ap.slots["data"]])
+            for step in analyses[ap.name].superlinear(n_of[ap.slots["data"]]):
+                if f"{step} ({ap.name})" not in est.superlinear:
+                    est.superlinear.append(f"{step} ({ap.name})")
+        for d, v in passes:
+            taps: list[str] = []
+            for ap in todo:
+                if (d, v) in ap.passes:
+                    taps += [t for t in analyses[ap.name].required_taps() if t not in taps]
+            size = batch_of[d] * TAP_BYTES * sum(tap_elements(vm, t) for t in taps)
+            if size > est.tap_bytes:
+                est.tap_bytes = size
+                est.largest = f"{label} on {d} {v}: {batch_of[d]} images x {len(taps)} taps"
+                est.largest_batch = batch_of[d]
+    for ap in plan.analyses if wanted is None else []:  # a slice of the models runs no pair stage
+        for a, b in ap.pairs:
+            est.pairs.append(f"{ap.name} {a} -> {b} on {n_of[ap.slots['data']]} images")
+    return est
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on ``device`` now: a GPU's free memory (``torch.cuda.mem_get_info``), else the machine's
+    available RAM (psutil, or /proc/meminfo); None when it cannot be told."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev.index or 0)[0])
+    if dev.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def announce(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, dist: Any,
+             labels: Iterable[str] | None = None) -> None:
+    """Before a run's first forward: the estimate as one paragraph (unless progress is off), and the refusal of
+    a batch whose captured taps do not fit (`check_memory`). An estimate that fails is logged, never fatal."""
+    import logging
+    import sys
+
+    try:
+        est = estimate(cfg, plan, sources, cache, labels)
+    except Exception as e:  # noqa: BLE001 - the estimate is advice; the run itself says what is wrong
+        logging.getLogger(__name__).warning("no cost estimate (%s: %s)", type(e).__name__, e)
+        return
+    if cfg.progress and dist.is_main:
+        print(est.text(), file=sys.stderr, flush=True)
+    check_memory(est, cfg)
+
+
+def check_memory(est: Estimate, cfg: Any) -> None:
+    """Refuse, in one sentence, a study one batch of whose captured taps does not fit the device's free memory."""
+    from vitscope.study.cache import human
+
+    free = free_memory(cfg.device)
+    if free is None or est.tap_bytes <= free:
+        return
+    fits = int(free // (est.tap_bytes / max(est.largest_batch, 1)))
+    raise ConfigError(f"one batch's captured taps ({est.largest}) take {human(est.tap_bytes)}, more than the "
+                      f"{human(free)} free on {cfg.device}: lower batch_size (to at most {fits}), or ask for "
+                      "fewer taps")
+
+
+def dry_run(cfg: Any, models: tuple[int, int] | None = None) -> Estimate:
+    """`vitscope run --dry-run`: the estimate of running ``cfg`` now, without reading any weights or writing
+    anything (no output or cache directory is created; a weights file that is not there is noted, not an
+    error)."""
+    from pathlib import Path
+
+    from vitscope.study.cache import Cache, default_cache_dir, human
+    from vitscope.study.config import preflight, slice_models
+    from vitscope.study.distributed import Dist
+    from vitscope.study.plan import make_plan
+    from vitscope.study.run import _source
+
+    notes = preflight(cfg, dry_run=True)
+    plan = make_plan(cfg)
+    labels = [label_of(m) for m in slice_models(cfg.models, *models)] if models is not None else None
+    sources = {name: _source(name, dc, cfg, plan, Dist()) for name, dc in plan.datasets.items()}
+    cache = Cache(Path(cfg.cache_dir or default_cache_dir(Path(cfg.output_dir))))
+    est = estimate(cfg, plan, sources, cache, labels, notes)
+    free = free_memory(cfg.device)
+    if free is not None and est.tap_bytes > free:
+        est.notes.append(f"a real run refuses this: the largest batch's taps exceed the {human(free)} free on "
+                         f"{cfg.device}")
+    return est
+

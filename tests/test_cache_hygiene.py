@@ -1,0 +1,149 @@
+"""Cache hygiene: `vitscope cache` lists the cache by model and analysis (without torch), `prune` removes entries
+by age or down to a size (least recently used first), reading an entry counts as a use, tests never write into
+the user's own cache, and bad sizes, ages and read-only caches are one sentence."""
+
+import errno
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from vitscope.cli import main
+from vitscope.errors import ConfigError, VitscopeError
+from vitscope.study import load_config, run_study
+from vitscope.study.cache import parse_age, parse_size, prune, units, user_cache_root
+
+TINY = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def study(tmp_path, seeds=(1, 2), cache=True):
+    models = "".join(f"  - {{name: vit_small_patch16_224, label: m{s}, pretrained: false, seed: {s}, "
+                     f"kwargs: {TINY}}}\n" for s in seeds)
+    text = (f"models:\n{models}dataset: {{name: synthetic-shapes, n_images: 8}}\n"
+            "analyses: {cka: {views: [gap]}, fourier: {}}\nbatch_size: 4\nprogress: false\n")
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(text)
+    over = [f"output_dir={tmp_path / 'run'}"] + ([f"cache_dir={tmp_path / 'cache'}"] if cache else [])
+    return cfg, over
+
+
+def age(paths, days):
+    t = time.time() - days * 86400
+    for p in paths:
+        os.utime(p, (t, t))
+
+
+def test_a_study_with_the_default_cache_leaves_the_user_s_own_cache_alone(tmp_path, user_cache):
+    cfg, over = study(tmp_path, seeds=(9173,), cache=False)
+    run_study(load_config(cfg, over))
+    here = user_cache_root() / "states"
+    assert str(here).startswith(str(tmp_path))  # the per-test folder, inside the session's temporary one
+    keys = [d.name for d in here.iterdir() if d.is_dir()]
+    assert keys  # the study did write its states: into the temporary folder
+    if user_cache is not None:
+        assert not any((user_cache / "states" / k).exists() for k in keys)
+
+
+def test_listing_names_models_and_analyses_and_imports_no_torch(tmp_path):
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    code = ("import sys\nfrom vitscope.cli import main\nrc = main(sys.argv[1:])\n"
+            "print('HEAVY', [m for m in ('torch', 'timm') if m in sys.modules], 'RC', rc)")
+    p = subprocess.run([sys.executable, "-c", code, "cache", str(tmp_path / "cache")], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": SRC})
+    lines = p.stdout.strip().splitlines()
+    assert lines[-1] == "HEAVY [] RC 0", p.stderr[-2000:]
+    rows = [ln.split() for ln in lines[1:] if ln.strip() and not ln.startswith(("cache", "HEAVY"))]
+    assert {r[0] for r in rows if r[0] in ("m1", "m2")} == {"m1", "m2"}
+    assert {"cka", "fourier"} <= {w for r in rows for w in r}
+    total = sum(u.size for u in units(tmp_path / "cache"))
+    assert total > 0 and f"{len(units(tmp_path / 'cache'))} entries of 2 models" in lines[-2]
+
+
+def test_prune_older_than_removes_only_old_entries_and_a_rerun_recomputes_only_them(tmp_path, capsys):
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    found = units(tmp_path / "cache")
+    first = found[0].model_dir
+    age([u.path for u in found if u.model_dir == first], days=40)
+    assert main(["cache", "prune", str(tmp_path / "cache"), "--older-than", "30d"]) == 0
+    assert "removed 2 entries" in capsys.readouterr().out
+    assert not first.exists()
+    assert {u.path for u in units(tmp_path / "cache")} == {u.path for u in found if u.model_dir != first}
+    calls: list[str] = []
+    run_study(load_config(cfg, over), on_batch=lambda m, b: calls.append(m))
+    assert len(set(calls)) == 1  # the pruned model alone is computed again
+
+
+def test_prune_max_size_removes_the_least_recently_used_first_and_a_read_counts_as_a_use(tmp_path):
+    cfg, over = study(tmp_path, seeds=(1, 2, 3))
+    run_study(load_config(cfg, over))
+    found = units(tmp_path / "cache")
+    for days, u in enumerate(found):  # the first entry the most recent ... the last the oldest
+        age([u.path], days=days + 1)
+    run_study(load_config(cfg, over))  # reads every entry back: each is used now
+    assert all(time.time() - u.last_use < 3600 for u in units(tmp_path / "cache"))
+    for days, u in enumerate(found):
+        age([u.path], days=days + 1)
+    total = sum(u.size for u in found)
+    limit = total - found[-1].size - 1  # the oldest alone does not free enough: the two oldest go
+    removed, left = prune(tmp_path / "cache", max_size=limit)
+    assert [u.path for u in removed] == [found[-1].path, found[-2].path]
+    assert left == total - found[-1].size - found[-2].size <= limit
+
+
+@pytest.mark.parametrize("text, want", [("2GB", 2 * 10**9), ("2GiB", 2 * 2**30), ("2G", 2 * 2**30),
+                                        ("500 MB", 500 * 10**6), ("1.5kB", 1500), ("123", 123)])
+def test_sizes(text, want):
+    assert parse_size(text) == want
+
+
+@pytest.mark.parametrize("text, want", [("30d", 30 * 86400), ("12h", 12 * 3600), ("90min", 5400), ("2w", 14 * 86400)])
+def test_ages(text, want):
+    assert parse_age(text) == want
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["cache", "prune", "--max-size", "2XB"], "is not a size"),
+    (["cache", "prune", "--max-size", "GB"], "is not a size"),
+    (["cache", "prune", "--older-than", "30"], "is not an age"),
+    (["cache", "prune", "--older-than", "thirty days"], "is not an age"),
+    (["cache", "--older-than", "30d"], "options of `vitscope cache prune`"),
+    (["cache", "prune"], "needs --older-than"),
+])
+def test_bad_prune_arguments_are_one_sentence(argv, words, tmp_path, capsys):
+    assert main([*argv[:2], str(tmp_path), *argv[2:]] if argv[1] == "prune" else [*argv, str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert words in err and err.count("\n") == 0, err
+
+
+def test_a_read_only_cache_is_one_sentence_for_prune_and_for_a_run_before_any_model_loads(tmp_path, monkeypatch,
+                                                                                          capsys):
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: False if mode & os.W_OK else real_access(p, mode, **k))
+    with pytest.raises(VitscopeError, match="cannot be written to"):
+        prune(tmp_path / "cache", older_than=0)
+    from vitscope.study.cost import dry_run
+
+    with pytest.raises(ConfigError, match="cannot be written to"):  # a dry run tells without writing
+        dry_run(load_config(cfg, [f"output_dir={tmp_path / 'run3'}", f"cache_dir={tmp_path / 'cache'}"]))
+    monkeypatch.setattr(os, "access", real_access)
+    import vitscope.study.run as run
+
+    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    real_write = Path.write_bytes
+
+    def read_only(self, data):
+        if str(self).startswith(str(tmp_path / "ro-cache")):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return real_write(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", read_only)
+    with pytest.raises(ConfigError, match="the cache directory .* cannot be written to .Read-only file system"):
+        run_study(load_config(cfg, [f"output_dir={tmp_path / 'run2'}", f"cache_dir={tmp_path / 'ro-cache'}"]))
