@@ -20,8 +20,9 @@ analysis                   metrics (extra columns)
 =========================  ===================================================================================
 
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
-``max_images`` pooled rows), so parts merge by addition (shards, resume). None of them is in the embedded
-default study (``in_default_study``): a study names them.
+``max_images`` pooled rows), so parts merge by addition (shards, resume). Rollout and the high-norm tokens
+are in the embedded default study (``in_default_study``: cheap beside its pass); the other three cost extra
+passes or a probe, and a study names them.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class AttentionRollout(_Mechanistic):
     a warning)."""
 
     name = "attention_rollout"
+    in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "attention rollout CLS maps per block and their foreground IoU beside the CLS attention's"
     _MEANS = ("iou_rollout", "iou_cls", "iou_gain")
     _TENSORS = ("map_sum",)
@@ -256,6 +258,7 @@ class GradientRollout(AttentionRollout):
     the table is empty, with a warning."""
 
     name = "gradient_rollout"
+    in_default_study = False  # its own forward and backward pass per batch
     description = "gradient-weighted rollout (Chefer et al.) of the predicted class per block, with foreground IoU"
 
     def __init__(self, vm: Any, layers: Any = None, mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
@@ -588,6 +591,7 @@ class HighNormTokens(_Mechanistic):
     """
 
     name = "high_norm_tokens"
+    in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
     _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
