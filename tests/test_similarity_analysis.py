@@ -1,0 +1,162 @@
+"""The `similarity` analysis: its grids against the measures on extracted features, the seeded subset (the same
+for any chunking, shard split or resume), cross-model pairs, permutation nulls and bootstrap intervals."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import vitscope as vs
+from conftest import tiny
+from vitscope.analyses import get_analysis
+from vitscope.analyses.similarity import subset_keys
+from vitscope.capture import stream
+from vitscope.data import SyntheticShapes
+from vitscope.errors import VitscopeError
+from vitscope.metrics import similarity as M
+
+N = 24
+
+
+def _batches(vm, n=N, fwd=6, start=0):
+    bs = list(SyntheticShapes(n=n + start, seed=2).batches(fwd, vm.preprocessing))
+    out = []
+    for b in bs:
+        keep = b.index >= start
+        if keep.any():
+            b.images, b.index = b.images[keep], b.index[keep]
+            b.labels = b.labels[keep] if b.labels is not None else None
+            out.append(b)
+    return out
+
+
+def _run(vm, batches, **params):
+    a = get_analysis("similarity")(vm, **params)
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+def _gap(vm, batches, tap):
+    x = torch.cat([b.images for b in batches])
+    return vs.extract(vm, x, tap, view="gap")[tap].half()  # the analysis keeps float16
+
+
+def _value(df, tap, tap_b, metric):
+    return df[(df.tap == tap) & (df.tap_b == tap_b) & (df.metric == metric)].value.item()
+
+
+def test_within_model_grid_equals_the_measures_on_extracted_features():
+    vm = tiny("vit")
+    batches = _batches(vm)
+    a = _run(vm, batches, k=4, rsa_images=N, n_subset=100)
+    df = a.finalize()
+    f0, f2 = _gap(vm, batches, "block0.out"), _gap(vm, batches, "block2.out")
+    assert _value(df, "block0.out", "block2.out", "procrustes") == pytest.approx(M.procrustes_distance(f0, f2))
+    assert _value(df, "block2.out", "block0.out", "procrustes") == pytest.approx(M.procrustes_distance(f0, f2))
+    assert _value(df, "block0.out", "block2.out", "ridge_r2") == pytest.approx(M.ridge_r2(f0, f2))
+    assert _value(df, "block2.out", "block0.out", "ridge_r2") == pytest.approx(M.ridge_r2(f2, f0))
+    assert _value(df, "block2.out", "block0.out", "pwcca") == pytest.approx(M.pwcca(f2, f0))
+    assert _value(df, "block0.out", "block2.out", "angular_shape_alpha=0.5") == \
+        pytest.approx(M.angular_shape_metric(f0, f2, 0.5))
+    assert _value(df, "block0.out", "block2.out", "mutual_knn") == pytest.approx(M.mutual_knn(f0, f2, k=4))
+    assert _value(df, "block0.out", "block2.out", "cknna") == pytest.approx(M.cknna(f0, f2, k=4))
+    # RSA over the images in key order: the same images, so the same RDM comparison up to their order
+    assert _value(df, "block0.out", "block2.out", "rsa_kendall") == pytest.approx(M.rsa(f0, f2)["rsa_kendall"])
+    diag = df[(df.tap == df.tap_b) & (df.metric == "mean_cca")].value
+    assert diag.to_numpy() == pytest.approx(1.0)
+    n_metrics = df.metric.nunique()
+    assert len(df) == 9 * n_metrics and set(df.n_images) == {N} and set(df.images_seen) == {N}
+
+
+def test_the_subset_is_the_smallest_keys_whatever_the_chunking_shards_or_resumption():
+    vm = tiny("vit")
+    params = dict(taps="block-1.out", n_subset=7, measures=["mean_cca"])
+    whole = _run(vm, _batches(vm, fwd=6), **params)
+    other_chunks = _run(vm, _batches(vm, fwd=4), **params)
+    first, second = _run(vm, _batches(vm, n=13, fwd=5), **params), _run(vm, _batches(vm, n=N - 13, start=13), **params)
+    second.merge(first)  # shards gathered in any order
+    resumed = get_analysis("similarity")(vm, **params)
+    resumed.load_state_dict(second.state_dict())
+    ids = torch.arange(N)
+    expected = ids[np.lexsort((ids.numpy(), subset_keys(ids, 0).numpy()))][:7]  # by key, then id
+    for a in (other_chunks, second, resumed):
+        assert torch.equal(a.ids, whole.ids)
+        assert torch.equal(a.feats["block2.out"], whole.feats["block2.out"])
+    assert torch.equal(whole.ids, expected)
+    assert whole.n_images == second.n_images == N
+    other_seed = _run(vm, _batches(vm), **{**params, "seed": 1})
+    assert not torch.equal(other_seed.ids, whole.ids)
+
+
+def test_subset_keys_spread_uniformly():
+    keys = subset_keys(torch.arange(20000), 3).double()
+    kept = torch.argsort(keys)[:2000]  # the subset of 2,000: every tenth of the ids equally often
+    counts = torch.bincount(kept // 2000, minlength=10)
+    assert counts.min() > 150 and counts.max() < 250
+    assert len(torch.unique(keys)) == 20000
+
+
+def _fed(vm, feats: dict, ids, **params):
+    """An analysis fed features by hand, (n, D) per tap, in batches of 16."""
+    a = get_analysis("similarity")(vm, taps=list(feats), **params)
+    for s in range(0, len(ids), 16):
+        batch = types.SimpleNamespace(index=ids[s:s + 16], extra={})
+        a.update({t: torch.as_tensor(x[s:s + 16]) for t, x in feats.items()}, batch)
+    return a
+
+
+def test_cross_model_rows_nulls_and_intervals():
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(0)
+    n, d = 200, 12
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    related = (x @ np.linalg.qr(rng.standard_normal((d, d)))[0] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
+    independent = rng.standard_normal((n, d)).astype(np.float32)
+    ids = torch.arange(n)
+    params = dict(k=10, rsa_images=60, n_permutations=30, n_bootstrap=30)
+    a = _fed(vm_a, {"block0.out": x, "block1.out": x}, ids, **params)
+    b = _fed(vm_b, {"block0.out": related, "block1.out": independent}, ids, **params)
+    cross = type(a).cross([a, b])
+    assert set(cross.model) == {"A"} and set(cross.model_b) == {"B"}
+    xa, xb = torch.from_numpy(x).half(), torch.from_numpy(related).half()
+    row = cross[(cross.tap == "block0.out") & (cross.tap_b == "block0.out")].set_index("metric")
+    assert row.loc["svcca", "value"] == pytest.approx(M.svcca(xa, xb))
+    assert row.loc["ridge_r2_reverse", "value"] == pytest.approx(M.ridge_r2(xb, xa))
+    # the related pair beats every shuffle; its bootstrap interval holds its value
+    assert np.allclose(row.p_value, 1 / 31)
+    linear = row.loc[[m for m in row.index if not m.startswith(("rsa", "mutual", "cknna"))]]
+    assert (linear.value_lo <= linear.value).all() and (linear.value <= linear.value_hi).all()
+    assert row.loc[["rsa_spearman", "mutual_knn", "cknna"], "value_lo"].isna().all()
+    # matched pairs only: block0 with block0, block1 with block1
+    assert cross.null_mean.notna().groupby([cross.tap, cross.tap_b]).any().to_dict() == {
+        ("block0.out", "block0.out"): True, ("block0.out", "block1.out"): False,
+        ("block1.out", "block0.out"): False, ("block1.out", "block1.out"): True}
+    # independent features: the null sits where theory puts it, and the observed score inside it
+    ind = cross[(cross.tap == "block1.out") & (cross.tap_b == "block1.out")].set_index("metric")
+    assert ind.loc["mutual_knn", "null_mean"] == pytest.approx(10 / (n - 1), rel=0.25)
+    assert abs(ind.loc["rsa_spearman", "null_mean"]) < 0.02
+    assert abs(ind.loc["rsa_kendall", "null_mean"]) < 0.02
+    assert (ind.null_q05 <= ind.null_mean).all() and (ind.null_mean <= ind.null_q95).all()
+
+
+def test_cross_model_refuses_different_images():
+    vm = tiny("vit")
+    a = _run(vm, _batches(vm, n=12), taps="block-1.out", measures=["mean_cca"])
+    b = _run(vm, _batches(vm, n=12, start=6), taps="block-1.out", measures=["mean_cca"])
+    with pytest.warns(UserWarning, match="saw different images"):
+        assert type(a).cross([a, b]) is None
+
+
+def test_bad_parameters_are_one_sentence():
+    vm = tiny("vit")
+    cls = get_analysis("similarity")
+    with pytest.raises(VitscopeError, match="not one vector per image"):
+        cls(vm, view="spatial")
+    with pytest.raises(VitscopeError, match="unknown similarity measure 'cca'"):
+        cls(vm, measures=["cca"])
+    with pytest.raises(VitscopeError, match="null_pairs"):
+        cls(vm, null_pairs="some")
+    with pytest.raises(VitscopeError, match="kept 3 images"):
+        _run(vm, _batches(vm, n=3), taps="block-1.out").finalize()
