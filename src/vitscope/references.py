@@ -110,7 +110,11 @@ def references_of(analysis: str) -> list[str]:
 
 def short_citation(key: str) -> str:
     """'Walmer et al. 2023' from a reference key."""
-    authors, _, rest = REFERENCES[key].partition(". ")
+    ref = REFERENCES[key]
+    # the authors end at the first ". " that does not follow a middle initial ("Alex H. Williams, ...")
+    end = next((i for i in range(len(ref) - 1) if ref[i:i + 2] == ". " and len(ref[:i].split()[-1]) > 1),
+               len(ref))
+    authors, rest = ref[:end], ref[end + 2:]
     names = [a.strip() for a in authors.split(",")]
     year = next((w.rstrip(".,") for w in reversed(rest.split()) if w.rstrip(".,").isdigit()
                  and len(w.rstrip(".,")) == 4), "")
