@@ -160,3 +160,43 @@ def test_bad_parameters_are_one_sentence():
         cls(vm, null_pairs="some")
     with pytest.raises(VitscopeError, match="kept 3 images"):
         _run(vm, _batches(vm, n=3), taps="block-1.out").finalize()
+
+
+def test_figures_show_the_table_reverse_scores_in_the_other_block_and_a_map_per_model():
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from test_report_figures import _legend_problems
+
+    from vitscope.report.figures import FIGURES
+
+    vms = [tiny("vit"), tiny("vit", seed=5)]
+    vms[0].name, vms[1].name = "A", "B"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((60, 8)).astype(np.float32)
+    feats = [{f"block{i}.out": x * (i + 1) + rng.standard_normal((60, 8)).astype(np.float32) for i in range(3)}
+             for _ in vms]
+    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_bootstrap=0,
+               measures=["ridge_r2", "angular_shape", "mutual_knn"]) for vm, f in zip(vms, feats, strict=True)]
+    df = pd.concat([a.finalize() for a in an] + [type(an[0]).cross(an)], ignore_index=True)
+    figs = FIGURES["similarity"](df)
+    assert len(figs) == 2
+    grid = figs[0][1]
+    data = [ax for ax in grid.axes if ax.images and ax.get_label() != "<colorbar>"]
+    titles = [ax.get_title() for ax in data]
+    assert titles[:2] == ["shape metric (radians), alpha 0", "shape metric (radians), alpha 0.5"]
+    ridge = next(ax for ax in data if ax.get_title().startswith("ridge"))
+    got = np.asarray(ridge.images[0].get_array().filled(np.nan), dtype=float)
+    cross = df[(df.model == "A") & (df.model_b == "B")]
+    fwd = cross[(cross.metric == "ridge_r2") & (cross.tap == "block1.out") & (cross.tap_b == "block2.out")]
+    rev = cross[(cross.metric == "ridge_r2_reverse") & (cross.tap == "block1.out") & (cross.tap_b == "block2.out")]
+    assert got[1, 4 + 2] == pytest.approx(fwd.value.item())  # A's block1 (row 1) predicts B's block2 (column 6)
+    assert got[4 + 2, 1] == pytest.approx(rev.value.item())  # B's block2 predicts A's block1
+    assert fwd.value.item() != pytest.approx(rev.value.item())
+    scales = [ax._colorbar.mappable for ax in grid.axes if ax.get_label() == "<colorbar>"]  # noqa: SLF001
+    assert len(scales) == len(data)
+    mds = figs[1][1]
+    lines = [ln for ln in mds.axes[0].lines if ln.get_linestyle() == "-"]
+    assert len(lines) == 2 and all(len(ln.get_xdata()) == 3 for ln in lines)  # one trajectory of 3 taps per model
+    for _, fig in figs:
+        assert _legend_problems(fig) == []
+        plt.close(fig)
