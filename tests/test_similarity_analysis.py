@@ -200,3 +200,41 @@ def test_figures_show_the_table_reverse_scores_in_the_other_block_and_a_map_per_
     for _, fig in figs:
         assert _legend_problems(fig) == []
         plt.close(fig)
+
+
+def test_a_study_writes_the_table_and_a_killed_run_resumes_to_the_same_table(tmp_path):
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+    (tmp_path / "study.yaml").write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: a, pretrained: false, kwargs: {kw}}}
+  - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
+dataset: {{name: synthetic-shapes, n_images: 30}}
+analyses:
+  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 3, n_bootstrap: 3}}
+batch_size: 4
+progress: false
+""")
+    cfg = tmp_path / "study.yaml"
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        if b == 3:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c-run'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over))
+    a, b = (pd.read_parquet(d / "results" / "similarity.parquet") for d in (ref, out))
+    pd.testing.assert_frame_equal(a, b)
+    assert set(zip(a.model, a.model_b, strict=True)) == {("a", "a"), ("b", "b"), ("a", "b")}
+    assert set(a.n_images) == {13, 10} and set(a.images_seen) == {30}
+    assert a[a.model_b != a.model].null_mean.notna().any()
+    assert "by the angular shape metric" in (out / "report.html").read_text()  # the MDS map is in the report
