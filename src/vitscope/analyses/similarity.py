@@ -622,7 +622,7 @@ class Similarity(Analysis):
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", view: str = "gap",
                  measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
                  seed: int = 0, alphas: Sequence[Fraction] = (0.0, 0.5, 1.0), k: Count = 10,
-                 rsa_images: Annotated[int, Range(5)] = 300, ridge: Positive = 1e-3,
+                 rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
                  n_permutations: NonNegative = 20, n_bootstrap: NonNegative = 20, null_pairs: str = "matched"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
