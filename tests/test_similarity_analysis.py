@@ -238,3 +238,34 @@ progress: false
     assert set(a.n_images) == {13, 10} and set(a.images_seen) == {30}
     assert a[a.model_b != a.model].null_mean.notna().any()
     assert "by the angular shape metric" in (out / "report.html").read_text()  # the MDS map is in the report
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_equals_one_process(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: a, pretrained: false, kwargs: {kw}}}
+  - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
+dataset: {{name: synthetic-shapes, n_images: 40}}
+analyses:
+  similarity: {{n_subset: 17, k: 3, rsa_images: 9, n_permutations: 2, n_bootstrap: 2}}
+batch_size: 4
+progress: false
+""")
+    script = str(Path(__file__).parent / "run_with_fixtures.py")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--quiet", "run", str(cfg),
+                    f"output_dir={tmp_path / 'sharded'}"], check=True, timeout=300, env=env)
+    subprocess.run([sys.executable, script, "--quiet", "run", str(cfg), f"output_dir={tmp_path / 'single'}"],
+                   check=True, timeout=300, env=env)
+    a, b = (pd.read_parquet(tmp_path / d / "results" / "similarity.parquet") for d in ("sharded", "single"))
+    assert len(a) == len(b) > 0 and set(a.images_seen) == {40}
+    pd.testing.assert_frame_equal(a, b)
