@@ -269,3 +269,21 @@ progress: false
     a, b = (pd.read_parquet(tmp_path / d / "results" / "similarity.parquet") for d in ("sharded", "single"))
     assert len(a) == len(b) > 0 and set(a.images_seen) == {40}
     pd.testing.assert_frame_equal(a, b)
+
+
+def test_three_models_give_each_pair_what_the_pair_alone_gives():
+    import pandas as pd
+
+    rng = np.random.default_rng(7)
+    an = []
+    for name in ("A", "B", "C"):
+        vm = tiny("vit")
+        vm.name = name
+        an.append(_fed(vm, {"block0.out": rng.standard_normal((40, 6)).astype(np.float32)}, torch.arange(40),
+                       k=3, n_permutations=2, n_bootstrap=2))
+    cls = type(an[0])
+    every = cls.cross(an)
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        alone = cls.cross([an[a], an[b]])
+        got = every[(every.model == an[a].model_name) & (every.model_b == an[b].model_name)]
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), alone.reset_index(drop=True))

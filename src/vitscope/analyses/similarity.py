@@ -722,14 +722,24 @@ class Similarity(Analysis):
     @classmethod
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
         frames = []
+        prepared: dict[int, list[M.Prepared]] = {}  # each model's taps prepared once for all its pairs
+
+        def prep(k: int) -> list[M.Prepared]:
+            if k not in prepared:
+                with few_threads():
+                    prepared[k] = analyses[k]._prepared()
+            return prepared[k]
+
         for i, a in enumerate(analyses):
-            for b in analyses[i + 1:]:
+            for j in range(i + 1, len(analyses)):
+                b = analyses[j]
                 assert isinstance(a, Similarity) and isinstance(b, Similarity)
                 if not torch.equal(a.ids, b.ids) or a.view != b.view:
                     warnings.warn(f"similarity: {a.model_name} and {b.model_name} saw different images "
                                   f"(or token views); the pair is left out", stacklevel=2)
                     continue
-                frames.append(a._cross_rows(b))
+                frames.append(a._cross_rows(b, prep(i), prep(j)))
+            prepared.pop(i, None)  # model i has no later pairs
         return pd.concat(frames, ignore_index=True) if frames else None
 
     def _null_set(self, other: Similarity) -> set[tuple[int, int]]:
@@ -740,9 +750,8 @@ class Similarity(Analysis):
             return set(itertools.product(range(na), range(nb)))
         return {(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)}
 
-    def _cross_rows(self, other: Similarity) -> pd.DataFrame:
+    def _cross_rows(self, other: Similarity, pa: list[M.Prepared], pb: list[M.Prepared]) -> pd.DataFrame:
         with few_threads():
-            pa, pb = self._prepared(), other._prepared()
             rev = [m for m in ("ridge_r2", "pwcca") if m in self.measures]
             rows: dict[tuple[int, int, str], dict[str, Any]] = {}
             for i, j in itertools.product(range(len(pa)), range(len(pb))):
