@@ -64,6 +64,19 @@ REFERENCES: dict[str, str] = {
                   "registers. International Conference on Learning Representations (ICLR), 2024. arXiv:2309.16588.",
     "vandermaaten2008": "Laurens van der Maaten, Geoffrey Hinton. Visualizing data using t-SNE. Journal of Machine "
                         "Learning Research 9, pp. 2579-2605, 2008.",
+    "williams2021": "Alex H. Williams, Erin Kunz, Simon Kornblith, Scott W. Linderman. Generalized shape metrics on "
+                    "neural representations. Advances in Neural Information Processing Systems (NeurIPS), 2021.",
+    "raghu2017": "Maithra Raghu, Justin Gilmer, Jason Yosinski, Jascha Sohl-Dickstein. SVCCA: singular vector "
+                 "canonical correlation analysis for deep learning dynamics and interpretability. Advances in "
+                 "Neural Information Processing Systems (NeurIPS), 2017.",
+    "morcos2018": "Ari S. Morcos, Maithra Raghu, Samy Bengio. Insights on representational similarity in neural "
+                  "networks with canonical correlation. Advances in Neural Information Processing Systems "
+                  "(NeurIPS), 2018.",
+    "kriegeskorte2008": "Nikolaus Kriegeskorte, Marieke Mur, Peter Bandettini. Representational similarity "
+                        "analysis: connecting the branches of systems neuroscience. Frontiers in Systems "
+                        "Neuroscience 2:4, 2008.",
+    "huh2024": "Minyoung Huh, Brian Cheung, Tongzhou Wang, Phillip Isola. The Platonic Representation Hypothesis. "
+               "International Conference on Machine Learning (ICML), 2024. arXiv:2405.07987.",
 }
 
 #: the project's source documents (docstrings say "seed 003 §4.2") -> their reference
@@ -84,6 +97,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "saliency_iou": ["walmer2023"],
     "cka": ["shekhar2022", "nguyen2021", "kornblith2019", "walmer2023", "merlin2023"],
     "residual_cka": ["walmer2023"],
+    "similarity": ["williams2021", "raghu2017", "morcos2018", "kriegeskorte2008", "huh2024"],
     "diversity": ["park2023", "wang_clmm"],
     "svd_volume": ["park2023"],
     "fourier": ["park2023", "park_kim2022"],
@@ -111,7 +125,11 @@ def references_of(analysis: str) -> list[str]:
 
 def short_citation(key: str) -> str:
     """'Walmer et al. 2023' from a reference key."""
-    authors, _, rest = REFERENCES[key].partition(". ")
+    ref = REFERENCES[key]
+    # the authors end at the first ". " that does not follow a middle initial ("Alex H. Williams, ...")
+    end = next((i for i in range(len(ref) - 1) if ref[i:i + 2] == ". " and len(ref[:i].split()[-1]) > 1),
+               len(ref))
+    authors, rest = ref[:end], ref[end + 2:]
     names = [a.strip() for a in authors.split(",")]
     year = next((w.rstrip(".,") for w in reversed(rest.split()) if w.rstrip(".,").isdigit()
                  and len(w.rstrip(".,")) == 4), "")

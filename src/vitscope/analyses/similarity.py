@@ -11,23 +11,31 @@ Analyses here:
   residual_cka   skip path (block input) vs branch outputs (attn_out, mlp_out), all block pairs (Walmer et al. 2023 D.4)
   diversity      similarity between heads, between spatial tokens, and before/after attention, by minibatch
                  CKA and by cosine similarity (Park et al. 2023; Wang 2023)
+  similarity     measures beyond CKA (Procrustes, shape metric, CCA family, RSA, mutual k-NN, CKNNA, ridge
+                 R²) on a seeded subset of images kept in float16, within and across models, with permutation
+                 nulls and bootstrap intervals (`vitscope.metrics.similarity`)
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any
 
+import numpy as np
 import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.bounds import Range
+from vitscope.bounds import Count, Fraction, NonNegative, Positive, Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
+from vitscope.errors import ConfigError, VitscopeError, unknown_name
 from vitscope.metrics import cka as C
+from vitscope.metrics import similarity as M
+from vitscope.threads import few_threads
 
 #: images per CKA batch: the unbiased HSIC estimator needs at least C.MIN_HSIC1_EXAMPLES
 CkaBatch = Annotated[int, Range(C.MIN_HSIC1_EXAMPLES,
@@ -577,3 +585,248 @@ def _mean_offdiag_cka(hsic: torch.Tensor) -> float:
     cka = hsic / (d[:, None] * d[None, :])
     n = cka.shape[0]
     return float((cka.nansum() - cka.diagonal().nansum()) / (n * (n - 1)))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# similarity: measures beyond CKA on a seeded subset of images
+# ----------------------------------------------------------------------------------------------------------
+
+#: token views whose features are one vector per image (the measures need (n, d) with d a layer's width)
+POOLED_VIEWS = ("cls", "gap", "gap_spatial")
+_MIX = 0x9E3779B97F4A7C15
+
+
+def subset_keys(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """A pseudo-random int64 key per image id (splitmix64 of the id and the seed): the images kept are the
+    ``n_subset`` smallest keys, so the subset depends on the ids alone, never on arrival order, shards or
+    resumption, and two models fed the same images keep the same ones."""
+    with np.errstate(over="ignore"):
+        z = ids.cpu().numpy().astype(np.uint64) + np.uint64((int(seed) * _MIX + _MIX) % 2 ** 64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(1)).astype(np.int64))
+
+
+@register_analysis
+class Similarity(Analysis):
+    """Representation similarity beyond CKA (math in `vitscope.metrics.similarity`), layer x layer within the
+    model and, in `cross`, for every pair of models: orthogonal Procrustes distance and the angular shape
+    metric at partial whitenings ``alphas`` (0 = CCA, 1 = Procrustes; Williams et al. 2021), mean CCA, SVCCA
+    (Raghu et al. 2017), PWCCA (Morcos et al. 2018; weights from ``layer``), RSA of correlation-distance RDMs
+    by Spearman and Kendall's tau_a (Kriegeskorte et al. 2008), mutual k-NN and CKNNA (Huh et al. 2024) and
+    leave-one-out ridge R² (``layer`` predicts ``layer_b``; across models also the reverse, ``*_reverse``).
+    ``measures`` picks them; distances (procrustes, angular_shape) are small for similar representations.
+
+    One pooled ``view`` ('cls', 'gap' or 'gap_spatial') of each tap. The measures need whole feature
+    matrices, so the analysis keeps a seeded random subset of ``n_subset`` images in float16: the images whose
+    keys (a hash of image id and ``seed``, `subset_keys`) are smallest, which makes the subset the same for
+    every model, shard and resumed run. RSA uses the first ``rsa_images`` of them (its RDM and Kendall's tau
+    grow with the square of the images). Rows record ``n_images`` (the images a value was computed on) and
+    ``images_seen``.
+
+    Across models every score gets, for the pairs ``null_pairs`` names ('matched': each layer of A with B's
+    layer at the same relative depth; 'all'; 'none'), a permutation null (B's images shuffled,
+    ``n_permutations`` times: ``null_mean``, ``null_q05``, ``null_q95`` and ``p_value`` in the direction the
+    measure improves) and, for the linear measures, a percentile bootstrap interval over images
+    (``n_bootstrap`` resamples: ``value_lo``, ``value_hi``). The neighbour and RDM measures get no bootstrap
+    interval: a resample's duplicated images are each other's nearest neighbours and zero distances."""
+
+    name = "similarity"
+    description = ("Procrustes, shape metric, CCA / SVCCA / PWCCA, RSA, mutual k-NN, CKNNA and ridge R² between "
+                   "layers, within and across models, with permutation nulls and bootstrap intervals")
+
+    def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", view: str = "gap",
+                 measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
+                 seed: int = 0, alphas: Sequence[Fraction] = (0.0, 0.5, 1.0), k: Count = 10,
+                 rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
+                 n_permutations: NonNegative = 20, n_bootstrap: NonNegative = 20, null_pairs: str = "matched"):
+        super().__init__(vm)
+        self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
+        if view not in POOLED_VIEWS:
+            raise ConfigError(f"similarity: view {view!r} is not one vector per image; choose one of "
+                              f"{', '.join(POOLED_VIEWS)}")
+        if view == "cls" and not self.has_cls_token:
+            raise ConfigError("similarity: this model has no CLS token; use the view 'gap' or 'gap_spatial'")
+        self.view = view
+        measures = [measures] if isinstance(measures, str) else list(measures)
+        for m in measures:
+            if m not in M.MEASURES:
+                raise unknown_name("similarity measure", m, M.MEASURES)
+        self.measures = [m for m in M.MEASURES if m in measures]
+        if null_pairs not in ("matched", "all", "none"):
+            raise ConfigError(f"similarity: null_pairs must be 'matched', 'all' or 'none', got {null_pairs!r}")
+        if ("mutual_knn" in self.measures or "cknna" in self.measures) and int(k) >= int(n_subset):
+            raise ConfigError(f"similarity: k = {k} neighbours needs n_subset above it, got {n_subset}")
+        self.n_subset, self.seed, self.k = int(n_subset), int(seed), int(k)
+        self.alphas, self.rsa_images, self.ridge = [float(a) for a in alphas], int(rsa_images), float(ridge)
+        self.n_permutations, self.n_bootstrap, self.null_pairs = int(n_permutations), int(n_bootstrap), null_pairs
+        self.ids = torch.empty(0, dtype=torch.long)
+        self.keys = torch.empty(0, dtype=torch.long)
+        self.feats: dict[str, torch.Tensor] = {}  # tap -> (rows, D) float16, rows ordered by key
+
+    def required_taps(self) -> list[str]:
+        return list(self.taps)
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        rows = {t: token_view(feats[t], self.view, self.num_prefix_tokens, self.has_cls_token)
+                if feats[t].ndim == 3 else feats[t] for t in self.taps}
+        ids = batch.index.cpu().long()
+        self._keep(ids, subset_keys(ids, self.seed), {t: x.detach().cpu().to(torch.float16) for t, x in rows.items()})
+        self.n_images += len(ids)
+
+    def _keep(self, ids: torch.Tensor, keys: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+        """Add rows and keep the ``n_subset`` with the smallest (key, id), in that order."""
+        if not len(ids):
+            return
+        ids, keys = torch.cat([self.ids, ids]), torch.cat([self.keys, keys])
+        feats = {t: torch.cat([self.feats[t], x]) if t in self.feats else x for t, x in rows.items()}
+        order = torch.argsort(ids, stable=True)
+        order = order[torch.argsort(keys[order], stable=True)][:self.n_subset]
+        self.ids, self.keys = ids[order], keys[order]
+        self.feats = {t: x[order].contiguous() for t, x in feats.items()}
+
+    def merge(self, other: Analysis) -> None:
+        assert isinstance(other, Similarity) and other.taps == self.taps and other.view == self.view
+        self._keep(other.ids, other.keys, other.feats)
+        self.n_images += other.n_images
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"taps": list(self.taps), "view": self.view, "n_images": self.n_images, "ids": self.ids,
+                "keys": self.keys, "feats": dict(self.feats)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.taps, self.view, self.n_images = list(state["taps"]), str(state["view"]), int(state["n_images"])
+        self.ids, self.keys, self.feats = state["ids"], state["keys"], dict(state["feats"])
+
+    # -- finalize ---------------------------------------------------------------------------------------------
+
+    def _prepared(self, rows: Any = None) -> list[M.Prepared]:
+        if len(self.ids) < 5:
+            raise VitscopeError(f"similarity: {self.model_name} kept {len(self.ids)} images; the measures need at "
+                                "least 5 (give the dataset more images)")
+        return [M.prepare(self.feats[t] if rows is None else self.feats[t][rows], self.measures, k=self.k,
+                          rsa_images=self.rsa_images, name=f"{self.model_name} {t}") for t in self.taps]
+
+    def _compare(self, pa: M.Prepared, pb: M.Prepared, measures: Sequence[str] | None = None) -> dict[str, float]:
+        return M.compare(pa, pb, measures or self.measures, alphas=self.alphas, ridge=self.ridge)
+
+    def _n_of(self, metric: str) -> int:
+        return min(self.rsa_images, len(self.ids)) if metric.startswith("rsa") else len(self.ids)
+
+    def _row(self, other: Similarity, i: int, j: int, metric: str, value: float) -> dict[str, Any]:
+        ta, tb = self.taps[i], other.taps[j]
+        return {"metric": metric, "layer": parse_tap(ta)[0], "layer_b": parse_tap(tb)[0], "tap": ta, "tap_b": tb,
+                "token_view": self.view, "model_b": other.model_name, "value": value,
+                "n_images": self._n_of(metric), "images_seen": self.n_images}
+
+    def finalize(self) -> pd.DataFrame:
+        with few_threads():
+            prep = self._prepared()
+            asym = [m for m in ("ridge_r2", "pwcca") if m in self.measures]
+            rows = []
+            for i, j in itertools.product(range(len(prep)), repeat=2):
+                if i <= j:
+                    got = self._compare(prep[i], prep[j])
+                    for metric, v in got.items():
+                        rows.append(self._row(self, i, j, metric, v))
+                        if i != j and metric not in ("ridge_r2", "pwcca"):
+                            rows.append(self._row(self, j, i, metric, v))
+                elif asym:
+                    rows += [self._row(self, i, j, m, v) for m, v in self._compare(prep[i], prep[j], asym).items()]
+        return self.tidy(rows)
+
+    @classmethod
+    def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
+        frames = []
+        prepared: dict[int, list[M.Prepared]] = {}  # each model's taps prepared once for all its pairs
+
+        def prep(k: int) -> list[M.Prepared]:
+            if k not in prepared:
+                with few_threads():
+                    prepared[k] = analyses[k]._prepared()
+            return prepared[k]
+
+        for i, a in enumerate(analyses):
+            for j in range(i + 1, len(analyses)):
+                b = analyses[j]
+                assert isinstance(a, Similarity) and isinstance(b, Similarity)
+                if not torch.equal(a.ids, b.ids) or a.view != b.view:
+                    warnings.warn(f"similarity: {a.model_name} and {b.model_name} saw different images "
+                                  f"(or token views); the pair is left out", stacklevel=2)
+                    continue
+                frames.append(a._cross_rows(b, prep(i), prep(j)))
+            prepared.pop(i, None)  # model i has no later pairs
+        return pd.concat(frames, ignore_index=True) if frames else None
+
+    def _null_set(self, other: Similarity) -> set[tuple[int, int]]:
+        na, nb = len(self.taps), len(other.taps)
+        if self.null_pairs == "none" or not (self.n_permutations or self.n_bootstrap):
+            return set()
+        if self.null_pairs == "all":
+            return set(itertools.product(range(na), range(nb)))
+        return {(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)}
+
+    def _cross_rows(self, other: Similarity, pa: list[M.Prepared], pb: list[M.Prepared]) -> pd.DataFrame:
+        with few_threads():
+            rev = [m for m in ("ridge_r2", "pwcca") if m in self.measures]
+            rows: dict[tuple[int, int, str], dict[str, Any]] = {}
+            for i, j in itertools.product(range(len(pa)), range(len(pb))):
+                got = self._compare(pa[i], pb[j])
+                got.update({f"{m}_reverse": v for m, v in self._compare(pb[j], pa[i], rev).items()})
+                for metric, v in got.items():
+                    rows[i, j, metric] = self._row(other, i, j, metric, v)
+            n, m_rsa = len(self.ids), min(self.rsa_images, len(self.ids))
+            for i, j in sorted(self._null_set(other)):
+                null = self._null(pa[i], pb[j], rev, n, m_rsa, i, j)
+                boot = self._bootstrap(other, i, j, rev, n)
+                for metric, row in ((m, r) for (a, b, m), r in rows.items() if (a, b) == (i, j)):
+                    v = np.asarray(null.get(metric, []), dtype=float)
+                    if len(v):
+                        as_good = v <= row["value"] if _is_distance(metric) else v >= row["value"]
+                        row.update(null_mean=float(v.mean()), null_q05=float(np.quantile(v, 0.05)),
+                                   null_q95=float(np.quantile(v, 0.95)), n_permutations=len(v),
+                                   p_value=float((1 + as_good.sum()) / (1 + len(v))))
+                    bv = np.asarray(boot.get(metric, []), dtype=float)
+                    if len(bv):
+                        row.update(value_lo=float(np.quantile(bv, 0.025)), value_hi=float(np.quantile(bv, 0.975)),
+                                   n_bootstrap=len(bv))
+        return self.tidy(list(rows.values()))
+
+    def _rng(self, *stream: int) -> Any:
+        return np.random.default_rng([self.seed, *stream])
+
+    def _null(self, pa: M.Prepared, pb: M.Prepared, rev: list[str], n: int, m_rsa: int, i: int,
+              j: int) -> dict[str, list[float]]:
+        """Scores with B's images shuffled: the RDM's images among themselves, the rest among themselves."""
+        out: dict[str, list[float]] = {}
+        for p in range(self.n_permutations):
+            g = self._rng(1, i, j, p)
+            perm = np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)])
+            shuffled = pb.permuted(perm)
+            got = self._compare(pa, shuffled)
+            got.update({f"{m}_reverse": v for m, v in self._compare(shuffled, pa, rev).items()})
+            for metric, v in got.items():
+                out.setdefault(metric, []).append(v)
+        return out
+
+    def _bootstrap(self, other: Similarity, i: int, j: int, rev: list[str], n: int) -> dict[str, list[float]]:
+        """The linear measures on images resampled with replacement (the same draw in both models)."""
+        linear = [m for m in self.measures if m in M.LINEAR_MEASURES]
+        out: dict[str, list[float]] = {}
+        if not linear:
+            return out
+        for r in range(self.n_bootstrap):
+            rows = torch.from_numpy(self._rng(2, i, j, r).integers(0, n, n))
+            xa = M.prepare(self.feats[self.taps[i]][rows], linear)
+            xb = M.prepare(other.feats[other.taps[j]][rows], linear)
+            got = M.compare(xa, xb, linear, alphas=self.alphas, ridge=self.ridge)
+            got.update({f"{m}_reverse": v for m, v in M.compare(xb, xa, rev, alphas=self.alphas,
+                                                                  ridge=self.ridge).items()})
+            for metric, v in got.items():
+                out.setdefault(metric, []).append(v)
+        return out
+
+
+def _is_distance(metric: str) -> bool:
+    return metric.startswith(("procrustes", "angular_shape"))

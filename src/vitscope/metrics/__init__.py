@@ -3,6 +3,6 @@
 `vs.metrics.attention` works on attention tensors (B, H, T, T); `vs.metrics.cka` on features.
 """
 
-from vitscope.metrics import attention, cka, dense, geometry, semantics
+from vitscope.metrics import attention, cka, dense, geometry, semantics, similarity
 
-__all__ = ["attention", "cka", "dense", "geometry", "semantics"]
+__all__ = ["attention", "cka", "dense", "geometry", "semantics", "similarity"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pandas as pd
 
@@ -62,7 +64,10 @@ def _cka_offsets(taps: dict[str, list[str]]) -> dict[str, int]:
     return offsets
 
 
-def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
+def _mosaic_matrix(gv: pd.DataFrame) -> tuple[np.ndarray, list[str], dict[str, list[str]], dict[str, int]]:
+    """The tap x tap values of every pair of models as one matrix (one empty row / column between models): block
+    (A, B) holds A's taps on its rows and B's on its columns; a pair the table holds in one order only is
+    mirrored into the other."""
     models = list(dict.fromkeys([*gv["model"], *gv["model_b"]]))
     taps: dict[str, list[str]] = {m: [] for m in models}
     for col_m, col_t in (("model", "tap"), ("model_b", "tap_b")):
@@ -79,10 +84,11 @@ def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
         mirror = np.isnan(mosaic[ib, ia]) & (ma != mb)  # the other order, unless the table has it too
         mosaic[ia, ib] = values
         mosaic[ib[mirror], ia[mirror]] = values[mirror]
-    side = min(11.0, max(3.2, 0.13 * n + 1.5))
-    fig, ax = plt.subplots(figsize=(side + 1.4, side + 0.6), layout="constrained")
-    im = ax.imshow(mosaic, origin="lower", vmin=0, vmax=1, cmap=plt.get_cmap("magma").with_extremes(bad="white"),
-                   interpolation="nearest")
+    return mosaic, models, taps, off
+
+
+def _mosaic_ticks(ax: plt.Axes, models: list[str], taps: dict[str, list[str]], off: dict[str, int], n: int,
+                  model_labels: bool = True) -> None:
     pos = [off[m] + i for m in models for i in range(len(taps[m]))]
     short = [_short(t) for m in models for t in taps[m]]
     fs = 6 if n <= 40 else 4.5
@@ -91,14 +97,28 @@ def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
     ax.tick_params(which="minor", length=1.5, labelsize=fs)
     ax.tick_params(axis="x", which="minor", labelrotation=90)
     centres = [off[m] + (len(taps[m]) - 1) / 2 for m in models]
-    ax.set_xticks(centres, [model_label(m, lines=True) for m in models], rotation=30, ha="right")
-    ax.set_yticks(centres, [model_label(m, lines=True) for m in models])
+    if model_labels:
+        ax.set_xticks(centres, [model_label(m, lines=True) for m in models], rotation=30, ha="right")
+        ax.set_yticks(centres, [model_label(m, lines=True) for m in models])
+    else:
+        ax.set_xticks([])
+        ax.set_yticks([])
     pad = 6 + 0.75 * fs * max(len(s) for s in short)  # points: beyond the taps' labels
     ax.tick_params(which="major", length=0, pad=pad, labelsize=7)
-    ax.set_xlabel("model B (its taps)", fontsize=8)
-    ax.set_ylabel("model A (its taps)", fontsize=8)
     for spine in ax.spines.values():
         spine.set_visible(False)
+
+
+def _cka_mosaic(gv: pd.DataFrame) -> plt.Figure:
+    mosaic, models, taps, off = _mosaic_matrix(gv)
+    n = len(mosaic)
+    side = min(11.0, max(3.2, 0.13 * n + 1.5))
+    fig, ax = plt.subplots(figsize=(side + 1.4, side + 0.6), layout="constrained")
+    im = ax.imshow(mosaic, origin="lower", vmin=0, vmax=1, cmap=plt.get_cmap("magma").with_extremes(bad="white"),
+                   interpolation="nearest")
+    _mosaic_ticks(ax, models, taps, off, n)
+    ax.set_xlabel("model B (its taps)", fontsize=8)
+    ax.set_ylabel("model A (its taps)", fontsize=8)
     colorbar(fig, im, ax, "CKA", shrink=0.7)
     return fig
 
@@ -166,8 +186,118 @@ def diversity(df: pd.DataFrame) -> Figures:
              f"CKA, dashed: cosine) [{cite('park2023')}; {cite('wang_clmm')}]", fig)]
 
 
+#: how each measure of the `similarity` table is drawn: (colour range, label); distances get a reversed map so
+#: that bright means similar in every panel
+_SCALES = {"procrustes": ((0.0, float(np.sqrt(2))), "Procrustes distance"),
+           "angular_shape": ((0.0, float(np.pi / 2)), "shape metric (radians)"),
+           "ridge_r2": ((0.0, 1.0), "ridge R² (row predicts column)"),
+           "pwcca": ((0.0, 1.0), "PWCCA (weights from the row)")}
+
+
+def _scale(metric: str) -> tuple[tuple[float, float], str, bool]:
+    """(vmin, vmax), label, reversed (a distance) of one measure."""
+    base = metric.split("_alpha=")[0]
+    (lo, hi), label = _SCALES.get(base, ((0.0, 1.0), metric.replace("_", " ")))
+    if "_alpha=" in metric:
+        label = f"{label}, alpha {metric.split('=')[1]}"
+    return (lo, hi), label, base in ("procrustes", "angular_shape")
+
+
+def similarity(df: pd.DataFrame) -> Figures:
+    """Two figures of the `similarity` table. (1) One mosaic per measure (small multiples), each as the CKA
+    mosaic: block (A, B) = A's taps (rows) against B's (columns); for the asymmetric measures (ridge R², PWCCA)
+    the block (B, A) is the ``*_reverse`` score, so a row always predicts / weights its column; distances drawn
+    on a reversed scale (bright = similar everywhere). (2) A metric MDS map of every (model, tap) from the
+    angular shape metric [Williams et al. 2021] (alpha 0.5 where computed, else the first), each model a
+    coloured trajectory through depth."""
+    df = df[~df.metric.str.endswith("_reverse")].pipe(lambda d: pd.concat([d, _reversed(df)], ignore_index=True))
+    metrics = list(dict.fromkeys(df.metric))
+    rows, cols = grid_shape(len(metrics), 4)
+    n_side = len(_mosaic_matrix(df[df.metric == metrics[0]])[0])
+    side = min(5.0, max(2.6, 0.09 * n_side + 1.6))
+    fig, axes = panels(rows, cols, panel=(side + 0.9, side + 0.5))
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        mosaic, models, taps, off = _mosaic_matrix(df[df.metric == metric])
+        (lo, hi), label, dist = _scale(metric)
+        cmap = plt.get_cmap("magma_r" if dist else "magma").with_extremes(bad="white")
+        im = ax.imshow(mosaic, origin="lower", vmin=lo, vmax=hi, cmap=cmap, interpolation="nearest")
+        _mosaic_ticks(ax, models, taps, off, len(mosaic), model_labels=len(models) > 1)
+        ax.set_title(label, fontsize=8)
+        colorbar(fig, im, ax, label, shrink=0.8)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_axis_off()
+    view = ", ".join(map(str, dict.fromkeys(df.token_view)))
+    out: Figures = [(f"Similarity between the taps of every pair of models by each measure ({view} token view): "
+                     "block (row A, column B) has A's taps on its rows and B's on its columns, layer 0 at the "
+                     "bottom left; bright = similar in every panel (distances on a reversed scale) "
+                     f"[{cite('williams2021')}; {cite('raghu2017')}; {cite('morcos2018')}; "
+                     f"{cite('kriegeskorte2008')}; {cite('huh2024')}]", fig)]
+    mds = _mds_map(df)
+    if mds is not None:
+        out.append(mds)
+    return out
+
+
+def _reversed(df: pd.DataFrame) -> pd.DataFrame:
+    """``*_reverse`` rows as the forward measure of (B, A): model and tap columns swapped."""
+    rev = df[df.metric.str.endswith("_reverse")]
+    swap = {"model": "model_b", "model_b": "model", "tap": "tap_b", "tap_b": "tap", "layer": "layer_b",
+            "layer_b": "layer"}
+    return rev.rename(columns=swap).assign(metric=rev.metric.str.removesuffix("_reverse"))
+
+
+def _mds_map(df: pd.DataFrame) -> tuple[str, plt.Figure] | None:
+    """MDS of the shape-metric distances between every (model, tap) the table connects."""
+    shape = sorted(m for m in set(df.metric) if m.startswith("angular_shape_alpha="))
+    if not shape:
+        return None
+    metric = min(shape, key=lambda m: abs(float(m.split("=")[1]) - 0.5))
+    g = df[df.metric == metric]
+    nodes = list(dict.fromkeys([*zip(g.model, g.tap, strict=True), *zip(g.model_b, g.tap_b, strict=True)]))
+    where = {n: i for i, n in enumerate(nodes)}
+    d = np.full((len(nodes),) * 2, np.nan)
+    ia = [where[n] for n in zip(g.model, g.tap, strict=True)]
+    ib = [where[n] for n in zip(g.model_b, g.tap_b, strict=True)]
+    d[ia, ib] = g.value.to_numpy(dtype=float)
+    d = np.where(np.isnan(d), d.T, d)
+    np.fill_diagonal(d, 0.0)
+    keep = ~np.isnan(d).any(1)  # models the table does not pair with every other are left out
+    if keep.sum() < 3:
+        return None
+    from sklearn.manifold import MDS
+
+    from vitscope.threads import few_threads
+
+    d = (d[keep][:, keep] + d[keep][:, keep].T) / 2
+    # scikit-learn 1.8 renamed ``dissimilarity`` to ``metric`` and added the classical-MDS start
+    new_api = "metric_mds" in inspect.signature(MDS).parameters
+    kw = {"metric": "precomputed", "init": "classical_mds", "n_init": 1} if new_api else \
+        {"dissimilarity": "precomputed", "n_init": 4}
+    with few_threads():
+        xy = MDS(n_components=2, random_state=0, normalized_stress="auto", **kw).fit_transform(d)
+    nodes = [n for n, k in zip(nodes, keep, strict=True) if k]
+    fig, axes = panels(1, 1, panel=(4.2, 3.6))
+    ax = axes[0, 0]
+    models = list(dict.fromkeys(m for m, _ in nodes))
+    for m in models:
+        idx = [i for i, (mm, _) in enumerate(nodes) if mm == m]
+        c = model_color(m, models)
+        ax.plot(xy[idx, 0], xy[idx, 1], "-o", color=c, markersize=3, linewidth=1.2, label=model_label(m))
+        ax.plot(xy[idx[0], 0], xy[idx[0], 1], "s", color=c, markersize=6)
+        ax.plot(xy[idx[-1], 0], xy[idx[-1], 1], "^", color=c, markersize=7)
+    ax.set_xlabel("MDS 1", fontsize=8)
+    ax.set_ylabel("MDS 2", fontsize=8)
+    ax.set_aspect("equal", adjustable="datalim")
+    ax.tick_params(labelsize=6)
+    legend_outside(fig, extra=[style_handle("s", "square: first tap"), style_handle("^", "triangle: last tap")])
+    alpha = metric.split("=")[1]
+    return (f"A map of every model's taps by the angular shape metric (alpha {alpha}; metric MDS of the "
+            "distances, so nearby points are similar representations): each model a line through depth from "
+            f"its first tap (square) to its last (triangle) [{cite('williams2021')}]", fig)
+
+
 def _short(tap: str) -> str:
     return tap.replace("block", "b").replace(".out", "")
 
 
-FIGURES = {"cka": cka, "residual_cka": residual_cka, "diversity": diversity}
+FIGURES = {"cka": cka, "residual_cka": residual_cka, "diversity": diversity, "similarity": similarity}

@@ -1,0 +1,388 @@
+"""Representation similarity beyond CKA: functions of two feature matrices of the same n examples, (n, d) and
+(n, d'), computed in float64. No I/O.
+
+Linear family, all from one SVD per matrix (columns centred, the matrix scaled to unit Frobenius norm:
+``X = U diag(s) Vᵀ``) and the cross product ``M = U_xᵀ U_y``:
+
+* ``procrustes``   orthogonal Procrustes distance ``min_Q |X - Y Q|_F = sqrt(2 - 2 |XᵀY|_*)`` in [0, sqrt 2]
+                   (Williams et al. 2021; the narrower matrix zero-padded).
+* ``angular_shape`` the angular shape metric with partial whitening ``alpha`` (Williams et al. 2021; netrep's
+                   ``LinearMetric``): each matrix whitened by ``alpha I + (1 - alpha) (XᵀX)^(-1/2)`` (eigenvalues
+                   clipped at 1e-7), then ``arccos(|X_wᵀ Y_w|_* / (|X_w|_F |Y_w|_F))`` in [0, pi/2]. alpha = 0: CCA
+                   (invariant to invertible linear maps); alpha = 1: Procrustes. Unlike netrep, inputs are scaled
+                   to unit norm first, so intermediate alphas are invariant to isotropic scaling too.
+* ``cca``          canonical correlations = singular values of M (numerical rank kept); ``mean_cca`` their mean.
+* ``svcca``        Raghu et al. 2017: each matrix reduced to its leading singular directions holding ``keep``
+                   (0.99) of its variance, then mean CCA (the truncation reads the variance spectrum: invariant
+                   to rotations and scaling, not to every invertible linear map).
+* ``pwcca``        Morcos et al. 2018: canonical correlations weighted by how much of X each canonical variate
+                   h_i accounts for, ``sum_j |<h_i, x_j>|`` over X's neurons x_j (asymmetric: weights from X; it
+                   depends on X's neuron basis, so it is invariant to scaling and to permuting or flipping neurons,
+                   not to rotations).
+* ``ridge_r2``     how well X predicts Y by ridge regression (penalty ``ridge`` relative to X's total variance,
+                   which is 1 after scaling), scored by leave-one-out R² over all of Y's columns: the closed form
+                   residuals ``(I - H) Y / (1 - h_ii)`` of the hat matrix ``H = X (XᵀX + λ I)⁻¹ Xᵀ`` on the
+                   centred matrices (the centring uses every example).
+
+Image x image family:
+
+* ``rsa``          representational similarity analysis (Kriegeskorte et al. 2008): correlation-distance RDMs
+                   ``1 - pearson(x_i, x_j)`` over the pairs i < j, compared by Spearman's rho and Kendall's tau_a.
+* ``mutual_knn``   Huh et al. 2024: rows L2-normalised, each example's k nearest neighbours by cosine (itself
+                   excluded) in X and in Y; the mean over examples of |N_X(i) ∩ N_Y(i)| / k. 1 for identical
+                   neighbourhoods, about k / (n - 1) for independent ones.
+* ``cknna``        Huh et al. 2024: unbiased HSIC of the cosine kernels K, L restricted to mutual neighbours
+                   (``mask = knn_K ∩ knn_L``), normalised by the same quantity of K with itself and L with itself.
+
+`prepare` computes the per-matrix part once (SVD, neighbours, RDM) and `compare` the pair part, so a grid of
+layers costs one SVD per layer; `Prepared.permuted` reorders the examples of a prepared matrix without
+recomputing it (permutation nulls). The pairwise functions below are `compare(prepare(x), prepare(y))`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import scipy.stats
+
+from vitscope.errors import VitscopeError
+
+__all__ = [
+    "LINEAR_MEASURES",
+    "MEASURES",
+    "Prepared",
+    "angular_shape_metric",
+    "cca_correlations",
+    "cknna",
+    "compare",
+    "kendall_tau_a",
+    "mean_cca",
+    "mutual_knn",
+    "prepare",
+    "procrustes_distance",
+    "pwcca",
+    "rsa",
+    "ridge_r2",
+    "svcca",
+]
+
+#: measures computed from the SVD of each matrix
+LINEAR_MEASURES = ("procrustes", "angular_shape", "mean_cca", "svcca", "pwcca", "ridge_r2")
+#: every measure `compare` knows; ``rsa`` gives ``rsa_spearman`` and ``rsa_kendall``, ``ridge_r2`` X -> Y
+MEASURES = (*LINEAR_MEASURES, "rsa", "mutual_knn", "cknna")
+
+EIGVAL_TOL = 1e-7  # netrep's clip of the covariance eigenvalues in the partial whitening
+RANK_TOL = 1e-6  # singular values below this times the largest are numerical zeros (the SVD comes from the
+# eigendecomposition of the smaller Gram matrix, whose precision on s is about 1e-8 of the largest)
+
+
+class FeatureError(VitscopeError, ValueError):
+    """Features a similarity measure cannot take."""
+
+
+def _matrix(x: Any, name: str) -> np.ndarray:
+    a = x.detach().cpu().double().numpy() if hasattr(x, "detach") else np.asarray(x, dtype=np.float64)
+    if a.ndim == 3:
+        a = a.reshape(a.shape[0], -1)
+    if a.ndim != 2:
+        raise FeatureError(f"{name} must have shape (n, d) or (n, T, d), got shape {a.shape}")
+    if not np.isfinite(a).all():
+        raise FeatureError(f"{name} holds {int((~np.isfinite(a)).sum())} non-finite values; similarity needs "
+                           "finite features")
+    if a.shape[0] < 4:
+        raise FeatureError(f"{name} holds {a.shape[0]} examples; similarity measures need at least 4")
+    return a
+
+
+@dataclass
+class Prepared:
+    """The per-matrix part of every measure, for one (n, d) matrix."""
+
+    n: int
+    u: np.ndarray | None = None  # (n, r) left singular vectors of the centred, unit-norm matrix
+    s: np.ndarray | None = None  # (r,) its singular values
+    vt: np.ndarray | None = None  # (r, d) right singular vectors
+    keep_svcca: int = 0  # leading directions SVCCA keeps
+    knn: np.ndarray | None = None  # (n, k) neighbours by cosine, itself excluded
+    knn_sim: np.ndarray | None = None  # (n, k) the cosines to them
+    rdm: np.ndarray | None = None  # (m,) upper triangle of the correlation-distance RDM
+    rdm_n: int = 0  # examples of the RDM (the first rdm_n)
+    rdm_ranks: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+    def permuted(self, perm: np.ndarray) -> Prepared:
+        """The same matrix with its examples reordered (row i of the new one is row perm[i]), without a new SVD
+        or neighbour search. The RDM part is reordered within its first ``rdm_n`` examples: ``perm`` must map
+        them onto themselves for it (else the RDM is dropped)."""
+        perm = np.asarray(perm)
+        out = replace(self)
+        if self.u is not None:
+            out.u = self.u[perm]
+        if self.knn is not None:
+            inv = np.empty_like(perm)
+            inv[perm] = np.arange(len(perm))
+            out.knn, out.knn_sim = inv[self.knn[perm]], self.knn_sim[perm]
+        if self.rdm is not None:
+            p = perm[:self.rdm_n]
+            if np.array_equal(np.sort(p), np.arange(self.rdm_n)):
+                iu = np.triu_indices(self.rdm_n, 1)
+                full = np.zeros((self.rdm_n, self.rdm_n))
+                full[iu] = self.rdm
+                full = full + full.T
+                out.rdm = full[np.ix_(p, p)][iu]
+                out.rdm_ranks = scipy.stats.rankdata(out.rdm)
+            else:
+                out.rdm = out.rdm_ranks = None
+        return out
+
+
+def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float = 0.99,
+            rsa_images: int | None = None, name: str = "x") -> Prepared:
+    """The per-matrix part of ``measures`` for ``x`` (n, d): the SVD for the linear family, the ``k`` nearest
+    neighbours for mutual k-NN and CKNNA, the RDM of the first ``rsa_images`` examples (all if None) for RSA."""
+    measures = _check_measures(measures)
+    a = _matrix(x, name)
+    n = a.shape[0]
+    p = Prepared(n=n)
+    if any(m in LINEAR_MEASURES for m in measures):
+        c = a - a.mean(0)
+        norm = np.linalg.norm(c)
+        if norm == 0:
+            raise FeatureError(f"{name} is constant over the examples; linear similarity measures need variation")
+        u, s, vt = _thin_svd(c / norm)
+        r = int((s > RANK_TOL * s[0]).sum())
+        p.u, p.s, p.vt = u[:, :r], s[:r], vt[:r]
+        var = np.cumsum(p.s ** 2) / np.sum(p.s ** 2)
+        p.keep_svcca = int(min(np.searchsorted(var, keep - 1e-12) + 1, r))
+    if "mutual_knn" in measures or "cknna" in measures:
+        if not 1 <= k <= n - 1:
+            raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {n - 1}")
+        z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
+        sim = z @ z.T
+        np.fill_diagonal(sim, -np.inf)
+        idx = np.argsort(-sim, axis=1, kind="stable")[:, :k]
+        p.knn, p.knn_sim = idx, np.take_along_axis(sim, idx, axis=1)
+    if "rsa" in measures:
+        m = n if rsa_images is None else min(int(rsa_images), n)
+        if m < 4:
+            raise FeatureError(f"RSA needs at least 4 examples, got {m}")
+        p.rdm_n, p.rdm = m, correlation_rdm(a[:m])
+        p.rdm_ranks = scipy.stats.rankdata(p.rdm)
+    return p
+
+
+def _thin_svd(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``a = U diag(s) Vᵀ``, s descending, from the eigendecomposition of the smaller of ``aᵀa`` and ``a aᵀ``
+    (4x faster than LAPACK's SVD of a tall matrix); directions with s below RANK_TOL of the largest are dropped
+    (their vectors would be imprecise)."""
+    tall = a.shape[0] >= a.shape[1]
+    lam, vec = np.linalg.eigh(a.T @ a if tall else a @ a.T)
+    lam, vec = lam[::-1], vec[:, ::-1]
+    s = np.sqrt(np.clip(lam, 0.0, None))
+    r = max(int((s > RANK_TOL * s[0]).sum()), 1)
+    s, vec = s[:r], vec[:, :r]
+    if tall:
+        return (a @ vec) / s[None, :], s, vec.T
+    return vec, s, (vec.T @ a) / s[:, None]
+
+
+def _svals(a: np.ndarray) -> np.ndarray:
+    """Singular values of ``a``, descending (min of its sides), from the eigenvalues of its smaller Gram."""
+    g = a.T @ a if a.shape[0] >= a.shape[1] else a @ a.T
+    return np.sqrt(np.clip(np.linalg.eigvalsh(g)[::-1], 0.0, None))
+
+
+def _check_measures(measures: Iterable[str]) -> list[str]:
+    measures = [measures] if isinstance(measures, str) else list(measures)
+    for m in measures:
+        if m not in MEASURES:
+            raise FeatureError(f"unknown similarity measure {m!r}; the measures are {', '.join(MEASURES)}")
+    return measures
+
+
+def correlation_rdm(a: np.ndarray) -> np.ndarray:
+    """Upper triangle (i < j, row-major) of ``1 - pearson(a_i, a_j)`` between the rows of ``a``."""
+    z = a - a.mean(1, keepdims=True)
+    z = z / np.maximum(np.linalg.norm(z, axis=1, keepdims=True), 1e-300)
+    return (1.0 - z @ z.T)[np.triu_indices(len(a), 1)]
+
+
+def compare(px: Prepared, py: Prepared, measures: Iterable[str] = MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0),
+            ridge: float = 1e-3) -> dict[str, float]:
+    """{name: value} of ``measures`` between two prepared matrices of the same examples. Names: ``procrustes``,
+    ``angular_shape_alpha=<a>`` per alpha, ``mean_cca``, ``svcca``, ``pwcca``, ``ridge_r2`` (X predicts Y),
+    ``rsa_spearman``, ``rsa_kendall``, ``mutual_knn``, ``cknna``."""
+    measures = _check_measures(measures)
+    if px.n != py.n:
+        raise FeatureError(f"x and y must hold the same examples: got n = {px.n} and n = {py.n}")
+    out: dict[str, float] = {}
+    if any(m in LINEAR_MEASURES for m in measures):
+        if px.u is None or py.u is None:
+            raise FeatureError("compare: a matrix was prepared without the linear measures")
+        cross = px.u.T @ py.u  # (rx, ry)
+        rho = None  # canonical correlations, computed once for the measures that share them
+        if "mean_cca" in measures or "pwcca" in measures or ("angular_shape" in measures and 0.0 in alphas):
+            rho = np.clip(_svals(cross), 0.0, 1.0)
+        if "procrustes" in measures or ("angular_shape" in measures and 1.0 in alphas):
+            nuc1 = _svals(px.s[:, None] * cross * py.s[None, :]).sum()  # |XᵀY|_*, both at unit norm
+            if "procrustes" in measures:
+                out["procrustes"] = float(np.sqrt(max(0.0, 2.0 - 2.0 * min(nuc1, 1.0))))
+        if "angular_shape" in measures:
+            for a in alphas:
+                known = nuc1 if float(a) == 1.0 else rho.sum() if float(a) == 0.0 else None
+                out[f"angular_shape_alpha={float(a):g}"] = _angular(px, py, cross, float(a), known)
+        if "mean_cca" in measures:
+            out["mean_cca"] = float(rho.mean())
+        if "pwcca" in measures:
+            # canonical directions of x: eigenvectors of cross crossᵀ, the largest min(rx, ry) eigenvalues
+            lam, ua = np.linalg.eigh(cross @ cross.T)
+            c = min(cross.shape)
+            ua, rho_w = ua[:, ::-1][:, :c], np.sqrt(np.clip(lam[::-1][:c], 0.0, 1.0))
+            # <h_i, x_j> for the canonical variates h = U_x a_i and the neurons x_j (columns of U_x S V_xᵀ)
+            w = np.abs((ua.T * px.s[None, :]) @ px.vt).sum(1)
+            out["pwcca"] = float((w * rho_w).sum() / w.sum())
+        if "svcca" in measures:
+            rho_k = _svals(cross[:px.keep_svcca, :py.keep_svcca])
+            out["svcca"] = float(np.clip(rho_k, 0.0, 1.0).mean())
+        if "ridge_r2" in measures:
+            out["ridge_r2"] = _ridge_loo_r2(px, py, cross, float(ridge))
+    if "rsa" in measures:
+        if px.rdm is None or py.rdm is None or px.rdm_n != py.rdm_n:
+            raise FeatureError("compare: RSA needs both matrices prepared with RDMs of the same examples")
+        out["rsa_spearman"] = _pearson(px.rdm_ranks, py.rdm_ranks)
+        out["rsa_kendall"] = kendall_tau_a(px.rdm, py.rdm)
+    if "mutual_knn" in measures or "cknna" in measures:
+        if px.knn is None or py.knn is None or px.knn.shape != py.knn.shape:
+            raise FeatureError("compare: mutual k-NN needs both matrices prepared with the same k")
+        same = px.knn[:, :, None] == py.knn[:, None, :]  # (n, k, k)
+        if "mutual_knn" in measures:
+            out["mutual_knn"] = float(same.sum() / px.knn.size)
+        if "cknna" in measures:
+            out["cknna"] = _cknna(px, py, same)
+    return out
+
+
+def _angular(px: Prepared, py: Prepared, cross: np.ndarray, alpha: float, known: float | None = None) -> float:
+    """``known``: the nuclear norm of the whitened cross product where another measure computed it (alpha 1:
+    Procrustes'; alpha 0: the sum of the canonical correlations, when no eigenvalue is clipped)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise FeatureError(f"the shape metric's alpha must be between 0 (CCA) and 1 (Procrustes), got {alpha}")
+
+    def weights(s: np.ndarray) -> np.ndarray:  # singular values of X_w = X Z (netrep's whiten, unit-norm X)
+        if alpha > 1 - EIGVAL_TOL:
+            return s
+        return s * (alpha + (1 - alpha) / np.sqrt(np.maximum(s ** 2, EIGVAL_TOL)))
+
+    wx, wy = weights(px.s), weights(py.s)
+    if known is not None and (alpha == 1.0 or (px.s ** 2 >= EIGVAL_TOL).all() and (py.s ** 2 >= EIGVAL_TOL).all()):
+        nuc = known
+    else:
+        nuc = _svals(wx[:, None] * cross * wy[None, :]).sum()
+    return float(np.arccos(np.clip(nuc / (np.linalg.norm(wx) * np.linalg.norm(wy)), -1.0, 1.0)))
+
+
+def _ridge_loo_r2(px: Prepared, py: Prepared, cross: np.ndarray, ridge: float) -> float:
+    f = px.s ** 2 / (px.s ** 2 + ridge)  # shrinkage of each direction of X (total variance 1)
+    h = (px.u ** 2) @ f  # the hat matrix's diagonal
+    resid = py.u * py.s[None, :] - px.u @ (f[:, None] * cross * py.s[None, :])  # (I - H) Y in Y's basis
+    loo = resid / np.maximum(1.0 - h, 1e-12)[:, None]
+    return float(1.0 - (loo ** 2).sum() / (py.s ** 2).sum())
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    den = np.sqrt((a @ a) * (b @ b))
+    return float(a @ b / den) if den > 0 else float("nan")
+
+
+def kendall_tau_a(a: np.ndarray, b: np.ndarray) -> float:
+    """Kendall's tau_a = (concordant - discordant) / (m (m - 1) / 2), ties counting as neither, in O(m log m):
+    scipy's tau_b times its tie correction ``sqrt((m0 - t_a)(m0 - t_b))`` gives concordant - discordant."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    m = len(a)
+    m0 = m * (m - 1) / 2
+    ties = [sum(c * (c - 1) / 2 for c in np.unique(v, return_counts=True)[1]) for v in (a, b)]
+    den = np.sqrt((m0 - ties[0]) * (m0 - ties[1]))
+    if den == 0:
+        return float("nan")
+    tau_b = scipy.stats.kendalltau(a, b, variant="b").statistic
+    return float(tau_b * den / m0)
+
+
+def _cknna(px: Prepared, py: Prepared, same: np.ndarray) -> float:
+    n, k = px.knn.shape
+
+    def hsic(kv: np.ndarray, lv: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> float:
+        """Unbiased HSIC (Song et al. 2012) of two masked kernels with the same support, as Huh et al.:
+        sum(K̃ ∘ L̃ᵀ) + sum K̃ sum L̃ / ((n-1)(n-2)) - 2 / (n-2) 1ᵀK̃L̃1, over n (n-3)."""
+        km = sp.csr_matrix((kv, (rows, cols)), shape=(n, n))
+        lm = sp.csr_matrix((lv, (rows, cols)), shape=(n, n))
+        t1 = km.multiply(lm.T).sum()
+        t2 = km.sum() * lm.sum() / ((n - 1) * (n - 2))
+        t3 = 2.0 / (n - 2) * float(np.asarray(km.sum(0)).ravel() @ np.asarray(lm.sum(1)).ravel())
+        return (t1 + t2 - t3) / (n * (n - 3))
+
+    rows = np.repeat(np.arange(n), k)
+    i_x, j_x = np.nonzero(same.any(2))  # positions in x's list that are also in y's
+    j_y = same.argmax(2)[i_x, j_x]
+    kl = hsic(px.knn_sim[i_x, j_x], py.knn_sim[i_x, j_y], i_x, px.knn[i_x, j_x])
+    kk = hsic(px.knn_sim.ravel(), px.knn_sim.ravel(), rows, px.knn.ravel())
+    ll = hsic(py.knn_sim.ravel(), py.knn_sim.ravel(), rows, py.knn.ravel())
+    return float(kl / np.sqrt(kk * ll)) if kk * ll > 0 else float("nan")
+
+
+def _pair(x: Any, y: Any, measures: Iterable[str], **kw: Any) -> dict[str, float]:
+    prep = {k: kw.pop(k) for k in ("k", "keep", "rsa_images") if k in kw}
+    return compare(prepare(x, measures, name="x", **prep), prepare(y, measures, name="y", **prep), measures, **kw)
+
+
+def procrustes_distance(x: Any, y: Any) -> float:
+    """Orthogonal Procrustes distance between the centred, unit-norm x and y, in [0, sqrt 2]."""
+    return _pair(x, y, ["procrustes"])["procrustes"]
+
+
+def angular_shape_metric(x: Any, y: Any, alpha: float = 1.0) -> float:
+    """Williams et al. 2021's angular shape metric with partial whitening alpha (0: CCA, 1: Procrustes)."""
+    return _pair(x, y, ["angular_shape"], alphas=[alpha])[f"angular_shape_alpha={float(alpha):g}"]
+
+
+def cca_correlations(x: Any, y: Any) -> np.ndarray:
+    """The canonical correlations, largest first (min of the two numerical ranks)."""
+    px, py = prepare(x, ["mean_cca"]), prepare(y, ["mean_cca"], name="y")
+    if px.n != py.n:
+        raise FeatureError(f"x and y must hold the same examples: got n = {px.n} and n = {py.n}")
+    return np.clip(_svals(px.u.T @ py.u), 0.0, 1.0)
+
+
+def mean_cca(x: Any, y: Any) -> float:
+    return _pair(x, y, ["mean_cca"])["mean_cca"]
+
+
+def svcca(x: Any, y: Any, keep: float = 0.99) -> float:
+    return _pair(x, y, ["svcca"], keep=keep)["svcca"]
+
+
+def pwcca(x: Any, y: Any) -> float:
+    return _pair(x, y, ["pwcca"])["pwcca"]
+
+
+def ridge_r2(x: Any, y: Any, ridge: float = 1e-3) -> float:
+    """Leave-one-out R² of y predicted from x by ridge regression (penalty relative to x's total variance)."""
+    return _pair(x, y, ["ridge_r2"], ridge=ridge)["ridge_r2"]
+
+
+def rsa(x: Any, y: Any) -> dict[str, float]:
+    """{'rsa_spearman', 'rsa_kendall'} between the correlation-distance RDMs of x and y."""
+    return _pair(x, y, ["rsa"])
+
+
+def mutual_knn(x: Any, y: Any, k: int = 10) -> float:
+    return _pair(x, y, ["mutual_knn"], k=k)["mutual_knn"]
+
+
+def cknna(x: Any, y: Any, k: int = 10) -> float:
+    return _pair(x, y, ["cknna"], k=k)["cknna"]

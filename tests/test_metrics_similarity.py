@@ -1,0 +1,265 @@
+"""Similarity measures beyond CKA, each against an independent implementation from the papers' formulas (and
+rsatoolbox where it is installed), and their invariances."""
+
+import itertools
+
+import numpy as np
+import pytest
+import scipy.linalg
+import scipy.stats
+import torch
+
+from vitscope.errors import VitscopeError
+from vitscope.metrics import similarity as S
+
+
+def _data(n=40, d=6, e=5, seed=0, noise=0.5):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, d)) @ rng.standard_normal((d, d)) + rng.standard_normal(d)
+    y = x[:, :e] @ rng.standard_normal((e, e)) + noise * rng.standard_normal((n, e))
+    return x, y
+
+
+def _unit(a):
+    c = a - a.mean(0)
+    return c / np.linalg.norm(c)
+
+
+def _pad(a, d):
+    return np.hstack([a, np.zeros((a.shape[0], d - a.shape[1]))])
+
+
+def _ref_cca(x, y):
+    """Canonical correlations: singular values of the whitened cross-covariance C_xx^-1/2 C_xy C_yy^-1/2."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+
+    def inv_sqrt(c):
+        w, v = np.linalg.eigh(c)
+        return v @ np.diag(w ** -0.5) @ v.T
+
+    m = inv_sqrt(xc.T @ xc) @ xc.T @ yc @ inv_sqrt(yc.T @ yc)
+    return np.linalg.svd(m, compute_uv=False)
+
+
+def test_procrustes_equals_scipy_orthogonal_procrustes():
+    x, y = _data()
+    xu, yu = _unit(x), _pad(_unit(y), x.shape[1])
+    r, _ = scipy.linalg.orthogonal_procrustes(yu, xu)
+    assert S.procrustes_distance(x, y) == pytest.approx(np.linalg.norm(xu - yu @ r), rel=1e-9)
+
+
+def _netrep_angular(x, y, alpha):
+    """netrep's LinearMetric (zero padding, partial whitening preserving variance, Procrustes rotation, angle)
+    written out, on unit-norm centred inputs."""
+    d = max(x.shape[1], y.shape[1])
+    xs, ys = _pad(_unit(x), d), _pad(_unit(y), d)
+
+    def whiten(a):
+        if alpha == 1:
+            return a
+        lam, v = np.linalg.eigh(a.T @ a)
+        lam = np.maximum(lam, 1e-7)
+        w = alpha + (1 - alpha) * lam ** -0.5
+        return a @ (v * w) @ v.T
+
+    xw, yw = whiten(xs), whiten(ys)
+    u, _, vt = np.linalg.svd(xw.T @ yw)
+    a, b = xw @ u, yw @ vt.T
+    return np.arccos(np.clip((a * b).sum() / (np.linalg.norm(a) * np.linalg.norm(b)), -1, 1))
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_angular_shape_metric_equals_netrep_formula(alpha):
+    x, y = _data(d=5, e=5)
+    assert S.angular_shape_metric(x, y, alpha) == pytest.approx(_netrep_angular(x, y, alpha), abs=1e-9)
+
+
+def test_angular_shape_alpha_ends_are_cca_and_procrustes():
+    x, y = _data(d=5, e=5)
+    rho = _ref_cca(x, y)
+    assert S.angular_shape_metric(x, y, 0.0) == pytest.approx(np.arccos(rho.sum() / 5), abs=1e-9)
+    p = S.procrustes_distance(x, y)
+    assert S.angular_shape_metric(x, y, 1.0) == pytest.approx(np.arccos(1 - p ** 2 / 2), abs=1e-9)
+
+
+def test_cca_family_against_whitened_cross_covariance():
+    x, y = _data()
+    rho = _ref_cca(x, y)
+    assert S.cca_correlations(x, y) == pytest.approx(np.sort(rho)[::-1], abs=1e-9)
+    assert S.mean_cca(x, y) == pytest.approx(rho.mean(), abs=1e-9)
+
+
+def test_svcca_keeps_directions_holding_the_variance_then_cca():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((50, 8)) * np.array([10, 8, 6, 4, 0.01, 0.01, 0.01, 0.01])
+    y = x[:, :6] @ rng.standard_normal((6, 6)) + rng.standard_normal((50, 6))
+    ref = []
+    for a in (x, y):
+        u, s, _ = np.linalg.svd(a - a.mean(0), full_matrices=False)
+        kept = np.searchsorted(np.cumsum(s ** 2) / np.sum(s ** 2), 0.99) + 1
+        ref.append(u[:, :kept] * s[:kept])
+    assert ref[0].shape[1] == 4  # the four large directions carry more than 99 % of x's variance
+    assert S.svcca(x, y) == pytest.approx(_ref_cca(*ref).mean(), abs=1e-9)
+
+
+def test_pwcca_weights_canonical_variates_by_neurons_of_x():
+    x, y = _data()
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    qx, qy = np.linalg.qr(xc)[0], np.linalg.qr(yc)[0]
+    a, rho, _ = np.linalg.svd(qx.T @ qy, full_matrices=False)
+    h = qx @ a  # canonical variates of x, unit norm
+    alpha = np.array([np.abs([h[:, i] @ xc[:, j] for j in range(xc.shape[1])]).sum() for i in range(len(rho))])
+    assert S.pwcca(x, y) == pytest.approx((alpha / alpha.sum() * rho).sum(), abs=1e-9)
+
+
+def test_ridge_r2_equals_an_explicit_leave_one_out_loop():
+    x, y = _data(n=30)
+    lam = 0.01
+    xc, yc = _unit(x), y - y.mean(0)
+    sse = 0.0
+    for i in range(len(x)):
+        keep = np.arange(len(x)) != i
+        w = np.linalg.solve(xc[keep].T @ xc[keep] + lam * np.eye(x.shape[1]), xc[keep].T @ yc[keep])
+        sse += ((yc[i] - xc[i] @ w) ** 2).sum()
+    assert S.ridge_r2(x, y, ridge=lam) == pytest.approx(1 - sse / (yc ** 2).sum(), rel=1e-9)
+    assert S.ridge_r2(x, y) > S.ridge_r2(x, np.random.default_rng(9).standard_normal(y.shape))
+
+
+def _tau_a_loop(a, b):
+    s = sum(np.sign(a[i] - a[j]) * np.sign(b[i] - b[j]) for i, j in itertools.combinations(range(len(a)), 2))
+    return s / (len(a) * (len(a) - 1) / 2)
+
+
+def test_rsa_spearman_and_kendall_tau_a():
+    x, y = _data(n=14)
+    rdm = [1 - np.corrcoef(a)[np.triu_indices(14, 1)] for a in (x, y)]
+    got = S.rsa(x, y)
+    assert got["rsa_spearman"] == pytest.approx(scipy.stats.spearmanr(*rdm).statistic, abs=1e-9)
+    assert got["rsa_kendall"] == pytest.approx(_tau_a_loop(*rdm), abs=1e-9)
+    ties_a, ties_b = np.array([1, 1, 2, 3, 3, 3, 0, 5.0]), np.array([2, 1, 1, 3, 4, 4, 0, 0.0])
+    assert S.kendall_tau_a(ties_a, ties_b) == pytest.approx(_tau_a_loop(ties_a, ties_b), abs=1e-12)
+
+
+def test_rsa_equals_rsatoolbox():
+    rsatoolbox = pytest.importorskip("rsatoolbox")
+    x, y = _data(n=12)
+    rdms = [rsatoolbox.rdm.calc_rdm(rsatoolbox.data.Dataset(a), method="correlation") for a in (x, y)]
+    got = S.rsa(x, y)
+    ref_s = rsatoolbox.rdm.compare(rdms[0], rdms[1], method="spearman").item()
+    ref_t = rsatoolbox.rdm.compare(rdms[0], rdms[1], method="tau-a").item()
+    assert got["rsa_spearman"] == pytest.approx(ref_s, abs=1e-9)
+    assert got["rsa_kendall"] == pytest.approx(ref_t, abs=1e-9)
+
+
+def _knn_brute(a, k):
+    z = a / np.linalg.norm(a, axis=1, keepdims=True)
+    out = []
+    for i in range(len(a)):
+        sims = [(z[i] @ z[j], j) for j in range(len(a)) if j != i]
+        out.append({j for _, j in sorted(sims, reverse=True)[:k]})
+    return out
+
+
+def test_mutual_knn_by_brute_force_and_its_ends():
+    x, y = _data(n=30)
+    nx, ny = _knn_brute(x, 5), _knn_brute(y, 5)
+    ref = np.mean([len(a & b) / 5 for a, b in zip(nx, ny, strict=True)])
+    assert S.mutual_knn(x, y, k=5) == pytest.approx(ref, abs=1e-12)
+    assert S.mutual_knn(x, x, k=5) == 1.0
+    rng = np.random.default_rng(1)
+    n, k = 400, 10
+    vals = [S.mutual_knn(rng.standard_normal((n, 20)), rng.standard_normal((n, 20)), k=k) for _ in range(5)]
+    # independent neighbourhoods: |N_x ∩ N_y| is hypergeometric with mean k^2 / (n - 1)
+    assert np.mean(vals) == pytest.approx(k / (n - 1), rel=0.15)
+
+
+def _hsic_unbiased_loop(kt, lt):
+    n = len(kt)
+    return ((kt * lt.T).sum() + kt.sum() * lt.sum() / ((n - 1) * (n - 2)) - 2 / (n - 2) * (kt @ lt).sum()) \
+        / (n * (n - 3))
+
+
+def test_cknna_against_dense_masks():
+    x, y = _data(n=30)
+    k = 6
+    kx = [(x, _knn_brute(x, k)), (y, _knn_brute(y, k))]
+
+    def masked(a, mask_sets):
+        z = a / np.linalg.norm(a, axis=1, keepdims=True)
+        m = np.zeros((len(a), len(a)))
+        for i, js in enumerate(mask_sets):
+            m[i, list(js)] = 1
+        return m * (z @ z.T)
+
+    inter = [a & b for a, b in zip(kx[0][1], kx[1][1], strict=True)]
+    kl = _hsic_unbiased_loop(masked(x, inter), masked(y, inter))
+    kk = _hsic_unbiased_loop(masked(x, kx[0][1]), masked(x, kx[0][1]))
+    ll = _hsic_unbiased_loop(masked(y, kx[1][1]), masked(y, kx[1][1]))
+    assert S.cknna(x, y, k=k) == pytest.approx(kl / np.sqrt(kk * ll), rel=1e-9)
+    assert S.cknna(x, x, k=k) == pytest.approx(1.0)
+
+
+def _all(x, y, k=5):
+    out = S.compare(S.prepare(x, k=k), S.prepare(y, k=k), alphas=(0.0, 0.5, 1.0))
+    out["ridge_r2_reverse"] = S.ridge_r2(y, x)
+    return out
+
+
+def test_invariances():
+    rng = np.random.default_rng(4)
+    x, y = _data(n=60, d=6, e=6, seed=4)
+    base = _all(x, y)
+    q = np.linalg.qr(rng.standard_normal((6, 6)))[0]
+    rotated = _all(x @ q * 3.7, y)
+    for name, v in base.items():
+        if name in ("pwcca", "rsa_spearman", "rsa_kendall"):  # x's neuron basis matters: weights from its
+            continue  # neurons; correlation distance centres each image over its neurons
+        assert rotated[name] == pytest.approx(v, abs=1e-8), name
+    flips = np.diag(rng.choice([-1.0, 1.0], 6))[rng.permutation(6)]
+    permuted = _all(x[:, rng.permutation(6)] * 0.2, y)
+    for name in ("pwcca", "rsa_spearman", "rsa_kendall"):
+        assert permuted[name] == pytest.approx(base[name], abs=1e-9)
+        assert abs(rotated[name] - base[name]) > 1e-4, name
+    assert _all(x @ flips * 0.2, y)["pwcca"] == pytest.approx(base["pwcca"], abs=1e-9)
+    a = rng.standard_normal((6, 6)) + 3 * np.eye(6)  # invertible, far from orthogonal
+    linear = _all(x @ a, y)
+    for name in ("mean_cca", "angular_shape_alpha=0"):  # SVCCA's truncation reads the variance: not invariant
+        assert linear[name] == pytest.approx(base[name], abs=1e-8), name
+    for name in ("procrustes", "angular_shape_alpha=1"):
+        assert abs(linear[name] - base[name]) > 1e-3, name
+
+
+def test_identical_features_score_perfectly():
+    x, _ = _data(n=50)
+    got = _all(x, x)
+    assert got["procrustes"] == pytest.approx(0.0, abs=1e-6)
+    for a in (0.0, 0.5, 1.0):
+        assert got[f"angular_shape_alpha={a:g}"] == pytest.approx(0.0, abs=1e-6)
+    for name in ("mean_cca", "svcca", "pwcca", "rsa_spearman", "rsa_kendall", "mutual_knn", "cknna"):
+        assert got[name] == pytest.approx(1.0, abs=1e-9), name
+
+
+def test_permuted_prepared_equals_prepared_permuted():
+    x, y = _data(n=30)
+    perm = np.random.default_rng(2).permutation(30)
+    py = S.prepare(y, k=4)
+    a = S.compare(S.prepare(x, k=4), py.permuted(perm))
+    b = S.compare(S.prepare(x, k=4), S.prepare(y[perm], k=4))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name] == pytest.approx(b[name], abs=1e-9), name
+
+
+def test_torch_input_and_bad_inputs_are_one_sentence():
+    x, y = _data(n=20)
+    assert S.mean_cca(torch.from_numpy(x).float(), y) == pytest.approx(S.mean_cca(x.astype(np.float32), y))
+    with pytest.raises(VitscopeError, match="same examples"):
+        S.mean_cca(x, y[:10])
+    with pytest.raises(VitscopeError, match="non-finite"):
+        S.mean_cca(np.full((5, 3), np.nan), y[:5])
+    with pytest.raises(VitscopeError, match="unknown similarity measure 'cca2'"):
+        S.prepare(x, ["cca2"])
+    with pytest.raises(VitscopeError, match="alpha"):
+        S.angular_shape_metric(x, y, 2.0)
+    with pytest.raises(VitscopeError, match="k = 30"):
+        S.mutual_knn(x, y, k=30)

@@ -1,0 +1,289 @@
+"""The `similarity` analysis: its grids against the measures on extracted features, the seeded subset (the same
+for any chunking, shard split or resume), cross-model pairs, permutation nulls and bootstrap intervals."""
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+import vitscope as vs
+from conftest import tiny
+from vitscope.analyses import get_analysis
+from vitscope.analyses.similarity import subset_keys
+from vitscope.capture import stream
+from vitscope.data import SyntheticShapes
+from vitscope.errors import VitscopeError
+from vitscope.metrics import similarity as M
+
+N = 24
+
+
+def _batches(vm, n=N, fwd=6, start=0):
+    bs = list(SyntheticShapes(n=n + start, seed=2).batches(fwd, vm.preprocessing))
+    out = []
+    for b in bs:
+        keep = b.index >= start
+        if keep.any():
+            b.images, b.index = b.images[keep], b.index[keep]
+            b.labels = b.labels[keep] if b.labels is not None else None
+            out.append(b)
+    return out
+
+
+def _run(vm, batches, **params):
+    a = get_analysis("similarity")(vm, **params)
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+def _gap(vm, batches, tap):
+    x = torch.cat([b.images for b in batches])
+    return vs.extract(vm, x, tap, view="gap")[tap].half()  # the analysis keeps float16
+
+
+def _value(df, tap, tap_b, metric):
+    return df[(df.tap == tap) & (df.tap_b == tap_b) & (df.metric == metric)].value.item()
+
+
+def test_within_model_grid_equals_the_measures_on_extracted_features():
+    vm = tiny("vit")
+    batches = _batches(vm)
+    a = _run(vm, batches, k=4, rsa_images=N, n_subset=100)
+    df = a.finalize()
+    f0, f2 = _gap(vm, batches, "block0.out"), _gap(vm, batches, "block2.out")
+    assert _value(df, "block0.out", "block2.out", "procrustes") == pytest.approx(M.procrustes_distance(f0, f2))
+    assert _value(df, "block2.out", "block0.out", "procrustes") == pytest.approx(M.procrustes_distance(f0, f2))
+    assert _value(df, "block0.out", "block2.out", "ridge_r2") == pytest.approx(M.ridge_r2(f0, f2))
+    assert _value(df, "block2.out", "block0.out", "ridge_r2") == pytest.approx(M.ridge_r2(f2, f0))
+    assert _value(df, "block2.out", "block0.out", "pwcca") == pytest.approx(M.pwcca(f2, f0))
+    assert _value(df, "block0.out", "block2.out", "angular_shape_alpha=0.5") == \
+        pytest.approx(M.angular_shape_metric(f0, f2, 0.5))
+    assert _value(df, "block0.out", "block2.out", "mutual_knn") == pytest.approx(M.mutual_knn(f0, f2, k=4))
+    assert _value(df, "block0.out", "block2.out", "cknna") == pytest.approx(M.cknna(f0, f2, k=4))
+    # RSA over the images in key order: the same images, so the same RDM comparison up to their order
+    assert _value(df, "block0.out", "block2.out", "rsa_kendall") == pytest.approx(M.rsa(f0, f2)["rsa_kendall"])
+    diag = df[(df.tap == df.tap_b) & (df.metric == "mean_cca")].value
+    assert diag.to_numpy() == pytest.approx(1.0)
+    n_metrics = df.metric.nunique()
+    assert len(df) == 9 * n_metrics and set(df.n_images) == {N} and set(df.images_seen) == {N}
+
+
+def test_the_subset_is_the_smallest_keys_whatever_the_chunking_shards_or_resumption():
+    vm = tiny("vit")
+    params = dict(taps="block-1.out", n_subset=7, measures=["mean_cca"])
+    whole = _run(vm, _batches(vm, fwd=6), **params)
+    other_chunks = _run(vm, _batches(vm, fwd=4), **params)
+    first, second = _run(vm, _batches(vm, n=13, fwd=5), **params), _run(vm, _batches(vm, n=N - 13, start=13), **params)
+    second.merge(first)  # shards gathered in any order
+    resumed = get_analysis("similarity")(vm, **params)
+    resumed.load_state_dict(second.state_dict())
+    ids = torch.arange(N)
+    expected = ids[np.lexsort((ids.numpy(), subset_keys(ids, 0).numpy()))][:7]  # by key, then id
+    for a in (other_chunks, second, resumed):
+        assert torch.equal(a.ids, whole.ids)
+        assert torch.equal(a.feats["block2.out"], whole.feats["block2.out"])
+    assert torch.equal(whole.ids, expected)
+    assert whole.n_images == second.n_images == N
+    other_seed = _run(vm, _batches(vm), **{**params, "seed": 1})
+    assert not torch.equal(other_seed.ids, whole.ids)
+
+
+def test_subset_keys_spread_uniformly():
+    keys = subset_keys(torch.arange(20000), 3).double()
+    kept = torch.argsort(keys)[:2000]  # the subset of 2,000: every tenth of the ids equally often
+    counts = torch.bincount(kept // 2000, minlength=10)
+    assert counts.min() > 150 and counts.max() < 250
+    assert len(torch.unique(keys)) == 20000
+
+
+def _fed(vm, feats: dict, ids, **params):
+    """An analysis fed features by hand, (n, D) per tap, in batches of 16."""
+    a = get_analysis("similarity")(vm, taps=list(feats), **params)
+    for s in range(0, len(ids), 16):
+        batch = types.SimpleNamespace(index=ids[s:s + 16], extra={})
+        a.update({t: torch.as_tensor(x[s:s + 16]) for t, x in feats.items()}, batch)
+    return a
+
+
+def test_cross_model_rows_nulls_and_intervals():
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(0)
+    n, d = 200, 12
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    related = (x @ np.linalg.qr(rng.standard_normal((d, d)))[0] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
+    independent = rng.standard_normal((n, d)).astype(np.float32)
+    ids = torch.arange(n)
+    params = dict(k=10, rsa_images=60, n_permutations=30, n_bootstrap=30)
+    a = _fed(vm_a, {"block0.out": x, "block1.out": x}, ids, **params)
+    b = _fed(vm_b, {"block0.out": related, "block1.out": independent}, ids, **params)
+    cross = type(a).cross([a, b])
+    assert set(cross.model) == {"A"} and set(cross.model_b) == {"B"}
+    xa, xb = torch.from_numpy(x).half(), torch.from_numpy(related).half()
+    row = cross[(cross.tap == "block0.out") & (cross.tap_b == "block0.out")].set_index("metric")
+    assert row.loc["svcca", "value"] == pytest.approx(M.svcca(xa, xb))
+    assert row.loc["ridge_r2_reverse", "value"] == pytest.approx(M.ridge_r2(xb, xa))
+    # the related pair beats every shuffle; its bootstrap interval holds its value
+    assert np.allclose(row.p_value, 1 / 31)
+    linear = row.loc[[m for m in row.index if not m.startswith(("rsa", "mutual", "cknna"))]]
+    assert (linear.value_lo <= linear.value).all() and (linear.value <= linear.value_hi).all()
+    assert row.loc[["rsa_spearman", "mutual_knn", "cknna"], "value_lo"].isna().all()
+    # matched pairs only: block0 with block0, block1 with block1
+    assert cross.null_mean.notna().groupby([cross.tap, cross.tap_b]).any().to_dict() == {
+        ("block0.out", "block0.out"): True, ("block0.out", "block1.out"): False,
+        ("block1.out", "block0.out"): False, ("block1.out", "block1.out"): True}
+    # independent features: the null sits where theory puts it, and the observed score inside it
+    ind = cross[(cross.tap == "block1.out") & (cross.tap_b == "block1.out")].set_index("metric")
+    assert ind.loc["mutual_knn", "null_mean"] == pytest.approx(10 / (n - 1), rel=0.25)
+    assert abs(ind.loc["rsa_spearman", "null_mean"]) < 0.02
+    assert abs(ind.loc["rsa_kendall", "null_mean"]) < 0.02
+    assert (ind.null_q05 <= ind.null_mean).all() and (ind.null_mean <= ind.null_q95).all()
+
+
+def test_cross_model_refuses_different_images():
+    vm = tiny("vit")
+    a = _run(vm, _batches(vm, n=12), taps="block-1.out", measures=["mean_cca"])
+    b = _run(vm, _batches(vm, n=12, start=6), taps="block-1.out", measures=["mean_cca"])
+    with pytest.warns(UserWarning, match="saw different images"):
+        assert type(a).cross([a, b]) is None
+
+
+def test_bad_parameters_are_one_sentence():
+    vm = tiny("vit")
+    cls = get_analysis("similarity")
+    with pytest.raises(VitscopeError, match="not one vector per image"):
+        cls(vm, view="spatial")
+    with pytest.raises(VitscopeError, match="unknown similarity measure 'cca'"):
+        cls(vm, measures=["cca"])
+    with pytest.raises(VitscopeError, match="null_pairs"):
+        cls(vm, null_pairs="some")
+    with pytest.raises(VitscopeError, match="kept 3 images"):
+        _run(vm, _batches(vm, n=3), taps="block-1.out").finalize()
+
+
+def test_figures_show_the_table_reverse_scores_in_the_other_block_and_a_map_per_model():
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from test_report_figures import _legend_problems
+
+    from vitscope.report.figures import FIGURES
+
+    vms = [tiny("vit"), tiny("vit", seed=5)]
+    vms[0].name, vms[1].name = "A", "B"
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((60, 8)).astype(np.float32)
+    feats = [{f"block{i}.out": x * (i + 1) + rng.standard_normal((60, 8)).astype(np.float32) for i in range(3)}
+             for _ in vms]
+    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_bootstrap=0,
+               measures=["ridge_r2", "angular_shape", "mutual_knn"]) for vm, f in zip(vms, feats, strict=True)]
+    df = pd.concat([a.finalize() for a in an] + [type(an[0]).cross(an)], ignore_index=True)
+    figs = FIGURES["similarity"](df)
+    assert len(figs) == 2
+    grid = figs[0][1]
+    data = [ax for ax in grid.axes if ax.images and ax.get_label() != "<colorbar>"]
+    titles = [ax.get_title() for ax in data]
+    assert titles[:2] == ["shape metric (radians), alpha 0", "shape metric (radians), alpha 0.5"]
+    ridge = next(ax for ax in data if ax.get_title().startswith("ridge"))
+    got = np.asarray(ridge.images[0].get_array().filled(np.nan), dtype=float)
+    cross = df[(df.model == "A") & (df.model_b == "B")]
+    fwd = cross[(cross.metric == "ridge_r2") & (cross.tap == "block1.out") & (cross.tap_b == "block2.out")]
+    rev = cross[(cross.metric == "ridge_r2_reverse") & (cross.tap == "block1.out") & (cross.tap_b == "block2.out")]
+    assert got[1, 4 + 2] == pytest.approx(fwd.value.item())  # A's block1 (row 1) predicts B's block2 (column 6)
+    assert got[4 + 2, 1] == pytest.approx(rev.value.item())  # B's block2 predicts A's block1
+    assert fwd.value.item() != pytest.approx(rev.value.item())
+    scales = [ax._colorbar.mappable for ax in grid.axes if ax.get_label() == "<colorbar>"]  # noqa: SLF001
+    assert len(scales) == len(data)
+    mds = figs[1][1]
+    lines = [ln for ln in mds.axes[0].lines if ln.get_linestyle() == "-"]
+    assert len(lines) == 2 and all(len(ln.get_xdata()) == 3 for ln in lines)  # one trajectory of 3 taps per model
+    for _, fig in figs:
+        assert _legend_problems(fig) == []
+        plt.close(fig)
+
+
+def test_a_study_writes_the_table_and_a_killed_run_resumes_to_the_same_table(tmp_path):
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+    (tmp_path / "study.yaml").write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: a, pretrained: false, kwargs: {kw}}}
+  - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
+dataset: {{name: synthetic-shapes, n_images: 30}}
+analyses:
+  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 3, n_bootstrap: 3}}
+batch_size: 4
+progress: false
+""")
+    cfg = tmp_path / "study.yaml"
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        if b == 3:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c-run'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over))
+    a, b = (pd.read_parquet(d / "results" / "similarity.parquet") for d in (ref, out))
+    pd.testing.assert_frame_equal(a, b)
+    assert set(zip(a.model, a.model_b, strict=True)) == {("a", "a"), ("b", "b"), ("a", "b")}
+    assert set(a.n_images) == {13, 10} and set(a.images_seen) == {30}
+    assert a[a.model_b != a.model].null_mean.notna().any()
+    assert "by the angular shape metric" in (out / "report.html").read_text()  # the MDS map is in the report
+
+
+@pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+def test_torchrun_equals_one_process(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pandas as pd
+
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(f"""
+models:
+  - {{name: vit_small_patch16_224, label: a, pretrained: false, kwargs: {kw}}}
+  - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
+dataset: {{name: synthetic-shapes, n_images: 40}}
+analyses:
+  similarity: {{n_subset: 17, k: 3, rsa_images: 9, n_permutations: 2, n_bootstrap: 2}}
+batch_size: 4
+progress: false
+""")
+    script = str(Path(__file__).parent / "run_with_fixtures.py")
+    env = {**__import__("os").environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", script, "--quiet", "run", str(cfg),
+                    f"output_dir={tmp_path / 'sharded'}"], check=True, timeout=300, env=env)
+    subprocess.run([sys.executable, script, "--quiet", "run", str(cfg), f"output_dir={tmp_path / 'single'}"],
+                   check=True, timeout=300, env=env)
+    a, b = (pd.read_parquet(tmp_path / d / "results" / "similarity.parquet") for d in ("sharded", "single"))
+    assert len(a) == len(b) > 0 and set(a.images_seen) == {40}
+    pd.testing.assert_frame_equal(a, b)
+
+
+def test_three_models_give_each_pair_what_the_pair_alone_gives():
+    import pandas as pd
+
+    rng = np.random.default_rng(7)
+    an = []
+    for name in ("A", "B", "C"):
+        vm = tiny("vit")
+        vm.name = name
+        an.append(_fed(vm, {"block0.out": rng.standard_normal((40, 6)).astype(np.float32)}, torch.arange(40),
+                       k=3, n_permutations=2, n_bootstrap=2))
+    cls = type(an[0])
+    every = cls.cross(an)
+    for a, b in ((0, 1), (0, 2), (1, 2)):
+        alone = cls.cross([an[a], an[b]])
+        got = every[(every.model == an[a].model_name) & (every.model_b == an[b].model_name)]
+        pd.testing.assert_frame_equal(got.reset_index(drop=True), alone.reset_index(drop=True))
