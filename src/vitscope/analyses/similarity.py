@@ -633,6 +633,7 @@ class Similarity(Analysis):
     interval: a resample's duplicated images are each other's nearest neighbours and zero distances."""
 
     name = "similarity"
+    in_default_study = False  # its measures and nulls cost many times CKA (benchmarks/similarity.py)
     description = ("Procrustes, shape metric, CCA / SVCCA / PWCCA, RSA, mutual k-NN, CKNNA and ridge R² between "
                    "layers, within and across models, with permutation nulls and bootstrap intervals")
 
