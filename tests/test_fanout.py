@@ -113,6 +113,7 @@ def test_a_slice_takes_no_lock_on_the_run_directory_and_writes_nothing_there(fix
     assert sorted(set(calls)) == ["other", "pt"]  # "ft" (slice 2 of 3) came from the cache
 
 
+@pytest.mark.slow  # slices and torchrun each tested apart in CI
 def test_a_slice_under_torchrun_fills_the_cache_as_one_process_does(fixtures, tmp_path):
     cfg = tmp_path / "study.yaml"
     cfg.write_text(STUDY.replace("  pair_seen: {}\n", ""))

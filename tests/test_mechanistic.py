@@ -644,6 +644,7 @@ progress: false
 
 
 @pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.slow  # merge and resume are checked in process; torchrun itself by tests/test_distributed.py
 def test_two_process_torchrun_equals_one_process(tmp_path):
     import subprocess
     import sys

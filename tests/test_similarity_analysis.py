@@ -241,6 +241,7 @@ progress: false
 
 
 @pytest.mark.skipif(__import__("shutil").which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.slow  # its merge is checked in process (shards in any order); torchrun itself by tests/test_distributed.py
 def test_torchrun_equals_one_process(tmp_path):
     import subprocess
     import sys
