@@ -71,3 +71,13 @@ def no_model(monkeypatch):
         raise AssertionError("the error must come before any model loads")
 
     monkeypatch.setattr(run_mod, "load_model", refuse)
+
+
+@pytest.fixture
+def fixtures():
+    """The test-only analyses and view of `study_fixtures` registered for one test (they record what they saw)."""
+    import study_fixtures
+
+    study_fixtures.register()
+    yield
+    study_fixtures.unregister()

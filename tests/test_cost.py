@@ -4,7 +4,6 @@ run makes, and a real run prints the same paragraph and refuses a batch whose ca
 import re
 
 import pytest
-import study_fixtures
 
 import vitscope.study.cost as cost
 import vitscope.study.run as run
@@ -31,12 +30,6 @@ batch_size: 4
 progress: false
 """
 
-
-@pytest.fixture
-def fixtures():
-    study_fixtures.register()
-    yield
-    study_fixtures.unregister()
 
 
 @pytest.fixture

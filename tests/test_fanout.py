@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import study_fixtures
 
 from vitscope.cli import main
 from vitscope.errors import ConfigError
@@ -30,12 +29,6 @@ batch_size: 4
 progress: false
 """
 
-
-@pytest.fixture
-def fixtures():
-    study_fixtures.register()
-    yield
-    study_fixtures.unregister()
 
 
 def tables(run_dir: Path) -> dict[str, pd.DataFrame]:

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import study_fixtures
 import torch
 
 from vitscope.data.formats.common import SkippedImagesWarning
@@ -19,12 +18,6 @@ from vitscope.study import load_config, run_study
 TINY = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
 VIEW = "band_noise:band=2"
 
-
-@pytest.fixture
-def fixtures():
-    study_fixtures.register()
-    yield
-    study_fixtures.unregister()
 
 
 def _children() -> list[int]:

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import study_fixtures
 import torch
 
 from vitscope.cli import main
@@ -33,12 +32,6 @@ batch_size: 4
 progress: false
 """
 
-
-@pytest.fixture
-def fixtures():
-    study_fixtures.register()
-    yield
-    study_fixtures.unregister()
 
 
 def write(tmp_path, text, name="study.yaml"):

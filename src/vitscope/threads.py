@@ -54,11 +54,19 @@ def die_with_parent() -> None:
     working for nobody). Elsewhere a no-op. Everywhere, Ctrl-C ends it at once and silently (SIGINT's default
     action, not Python's KeyboardInterrupt, whose traceback would print beside the one line the study's process
     says; the helper starts with SIGINT blocked, so the study ends it instead)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    exit_with_parent()
+
+
+def exit_with_parent() -> None:
+    """The kernel kills this (child) process when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere a
+    no-op); signal handlers are left as they are (a DataLoader worker keeps torch's)."""
     import ctypes
     import signal
     import sys
 
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

@@ -139,17 +139,9 @@ def _same(item: Chunk) -> Chunk:
 
 def _worker_init(_worker_id: int) -> None:
     """A worker that outlives the study's process would read for nobody: the kernel kills it (Linux)."""
-    import ctypes
-    import signal
+    from vitscope.threads import exit_with_parent
 
-    if sys.platform.startswith("linux"):
-        parent = os.getppid()
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:  # the parent died before the call took effect
-            os._exit(1)
+    exit_with_parent()
 
 
 def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: Any, start: int = 0,
