@@ -39,6 +39,7 @@ def _sharded_and_single(cfg, tmp_path):
     return sharded, single
 
 
+@pytest.mark.slow  # the unreadable-image variant below runs the same comparison and more
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
 def test_two_process_torchrun_equals_one_process(tmp_path):
     cfg = tmp_path / "study.yaml"
@@ -85,5 +86,6 @@ def test_torchrun_equals_one_process_with_an_unreadable_image_in_each_ranks_shar
     sharded, single = _sharded_and_single(cfg, tmp_path)
     ma, mb = (json.loads((d / "manifest.json").read_text()) for d in (sharded, single))
     assert ma["datasets"] == mb["datasets"] and ma["dataset"] == mb["dataset"]
+    assert (ma["world_size"], mb["world_size"]) == (2, 1)
     assert ma["skipped_images"] == mb["skipped_images"]
     assert sorted(p for p, _ in next(iter(ma["skipped_images"].values()))) == sorted(map(str, broken))
