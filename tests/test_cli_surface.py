@@ -114,14 +114,14 @@ def test_ctrl_c_during_a_study_is_one_line_saying_what_is_saved_and_how_to_resum
     deadline = time.monotonic() + 300
     while not list((tmp_path / "cache").glob("*/*.part-*")) and p.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert p.poll() is None, "the study ended before it could be interrupted"
+    assert p.poll() is None, ("the study ended before it could be interrupted", p.communicate())
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=300)
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
-    assert err.startswith("vitscope: interrupted: ") and "rerun the same command to resume" in err
-    assert "of 2 models" in err and str(tmp_path / "cache") in err and "with partial states of tiny-" in err
-    assert "results:" not in out  # it did not finish
+    assert err.startswith("vitscope: interrupted: ") and "rerun the same command to resume" in err, err[-3000:]
+    assert "of 2 models" in err and str(tmp_path / "cache") in err and "with partial states of tiny-" in err, err
+    assert "results:" not in out, (out, err)  # it did not finish
 
 
 @pytest.mark.parametrize("argv", [["datasets"], ["analyses", "--markdown"]])
