@@ -290,7 +290,7 @@ def _type_hints(fn: Any) -> dict[str, Any]:
         out = {}
         for name, ann in getattr(fn, "__annotations__", {}).items():
             try:
-                out[name] = eval(ann, fn.__globals__) if isinstance(ann, str) else ann  # noqa: S307 - our source
+                out[name] = eval(ann, fn.__globals__) if isinstance(ann, str) else ann  # noqa: S307 # safe: an annotation string of the analysis class's own source, never config or file text
             except Exception:  # noqa: BLE001
                 continue
         return out

@@ -36,7 +36,8 @@ import torch
 
 from vitscope.analyses.attention import Z95, _saliency_iou_of, stderr_from_sums
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.bounds import Range
+from vitscope.analyses.splits import TestEvery
+from vitscope.bounds import Count, Iterations, Positive, Range
 from vitscope.capture.engine import taps_paused
 from vitscope.errors import VitscopeError
 from vitscope.metrics import attention as A
@@ -353,18 +354,15 @@ class LogitLens(_Mechanistic):
 
     def __init__(self, vm: Any, layers: Any = None, readout: Literal["auto", "head", "probe"] = "auto",
                  head_classes: str | None = None,
-                 max_images: Annotated[int, Range(1)] = 2000,
-                 test_every: Annotated[int, Range(2)] = 5, probe_max_iter: Annotated[int, Range(1, 100000)] = 100,
-                 probe_weight_decay: Annotated[float, Range(0, open_lo=True)] = 1e-4):
-        from vitscope.analyses.robustness import HEAD_SPACES, head_label_space
+                 max_images: Count = 2000, test_every: TestEvery = 5, probe_max_iter: Iterations = 100,
+                 probe_weight_decay: Positive = 1e-4):
+        from vitscope.analyses.robustness import check_head_classes, head_label_space
         from vitscope.analyses.splits import check_test_every
 
         super().__init__(vm)
         if readout not in LENS_READOUTS:
             raise VitscopeError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(LENS_READOUTS)}")
-        if head_classes is not None and head_classes not in HEAD_SPACES:
-            raise VitscopeError(f"{self.name}: head_classes {head_classes!r} is not a label space vitscope knows; "
-                                f"choose {', '.join(HEAD_SPACES)}")
+        check_head_classes(self.name, head_classes)
         self.layers = self.layers_param(layers)
         self._model = getattr(vm, "model", None)  # a loaded model; a ModelInfo (cached state) has none
         has_head = int(getattr(self._model, "num_classes", 0) or 0) > 0
@@ -596,9 +594,8 @@ class HighNormTokens(_Mechanistic):
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
     _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
 
-    def __init__(self, vm: Any, layers: Any = None, k: Annotated[float, Range(0, open_lo=True)] = 6.0,
-                 knn: bool = True, knn_k: Annotated[int, Range(1)] = 20, max_images: Annotated[int, Range(1)] = 1000,
-                 test_every: Annotated[int, Range(2)] = 5):
+    def __init__(self, vm: Any, layers: Any = None, k: Positive = 6.0, knn: bool = True, knn_k: Count = 20,
+                 max_images: Count = 1000, test_every: TestEvery = 5):
         from vitscope.analyses.splits import check_test_every
 
         super().__init__(vm)
@@ -821,12 +818,10 @@ class HeadAblation(_Mechanistic):
     _TENSORS = ("flips",)
 
     def __init__(self, vm: Any, layers: Any = None, head_classes: str | None = None):
-        from vitscope.analyses.robustness import HEAD_SPACES, head_label_space
+        from vitscope.analyses.robustness import check_head_classes, head_label_space
 
         super().__init__(vm)
-        if head_classes is not None and head_classes not in HEAD_SPACES:
-            raise VitscopeError(f"{self.name}: head_classes {head_classes!r} is not a label space vitscope knows; "
-                                f"choose {', '.join(HEAD_SPACES)}")
+        check_head_classes(self.name, head_classes)
         self.layers = self.layers_param(layers)
         self._model = getattr(vm, "model", None)
         if self._model is not None and getattr(self._model, "rel_pos_bias", None) is not None:

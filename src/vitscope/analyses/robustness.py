@@ -60,6 +60,13 @@ HEAD_SPACES = ("imagenet-1k", "cifar10", "none")
 PROBE_COLUMNS = ("n_train", "n_test", "probe_weight_decay", "probe_iterations")  # what a probe row records
 
 
+def check_head_classes(who: str, head_classes: str | None) -> None:
+    """One sentence for a ``head_classes`` parameter that names no label space vitscope knows (None: the model's)."""
+    if head_classes is not None and head_classes not in HEAD_SPACES:
+        raise ConfigError(f"{who}: head_classes {head_classes!r} is not a label space vitscope knows; "
+                          f"choose {', '.join(HEAD_SPACES)}")
+
+
 def head_label_space(vm: Any) -> str | None:
     """What the model's classifier outputs: 'imagenet-1k' (1000 logits), 'cifar10' (a zoo model's 10-way head:
     the zoo trains on CIFAR-10), or None (headless, or a label space vitscope does not know)."""
@@ -164,9 +171,7 @@ class _Robustness(Analysis):
         super().__init__(vm)
         if readout not in READOUTS:
             raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
-        if head_classes is not None and head_classes not in HEAD_SPACES:
-            raise ConfigError(f"{self.name}: head_classes {head_classes!r} is not a label space vitscope knows; "
-                              f"choose {', '.join(HEAD_SPACES)}")
+        check_head_classes(self.name, head_classes)
         self.layers = self.layers_param(layers)
         self.readout_param = readout
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
