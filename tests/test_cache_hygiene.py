@@ -79,6 +79,20 @@ def test_prune_older_than_removes_only_old_entries_and_a_rerun_recomputes_only_t
     assert len(set(calls)) == 1  # the pruned model alone is computed again
 
 
+def test_prune_never_removes_a_file_vitscope_did_not_write(tmp_path):
+    """A model folder whose entries are all pruned goes only when nothing but vitscope's own files is left in it:
+    a file someone else put there stays, with its folder; a folder of vitscope's files alone goes."""
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    found = units(tmp_path / "cache")
+    kept, gone = sorted({u.model_dir for u in found})
+    (kept / "notes.txt").write_text("mine")
+    removed, left = prune(tmp_path / "cache", older_than=-1)  # every entry is older than that
+    assert {u.path for u in removed} == {u.path for u in found} and left == 0
+    assert (kept / "notes.txt").read_text() == "mine" and sorted(p.name for p in kept.iterdir())[-1] == "notes.txt"
+    assert not gone.exists()
+
+
 def test_prune_max_size_removes_the_least_recently_used_first_and_a_read_counts_as_a_use(tmp_path):
     cfg, over = study(tmp_path, seeds=(1, 2, 3))
     run_study(load_config(cfg, over))

@@ -332,6 +332,21 @@ def listing(root: str | Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _remove_if_only_ours(d: Path) -> None:
+    """Remove a model folder whose entries are gone when all it still holds is vitscope's own (its lock,
+    about.json, a stale temporary of `write_atomic`); a file anyone else put there keeps the folder and itself."""
+    left = list(d.iterdir())
+    ours = [f for f in left if f.is_file() and (f.name in (".lock", ABOUT) or re.fullmatch(r"\..+\.\d+\.tmp", f.name))]
+    if len(ours) < len(left):
+        return
+    for f in ours:
+        f.unlink(missing_ok=True)
+    try:
+        d.rmdir()
+    except OSError:  # something arrived meanwhile
+        pass
+
+
 def prune(root: str | Path, older_than: float | None = None, max_size: int | None = None,
           now: float | None = None) -> tuple[list[Unit], int]:
     """Remove the entries last used more than ``older_than`` seconds ago, then, least recently used first, until
@@ -376,8 +391,7 @@ def prune(root: str | Path, older_than: float | None = None, max_size: int | Non
             store = d / "store"
             if store.is_dir() and not any(store.iterdir()):
                 store.rmdir()
-            if not any(_ENTRY.match(f.name) or f.name == "store" for f in d.iterdir()):
-                shutil.rmtree(d, ignore_errors=True)  # only its lock, about.json and stale temporaries were left
+            _remove_if_only_ours(d)
         finally:
             lock.release()
     left = sum(u.size for u in units(root))
