@@ -112,7 +112,10 @@ def test_ctrl_c_during_a_study_is_one_line_saying_what_is_saved_and_how_to_resum
     p = subprocess.Popen([sys.executable, "-m", "vitscope", "run", str(study)], stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     deadline = time.monotonic() + 300
-    while not list((tmp_path / "cache").glob("*/*.part-*")) and p.poll() is None and time.monotonic() < deadline:
+    # a saved partial state, not the temporary file it is written through (".NAME.part-...pt.PID.tmp": pathlib's
+    # `*` matches a leading dot, so under load SIGINT could land before anything was saved)
+    while not list((tmp_path / "cache").glob("*/[!.]*.part-*.pt")) and p.poll() is None \
+            and time.monotonic() < deadline:
         time.sleep(0.02)
     assert p.poll() is None, ("the study ended before it could be interrupted", p.communicate())
     p.send_signal(signal.SIGINT)
