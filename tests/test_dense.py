@@ -90,6 +90,21 @@ def _drawn(shape, kind, g):
     return (yy >= y0) & (yy < g.integers(y0 + 1, h + 1)) & (xx >= x0) & (xx < g.integers(x0 + 1, w + 1))
 
 
+@pytest.mark.parametrize("radius", [0, 1, 2, 3, 5, 8, 12])
+def test_disk_dilation_equals_scipy_with_the_disk_structure(radius):
+    """`_dilate` (runs of every half-width, then row offsets) against scipy's binary dilation by the disk
+    x^2 + y^2 <= r^2, nothing entering from outside the image; sparse and dense maps, a batch dimension, and
+    maps shorter than the radius."""
+    g = np.random.default_rng(radius)
+    yy, xx = np.mgrid[-radius:radius + 1, -radius:radius + 1]
+    disk = xx ** 2 + yy ** 2 <= radius ** 2
+    for shape in [(3, 37, 50), (2, 5, 9), (1, 1, 30)]:
+        for p in (0.002, 0.05, 0.5):
+            m = g.random(shape) < p
+            ref = np.stack([ndimage.binary_dilation(x, disk) if radius else x for x in m])
+            assert np.array_equal(D._dilate(torch.from_numpy(m), radius).numpy(), ref), (shape, p)
+
+
 def test_boundary_f_equals_a_slow_reference_on_drawn_masks():
     g = np.random.default_rng(0)
     kinds = ["empty", "full", "disk", "border", "rect"]
@@ -170,8 +185,7 @@ def test_propagation_matches_a_loop_over_tokens():
     t = torch.nn.functional.normalize(torch.randn(2, S, D_, generator=g), dim=-1)
     ctx = torch.nn.functional.normalize(torch.randn(2, n, S, D_, generator=g), dim=-1)
     lab = torch.rand(2, n, C, S, generator=g)
-    near = D.neighbourhood(grid, 2)
-    got = D.propagate(t, ctx, lab, near, topk=5, temperature=0.1)
+    got = D.propagate(t, ctx, lab, grid, radius=2, topk=5, temperature=0.1)
     for li in range(2):
         for q in range(S):
             aff = []
@@ -188,15 +202,70 @@ def test_propagation_matches_a_loop_over_tokens():
             assert got[li, :, q].tolist() == pytest.approx(ref, rel=1e-4)
 
 
-def test_propagation_in_query_chunks_equals_one_piece(monkeypatch):
-    g = torch.Generator().manual_seed(2)
-    t = torch.nn.functional.normalize(torch.randn(3, 48, 8, generator=g), dim=-1)
-    ctx = torch.nn.functional.normalize(torch.randn(3, 4, 48, 8, generator=g), dim=-1)
-    lab = torch.rand(3, 4, 2, 48, generator=g)
-    near = D.neighbourhood((6, 8), 2)
-    whole = D.propagate(t, ctx, lab, near)
-    monkeypatch.setattr(D, "AFFINITY_CHUNK", 3 * 4 * 48 * 5)  # 5 queries at a time
-    assert torch.allclose(D.propagate(t, ctx, lab, near), whole, rtol=1e-6, atol=1e-7)
+def _dino_propagate(t, ctx, lab, grid, radius, topk=5, temperature=0.1):
+    """DINO's steps on the full product: affinity of every query with every key of every context frame,
+    exp(cos / T), multiplied by the neighbourhood mask, values below the k-th largest zeroed, normalised."""
+    L, n, S, _ = ctx.shape
+    near = D.neighbourhood(grid, radius).double()
+    aff = torch.exp(torch.einsum("lqd,lnkd->lqnk", t.double(), ctx.double()) / temperature) * near[None, :, None]
+    aff = aff.reshape(L, S, n * S)
+    kth = torch.topk(aff, topk, dim=-1).values[..., -1:]
+    aff = torch.where(aff >= kth, aff, 0.0)
+    aff = aff / aff.sum(-1, keepdim=True)
+    return (aff @ lab.double().permute(0, 1, 3, 2).reshape(L, n * S, -1)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("grid,radius,n", [((6, 8), 2, 4), ((9, 5), 3, 2), ((7, 11), 1, 1), ((4, 4), 0, 3),
+                                           ((12, 7), 12, 2)])
+def test_banded_propagation_equals_dinos_full_product_then_mask(grid, radius, n, monkeypatch):
+    """Only the neighbourhood is computed (bands of query rows against the key rows they can reach); the
+    result equals the full product masked afterwards, also at a corner where fewer than k keys are inside
+    (radius 1, one context frame), with keys tied at the k-th value (two identical context frames: every
+    tied key kept, as DINO's threshold keeps them), with no restriction (radius 0) and with bands of one row."""
+    g = torch.Generator().manual_seed(sum(grid) + radius)
+    S = grid[0] * grid[1]
+    t = torch.nn.functional.normalize(torch.randn(3, S, 8, generator=g), dim=-1)
+    ctx = torch.nn.functional.normalize(torch.randn(3, n, S, 8, generator=g), dim=-1)
+    lab = torch.rand(3, n, 2, S, generator=g)
+    if n == 2:  # two identical context frames: every key has a twin, so the k-th value is tied (k odd)
+        ctx = ctx[:, :1].expand(-1, 2, -1, -1).contiguous()
+    ref = _dino_propagate(t, ctx, lab, grid, radius)
+    got = D.propagate(t, ctx, lab, grid, radius)
+    assert got.shape == ref.shape and torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(D, "AFFINITY_CHUNK", 1)  # one row per band
+    assert torch.allclose(D.propagate(t, ctx, lab, grid, radius).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_propagation_on_the_transposed_grid_is_the_same_propagation():
+    """The square neighbourhood does not care which side is long: tokens transposed onto the (w, h) grid
+    give the transposed labels (what `Propagation` relies on to band a wide frame along its long side)."""
+    g = torch.Generator().manual_seed(5)
+    h, w, n = 5, 9, 3
+    t = torch.nn.functional.normalize(torch.randn(2, h * w, 6, generator=g), dim=-1)
+    ctx = torch.nn.functional.normalize(torch.randn(2, n, h * w, 6, generator=g), dim=-1)
+    lab = torch.rand(2, n, 3, h * w, generator=g)
+
+    def turn(x, hh, ww):  # tokens on dim -1 of a row-major (hh, ww) grid -> the (ww, hh) grid's order
+        return x.unflatten(-1, (hh, ww)).transpose(-1, -2).flatten(-2)
+
+    straight = D.propagate(t, ctx, lab, (h, w), 2)
+    turned = D.propagate(turn(t.transpose(-1, -2), h, w).transpose(-1, -2),
+                         turn(ctx.transpose(-1, -2), h, w).transpose(-1, -2), turn(lab, h, w), (w, h), 2)
+    assert torch.allclose(turn(turned, w, h), straight, rtol=1e-5, atol=1e-6)
+
+
+def test_neighbourhood_mean_is_propagation_with_constant_features():
+    """The chance level: constant features make every key in the neighbourhood tie with the k-th, so DINO's
+    propagation returns the neighbourhood's mean label."""
+    g = torch.Generator().manual_seed(3)
+    grid, n = (6, 9), 3
+    S = grid[0] * grid[1]
+    lab = torch.rand(1, n, 2, S, generator=g)
+    ones = torch.ones(1, S, 1)
+    for radius in (1, 2, 0):
+        ref = _dino_propagate(ones, ones[:, None].expand(1, n, -1, -1), lab, grid, radius)
+        got = D.neighbourhood_mean(lab, D.neighbourhood(grid, radius))
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
 
 
 def test_propagation_resumes_mid_video_and_merges_shards_exactly():

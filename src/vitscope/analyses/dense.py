@@ -235,8 +235,8 @@ class Propagation(_Dense):
     input size, so they are whole frames as they are."""
 
     name = "propagation"
-    state_version = 3  # 3: stderr over objects; 2: whole frames scored at the annotation's resolution, void as
-    # background, final norm
+    state_version = 4  # 4: a wide video's context kept transposed; 3: stderr over objects; 2: whole frames scored
+    # at the annotation's resolution, void as background, final norm
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -266,6 +266,20 @@ class Propagation(_Dense):
             self._near[grid] = D.neighbourhood(grid, self.radius)
         return self._near[grid]
 
+    @staticmethod
+    def _work(grid: tuple[int, int]) -> tuple[tuple[int, int], bool]:
+        """The grid propagation works on: a wide frame transposed (tokens column-major), so that
+        `metrics.dense.propagate`'s bands of rows run along the long side, where the neighbourhood saves most."""
+        h, w = grid
+        return ((w, h), True) if w > h else ((h, w), False)
+
+    @staticmethod
+    def _turn(t: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
+        """Tokens (dim -1 if ``t`` holds labels (.., C, S), else dim -2) of a row-major ``grid`` <-> the
+        transposed grid's order (an involution given the grid it is in)."""
+        h, w = grid
+        return t.unflatten(-1, (h, w)).transpose(-1, -2).flatten(-2)
+
     def _frame(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
                item: int, grid: tuple[int, int]) -> None:
         cur = self.cur
@@ -284,17 +298,19 @@ class Propagation(_Dense):
         cur["last_frame"] = frame
         if cur.get("skip"):
             return
-        ctx = torch.stack([cur["first_x"]] + [q[0] for q in cur["queue"]], 1)                # (L, n, S, D)
+        # context, labels and predictions are kept in the working grid's token order (`_work`)
+        work, turned = self._work(grid)
+        x = self._turn(x.transpose(1, 2), grid).transpose(1, 2).contiguous() if turned else x.clone()
+        ctx = torch.stack([cur["first_x"]] + [q[0] for q in cur["queue"]], 2).transpose(1, 2)  # (L, n, S, D)
         lab = torch.stack([cur["first_y"]] + [q[1] for q in cur["queue"]], 1)                # (L, n, C, S)
-        near = self.near(grid)
-        probs = D.propagate(x, ctx, lab, near, self.topk, self.temperature)               # (L, C, S)
-        ones = torch.ones(1, x.shape[1], 1)
-        cprobs = D.propagate(ones, ones[:, None].expand(1, ctx.shape[1], -1, -1),
-                             torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1), near,
-                             self.topk, self.temperature)                                  # (1, C, S)
-        cur["queue"].append((x.clone(), probs, cprobs))  # a copy: not a view that keeps the batch alive
+        probs = D.propagate(x, ctx, lab, work, self.radius, self.topk, self.temperature, self.near(work))
+        cprobs = D.neighbourhood_mean(torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1),
+                                      self.near(work))                                     # (1, C, S)
+        cur["queue"].append((x, probs, cprobs))  # x is a copy: not a view that keeps the batch alive
         if len(cur["queue"]) > self.n_last_frames:
             cur["queue"].pop(0)
+        if turned:
+            probs, cprobs = self._turn(probs, work), self._turn(cprobs, work)
         cur["last_scored"] = objects is not None
         if objects is None:
             self.unscored_frames += 1
@@ -325,6 +341,8 @@ class Propagation(_Dense):
                 cur["skip"] = "no object in the first frame's annotation"
             else:
                 y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
+                if self._work(grid)[1]:  # kept in the working grid's order (`_frame`)
+                    x, y = self._turn(x.transpose(1, 2), grid).transpose(1, 2), self._turn(y, grid)
                 cur.update(objects=ids, first_x=x.clone(), first_y=y[None].expand(len(self.layers), -1, -1).clone(),
                            first_c=y[None].clone())
 

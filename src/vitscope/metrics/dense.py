@@ -62,11 +62,10 @@ def boundary_map(masks: torch.Tensor) -> torch.Tensor:
     """(..., H, W) bool -> (..., H, W) bool one-pixel boundaries as DAVIS's ``_seg2bmap`` draws them: pixel p is
     on the boundary when the 2x2 block it starts (p, right, below, below-right; the image's last row and
     column repeated past the edge) is not constant."""
-    m = masks.bool()
-    pad = F.pad(m[None].float() if m.ndim == 2 else m.float().reshape(-1, 1, *m.shape[-2:]),
-                (0, 1, 0, 1), mode="replicate").bool()
-    pad = pad.reshape(*m.shape[:-2], m.shape[-2] + 1, m.shape[-1] + 1)
-    c, e, s, se = pad[..., :-1, :-1], pad[..., :-1, 1:], pad[..., 1:, :-1], pad[..., 1:, 1:]
+    c = masks.bool()
+    e = torch.cat([c[..., :, 1:], c[..., :, -1:]], -1)
+    s = torch.cat([c[..., 1:, :], c[..., -1:, :]], -2)
+    se = torch.cat([e[..., 1:, :], e[..., -1:, :]], -2)
     return (c ^ e) | (c ^ s) | (c ^ se)
 
 
@@ -78,18 +77,24 @@ def disk(radius: int) -> torch.Tensor:
 
 
 def _dilate(b: torch.Tensor, radius: int) -> torch.Tensor:
-    """Binary dilation of (..., H, W) by `disk(radius)` (outside the image adds nothing): the OR of the map
-    shifted by every offset of the disk (exact; far faster on CPU than a convolution or pooling)."""
+    """Binary dilation of (..., H, W) by `disk(radius)` (outside the image adds nothing), exact: the disk is
+    the union over rows dy of horizontal runs |dx| <= isqrt(r^2 - dy^2), so the map is first dilated
+    horizontally by every half-width 0..r (two shifted ORs each), then each row offset ORs the dilation of its
+    half-width shifted by dy: 4r + 1 ORs instead of one per disk offset (~pi r^2)."""
     r = int(radius)
     b = b.bool()
     if r <= 0:
         return b
     H, W = b.shape[-2:]
-    pad = F.pad(b.to(torch.uint8), (r, r, r, r)).bool()
-    out = b.clone()
-    for dy, dx in torch.nonzero(disk(r)).tolist():
-        if (dy, dx) != (r, r):
-            out |= pad[..., dy:dy + H, dx:dx + W]
+    pad = F.pad(b.to(torch.uint8), (r, r)).bool()                                     # columns padded
+    runs = [b]
+    for a in range(1, r + 1):
+        runs.append(runs[-1] | pad[..., r - a:r - a + W] | pad[..., r + a:r + a + W])
+    out = runs[r].clone()                                                              # dy = 0
+    for dy in range(1, min(r, H - 1) + 1):
+        run = runs[math.isqrt(r * r - dy * dy)]
+        out[..., dy:, :] |= run[..., :H - dy, :]
+        out[..., :H - dy, :] |= run[..., dy:, :]
     return out
 
 
@@ -142,18 +147,26 @@ def jaccard_batch(gt: torch.Tensor, pred: torch.Tensor, void: torch.Tensor | Non
     return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
-def _dilate_window(b: torch.Tensor, radius: int) -> torch.Tensor:
-    """`_dilate` of one (H, W) map computed only on the window around its set pixels (the rest stays False):
-    a boundary map is sparse, so at full DAVIS resolution this is most of the saving."""
+def _dilate_window(b: torch.Tensor, radius: int) -> tuple[tuple[slice, slice] | None, torch.Tensor | None]:
+    """`_dilate` of one (H, W) map computed only on the window around its set pixels (outside it the dilation
+    is False): (the window's row and column slices, the dilation inside it), or (None, None) for an empty map.
+    A boundary map is sparse, so at full DAVIS resolution this is most of the saving."""
     nz = torch.nonzero(b)
-    out = torch.zeros_like(b, dtype=torch.bool)
     if not len(nz):
-        return out
+        return None, None
     H, W = b.shape
     y0, x0 = (int(v) for v in nz.min(0).values)
     y1, x1 = (int(v) for v in nz.max(0).values)
-    y0, x0, y1, x1 = max(0, y0 - radius), max(0, x0 - radius), min(H, y1 + radius + 1), min(W, x1 + radius + 1)
-    out[y0:y1, x0:x1] = _dilate(b[y0:y1, x0:x1], radius)
+    win = (slice(max(0, y0 - radius), min(H, y1 + radius + 1)), slice(max(0, x0 - radius), min(W, x1 + radius + 1)))
+    return win, _dilate(b[win], radius)
+
+
+def _object_index(labels: torch.Tensor, object_ids: Sequence[int]) -> torch.Tensor:
+    """Integer label maps -> int64 maps of 1 + the position of the label in ``object_ids``, 0 for any other
+    value (background, void)."""
+    out = torch.zeros(labels.shape, dtype=torch.long)
+    for k, v in enumerate(object_ids, start=1):
+        out.masked_fill_(labels == v, k)
     return out
 
 
@@ -191,22 +204,26 @@ def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: S
     layer). Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks' boundaries and their
     dilation are computed once for all N predictions; the predictions' dilations are never formed (a gather
     at the true boundary's pixels, `_near_counts`)."""
-    ids = torch.as_tensor(list(object_ids), dtype=gt_labels.dtype)
-    gts = gt_labels[None] == ids[:, None, None]                                       # (K, H, W)
-    preds = pred_labels[:, None] == ids[None, :, None, None].to(pred_labels.dtype)    # (N, K, H, W)
-    inter = (gts[None] & preds).flatten(2).sum(2).double()
-    union = (gts[None] | preds).flatten(2).sum(2).double()
+    K, N = len(object_ids), pred_labels.shape[0]
+    gi, pi = _object_index(gt_labels, object_ids), _object_index(pred_labels, object_ids)  # 0: no object
+    # J from one confusion count per map: entry (g, p) = pixels of true index g predicted as p
+    conf = torch.bincount((pi + (K + 1) * gi[None] + (K + 1) ** 2 * torch.arange(N)[:, None, None]).flatten(),
+                          minlength=N * (K + 1) ** 2).view(N, K + 1, K + 1).double()
+    inter = conf.diagonal(dim1=1, dim2=2)[:, 1:]
+    union = conf.sum(2)[:, 1:] + conf.sum(1)[:, 1:] - inter
     j = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
     r = bound_pixels(gt_labels.shape[-2], gt_labels.shape[-1], bound_th)
-    bg = boundary_map(gts)                                                            # (K, H, W)
-    bp = boundary_map(preds)                                                          # (N, K, H, W)
-    N, K = bp.shape[:2]
+    bg = boundary_map(gi[None] == torch.arange(1, K + 1)[:, None, None])              # (K, H, W)
+    bp = boundary_map(pi[:, None] == torch.arange(1, K + 1)[None, :, None, None])    # (N, K, H, W)
     fg_match = torch.zeros(N, K, dtype=torch.long)
     gt_match = torch.zeros(N, K, dtype=torch.long)
     for k in range(K):
-        fg_match[:, k] = (bp[:, k] & _dilate_window(bg[k], r)[None]).flatten(1).sum(1)
+        win, dil = _dilate_window(bg[k], r)
+        if win is not None:
+            fg_match[:, k] = (bp[:, k, win[0], win[1]] & dil).flatten(1).count_nonzero(1)
         gt_match[:, k] = _near_counts(torch.nonzero(bg[k]), bp[:, k], r)
-    f = _f_score(bp.flatten(2).sum(2), bg.flatten(1).sum(1)[None].expand(N, -1), fg_match, gt_match)
+    f = _f_score(bp.flatten(2).count_nonzero(2), bg.flatten(1).count_nonzero(1)[None].expand(N, -1), fg_match,
+                 gt_match)
     return j, f
 
 
@@ -241,30 +258,69 @@ def labels_to_tokens(labels: torch.Tensor, grid: tuple[int, int], object_ids: Se
     return out
 
 
-def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch.Tensor, near: torch.Tensor,
-              topk: int = TOPK, temperature: float = TEMPERATURE) -> torch.Tensor:
+def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch.Tensor, grid: tuple[int, int],
+              radius: int = NEIGHBOURHOOD, topk: int = TOPK, temperature: float = TEMPERATURE,
+              near: torch.Tensor | None = None) -> torch.Tensor:
     """Token labels of a target frame from its context frames (DINO's ``label_propagation``), for L feature
     sets at once (e.g. layers).
 
-    target: (L, S, D) and context: (L, n, S, D) L2-normalised patch features; context_labels: (L, n, C, S)
-    soft token labels; near: (S, S) bool neighbourhood (query, key). Returns (L, C, S): per target token, the
-    affinity-weighted labels of its top-k context tokens (affinity exp(cos / temperature), zero outside the
-    neighbourhood; every key tied with the k-th largest kept)."""
+    target: (L, S, D) and context: (L, n, S, D) L2-normalised patch features, tokens in row-major order on
+    ``grid`` (h, w); context_labels: (L, n, C, S) soft token labels. Returns (L, C, S): per target token, the
+    affinity-weighted labels of its top-k context tokens among those within ``radius`` rows and columns
+    (`neighbourhood`; radius <= 0: all), affinity exp(cos / temperature), every key tied with the k-th largest
+    kept (DINO's threshold).
+
+    Only the neighbourhood is computed: queries go in bands of rows, each against the key rows within
+    ``radius`` of the band (one contiguous slice of every context frame), so the affinity costs about
+    (band + 2 radius) / h of DINO's full S x n S product, which it then masks; a wide frame is best passed
+    transposed (grid (w, h), tokens column-major), as `Propagation` does. ``context`` is cheapest as a view of
+    an (L, S, n, D) tensor (``torch.stack(frames, 2).transpose(1, 2)``; otherwise it is copied into that
+    layout once), ``near`` the `neighbourhood` of ``grid`` and ``radius`` when the caller keeps it."""
     L, n, S, _ = context.shape
-    Q = target.shape[1]
-    labels = context_labels.permute(0, 1, 3, 2).reshape(L, n * S, -1)             # (L, n*S_k, C)
-    # queries in chunks so that the affinity held at once stays near 2^24 entries (large tiled frames)
-    step = max(1, min(Q, AFFINITY_CHUNK // max(1, L * n * S)))
+    h, w = grid
+    if S != h * w or target.shape[1] != S:
+        raise ValueError(f"propagate: {S} context and {target.shape[1]} target tokens on a {h}x{w} grid")
+    r = radius if radius > 0 else h
+    near = neighbourhood(grid, radius) if near is None else near
+    keys_all = context.transpose(1, 2).contiguous()                                 # (L, S, n, D): a band's
+    labels = context_labels.permute(0, 3, 1, 2)                                     # keys are one slice
+    # rows per band: small against the radius (little key waste), capped so one band's affinity stays near
+    # AFFINITY_CHUNK entries
+    band = max(1, min(h, max(1, r // 2), AFFINITY_CHUNK // max(1, L * n * w * w * min(h, 2 * r + 1))))
     out = []
-    for q0 in range(0, Q, step):
-        sim = torch.einsum("lqd,lnkd->lqnk", target[:, q0:q0 + step], context)    # (L, q, n, S_k)
-        aff = torch.exp(sim / temperature) * near[q0:q0 + step, None, :]
-        aff = aff.reshape(L, sim.shape[1], n * S)
-        kth = torch.topk(aff, min(topk, n * S), dim=-1).values[..., -1:]
-        aff = torch.where(aff >= kth, aff, torch.zeros((), dtype=aff.dtype))
-        aff = aff / aff.sum(-1, keepdim=True).clamp(min=1e-30)
-        out.append(torch.bmm(aff, labels))                                        # (L, q, C)
-    return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S_q)
+    for r0 in range(0, h, band):
+        r1 = min(h, r0 + band)
+        k0, k1 = max(0, r0 - r), min(h, r1 + r)
+        q, K = (r1 - r0) * w, (k1 - k0) * w
+        keys = keys_all[:, k0 * w:k1 * w].reshape(L, K * n, -1)                      # (L, K n, D), a view
+        sim = torch.bmm(target[:, r0 * w:r1 * w], keys.transpose(1, 2))              # (L, q, K n)
+        sim.view(L, q, K, n).masked_fill_(~near[r0 * w:r1 * w, k0 * w:k1 * w, None], -math.inf)
+        lab = labels[:, k0 * w:k1 * w].reshape(L, K * n, -1)                         # (L, K n, C)
+        k = min(topk, n * K)
+        # the k largest and one more: exp((cos - max) / T) is DINO's exp(cos / T) up to a per-query factor
+        # that the normalisation removes, and is computed for the k kept keys only
+        vals, idx = torch.topk(sim, min(k + 1, n * K), dim=-1)
+        wts = torch.exp((vals[..., :k] - vals[..., :1]) / temperature)
+        got = torch.gather(lab, 1, idx[..., :k].reshape(L, q * k, 1).expand(-1, -1, lab.shape[-1]))
+        res = (wts[..., None] * got.view(L, q, k, -1)).sum(2) / wts.sum(-1, keepdim=True)   # (L, q, C)
+        if vals.shape[-1] > k:
+            # a key tied with the k-th (or fewer than k keys inside, -inf): DINO keeps every key >= the k-th
+            li, qi_ = torch.nonzero(vals[..., k] == vals[..., k - 1], as_tuple=True)
+            if len(li):
+                s_ = sim[li, qi_]                                                      # (t, n K)
+                aff = torch.where(s_ >= vals[li, qi_, k - 1:k], torch.exp((s_ - vals[li, qi_, :1]) / temperature),
+                                  torch.zeros((), dtype=s_.dtype))
+                res[li, qi_] = torch.bmm((aff / aff.sum(-1, keepdim=True))[:, None], lab[li])[:, 0]
+        out.append(res)
+    return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S)
+
+
+def neighbourhood_mean(context_labels: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
+    """(L, n, C, S) context token labels, (S, S) bool `neighbourhood` -> (L, C, S): per target token the mean
+    label over its neighbourhood in every context frame: `propagate` with constant features (every key
+    equally similar, so every key in the neighbourhood is tied and kept), the propagation's chance level."""
+    nearf = near.to(context_labels.dtype)
+    return (context_labels.sum(1) @ nearf.T) / (context_labels.shape[1] * nearf.sum(1))
 
 
 def nearest_resize(labels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
@@ -291,10 +347,17 @@ def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int
     up = F.interpolate(probs.reshape(L, C, *grid), size=at, mode="bilinear", align_corners=False)
     lo = up.amin(dim=(-2, -1), keepdim=True)
     hi = up.amax(dim=(-2, -1), keepdim=True)
-    scale = torch.where(hi > 0, hi - lo, torch.ones_like(hi))
-    up = torch.where(hi > 0, (up - lo) / scale.clamp(min=1e-30), up)
-    labels = up.movedim(1, -1).contiguous().argmax(-1)  # argmax over a contiguous last dim (much faster on CPU)
-    return nearest_resize(labels, tuple(size))
+    scale = torch.where(hi > 0, (hi - lo).clamp(min=1e-30), torch.ones_like(hi))
+    shift = torch.where(hi > 0, lo, torch.zeros_like(lo))
+    # argmax over channels, the first of tied maxima (torch.argmax's rule), one channel at a time
+    best = (up[:, 0] - shift[:, 0]) / scale[:, 0]
+    labels = torch.zeros(best.shape, dtype=torch.uint8 if C < 256 else torch.long)
+    for c in range(1, C):
+        norm = (up[:, c] - shift[:, c]) / scale[:, c]
+        better = norm > best
+        labels.masked_fill_(better, c)
+        best = torch.maximum(best, norm)
+    return nearest_resize(labels, tuple(size)).long()
 
 
 # ------------------------------------------------------------------------------------------------ PCK
