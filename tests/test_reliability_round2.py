@@ -429,6 +429,10 @@ POOR = [  # (name, argv built from tmp_path and the study config, what the sente
                                                             f"models.0.name={_hostile_pth(t)}",
                                                             "models.0.pretrained=true"],
      "more than saved tensors ever need"),
+    ("a transformers config wider than its weights", lambda t, c: ["run", str(c), f"output_dir={t / 'o'}",
+                                                                  f"models.0.name={_hf_dir(t)}",
+                                                                  "models.0.pretrained=true"],
+     "hidden_size is 100000 in the config and 64 in the weights"),
 ]
 
 
@@ -688,3 +692,19 @@ def _hostile_pth(t):
 def _write_text(path, text):
     path.write_text(text)
     return path
+
+
+def _hf_dir(t):
+    """A transformers ViT directory whose config.json claims a width of 100,000 beside weights 64 wide."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    d = t / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 100000, "num_hidden_layers": 1,
+                                               "image_size": 32, "patch_size": 8}))
+    save_file({"embeddings.patch_embeddings.projection.weight": torch.zeros(64, 3, 8, 8),
+               "encoder.layer.0.intermediate.dense.weight": torch.zeros(256, 64)}, str(d / "model.safetensors"))
+    return d

@@ -289,6 +289,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {cfg.device!r} was asked for but MPS is not available here; set device=cpu")
     from vitscope.models import checkpoints as ck
+    from vitscope.models import hf
     from vitscope.models.load import resolve_spec
 
     for i, m in enumerate(cfg.models):
@@ -296,6 +297,8 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
             for f in (m.name, m.weights):
                 if f and "://" not in str(f) and Path(str(f)).is_file():
                     ck.check_checkpoint_file(f)
+                elif f and m.pretrained and hf.is_model_dir(f):  # its config's sizes against its weights' shapes
+                    hf.check_sizes(f, hf.read_config(f))
             if m.weights and "://" not in m.weights and not Path(m.weights).is_file():
                 raise ConfigError(f"weights file {m.weights!r} does not exist")
             resolve_spec(m.name)
