@@ -708,3 +708,26 @@ def _hf_dir(t):
     save_file({"embeddings.patch_embeddings.projection.weight": torch.zeros(64, 3, 8, 8),
                "encoder.layer.0.intermediate.dense.weight": torch.zeros(256, 64)}, str(d / "model.safetensors"))
     return d
+
+
+# -- Unverified 3: a run estimated beyond MAX_HOURS is warned about before it starts, and not refused ------------
+
+def test_a_run_estimated_beyond_the_stated_hours_is_warned_about_before_it_starts(config, tmp_path, capsys,
+                                                                                 monkeypatch, no_model):
+    import vitscope.study.cost as cost
+
+    argv = ["run", str(config), f"output_dir={tmp_path / 'out'}"]
+    assert main([*argv, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "hours of forwards on cpu" in said and "Warning" not in said  # 8 tiny images: seconds
+    flops = cost.Estimate(flops=1, device="cpu")
+    assert flops.hours == 1 / cost.FLOPS_PER_SECOND["cpu"] / 3600
+
+    monkeypatch.setitem(cost.FLOPS_PER_SECOND, "cpu", 1.0)  # a device this slow makes the same run take days
+    assert main([*argv, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"more than {cost.MAX_HOURS} hours" in said and "Warning: this run is estimated at about" in said
+    with pytest.raises(AssertionError, match="before any model loads"):  # the run starts: its first model load
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: warning: this run is estimated at about") and "it starts anyway" in err

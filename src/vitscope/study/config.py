@@ -464,8 +464,10 @@ def schema_markdown() -> str:
            "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
            "",
            "Beside the keys, `vitscope run` takes `--dry-run` (what the run would cost: passes, forwards, cache "
-           "growth, the memory of the largest batch's captured taps, superlinear finalize steps; no weights read, "
-           "nothing written), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
+           "growth, the memory of the largest batch's captured taps, superlinear finalize steps, the hours of "
+           "forwards at an order-of-magnitude throughput per device type; no weights read, nothing written; a run "
+           "estimated beyond 24 hours (`vitscope.study.cost.MAX_HOURS`) is warned about, here and before it "
+           "starts, and still runs), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
            "docs/CLUSTER.md) and `--overwrite`. `vitscope cache [DIR]` lists `cache_dir`; `vitscope cache prune "
            "--older-than 30d --max-size 2GB` empties it, least recently used first.",
            ""]
