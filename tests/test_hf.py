@@ -233,15 +233,21 @@ def test_a_model_type_that_is_not_a_vit_names_the_supported_ones(tmp_path):
         assert all(t in msg for t in ("vit", "deit", "dinov2", "clip", "vit_mae", "beit", "data2vec-vision"))
 
 
-def test_config_and_weights_that_disagree_get_the_key_report(tmp_path):
+def test_config_and_weights_that_disagree_get_the_key_report(tmp_path, monkeypatch):
+    import vitscope.models.load as load
+
     d = _save(tmp_path / "vit", "ViTConfig", dict(SMALL), "ViTModel")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 4, "intermediate_size": 96}))
+    create = load.timm.create_model
+    monkeypatch.setattr(load.timm, "create_model", lambda *a, **k: pytest.fail("strict: refused before building"))
     with pytest.raises(vs.CheckpointError) as e:
         vs.load_model(str(d))
     msg = str(e.value)
-    assert "missing" in msg and "blocks.3." in msg and "wrong shape" in msg and "mlp.fc1.weight" in msg
-    vm = vs.load_model(str(d), strict=False)
+    assert "num_hidden_layers is 4 in the config and 3 in the weights" in msg and "\n" not in msg
+    assert "intermediate_size is 96 in the config and 128 in the weights" in msg and "strict=False" in msg
+    monkeypatch.setattr(load.timm, "create_model", create)
+    vm = vs.load_model(str(d), strict=False)  # what fits loads, and the key report says the rest
     assert not vm.load_report.ok and any(k.startswith("blocks.3.") for k in vm.load_report.missing)
     d = _save(tmp_path / "dino", "Dinov2Config", _dino(), "Dinov2Model")  # a classifier the weights lack
     cfg = json.loads((d / "config.json").read_text())
@@ -405,3 +411,57 @@ def test_study_cache_key_follows_the_directory_files(tmp_path):
     st = (d / "model.safetensors").stat()
     os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     assert model_key(spec, None, True, "auto", 0, {}) != key
+
+
+# -- a config whose sizes its weights do not have: refused from the headers, before any model is built ------------
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(hidden_size=100000), "hidden_size is 100000 in the config and 64 in the weights"),
+    (dict(num_hidden_layers=10 ** 9), "num_hidden_layers is 1000000000 in the config and 3 in the weights"),
+    (dict(hidden_size=8192, num_hidden_layers=64, intermediate_size=32768), "hidden_size is 8192 in the config"),
+    (dict(patch_size=4), "patch_size is 4 in the config and 8 in the weights"),
+    (dict(num_channels=1), "num_channels is 1 in the config and 3 in the weights"),
+    (dict(image_size=64), "image_size is 64 in the config and 32 (17 position embeddings) in the weights"),
+])
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_config_sizes_that_disagree_with_the_weights_are_one_sentence_before_building(tmp_path, monkeypatch, change,
+                                                                                   needle, weights):
+    import resource
+
+    import vitscope.models.load as load
+    from vitscope.models import hf
+
+    d = _save(tmp_path / "vit", "ViTConfig", dict(SMALL), "ViTModel")
+    if weights == "pytorch_model.bin":
+        _as_bin(d)
+    (d / "config.json").write_text(json.dumps({**json.loads((d / "config.json").read_text()), **change}))
+    monkeypatch.setattr(load.timm, "create_model", lambda *a, **k: pytest.fail("no model may be built"))
+    monkeypatch.setattr(hf, "read_state_dict", lambda *a: pytest.fail("no weight may be read"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(vs.CheckpointError) as e:
+        vs.load_model(str(d))
+    assert needle in str(e.value) and str(d / "config.json") in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(vs.VitscopeError) as e:  # what fits loads with strict=False: these are refused still
+        vs.load_model(str(d), strict=False)
+    assert str(d / "config.json") in str(e.value) and "\n" not in str(e.value)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
+
+
+def test_a_consistent_directory_passes_the_size_check_in_every_family(tmp_path):
+    from vitscope.models import hf
+
+    for name, config_cls, config_kw, model_cls, _ in CASES:
+        d = _save(tmp_path / name, config_cls, config_kw, model_cls)
+        hf.check_sizes(d, hf.read_config(d))  # raises on any disagreement
+    d = _as_bin(_save(tmp_path / "bin", "DeiTConfig", dict(SMALL, num_labels=4),
+                      "DeiTForImageClassificationWithTeacher"))
+    assert vs.load_model(str(d)).load_report.ok
+
+
+def _as_bin(d):
+    """The directory's weights as pytorch_model.bin (a torch.save'd state dict), its safetensors file removed."""
+    from safetensors.torch import load_file
+
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")
+    (d / "model.safetensors").unlink()
+    return d

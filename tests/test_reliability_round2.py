@@ -425,6 +425,14 @@ POOR = [  # (name, argv built from tmp_path and the study config, what the sente
      "--arch depth must be int"),
     ("zoo evaluate of no run", lambda t, c: ["zoo", "evaluate", str(t / "none")], "has no card.json"),
     ("zoo findings of no run", lambda t, c: ["zoo", "findings", str(t / "none")], "has no manifest.json"),
+    ("a tiny checkpoint asking for gigabytes", lambda t, c: ["run", str(c), f"output_dir={t / 'o'}",
+                                                            f"models.0.name={_hostile_pth(t)}",
+                                                            "models.0.pretrained=true"],
+     "more than saved tensors ever need"),
+    ("a transformers config wider than its weights", lambda t, c: ["run", str(c), f"output_dir={t / 'o'}",
+                                                                  f"models.0.name={_hf_dir(t)}",
+                                                                  "models.0.pretrained=true"],
+     "hidden_size is 100000 in the config and 64 in the weights"),
 ]
 
 
@@ -538,3 +546,188 @@ def test_cifar10c_arrays_that_are_not_plain_numbers_or_labels_out_of_range_are_o
     np.save(tmp_path / "fog.npy", images, allow_pickle=True)
     with pytest.raises(InputError, match=needle):
         CorruptedFolder(tmp_path)
+
+
+# -- Unverified 1: a tiny pickle that asks an allowed global for gigabytes -------------------------------------
+
+HOSTILE = r'''
+import collections, io, pickle, struct, sys, zipfile
+import torch
+
+class Storage:  # a persistent id: (storage class, key, numel)
+    def __init__(self, cls, numel):
+        self.cls, self.numel = cls, numel
+
+class Call:  # fn(*args), pickled as GLOBAL fn + REDUCE: what torch.save writes for a tensor
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+    def __reduce__(self):
+        return self.fn, self.args
+
+class Pickler(pickle.Pickler):
+    def __init__(self, f, legacy):
+        super().__init__(f, protocol=2)
+        self.legacy = legacy
+    def persistent_id(self, obj):
+        if isinstance(obj, Storage):
+            pid = ("storage", obj.cls, "0", "cpu", obj.numel)
+            return pid + (None,) if self.legacy else pid
+        return None
+
+def tensor(storage, size, stride):
+    return Call(torch._utils._rebuild_tensor_v2, storage, 0, size, stride, False, collections.OrderedDict())
+
+def payload(kind):
+    """(legacy format?, the state dict): 16 stored bytes each time, asking for 8 GiB or more."""
+    floats = Storage(torch.FloatStorage, 4)
+    if kind == "legacy storage of 2**31 floats":
+        return True, {"w": tensor(Storage(torch.FloatStorage, 2 ** 31), (4,), (1,))}
+    if kind == "legacy tensor of 2**31 x 4 floats over 4":
+        return True, {"w": tensor(floats, (2 ** 31, 4), (4, 1))}
+    if kind == "quantized tensor of 2**33 bytes":
+        q = Call(torch._utils._rebuild_qtensor, Storage(torch.QInt8Storage, 16), 0, (2 ** 33,), (0,),
+                 (torch.per_tensor_affine, 1.0, 0), False, collections.OrderedDict())
+        return False, {"w": q}
+    if kind == "a stride-0 view copied to 2**30 doubles":
+        view = tensor(floats, (2 ** 30,), (0,))
+        return False, {"w": Call(torch._utils._rebuild_device_tensor_from_cpu_tensor, view, torch.float64, "cpu",
+                                 False)}
+    raise ValueError(kind)
+
+def write(path, kind):
+    legacy, obj = payload(kind)
+    main = io.BytesIO()
+    Pickler(main, legacy).dump(obj)
+    if legacy:
+        from torch.serialization import MAGIC_NUMBER, PROTOCOL_VERSION
+        info = dict(protocol_version=PROTOCOL_VERSION, little_endian=True, type_sizes=dict(short=2, int=4, long=4))
+        head = b"".join(pickle.dumps(x, 2) for x in (MAGIC_NUMBER, PROTOCOL_VERSION, info))
+        data = head + main.getvalue() + pickle.dumps(["0"], 2) + struct.pack("<q", 4) + bytes(16)
+        open(path, "wb").write(data)
+        return
+    torch.save({"w": torch.zeros(4)}, path)  # torch's own archive, its pickle replaced
+    with zipfile.ZipFile(path) as z:
+        records = {n: z.read(n) for n in z.namelist()}
+    records[next(n for n in records if n.endswith("data.pkl"))] = main.getvalue()
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for n, d in records.items():
+            z.writestr(n, d)
+'''
+
+HOSTILE_KINDS = ["legacy storage of 2**31 floats", "legacy tensor of 2**31 x 4 floats over 4",
+                 "quantized tensor of 2**33 bytes", "a stride-0 view copied to 2**30 doubles"]
+
+LOAD_UNDER_1GB = HOSTILE + r'''
+import json, resource
+import vitscope as vs
+out = {}
+for i, kind in enumerate(sys.argv[2:]):
+    path = f"{sys.argv[1]}/hostile{i}.pth"
+    write(path, kind)
+    vm_size = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size + 2 ** 30, resource.RLIM_INFINITY))  # 1 GiB more, at most
+    try:
+        vs.load_model(path)
+        out[kind] = ["loaded", "", 0]
+    except Exception as e:
+        out[kind] = [type(e).__name__, str(e), 0]
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    import os
+    out[kind][2] = os.path.getsize(path)
+print(json.dumps(out))
+'''
+
+
+def test_a_tiny_pickle_asking_allowed_globals_for_gigabytes_is_refused_before_allocating(tmp_path):
+    """Each file is about a kilobyte and uses only globals torch.load(weights_only=True) allows; loading it runs
+    with 1 GiB of address space to spare, so an allocation of what it asks for would fail as such."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", LOAD_UNDER_1GB, str(tmp_path), *HOSTILE_KINDS], capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for kind in HOSTILE_KINDS:
+        error, message, size = out[kind]
+        assert size < 4096, (kind, size)
+        assert error == "CheckpointError", (kind, error, message)
+        assert "\n" not in message and "hostile" in message, (kind, message)
+        assert "ask for" in message and "more than saved tensors ever need" in message, (kind, message)
+
+
+def test_torch_files_within_their_size_still_load(tmp_path):
+    """A stride-0 view of a saved tensor, shared storages, a Parameter, the argparse.Namespace of official files,
+    in both formats: loaded as before, and their shapes read off the pickle alone."""
+    import argparse
+    from collections import OrderedDict
+
+    import torch
+
+    from vitscope.models.checkpoints import read_checkpoint
+    from vitscope.models.torchfile import declared_shapes
+
+    base = torch.randn(6, 4)
+    sd = OrderedDict(a=base, b=base[2:], c=torch.ones(1).expand(1000), d=torch.nn.Parameter(torch.zeros(3)))
+    for legacy in (False, True):
+        path = tmp_path / f"ok{legacy}.pth"
+        torch.save(sd, path, _use_new_zipfile_serialization=not legacy)
+        got = read_checkpoint(path)
+        assert {k: tuple(v.shape) for k, v in got.items()} == declared_shapes(path) == {
+            "a": (6, 4), "b": (4, 4), "c": (1000,), "d": (3,)}
+        torch.testing.assert_close(got["b"], base[2:])
+    torch.save({"model": sd, "args": argparse.Namespace(lr=0.1)}, tmp_path / "train.pth")
+    assert read_checkpoint(tmp_path / "train.pth")["args"].lr == 0.1
+
+
+def _hostile_pth(t):
+    import runpy
+
+    ns = runpy.run_path(str(_write_text(t / "hostile_gen.py", HOSTILE)))
+    ns["write"](str(t / "hostile.pth"), "legacy storage of 2**31 floats")
+    return t / "hostile.pth"
+
+
+def _write_text(path, text):
+    path.write_text(text)
+    return path
+
+
+def _hf_dir(t):
+    """A transformers ViT directory whose config.json claims a width of 100,000 beside weights 64 wide."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    d = t / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model_type": "vit", "hidden_size": 100000, "num_hidden_layers": 1,
+                                               "image_size": 32, "patch_size": 8}))
+    save_file({"embeddings.patch_embeddings.projection.weight": torch.zeros(64, 3, 8, 8),
+               "encoder.layer.0.intermediate.dense.weight": torch.zeros(256, 64)}, str(d / "model.safetensors"))
+    return d
+
+
+# -- Unverified 3: a run estimated beyond MAX_HOURS is warned about before it starts, and not refused ------------
+
+def test_a_run_estimated_beyond_the_stated_hours_is_warned_about_before_it_starts(config, tmp_path, capsys,
+                                                                                 monkeypatch, no_model):
+    import vitscope.study.cost as cost
+
+    argv = ["run", str(config), f"output_dir={tmp_path / 'out'}"]
+    assert main([*argv, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert "hours of forwards on cpu" in said and "Warning" not in said  # 8 tiny images: seconds
+    flops = cost.Estimate(flops=1, device="cpu")
+    assert flops.hours == 1 / cost.FLOPS_PER_SECOND["cpu"] / 3600
+
+    monkeypatch.setitem(cost.FLOPS_PER_SECOND, "cpu", 1.0)  # a device this slow makes the same run take days
+    assert main([*argv, "--dry-run"]) == 0
+    said = capsys.readouterr().out
+    assert f"more than {cost.MAX_HOURS} hours" in said and "Warning: this run is estimated at about" in said
+    with pytest.raises(AssertionError, match="before any model loads"):  # the run starts: its first model load
+        main(argv)
+    err = capsys.readouterr().err
+    assert err.startswith("vitscope: warning: this run is estimated at about") and "it starts anyway" in err

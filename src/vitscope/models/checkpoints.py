@@ -68,7 +68,8 @@ class LoadReport:
 
 def check_checkpoint_file(path: str | Path) -> None:
     """Cheap checks that ``path`` can be a checkpoint, without reading its tensors: it exists, and it is a
-    safetensors file with a well-formed header or a PyTorch file (zip archive or pickle). CheckpointError
+    safetensors file with a well-formed header or a PyTorch file (zip archive or pickle) whose tensors ask for no
+    more memory than its size allows (`torchfile.check_memory`, which reads the pickle alone). CheckpointError
     (one sentence) otherwise; `vitscope.study` runs this for every local file before any model loads."""
     import json
 
@@ -93,6 +94,9 @@ def check_checkpoint_file(path: str | Path) -> None:
     if not (head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"):
         raise CheckpointError(f"{str(path)!r} is not a checkpoint: neither a safetensors file nor a PyTorch file "
                               "(zip archive or pickle); the file is corrupt, truncated or of another kind")
+    from vitscope.models.torchfile import check_memory
+
+    check_memory(path)  # the sizes its pickle declares against its own, before torch allocates any of them
 
 
 def read_checkpoint(path: str | Path, trust: bool = False) -> Any:

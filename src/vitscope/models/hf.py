@@ -23,6 +23,7 @@ Two architecture arguments are vitscope's own, applied after timm builds the mod
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -170,6 +171,82 @@ def weight_files(directory: str | Path) -> list[Path]:
             return shards
         return [path]
     raise CheckpointError(f"{directory} has a config.json but no weights ({' or '.join(WEIGHT_FILES[::2])})")
+
+
+def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every weight of a checkpoint directory, read from the safetensors headers (or the pickles
+    of ``pytorch_model.bin``, walked without building a tensor): no weight is read."""
+    from safetensors import SafetensorError, safe_open
+
+    from vitscope.models.checkpoints import check_checkpoint_file
+    from vitscope.models.torchfile import declared_shapes
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in weight_files(directory):
+        check_checkpoint_file(f)
+        if f.suffix != ".safetensors":
+            shapes.update(declared_shapes(f))
+            continue
+        try:
+            with safe_open(str(f), "pt") as h:
+                shapes.update({k: tuple(h.get_slice(k).get_shape()) for k in h.keys()})  # noqa: SIM118
+        except SafetensorError as e:
+            raise CheckpointError(f"{str(f)!r} is not a valid safetensors file ({e}); the file is corrupt or "
+                                  "truncated") from e
+    return shapes
+
+
+#: sizes a config may give that its weights do not hold, with strict=False: the blocks or MLP widths that fit load
+_PARTIAL = ("num_hidden_layers", "intermediate_size", "mlp_ratio")
+
+
+def check_sizes(directory: str | Path, cfg: Mapping[str, Any], strict: bool = True) -> None:
+    """The config's sizes (hidden_size, num_hidden_layers, intermediate_size or DINOv2's mlp_ratio, patch_size,
+    image_size, num_channels) against the shapes of its weights (`weight_shapes`: headers only), before any model
+    is built: a config claiming sizes its weights do not have would otherwise build (allocate) that model first.
+    One CheckpointError sentence naming each key and both values; with strict=False only the depth and MLP width
+    may differ (what fits is then loaded and reported)."""
+    directory = Path(directory)
+    base = _split_prefix(weight_shapes(directory))[1]
+
+    def num(key: str) -> int:
+        try:
+            return int(cfg[key])
+        except (TypeError, ValueError, KeyError):
+            raise CheckpointError(f"{directory / CONFIG}: {key} must be a whole number; got {cfg.get(key)!r}"
+                                  ) from None
+
+    held: dict[str, int] = {}
+    proj = base.get("embeddings.patch_embeddings.projection.weight", base.get("embeddings.patch_embedding.weight"))
+    if proj is not None and len(proj) == 4:
+        held.update(hidden_size=proj[0], num_channels=proj[1], patch_size=proj[2])
+    layers = {int(m.group(1)) for k in base if (m := re.match(_L, k))}
+    if layers:
+        held["num_hidden_layers"] = max(layers) + 1
+    fc1 = next((base[k] for k in (f"encoder.{layer}.0.{mlp}.weight" for layer in ("layer", "layers")
+                                  for mlp in ("intermediate.dense", "mlp.fc1", "mlp.weights_in")) if k in base), None)
+    pos = base.get("embeddings.position_embeddings", base.get("embeddings.position_embedding.weight"))
+    said: list[tuple[str, Any, int]] = [(k, num(k), v) for k, v in held.items() if num(k) != v]
+    if fc1 is not None and len(fc1) == 2 and "hidden_size" not in {k for k, _, _ in said}:
+        dinov2 = cfg["model_type"].startswith("dinov2")
+        kw = architecture(cfg)[1]
+        width = int(kw["embed_dim"] * kw["mlp_ratio"])  # timm's MLP width, as the model would be built
+        if width != fc1[0]:
+            said.append(("mlp_ratio" if dinov2 else "intermediate_size",
+                         f"{cfg['mlp_ratio']} (an MLP {width} wide)" if dinov2 else num("intermediate_size"),
+                         fc1[0]))
+    if pos is not None and len(pos) >= 2 and "patch_size" not in {k for k, _, _ in said}:
+        tokens = pos[-2] - (2 if cfg["model_type"] == "deit" else 1)  # the class (and distillation) token's
+        side = math.isqrt(max(tokens, 0))
+        patch = num("patch_size")
+        if side * side != tokens or side != num("image_size") // patch:
+            said.append(("image_size", num("image_size"), f"{side * patch} ({pos[-2]} position embeddings)"))
+    if said and (strict or any(k not in _PARTIAL for k, _, _ in said)):
+        way = ", or pass strict=False to load what fits" if all(k in _PARTIAL for k, _, _ in said) else ""
+        raise CheckpointError(
+            f"{directory / CONFIG} does not describe its weights: "
+            + ", ".join(f"{k} is {c} in the config and {w} in the weights" for k, c, w in said)
+            + f"; correct config.json{way} (nothing was built)")
 
 
 def read_state_dict(directory: str | Path) -> dict[str, Tensor]:
@@ -499,15 +576,20 @@ def resample_pos_embed(pos: Tensor, old: int, new: int, antialias: bool = False)
 
 
 def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = None,
-             overrides: Mapping[str, Any] | None = None) -> tuple[str, Converted, Preprocessing]:
+             overrides: Mapping[str, Any] | None = None, strict: bool = True) -> tuple[str, Converted, Preprocessing]:
     """Read and convert a checkpoint directory: (timm architecture, converted weights with the final
     architecture arguments, preprocessing).
 
     entry_kwargs: a registry entry's architecture arguments; those that differ from what the checkpoint
     implies (e.g. ``img_size=224`` for a 518 px DINOv2) are deliberate and win over the checkpoint's.
     overrides: the caller's own arguments (``load_model(..., img_size=448)``), which win over both.
+    strict: as `load_model`'s; the config's sizes are checked against the weights' shapes first (`check_sizes`).
     """
+    from vitscope.models.load import check_arch
+
     cfg = read_config(directory)
+    check_sizes(directory, cfg, strict)
+    check_arch(architecture(cfg)[1], str(Path(directory) / CONFIG))  # sizes no machine holds, before any weight
     pre = preprocessing(cfg, read_preprocessor(directory))
     arch, conv = convert(read_state_dict(directory), cfg)
     implied = implied_kwargs(cfg, pre)

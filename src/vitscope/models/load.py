@@ -75,7 +75,7 @@ def load_model(
         weights = location if Path(location).is_dir() else hf.fetch(location, spec.name)
     if weights is not None and hf.is_model_dir(weights):  # transformers: the config decides the architecture
         source = str(weights)
-        arch, conv, pre = hf.load_dir(source, spec.model_kwargs, model_kwargs)
+        arch, conv, pre = hf.load_dir(source, spec.model_kwargs, model_kwargs, strict=strict)
         spec = replace(spec, arch=arch, preprocessing=pre)
         kwargs = conv.model_kwargs
         model = _create(spec.arch, kwargs, seed)

@@ -289,6 +289,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     if dev.type == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(f"device {cfg.device!r} was asked for but MPS is not available here; set device=cpu")
     from vitscope.models import checkpoints as ck
+    from vitscope.models import hf
     from vitscope.models.load import resolve_spec
 
     for i, m in enumerate(cfg.models):
@@ -296,6 +297,8 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
             for f in (m.name, m.weights):
                 if f and "://" not in str(f) and Path(str(f)).is_file():
                     ck.check_checkpoint_file(f)
+                elif f and m.pretrained and hf.is_model_dir(f):  # its config's sizes against its weights' shapes
+                    hf.check_sizes(f, hf.read_config(f))
             if m.weights and "://" not in m.weights and not Path(m.weights).is_file():
                 raise ConfigError(f"weights file {m.weights!r} does not exist")
             resolve_spec(m.name)
@@ -461,8 +464,10 @@ def schema_markdown() -> str:
            "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
            "",
            "Beside the keys, `vitscope run` takes `--dry-run` (what the run would cost: passes, forwards, cache "
-           "growth, the memory of the largest batch's captured taps, superlinear finalize steps; no weights read, "
-           "nothing written), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
+           "growth, the memory of the largest batch's captured taps, superlinear finalize steps, the hours of "
+           "forwards at an order-of-magnitude throughput per device type; no weights read, nothing written; a run "
+           "estimated beyond 24 hours (`vitscope.study.cost.MAX_HOURS`) is warned about, here and before it "
+           "starts, and still runs), `--models K/N` (slice K of N of the models, round-robin, into the cache only: "
            "docs/CLUSTER.md) and `--overwrite`. `vitscope cache [DIR]` lists `cache_dir`; `vitscope cache prune "
            "--older-than 30d --max-size 2GB` empties it, least recently used first.",
            ""]

@@ -24,6 +24,22 @@ from vitscope.study.plan import Plan, label_of
 #: bytes of a captured element (taps are handed out as float32, whatever the forward's dtype)
 TAP_BYTES = 4
 
+#: a run estimated to take longer than this many hours of forwards is warned about before it starts (not refused)
+MAX_HOURS = 24
+
+#: sustained multiply-adds x 2 per second of a ViT forward, by device type: a time estimate's throughput (an order of
+#: magnitude: a few CPU cores in float32, one recent GPU in half precision)
+FLOPS_PER_SECOND = {"cpu": 1e11, "cuda": 5e13, "mps": 5e12}
+
+
+def forward_flops(vm: Any) -> int:
+    """Floating-point operations of one image's forward: per block, the qkv, projection and MLP matrices (2 per
+    multiply-add) over every token, and the attention's two T x T products."""
+    t, d = vm.num_tokens, vm.embed_dim
+    hidden = int(vm.model.blocks[0].mlp.fc1.out_features) if hasattr(vm.model.blocks[0], "mlp") else 4 * d
+    per_block = 2 * t * (4 * d * d + 2 * d * hidden) + 4 * t * t * d
+    return int(vm.depth * per_block)
+
 
 @dataclass
 class Estimate:
@@ -37,9 +53,25 @@ class Estimate:
     superlinear: list[str] = field(default_factory=list)
     pairs: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    flops: int = 0                                     # of every forward, `forward_flops` per image
+    device: str = "cpu"
     n_models: int = 0
     cached: int = 0                                    # (model, analysis) results already in the cache
     total: int = 0                                     # (model, analysis) results of the study
+
+    @property
+    def hours(self) -> float:
+        """Hours of forwards at `FLOPS_PER_SECOND` of the device."""
+        import torch
+
+        return self.flops / FLOPS_PER_SECOND.get(torch.device(self.device).type, FLOPS_PER_SECOND["cpu"]) / 3600
+
+    def warning(self) -> str | None:
+        """A sentence when the run is estimated beyond `MAX_HOURS`, else None."""
+        if self.hours <= MAX_HOURS:
+            return None
+        return (f"this run is estimated at about {self.hours:,.0f} hours of forwards on {self.device}, more than "
+                f"{MAX_HOURS} hours; fewer images, models or views shorten it (it starts anyway)")
 
     def text(self) -> str:
         """One paragraph."""
@@ -50,6 +82,8 @@ class Estimate:
                 f"{self.forwards} forwards in total"]
         if self.cached:
             said.append(f"{self.cached} of {self.total} model x analysis results already in the cache")
+        if self.flops:
+            said.append(f"about {self.hours:.2g} hours of forwards on {self.device}")
         said.append(f"the cache grows by about {human(self.cache_bytes)}")
         if self.largest:
             said.append(f"the largest batch's captured taps take {human(self.tap_bytes)} ({self.largest})")
@@ -57,7 +91,9 @@ class Estimate:
             said.append("finalize steps that grow faster than linearly: " + "; ".join(self.superlinear))
         if self.pairs:
             said.append("pair stages (after both models' passes): " + "; ".join(self.pairs))
-        return ", ".join(said[:2]) + "; " + "; ".join(said[2:]) + "." + "".join(f" Note: {n}." for n in self.notes)
+        warning = self.warning()
+        return (", ".join(said[:2]) + "; " + "; ".join(said[2:]) + "." + "".join(f" Note: {n}." for n in self.notes)
+                + (f" Warning: {warning}." if warning else ""))
 
 
 def architecture(mc: Any, builds: dict[str, Any] | None = None) -> Any:
@@ -113,7 +149,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
     an empty cache), of the models ``labels`` (all by default; a slice, which runs no pair stage)."""
     from vitscope.study.run import _analysis_key, _model_key
 
-    est = Estimate(notes=list(notes))
+    est = Estimate(notes=list(notes), device=str(getattr(cfg, "device", "cpu")))
     wanted = set(labels) if labels is not None else None
     single = [ap for ap in plan.analyses if not ap.pair]
     builds: dict[str, Any] = {}
@@ -156,6 +192,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
                 if f"{step} ({ap.name})" not in est.superlinear:
                     est.superlinear.append(f"{step} ({ap.name})")
         for d, v in passes:
+            est.flops += n_of[d] * forward_flops(vm)
             taps: list[str] = []
             for ap in todo:
                 if (d, v) in ap.passes:
@@ -211,6 +248,8 @@ def announce(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, dist: An
         return
     if cfg.progress and dist.is_main:
         print(est.text(), file=sys.stderr, flush=True)
+    elif dist.is_main and est.warning():  # said even with progress off: a warning, never a refusal
+        print(f"vitscope: warning: {est.warning()}", file=sys.stderr, flush=True)
     check_memory(est, cfg)
 
 
