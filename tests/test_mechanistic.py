@@ -688,3 +688,196 @@ def test_reruns_record_nothing_into_the_open_capture_and_keep_other_hooks():
         with taps_paused(), torch.no_grad():
             assert vm.model(batch.images).shape == (3, 10)
         assert set(cap(batch.images)) == {"block0.out"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# mean-ablation: against a hand-edited copy of the model whose attention branch returns a constant
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _Constant(torch.nn.Module):
+    """Stands in for ``block.attn``: returns ``value`` (T, D) for every image, whatever it is given."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x, *args, **kwargs):
+        return self.value.to(x.dtype).expand(x.shape[0], -1, -1)
+
+
+def _attn_branch_mean(vm, x, layer):
+    """The mean over images of ``block[layer].attn``'s output at each token position, by the test's own hook."""
+    kept = []
+    handle = vm.model.blocks[layer].attn.register_forward_hook(lambda m, a, out: kept.append(out.detach()))
+    try:
+        with torch.no_grad():
+            vm.model(x)
+    finally:
+        handle.remove()
+    return torch.cat(kept).double().mean(0)
+
+
+@pytest.mark.parametrize("mean_images", [4, 100])
+def test_mean_ablation_of_every_head_of_a_block_equals_its_attention_branch_replaced_by_its_mean(mean_images):
+    import copy
+
+    from vitscope.analyses._drive import run_passes
+
+    vm = tiny("vit", num_classes=10)
+    layer, n = 1, 7
+    ds = SyntheticShapes(n=n, seed=1)
+    a = get_analysis("head_ablation")(vm, layers=[layer], mode="mean", heads="all", mean_images=mean_images)
+    run_passes(a, vm, {"data": ds}, batch_size=3)
+    df = a.finalize()
+    x = torch.cat([b.images for b in ds.batches(n, vm.preprocessing)])
+    # the reference: the first min(mean_images, n) images in dataset order, averaged per token position
+    edited = copy.deepcopy(vm.model)
+    edited.blocks[layer].attn = _Constant(_attn_branch_mean(vm, x[:mean_images], layer).float())
+    with torch.no_grad():
+        want, clean = edited(x).double(), vm.model(x).double()
+    assert a.mean_n == min(mean_images, n)
+    with vs.Capture(vm, [f"block{layer - 1}.out"]) as cap:
+        got = a._ablated(cap(x)[f"block{layer - 1}.out"], layer)[0].double()
+    assert got.numpy() == pytest.approx(want.numpy(), rel=1e-4, abs=1e-5)
+    assert not np.allclose(want.numpy(), clean.numpy(), atol=1e-3)  # the ablation changes the output
+    kl = _rows(df, metric="kl_from_clean", layer=layer)
+    assert len(kl) == 1 and kl["head"].isna().all() and set(df["heads"]) == {"all"} and set(df["mode"]) == {"mean"}
+    assert kl.value.iloc[0] == pytest.approx(_np_kl(want.numpy(), clean.numpy()).mean(), rel=1e-4, abs=1e-7)
+    flips = _rows(df, metric="prediction_flips", layer=layer).value.iloc[0]
+    assert flips == pytest.approx(np.mean(want.numpy().argmax(1) != clean.numpy().argmax(1)))
+
+
+def test_zero_ablation_of_every_head_leaves_the_projection_bias_alone():
+    import copy
+
+    vm = tiny("vit", num_classes=0)
+    batches = _batches(vm, n=5, bs=5)
+    df = _stream("head_ablation", vm, batches, layers=[2], heads="all").finalize()
+    x = batches[0].images
+    edited = copy.deepcopy(vm.model)
+    T = vm.num_prefix_tokens + vm.grid_size[0] * vm.grid_size[1]
+    bias = vm.model.blocks[2].attn.proj.bias.detach()
+    edited.blocks[2].attn = _Constant(bias.expand(T, -1))
+    with torch.no_grad():
+        want, clean = edited(x).double(), vm.model(x).double()
+    change = (1 - torch.nn.functional.cosine_similarity(want, clean, dim=-1)).mean()
+    assert _rows(df, metric="output_change", layer=2).value.iloc[0] == pytest.approx(float(change), rel=1e-4,
+                                                                                      abs=1e-8)
+
+
+def _mean_prepared(vm, batches, **params):
+    a = get_analysis("head_ablation")(vm, mode="mean", **params)
+    a.prepare(vm, lambda n: iter(batches))
+    return a
+
+
+def test_zero_and_mean_ablation_differ_and_mean_ablation_is_deterministic():
+    vm = tiny("vit", num_classes=10)
+    batches = _batches(vm, n=6, bs=3)
+    zero = _stream("head_ablation", vm, batches, layers=[0, 2]).finalize()
+    runs = []
+    for _ in range(2):
+        a = _mean_prepared(vm, batches, layers=[0, 2])
+        stream(vm, batches, [a], progress=False)
+        runs.append(a.finalize())
+    kz = _rows(zero, metric="kl_from_clean").value.to_numpy()
+    km = _rows(runs[0], metric="kl_from_clean").value.to_numpy()
+    assert len(kz) == len(km) == 2 * vm.num_heads and (km > 0).all()
+    assert not np.allclose(kz, km, rtol=1e-2)
+    pd.testing.assert_frame_equal(runs[0], runs[1])
+    assert set(zero["mode"]) == {"zero"} and "mean_images" not in zero.columns
+    assert set(runs[0]["mean_images"]) == {6}
+
+
+def test_mean_ablation_merges_and_resumes_with_the_mean_it_saved():
+    vm = tiny("reg", num_classes=10)
+    batches = _batches(vm, n=7, bs=3)
+    params = {"layers": [1, 2], "heads": "each"}
+
+    def fed(part):
+        a = _mean_prepared(vm, batches, **params)
+        for b in part:
+            with vs.Capture(vm, a.required_taps()) as cap:
+                a.update(cap(b.images), b)
+        return a
+
+    whole = fed(batches)
+    first, second = fed(batches[2:]), fed(batches[:2])
+    first.merge(second)
+    resumed = get_analysis("head_ablation")(vm, mode="mean", **params)
+    resumed.load_state_dict(fed(batches[:1]).state_dict())
+
+    def no_images(n):
+        raise AssertionError("a resumed state has its mean: no statistics pass")
+
+    resumed.prepare(vm, no_images)
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert len(got) == len(ref) == 2 * vm.num_heads * 2
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9, abs=1e-12)
+    other = get_analysis("head_ablation")(vm, mode="mean", **params)
+    other.prepare(vm, lambda n: iter(batches[1:]))  # a mean over other images
+    with pytest.raises(vs.VitscopeError, match="different means"):
+        whole.merge(other)
+    with pytest.raises(vs.VitscopeError, match="different settings"):
+        whole.merge(get_analysis("head_ablation")(vm, mode="zero", **params))
+    unprepared = get_analysis("head_ablation")(vm, mode="mean", **params)
+    with vs.Capture(vm, unprepared.required_taps()) as cap, pytest.raises(vs.VitscopeError, match="prepare"):
+        unprepared.update(cap(batches[0].images), batches[0])
+
+
+def test_head_ablation_refuses_an_unknown_mode_or_set_in_one_sentence():
+    from vitscope.analyses.base import validate_params
+
+    with pytest.raises(vs.ConfigError, match="'mode' of analysis 'head_ablation' must be one of 'zero', 'mean'"):
+        validate_params(get_analysis("head_ablation"), {"mode": "median"})
+    with pytest.raises(vs.ConfigError, match="mean_images"):
+        validate_params(get_analysis("head_ablation"), {"mean_images": 0})
+    vm = tiny("vit")
+    with pytest.raises(vs.ConfigError, match=r"^head_ablation: mode 'median' does not exist; choose zero or mean$"):
+        get_analysis("head_ablation")(vm, mode="median")
+    with pytest.raises(vs.ConfigError, match=r"^head_ablation: heads 'some' does not exist; choose each or all$"):
+        get_analysis("head_ablation")(vm, heads="some")
+
+
+def test_a_study_with_mean_ablation_is_cached_and_resumes_to_the_same_table(tmp_path):
+    from vitscope.study import load_config, run_study
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text("""
+models:
+  - {name: vit_small_patch16_224, label: tiny, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}}
+dataset: {name: synthetic-shapes, n_images: 9}
+analyses:
+  head_ablation: {mode: mean, heads: all, mean_images: 5}
+batch_size: 3
+progress: false
+""")
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c1'}"]))
+    table = pd.read_parquet(ref / "results" / "head_ablation.parquet")
+    assert set(table["mean_images"]) == {5} and len(table) == 2 * 2  # KL and flips per block
+    fed: list[int] = []
+    run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c1'}"]),
+              on_batch=lambda m, b: fed.append(b))
+    assert fed == []  # read back from the cache
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        fed.append(b)
+        if len(fed) == 2:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c2'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
+    assert fed == [0, 1, 2]  # the resumed run fed only the chunk left (3 chunks of 3 images)
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "head_ablation.parquet"), table)
