@@ -378,7 +378,16 @@ def test_high_norm_tokens_match_a_loop_reference(kind):
     assert (len(regs) > 0) == (vm.num_prefix_tokens > 1)
 
 
-def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
+def _high_norm(vm, batches, **params):
+    """high_norm_tokens streamed over ``batches``; its statistics pass (rule bimodal) over the same batches."""
+    a = get_analysis("high_norm_tokens")(vm, **params)
+    a.prepare(vm, lambda n: iter(batches))
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+@pytest.mark.parametrize("rule", ["mad", "bimodal"])
+def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before(rule):
     vm = tiny("vit")
     batches = _batches(vm, n=6, bs=3)
     token, block = 5, 1  # patch token 5 (row 1, column 1 of the 4x4 grid) raised 50-fold after block 1
@@ -388,10 +397,10 @@ def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
         out[:, vm.num_prefix_tokens + token] *= 50
         return out
 
-    clean = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    clean = _high_norm(vm, batches, knn=False, rule=rule).finalize()
     handle = vm.model.blocks[block].register_forward_hook(plant)
     try:
-        df = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+        df = _high_norm(vm, batches, knn=False, rule=rule).finalize()
     finally:
         handle.remove()
 
@@ -402,6 +411,78 @@ def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
     for earlier in range(block):
         assert at(df, earlier) == at(clean, earlier) < 6
     assert _rows(df, metric="images_with_outliers", layer=block).value.iloc[0] == 1.0
+    if rule == "bimodal":  # only the planted tokens, and nothing in the unplanted model (one mode everywhere)
+        assert _rows(df, metric="outliers_per_image", layer=block).value.iloc[0] == 1.0
+        assert (_rows(clean, metric="outliers_per_image").value == 0).all()
+        assert _rows(clean, metric="norm_threshold").value.isna().all()
+        thr = _rows(df, metric="norm_threshold", layer=block)
+        assert thr.value.notna().all() and (thr.separation > 2).all()
+        assert set(df.rule) == {set(df.rule).pop()} and "bimodal" in df.rule.iloc[0]
+    else:
+        assert "norm_threshold" not in set(df.metric) and "MAD" in df.rule.iloc[0]
+
+
+def test_bimodal_threshold_splits_two_planted_modes_and_finds_none_in_one():
+    g = torch.Generator().manual_seed(7)
+    low = 1.7 + 0.05 * torch.randn(3000, generator=g, dtype=torch.float64)  # log10 norms about 50
+    high = 2.7 + 0.08 * torch.randn(60, generator=g, dtype=torch.float64)  # about 500: 2 % of the tokens
+    thr, sep, upper = M.bimodal_threshold(torch.cat([low, high])[torch.randperm(3060, generator=g)])
+    assert float(low.max()) < thr < float(high.min())  # every planted token on its side
+    assert sep > 2 and upper == pytest.approx(60 / 3060, abs=0.005)
+    for one in (0.1 * torch.randn(5000, generator=g, dtype=torch.float64),  # a normal on the log scale
+                torch.log10(torch.randn(5000, 48, generator=g, dtype=torch.float64).norm(dim=-1)),  # chi norms
+                torch.log10(torch.empty(5000, dtype=torch.float64).exponential_(generator=g))):  # skewed
+        thr, sep, _ = M.bimodal_threshold(one)
+        assert thr == float("inf") and sep < 2
+    assert M.bimodal_threshold(torch.ones(10, dtype=torch.float64))[0] == float("inf")
+    # two separated modes of equal size: ordinary tokens split (object vs background), not an outlier mode
+    halves = torch.cat([low, 2.7 + 0.05 * torch.randn(3000, generator=g, dtype=torch.float64)])
+    thr, sep, upper = M.bimodal_threshold(halves)
+    assert thr == float("inf") and sep > 2 and upper == pytest.approx(0.5, abs=0.01)
+
+
+def test_bimodal_rule_flags_the_tokens_above_its_reported_threshold_and_resumes_with_it():
+    vm = tiny("reg")
+    batches = _batches(vm, n=9, bs=3)
+    p = vm.num_prefix_tokens
+
+    def plant(module, args, out):  # two patch tokens raised 30-fold after block 2, in every image
+        out = out.clone()
+        out[:, p + 3] *= 30
+        out[:, p + 10] *= 30
+        return out
+
+    handle = vm.model.blocks[2].register_forward_hook(plant)
+    try:
+        params = {"rule": "bimodal", "knn": False, "layers": [1, 2]}
+        whole = _high_norm(vm, batches, **params)
+        df = whole.finalize()
+        x = torch.cat([b.images for b in batches])
+        norms = vs.extract(vm, x, ["block2.out"])["block2.out"][:, p:].double().norm(dim=-1).numpy()
+        thr = _rows(df, metric="norm_threshold", layer=2).value.iloc[0]
+        flags = norms > thr
+        assert flags[:, [3, 10]].all()
+        pos = _rows(df, metric="outlier_position", layer=2).sort_values(["row", "col"]).value.to_numpy()
+        assert np.array_equal(pos, flags.sum(0))
+        resumed = get_analysis("high_norm_tokens")(vm, **params)
+        part = get_analysis("high_norm_tokens")(vm, **params)
+        part.prepare(vm, lambda n: iter(batches))  # as a study: the statistics pass first, then the pass stops
+        stream(vm, batches[:1], [part], progress=False)
+        resumed.load_state_dict(part.state_dict())
+        resumed.prepare(vm, lambda n: (_ for _ in ()).throw(AssertionError("no second statistics pass")))
+        stream(vm, batches[1:], [resumed], progress=False)
+        got = resumed.finalize()
+        assert got.value.to_numpy(dtype=float) == pytest.approx(df.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)
+        with pytest.raises(vs.VitscopeError, match="different bimodal thresholds"):
+            whole.merge(_high_norm(vm, batches[:1], **params))
+    finally:
+        handle.remove()
+    with pytest.raises(vs.ConfigError, match=r"^high_norm_tokens: rule 'otsu' does not exist; choose mad or bimodal$"):
+        get_analysis("high_norm_tokens")(vm, rule="otsu")
+    unprepared = get_analysis("high_norm_tokens")(vm, rule="bimodal")
+    with pytest.raises(vs.VitscopeError, match="prepare"):
+        stream(vm, batches[:1], [unprepared], progress=False)
 
 
 def test_knn_of_outlier_tokens_against_random_tokens_matches_the_semantics_rule():

@@ -10,18 +10,21 @@ analysis                   metrics (extra columns)
 ``gradient_rollout``       as ``attention_rollout`` (``head_fusion`` = ``gradient``)
 ``logit_lens``             ``top1_accuracy`` per layer (``value_lo``, ``value_hi``, ``n``, ``readout``);
                            ``kl_to_final``, ``agreement_with_final`` per layer (intervals, ``readout``)
-``high_norm_tokens``       ``norm_quantile`` per (layer, quantile) (``quantile``, ``token_view``);
+``high_norm_tokens``       ``norm_quantile`` per (layer, quantile) (``quantile``, ``token_view``), all with ``rule``;
                            ``outliers_per_image``, ``images_with_outliers``, ``patch_variance``,
                            ``foreground_share``, ``cls_attention_absorbed`` per layer (``tokens``:
                            outliers / all, intervals); ``outlier_position`` per (layer, cell); ``knn_accuracy``
-                           per layer (``tokens``: outliers / random_patch)
+                           per layer (``tokens``: outliers / random_patch); ``norm_threshold`` per layer
+                           (rule bimodal: ``separation``, ``upper_share``)
 ``head_ablation``          ``kl_from_clean``, ``prediction_flips``, ``accuracy_drop`` (or ``output_change``) per
                            (layer, head) or per layer (``heads`` = all) (``stderr``, ``value_lo``, ``value_hi``,
                            ``n``, ``mode``: zero / mean, ``heads``)
 =========================  ===================================================================================
 
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
-``max_images`` pooled rows), so parts merge by addition (shards, resume). Rollout and the high-norm tokens
+``max_images`` pooled rows), so parts merge by addition (shards, resume); head_ablation's mean and the bimodal
+norm thresholds come from a statistics pass over the same images in every part (`Analysis.prepare`), and parts
+merge only when theirs agree. Rollout and the high-norm tokens
 are in the embedded default study (``in_default_study``: cheap beside its pass); the other three cost extra
 passes or a probe, and a study names them.
 """
@@ -543,6 +546,7 @@ NORM_BINS = torch.logspace(-3, 6, 901, dtype=torch.float64)
 """Edges of the norm histogram: 900 bins of 0.01 decade (2.3 % wide) from 1e-3 to 1e6, bin ``floor(100 (log10
 norm + 3))``; norms outside land in the first or last bin (the exact minimum and maximum are kept beside)."""
 QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99)
+NORM_RULES = ("mad", "bimodal")
 
 
 def _quantiles(hist: torch.Tensor, qs: Sequence[float]) -> list[float]:
@@ -566,9 +570,26 @@ class HighNormTokens(_Mechanistic):
     """High-norm artifact tokens (Darcet et al. 2024) per block, from the residual stream after the block
     (``block{i}.out``) and the next block's attention (which reads it).
 
-    Rule: a patch token is an outlier at a block when its norm exceeds ``median + k * 1.4826 * MAD`` of its
-    own image's patch-token norms at that block (`vitscope.metrics.mechanistic.robust_outliers`; the MAD scaled
-    to a normal standard deviation, ``k`` = 6 by default). Table:
+    Rule (``rule``), which patch tokens are outliers at a block:
+
+    * ``mad`` (default): those whose norm exceeds ``median + k * 1.4826 * MAD`` of their own image's patch-token
+      norms at that block (`vitscope.metrics.mechanistic.robust_outliers`; the MAD scaled to a normal standard
+      deviation, ``k`` = 6 by default);
+    * ``bimodal``: the register paper's reading of the norm histogram (artifacts are a second mode, about 2 %
+      of the tokens, of much larger norm), made a rule: those above one threshold per block, read off the
+      pooled log10 norms of every patch token of the first ``threshold_images`` images of the selection by a
+      two-Gaussian mixture (`vitscope.metrics.mechanistic.bimodal_threshold`): where the upper component's
+      weighted density overtakes the lower one's, if the two are separated (Ashman's D > 2) and the upper one
+      holds at most a fifth of the tokens (artifacts are a minority; a larger upper mode is ordinary tokens,
+      e.g. object vs flat background), else no threshold and no outliers at that block. The norms come from a
+      statistics pass before the pass (`Analysis.prepare`: a forward of those images up to the last block
+      read, once per run, the same images on every rank, saved in the state so a resumed run reuses it).
+
+    ``mad`` is the default: it needs no statistics pass (the analysis stays cheap beside the pass it shares in
+    the default study), decides each image alone, and finds a raised token in any image; but it also flags the
+    far tail of a single-mode distribution, so it reports some outliers in models without artifacts, where
+    ``bimodal`` reports none (measured: the zoo's ``zoo-sup`` on 256 generated shapes, ``mad`` 0.04 to 0.5 per
+    image at every block, in 4 to 16 % of the images; ``bimodal`` found no outlier mode at any block). Table:
 
     * ``norm_quantile``: per (layer, ``quantile``), the distribution of patch-token norms over every token of
       every image (a 0.01-decade histogram; ``quantile`` 0 and 1 are the exact minimum and maximum); with
@@ -586,22 +607,32 @@ class HighNormTokens(_Mechanistic):
     * ``knn_accuracy``: with labels and ``knn``, weighted 20-NN accuracy (DINO's rule) of the mean outlier token
       of each image that has one, against one random patch token of the same images (``tokens`` =
       ``outliers`` / ``random_patch``; Wilson intervals; at most ``max_images`` images kept, float16; test split
-      as the semantics analysis's).
+      as the semantics analysis's);
+    * ``norm_threshold`` (``rule`` = ``bimodal``): per layer, the threshold (a norm; NaN where the distribution
+      has one mode), with its ``separation`` (Ashman's D) and ``upper_share`` (the upper component's weight).
+
+    Every row carries ``rule`` (the rule in words).
     """
 
     name = "high_norm_tokens"
+    state_version = 2  # the rule and the bimodal thresholds in the state
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
     _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
 
     def __init__(self, vm: Any, layers: Any = None, k: Positive = 6.0, knn: bool = True, knn_k: Count = 20,
-                 max_images: Count = 1000, test_every: TestEvery = 5):
+                 max_images: Count = 1000, test_every: TestEvery = 5, rule: Literal["mad", "bimodal"] = "mad",
+                 threshold_images: Count = 200):
         from vitscope.analyses.splits import check_test_every
+        from vitscope.errors import check_choice
 
         super().__init__(vm)
         if not float(k) > 0:
             raise VitscopeError(f"{self.name}: k must be positive, got {k}")
+        self.rule = check_choice(rule, NORM_RULES, self.name, "rule", "mad or bimodal")
+        Count.__metadata__[0].check(threshold_images, f"{self.name}: threshold_images")
+        self.threshold_images = int(threshold_images)
         self.layers = self.layers_param(layers)
         self.k, self.knn, self.knn_k = float(k), bool(knn), int(knn_k)
         self.max_images, self.test_every = int(max_images), check_test_every(test_every, self.name)
@@ -620,10 +651,42 @@ class HighNormTokens(_Mechanistic):
         self.has_out = torch.zeros(0, L, dtype=torch.bool)
         self.out_feats = torch.zeros(0, L, 0, dtype=torch.float16)
         self.rand_feats = torch.zeros(0, L, 0, dtype=torch.float16)
+        # rule bimodal: per layer log10 threshold (inf: one mode), Ashman's D, upper weight; images they came from
+        self.thresholds = torch.zeros(3, 0, dtype=torch.float64)
+        self.threshold_n = 0
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "k": self.k, "knn": self.knn, "knn_k": self.knn_k,
-                "max_images": self.max_images, "test_every": self.test_every}
+                "max_images": self.max_images, "test_every": self.test_every, "rule": self.rule,
+                "threshold_images": self.threshold_images}
+
+    def prepare(self, vm: Any, first_images: Any) -> None:
+        """Rule ``bimodal``: the statistics pass, unless the state already holds its thresholds (a resume)."""
+        if self.rule != "bimodal" or self.threshold_n:
+            return
+        from vitscope.capture.engine import Capture
+
+        taps, p = [f"block{i}.out" for i in self.layers], self.num_prefix_tokens
+        logs: list[list[torch.Tensor]] = [[] for _ in taps]
+        n = 0
+        with Capture(vm, taps) as cap:
+            for b in first_images(self.threshold_images):
+                feats = cap(b.images)
+                for j, t in enumerate(taps):
+                    logs[j].append(torch.log10(torch.linalg.vector_norm(feats[t][:, p:].float(), dim=-1)).cpu())
+                n += len(b.images)
+        if not n:
+            raise VitscopeError(f"{self.name}: rule 'bimodal' found no image to read the norm distribution from")
+        fits = [M.bimodal_threshold(torch.cat([v.flatten() for v in lv])) for lv in logs]
+        self.thresholds = torch.tensor(fits, dtype=torch.float64).T.contiguous()  # (3, L)
+        self.threshold_n = n
+
+    def _rule_text(self) -> str:
+        if self.rule == "bimodal":
+            return (f"norm above the block's bimodal threshold (2-Gaussian mixture on log10 norms of "
+                    f"{self.threshold_n} images, Ashman's D > {M.MIN_SEPARATION:g}, upper mode <= "
+                    f"{M.MAX_UPPER_SHARE:g} of the tokens)")
+        return f"norm > median + {self.k:g}*1.4826*MAD of the image's patch tokens"
 
     def required_taps(self) -> list[str]:
         nxt = [f"block{i + 1}.attn" for i in self.layers if i + 1 < self.depth] if self.has_cls_token else []
@@ -646,7 +709,13 @@ class HighNormTokens(_Mechanistic):
         # (L, B, S) patch norms (float32 norms of float32 tokens, then float64) and outlier flags, every block
         xs = [feats[f"block{i}.out"] for i in self.layers]
         norms = torch.stack([torch.linalg.vector_norm(t[:, p:], dim=-1) for t in xs]).double()
-        out = M.robust_outliers(norms, self.k)
+        if self.rule == "bimodal":
+            if not self.threshold_n:
+                raise VitscopeError(f"{self.name}: rule 'bimodal' needs its thresholds from the statistics pass: "
+                                    "call prepare(vm, first_images) before the first batch (a study does)")
+            out = torch.log10(norms) > self.thresholds[0].to(norms.device)[:, None, None]
+        else:
+            out = M.robust_outliers(norms, self.k)
         self.hist += self._hist(norms)
         lo_hi = [norms.amin((1, 2)), -norms.amax((1, 2))]
         if p > 1:
@@ -717,6 +786,12 @@ class HighNormTokens(_Mechanistic):
         o = cast(HighNormTokens, other)
         self._check_mergeable(o)
         self._check_grid_merge(o)
+        if self.threshold_n and o.threshold_n and not (self.threshold_n == o.threshold_n
+                                                       and torch.allclose(self.thresholds, o.thresholds, rtol=1e-4)):
+            raise VitscopeError(f"{self.name}: cannot merge parts that used different bimodal thresholds (other "
+                                "images in their statistics passes)")
+        if o.threshold_n and not self.threshold_n:
+            self.thresholds, self.threshold_n = o.thresholds.clone(), o.threshold_n
         for k in self._MEANS:
             getattr(self, k).merge(getattr(o, k))
         for k in ("hist", "reg_hist", "positions", "with_outliers"):
@@ -728,12 +803,14 @@ class HighNormTokens(_Mechanistic):
         self.n_masked += o.n_masked
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT}}
+        return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT},
+                "thresholds": self.thresholds.clone(), "threshold_n": self.threshold_n}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         for k in self._KEPT:
             setattr(self, k, state[k].clone())
+        self.thresholds, self.threshold_n = state["thresholds"].clone(), int(state["threshold_n"])
 
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
@@ -760,9 +837,15 @@ class HighNormTokens(_Mechanistic):
                                           ("cls_attention_absorbed", "registers", self.registers)):
                 if means.count[j] > 0:
                     rows.append({"metric": metric, "layer": i, "tokens": tokens, **means.row(j)})
+        if self.rule == "bimodal" and self.threshold_n:
+            for j, i in enumerate(self.layers):
+                thr, sep, upper = (float(v) for v in self.thresholds[:, j])
+                rows.append({"metric": "norm_threshold", "layer": i, "value": 10 ** thr if thr < float("inf")
+                             else float("nan"), "separation": sep, "upper_share": upper, "n": self.threshold_n})
         rows += self._knn_rows()
         df = self.tidy(rows)
         df["n_images"], df["n_masked"], df["k"] = self.n_images, self.n_masked, self.k
+        df["rule"] = self._rule_text()
         return df
 
     def _share(self, layer: int, hits: float, n: int) -> dict[str, Any]:

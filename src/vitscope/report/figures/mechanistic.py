@@ -127,7 +127,11 @@ def high_norm_tokens(df: pd.DataFrame) -> Figures:
     legend_outside(fig, extra=[style_handle("-o", "norm: median, band 1-99 %"), style_handle(":", "dotted: maximum"),
                                style_handle("--", "dashed: uniform attention's share"), band_handle()])
     k = df["k"].dropna()
-    rule = f"norm > median + {float(k.iloc[0]):g}·1.4826·MAD of the image" if len(k) else "the stated rule"
+    said = df["rule"].dropna() if "rule" in df.columns else pd.Series([], dtype=object)
+    if len(said) and said.str.startswith("norm above").any():
+        rule = "norm above the block's bimodal threshold"
+    else:
+        rule = f"norm > median + {float(k.iloc[0]):g}·1.4826·MAD of the image" if len(k) else "the stated rule"
     return [(f"High-norm tokens per block (outlier: {rule}) [{cite('darcet2024')}]", fig)]
 
 
