@@ -378,7 +378,16 @@ def test_high_norm_tokens_match_a_loop_reference(kind):
     assert (len(regs) > 0) == (vm.num_prefix_tokens > 1)
 
 
-def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
+def _high_norm(vm, batches, **params):
+    """high_norm_tokens streamed over ``batches``; its statistics pass (rule bimodal) over the same batches."""
+    a = get_analysis("high_norm_tokens")(vm, **params)
+    a.prepare(vm, lambda n: iter(batches))
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
+@pytest.mark.parametrize("rule", ["mad", "bimodal"])
+def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before(rule):
     vm = tiny("vit")
     batches = _batches(vm, n=6, bs=3)
     token, block = 5, 1  # patch token 5 (row 1, column 1 of the 4x4 grid) raised 50-fold after block 1
@@ -388,10 +397,10 @@ def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
         out[:, vm.num_prefix_tokens + token] *= 50
         return out
 
-    clean = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+    clean = _high_norm(vm, batches, knn=False, rule=rule).finalize()
     handle = vm.model.blocks[block].register_forward_hook(plant)
     try:
-        df = _stream("high_norm_tokens", vm, batches, knn=False).finalize()
+        df = _high_norm(vm, batches, knn=False, rule=rule).finalize()
     finally:
         handle.remove()
 
@@ -402,6 +411,78 @@ def test_a_planted_high_norm_token_is_found_at_its_block_and_not_before():
     for earlier in range(block):
         assert at(df, earlier) == at(clean, earlier) < 6
     assert _rows(df, metric="images_with_outliers", layer=block).value.iloc[0] == 1.0
+    if rule == "bimodal":  # only the planted tokens, and nothing in the unplanted model (one mode everywhere)
+        assert _rows(df, metric="outliers_per_image", layer=block).value.iloc[0] == 1.0
+        assert (_rows(clean, metric="outliers_per_image").value == 0).all()
+        assert _rows(clean, metric="norm_threshold").value.isna().all()
+        thr = _rows(df, metric="norm_threshold", layer=block)
+        assert thr.value.notna().all() and (thr.separation > 2).all()
+        assert set(df.rule) == {set(df.rule).pop()} and "bimodal" in df.rule.iloc[0]
+    else:
+        assert "norm_threshold" not in set(df.metric) and "MAD" in df.rule.iloc[0]
+
+
+def test_bimodal_threshold_splits_two_planted_modes_and_finds_none_in_one():
+    g = torch.Generator().manual_seed(7)
+    low = 1.7 + 0.05 * torch.randn(3000, generator=g, dtype=torch.float64)  # log10 norms about 50
+    high = 2.7 + 0.08 * torch.randn(60, generator=g, dtype=torch.float64)  # about 500: 2 % of the tokens
+    thr, sep, upper = M.bimodal_threshold(torch.cat([low, high])[torch.randperm(3060, generator=g)])
+    assert float(low.max()) < thr < float(high.min())  # every planted token on its side
+    assert sep > 2 and upper == pytest.approx(60 / 3060, abs=0.005)
+    for one in (0.1 * torch.randn(5000, generator=g, dtype=torch.float64),  # a normal on the log scale
+                torch.log10(torch.randn(5000, 48, generator=g, dtype=torch.float64).norm(dim=-1)),  # chi norms
+                torch.log10(torch.empty(5000, dtype=torch.float64).exponential_(generator=g))):  # skewed
+        thr, sep, _ = M.bimodal_threshold(one)
+        assert thr == float("inf") and sep < 2
+    assert M.bimodal_threshold(torch.ones(10, dtype=torch.float64))[0] == float("inf")
+    # two separated modes of equal size: ordinary tokens split (object vs background), not an outlier mode
+    halves = torch.cat([low, 2.7 + 0.05 * torch.randn(3000, generator=g, dtype=torch.float64)])
+    thr, sep, upper = M.bimodal_threshold(halves)
+    assert thr == float("inf") and sep > 2 and upper == pytest.approx(0.5, abs=0.01)
+
+
+def test_bimodal_rule_flags_the_tokens_above_its_reported_threshold_and_resumes_with_it():
+    vm = tiny("reg")
+    batches = _batches(vm, n=9, bs=3)
+    p = vm.num_prefix_tokens
+
+    def plant(module, args, out):  # two patch tokens raised 30-fold after block 2, in every image
+        out = out.clone()
+        out[:, p + 3] *= 30
+        out[:, p + 10] *= 30
+        return out
+
+    handle = vm.model.blocks[2].register_forward_hook(plant)
+    try:
+        params = {"rule": "bimodal", "knn": False, "layers": [1, 2]}
+        whole = _high_norm(vm, batches, **params)
+        df = whole.finalize()
+        x = torch.cat([b.images for b in batches])
+        norms = vs.extract(vm, x, ["block2.out"])["block2.out"][:, p:].double().norm(dim=-1).numpy()
+        thr = _rows(df, metric="norm_threshold", layer=2).value.iloc[0]
+        flags = norms > thr
+        assert flags[:, [3, 10]].all()
+        pos = _rows(df, metric="outlier_position", layer=2).sort_values(["row", "col"]).value.to_numpy()
+        assert np.array_equal(pos, flags.sum(0))
+        resumed = get_analysis("high_norm_tokens")(vm, **params)
+        part = get_analysis("high_norm_tokens")(vm, **params)
+        part.prepare(vm, lambda n: iter(batches))  # as a study: the statistics pass first, then the pass stops
+        stream(vm, batches[:1], [part], progress=False)
+        resumed.load_state_dict(part.state_dict())
+        resumed.prepare(vm, lambda n: (_ for _ in ()).throw(AssertionError("no second statistics pass")))
+        stream(vm, batches[1:], [resumed], progress=False)
+        got = resumed.finalize()
+        assert got.value.to_numpy(dtype=float) == pytest.approx(df.value.to_numpy(dtype=float), rel=1e-9,
+                                                               abs=1e-12, nan_ok=True)
+        with pytest.raises(vs.VitscopeError, match="different bimodal thresholds"):
+            whole.merge(_high_norm(vm, batches[:1], **params))
+    finally:
+        handle.remove()
+    with pytest.raises(vs.ConfigError, match=r"^high_norm_tokens: rule 'otsu' does not exist; choose mad or bimodal$"):
+        get_analysis("high_norm_tokens")(vm, rule="otsu")
+    unprepared = get_analysis("high_norm_tokens")(vm, rule="bimodal")
+    with pytest.raises(vs.VitscopeError, match="prepare"):
+        stream(vm, batches[:1], [unprepared], progress=False)
 
 
 def test_knn_of_outlier_tokens_against_random_tokens_matches_the_semantics_rule():
@@ -688,3 +769,196 @@ def test_reruns_record_nothing_into_the_open_capture_and_keep_other_hooks():
         with taps_paused(), torch.no_grad():
             assert vm.model(batch.images).shape == (3, 10)
         assert set(cap(batch.images)) == {"block0.out"}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# mean-ablation: against a hand-edited copy of the model whose attention branch returns a constant
+# ------------------------------------------------------------------------------------------------------------
+
+
+class _Constant(torch.nn.Module):
+    """Stands in for ``block.attn``: returns ``value`` (T, D) for every image, whatever it is given."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+    def forward(self, x, *args, **kwargs):
+        return self.value.to(x.dtype).expand(x.shape[0], -1, -1)
+
+
+def _attn_branch_mean(vm, x, layer):
+    """The mean over images of ``block[layer].attn``'s output at each token position, by the test's own hook."""
+    kept = []
+    handle = vm.model.blocks[layer].attn.register_forward_hook(lambda m, a, out: kept.append(out.detach()))
+    try:
+        with torch.no_grad():
+            vm.model(x)
+    finally:
+        handle.remove()
+    return torch.cat(kept).double().mean(0)
+
+
+@pytest.mark.parametrize("mean_images", [4, 100])
+def test_mean_ablation_of_every_head_of_a_block_equals_its_attention_branch_replaced_by_its_mean(mean_images):
+    import copy
+
+    from vitscope.analyses._drive import run_passes
+
+    vm = tiny("vit", num_classes=10)
+    layer, n = 1, 7
+    ds = SyntheticShapes(n=n, seed=1)
+    a = get_analysis("head_ablation")(vm, layers=[layer], mode="mean", heads="all", mean_images=mean_images)
+    run_passes(a, vm, {"data": ds}, batch_size=3)
+    df = a.finalize()
+    x = torch.cat([b.images for b in ds.batches(n, vm.preprocessing)])
+    # the reference: the first min(mean_images, n) images in dataset order, averaged per token position
+    edited = copy.deepcopy(vm.model)
+    edited.blocks[layer].attn = _Constant(_attn_branch_mean(vm, x[:mean_images], layer).float())
+    with torch.no_grad():
+        want, clean = edited(x).double(), vm.model(x).double()
+    assert a.mean_n == min(mean_images, n)
+    with vs.Capture(vm, [f"block{layer - 1}.out"]) as cap:
+        got = a._ablated(cap(x)[f"block{layer - 1}.out"], layer)[0].double()
+    assert got.numpy() == pytest.approx(want.numpy(), rel=1e-4, abs=1e-5)
+    assert not np.allclose(want.numpy(), clean.numpy(), atol=1e-3)  # the ablation changes the output
+    kl = _rows(df, metric="kl_from_clean", layer=layer)
+    assert len(kl) == 1 and kl["head"].isna().all() and set(df["heads"]) == {"all"} and set(df["mode"]) == {"mean"}
+    assert kl.value.iloc[0] == pytest.approx(_np_kl(want.numpy(), clean.numpy()).mean(), rel=1e-4, abs=1e-7)
+    flips = _rows(df, metric="prediction_flips", layer=layer).value.iloc[0]
+    assert flips == pytest.approx(np.mean(want.numpy().argmax(1) != clean.numpy().argmax(1)))
+
+
+def test_zero_ablation_of_every_head_leaves_the_projection_bias_alone():
+    import copy
+
+    vm = tiny("vit", num_classes=0)
+    batches = _batches(vm, n=5, bs=5)
+    df = _stream("head_ablation", vm, batches, layers=[2], heads="all").finalize()
+    x = batches[0].images
+    edited = copy.deepcopy(vm.model)
+    T = vm.num_prefix_tokens + vm.grid_size[0] * vm.grid_size[1]
+    bias = vm.model.blocks[2].attn.proj.bias.detach()
+    edited.blocks[2].attn = _Constant(bias.expand(T, -1))
+    with torch.no_grad():
+        want, clean = edited(x).double(), vm.model(x).double()
+    change = (1 - torch.nn.functional.cosine_similarity(want, clean, dim=-1)).mean()
+    assert _rows(df, metric="output_change", layer=2).value.iloc[0] == pytest.approx(float(change), rel=1e-4,
+                                                                                      abs=1e-8)
+
+
+def _mean_prepared(vm, batches, **params):
+    a = get_analysis("head_ablation")(vm, mode="mean", **params)
+    a.prepare(vm, lambda n: iter(batches))
+    return a
+
+
+def test_zero_and_mean_ablation_differ_and_mean_ablation_is_deterministic():
+    vm = tiny("vit", num_classes=10)
+    batches = _batches(vm, n=6, bs=3)
+    zero = _stream("head_ablation", vm, batches, layers=[0, 2]).finalize()
+    runs = []
+    for _ in range(2):
+        a = _mean_prepared(vm, batches, layers=[0, 2])
+        stream(vm, batches, [a], progress=False)
+        runs.append(a.finalize())
+    kz = _rows(zero, metric="kl_from_clean").value.to_numpy()
+    km = _rows(runs[0], metric="kl_from_clean").value.to_numpy()
+    assert len(kz) == len(km) == 2 * vm.num_heads and (km > 0).all()
+    assert not np.allclose(kz, km, rtol=1e-2)
+    pd.testing.assert_frame_equal(runs[0], runs[1])
+    assert set(zero["mode"]) == {"zero"} and "mean_images" not in zero.columns
+    assert set(runs[0]["mean_images"]) == {6}
+
+
+def test_mean_ablation_merges_and_resumes_with_the_mean_it_saved():
+    vm = tiny("reg", num_classes=10)
+    batches = _batches(vm, n=7, bs=3)
+    params = {"layers": [1, 2], "heads": "each"}
+
+    def fed(part):
+        a = _mean_prepared(vm, batches, **params)
+        for b in part:
+            with vs.Capture(vm, a.required_taps()) as cap:
+                a.update(cap(b.images), b)
+        return a
+
+    whole = fed(batches)
+    first, second = fed(batches[2:]), fed(batches[:2])
+    first.merge(second)
+    resumed = get_analysis("head_ablation")(vm, mode="mean", **params)
+    resumed.load_state_dict(fed(batches[:1]).state_dict())
+
+    def no_images(n):
+        raise AssertionError("a resumed state has its mean: no statistics pass")
+
+    resumed.prepare(vm, no_images)
+    for b in batches[1:]:
+        with vs.Capture(vm, resumed.required_taps()) as cap:
+            resumed.update(cap(b.images), b)
+    ref = whole.finalize()
+    for other in (first, resumed):
+        got = other.finalize()
+        assert len(got) == len(ref) == 2 * vm.num_heads * 2
+        assert got.value.to_numpy(dtype=float) == pytest.approx(ref.value.to_numpy(dtype=float), rel=1e-9, abs=1e-12)
+    other = get_analysis("head_ablation")(vm, mode="mean", **params)
+    other.prepare(vm, lambda n: iter(batches[1:]))  # a mean over other images
+    with pytest.raises(vs.VitscopeError, match="different means"):
+        whole.merge(other)
+    with pytest.raises(vs.VitscopeError, match="different settings"):
+        whole.merge(get_analysis("head_ablation")(vm, mode="zero", **params))
+    unprepared = get_analysis("head_ablation")(vm, mode="mean", **params)
+    with vs.Capture(vm, unprepared.required_taps()) as cap, pytest.raises(vs.VitscopeError, match="prepare"):
+        unprepared.update(cap(batches[0].images), batches[0])
+
+
+def test_head_ablation_refuses_an_unknown_mode_or_set_in_one_sentence():
+    from vitscope.analyses.base import validate_params
+
+    with pytest.raises(vs.ConfigError, match="'mode' of analysis 'head_ablation' must be one of 'zero', 'mean'"):
+        validate_params(get_analysis("head_ablation"), {"mode": "median"})
+    with pytest.raises(vs.ConfigError, match="mean_images"):
+        validate_params(get_analysis("head_ablation"), {"mean_images": 0})
+    vm = tiny("vit")
+    with pytest.raises(vs.ConfigError, match=r"^head_ablation: mode 'median' does not exist; choose zero or mean$"):
+        get_analysis("head_ablation")(vm, mode="median")
+    with pytest.raises(vs.ConfigError, match=r"^head_ablation: heads 'some' does not exist; choose each or all$"):
+        get_analysis("head_ablation")(vm, heads="some")
+
+
+def test_a_study_with_mean_ablation_is_cached_and_resumes_to_the_same_table(tmp_path):
+    from vitscope.study import load_config, run_study
+
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text("""
+models:
+  - {name: vit_small_patch16_224, label: tiny, pretrained: false,
+     kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3, num_classes: 10}}
+dataset: {name: synthetic-shapes, n_images: 9}
+analyses:
+  head_ablation: {mode: mean, heads: all, mean_images: 5}
+batch_size: 3
+progress: false
+""")
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c1'}"]))
+    table = pd.read_parquet(ref / "results" / "head_ablation.parquet")
+    assert set(table["mean_images"]) == {5} and len(table) == 2 * 2  # KL and flips per block
+    fed: list[int] = []
+    run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c1'}"]),
+              on_batch=lambda m, b: fed.append(b))
+    assert fed == []  # read back from the cache
+
+    class Killed(Exception):
+        pass
+
+    def kill(model, b):
+        fed.append(b)
+        if len(fed) == 2:
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c2'}"]
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
+    assert fed == [0, 1, 2]  # the resumed run fed only the chunk left (3 chunks of 3 images)
+    pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "head_ablation.parquet"), table)

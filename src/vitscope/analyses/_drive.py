@@ -27,6 +27,9 @@ def run_passes(analysis: Any, vm: Any, datasets: Mapping[str, Any], batch_size: 
     t = {"perturb": 0.0, "forward": 0.0, "update": 0.0}
     passes = [(slot, "clean") for slot in datasets if slot != "data"] + [("data", v) for v in views]
     ids = {slot: list(range(min(len(ds), n_images or len(ds)))) for slot, ds in datasets.items()}
+    if "data" in datasets and hasattr(analysis, "prepare"):
+        main = datasets["data"]
+        analysis.prepare(vm, lambda n: main.batches(batch_size, pre, indices=ids["data"][:n]))
     with Capture(vm, analysis.required_taps()) as cap:
         for slot, view in passes:
             ds = datasets[slot]

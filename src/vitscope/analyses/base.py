@@ -29,7 +29,7 @@ import inspect
 import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
@@ -155,6 +155,13 @@ class Analysis(_Lifecycle):
     def configure(self, dataset_classes: Mapping[str, Any] | None = None) -> None:
         """Called by the study before the first pass with each input's class names (``{slot: classes}``), so
         decisions that depend on the data (e.g. which readout can score it) fail at once; a no-op by default."""
+        return None
+
+    def prepare(self, vm: ViTModel, first_images: Callable[[int], Iterable[Batch]]) -> None:
+        """Called by the study (and `vitscope.analyses._drive.run_passes`) with the loaded model before the
+        analysis's first pass, also when it resumes from a saved part: ``first_images(n)`` yields the clean
+        batches of the first ``n`` images of its main dataset's selection, in dataset order and the same on every
+        rank, for a statistic the passes need before they start (head_ablation's mean). Default: nothing."""
         return None
 
     @abstractmethod

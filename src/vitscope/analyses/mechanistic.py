@@ -10,17 +10,21 @@ analysis                   metrics (extra columns)
 ``gradient_rollout``       as ``attention_rollout`` (``head_fusion`` = ``gradient``)
 ``logit_lens``             ``top1_accuracy`` per layer (``value_lo``, ``value_hi``, ``n``, ``readout``);
                            ``kl_to_final``, ``agreement_with_final`` per layer (intervals, ``readout``)
-``high_norm_tokens``       ``norm_quantile`` per (layer, quantile) (``quantile``, ``token_view``);
+``high_norm_tokens``       ``norm_quantile`` per (layer, quantile) (``quantile``, ``token_view``), all with ``rule``;
                            ``outliers_per_image``, ``images_with_outliers``, ``patch_variance``,
                            ``foreground_share``, ``cls_attention_absorbed`` per layer (``tokens``:
                            outliers / all, intervals); ``outlier_position`` per (layer, cell); ``knn_accuracy``
-                           per layer (``tokens``: outliers / random_patch)
+                           per layer (``tokens``: outliers / random_patch); ``norm_threshold`` per layer
+                           (rule bimodal: ``separation``, ``upper_share``)
 ``head_ablation``          ``kl_from_clean``, ``prediction_flips``, ``accuracy_drop`` (or ``output_change``) per
-                           (layer, head) (``stderr``, ``value_lo``, ``value_hi``, ``n``)
+                           (layer, head) or per layer (``heads`` = all) (``stderr``, ``value_lo``, ``value_hi``,
+                           ``n``, ``mode``: zero / mean, ``heads``)
 =========================  ===================================================================================
 
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
-``max_images`` pooled rows), so parts merge by addition (shards, resume). Rollout and the high-norm tokens
+``max_images`` pooled rows), so parts merge by addition (shards, resume); head_ablation's mean and the bimodal
+norm thresholds come from a statistics pass over the same images in every part (`Analysis.prepare`), and parts
+merge only when theirs agree. Rollout and the high-norm tokens
 are in the embedded default study (``in_default_study``: cheap beside its pass); the other three cost extra
 passes or a probe, and a study names them.
 """
@@ -542,6 +546,7 @@ NORM_BINS = torch.logspace(-3, 6, 901, dtype=torch.float64)
 """Edges of the norm histogram: 900 bins of 0.01 decade (2.3 % wide) from 1e-3 to 1e6, bin ``floor(100 (log10
 norm + 3))``; norms outside land in the first or last bin (the exact minimum and maximum are kept beside)."""
 QUANTILES = (0.01, 0.25, 0.5, 0.75, 0.99)
+NORM_RULES = ("mad", "bimodal")
 
 
 def _quantiles(hist: torch.Tensor, qs: Sequence[float]) -> list[float]:
@@ -565,9 +570,26 @@ class HighNormTokens(_Mechanistic):
     """High-norm artifact tokens (Darcet et al. 2024) per block, from the residual stream after the block
     (``block{i}.out``) and the next block's attention (which reads it).
 
-    Rule: a patch token is an outlier at a block when its norm exceeds ``median + k * 1.4826 * MAD`` of its
-    own image's patch-token norms at that block (`vitscope.metrics.mechanistic.robust_outliers`; the MAD scaled
-    to a normal standard deviation, ``k`` = 6 by default). Table:
+    Rule (``rule``), which patch tokens are outliers at a block:
+
+    * ``mad`` (default): those whose norm exceeds ``median + k * 1.4826 * MAD`` of their own image's patch-token
+      norms at that block (`vitscope.metrics.mechanistic.robust_outliers`; the MAD scaled to a normal standard
+      deviation, ``k`` = 6 by default);
+    * ``bimodal``: the register paper's reading of the norm histogram (artifacts are a second mode, about 2 %
+      of the tokens, of much larger norm), made a rule: those above one threshold per block, read off the
+      pooled log10 norms of every patch token of the first ``threshold_images`` images of the selection by a
+      two-Gaussian mixture (`vitscope.metrics.mechanistic.bimodal_threshold`): where the upper component's
+      weighted density overtakes the lower one's, if the two are separated (Ashman's D > 2) and the upper one
+      holds at most a fifth of the tokens (artifacts are a minority; a larger upper mode is ordinary tokens,
+      e.g. object vs flat background), else no threshold and no outliers at that block. The norms come from a
+      statistics pass before the pass (`Analysis.prepare`: a forward of those images up to the last block
+      read, once per run, the same images on every rank, saved in the state so a resumed run reuses it).
+
+    ``mad`` is the default: it needs no statistics pass (the analysis stays cheap beside the pass it shares in
+    the default study), decides each image alone, and finds a raised token in any image; but it also flags the
+    far tail of a single-mode distribution, so it reports some outliers in models without artifacts, where
+    ``bimodal`` reports none (measured: the zoo's ``zoo-sup`` on 256 generated shapes, ``mad`` 0.04 to 0.5 per
+    image at every block, in 4 to 16 % of the images; ``bimodal`` found no outlier mode at any block). Table:
 
     * ``norm_quantile``: per (layer, ``quantile``), the distribution of patch-token norms over every token of
       every image (a 0.01-decade histogram; ``quantile`` 0 and 1 are the exact minimum and maximum); with
@@ -585,22 +607,32 @@ class HighNormTokens(_Mechanistic):
     * ``knn_accuracy``: with labels and ``knn``, weighted 20-NN accuracy (DINO's rule) of the mean outlier token
       of each image that has one, against one random patch token of the same images (``tokens`` =
       ``outliers`` / ``random_patch``; Wilson intervals; at most ``max_images`` images kept, float16; test split
-      as the semantics analysis's).
+      as the semantics analysis's);
+    * ``norm_threshold`` (``rule`` = ``bimodal``): per layer, the threshold (a norm; NaN where the distribution
+      has one mode), with its ``separation`` (Ashman's D) and ``upper_share`` (the upper component's weight).
+
+    Every row carries ``rule`` (the rule in words).
     """
 
     name = "high_norm_tokens"
+    state_version = 2  # the rule and the bimodal thresholds in the state
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
     _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
 
     def __init__(self, vm: Any, layers: Any = None, k: Positive = 6.0, knn: bool = True, knn_k: Count = 20,
-                 max_images: Count = 1000, test_every: TestEvery = 5):
+                 max_images: Count = 1000, test_every: TestEvery = 5, rule: Literal["mad", "bimodal"] = "mad",
+                 threshold_images: Count = 200):
         from vitscope.analyses.splits import check_test_every
+        from vitscope.errors import check_choice
 
         super().__init__(vm)
         if not float(k) > 0:
             raise VitscopeError(f"{self.name}: k must be positive, got {k}")
+        self.rule = check_choice(rule, NORM_RULES, self.name, "rule", "mad or bimodal")
+        Count.__metadata__[0].check(threshold_images, f"{self.name}: threshold_images")
+        self.threshold_images = int(threshold_images)
         self.layers = self.layers_param(layers)
         self.k, self.knn, self.knn_k = float(k), bool(knn), int(knn_k)
         self.max_images, self.test_every = int(max_images), check_test_every(test_every, self.name)
@@ -619,10 +651,42 @@ class HighNormTokens(_Mechanistic):
         self.has_out = torch.zeros(0, L, dtype=torch.bool)
         self.out_feats = torch.zeros(0, L, 0, dtype=torch.float16)
         self.rand_feats = torch.zeros(0, L, 0, dtype=torch.float16)
+        # rule bimodal: per layer log10 threshold (inf: one mode), Ashman's D, upper weight; images they came from
+        self.thresholds = torch.zeros(3, 0, dtype=torch.float64)
+        self.threshold_n = 0
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "k": self.k, "knn": self.knn, "knn_k": self.knn_k,
-                "max_images": self.max_images, "test_every": self.test_every}
+                "max_images": self.max_images, "test_every": self.test_every, "rule": self.rule,
+                "threshold_images": self.threshold_images}
+
+    def prepare(self, vm: Any, first_images: Any) -> None:
+        """Rule ``bimodal``: the statistics pass, unless the state already holds its thresholds (a resume)."""
+        if self.rule != "bimodal" or self.threshold_n:
+            return
+        from vitscope.capture.engine import Capture
+
+        taps, p = [f"block{i}.out" for i in self.layers], self.num_prefix_tokens
+        logs: list[list[torch.Tensor]] = [[] for _ in taps]
+        n = 0
+        with Capture(vm, taps) as cap:
+            for b in first_images(self.threshold_images):
+                feats = cap(b.images)
+                for j, t in enumerate(taps):
+                    logs[j].append(torch.log10(torch.linalg.vector_norm(feats[t][:, p:].float(), dim=-1)).cpu())
+                n += len(b.images)
+        if not n:
+            raise VitscopeError(f"{self.name}: rule 'bimodal' found no image to read the norm distribution from")
+        fits = [M.bimodal_threshold(torch.cat([v.flatten() for v in lv])) for lv in logs]
+        self.thresholds = torch.tensor(fits, dtype=torch.float64).T.contiguous()  # (3, L)
+        self.threshold_n = n
+
+    def _rule_text(self) -> str:
+        if self.rule == "bimodal":
+            return (f"norm above the block's bimodal threshold (2-Gaussian mixture on log10 norms of "
+                    f"{self.threshold_n} images, Ashman's D > {M.MIN_SEPARATION:g}, upper mode <= "
+                    f"{M.MAX_UPPER_SHARE:g} of the tokens)")
+        return f"norm > median + {self.k:g}*1.4826*MAD of the image's patch tokens"
 
     def required_taps(self) -> list[str]:
         nxt = [f"block{i + 1}.attn" for i in self.layers if i + 1 < self.depth] if self.has_cls_token else []
@@ -645,7 +709,13 @@ class HighNormTokens(_Mechanistic):
         # (L, B, S) patch norms (float32 norms of float32 tokens, then float64) and outlier flags, every block
         xs = [feats[f"block{i}.out"] for i in self.layers]
         norms = torch.stack([torch.linalg.vector_norm(t[:, p:], dim=-1) for t in xs]).double()
-        out = M.robust_outliers(norms, self.k)
+        if self.rule == "bimodal":
+            if not self.threshold_n:
+                raise VitscopeError(f"{self.name}: rule 'bimodal' needs its thresholds from the statistics pass: "
+                                    "call prepare(vm, first_images) before the first batch (a study does)")
+            out = torch.log10(norms) > self.thresholds[0].to(norms.device)[:, None, None]
+        else:
+            out = M.robust_outliers(norms, self.k)
         self.hist += self._hist(norms)
         lo_hi = [norms.amin((1, 2)), -norms.amax((1, 2))]
         if p > 1:
@@ -716,6 +786,12 @@ class HighNormTokens(_Mechanistic):
         o = cast(HighNormTokens, other)
         self._check_mergeable(o)
         self._check_grid_merge(o)
+        if self.threshold_n and o.threshold_n and not (self.threshold_n == o.threshold_n
+                                                       and torch.allclose(self.thresholds, o.thresholds, rtol=1e-4)):
+            raise VitscopeError(f"{self.name}: cannot merge parts that used different bimodal thresholds (other "
+                                "images in their statistics passes)")
+        if o.threshold_n and not self.threshold_n:
+            self.thresholds, self.threshold_n = o.thresholds.clone(), o.threshold_n
         for k in self._MEANS:
             getattr(self, k).merge(getattr(o, k))
         for k in ("hist", "reg_hist", "positions", "with_outliers"):
@@ -727,12 +803,14 @@ class HighNormTokens(_Mechanistic):
         self.n_masked += o.n_masked
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT}}
+        return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT},
+                "thresholds": self.thresholds.clone(), "threshold_n": self.threshold_n}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         for k in self._KEPT:
             setattr(self, k, state[k].clone())
+        self.thresholds, self.threshold_n = state["thresholds"].clone(), int(state["threshold_n"])
 
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
@@ -759,9 +837,15 @@ class HighNormTokens(_Mechanistic):
                                           ("cls_attention_absorbed", "registers", self.registers)):
                 if means.count[j] > 0:
                     rows.append({"metric": metric, "layer": i, "tokens": tokens, **means.row(j)})
+        if self.rule == "bimodal" and self.threshold_n:
+            for j, i in enumerate(self.layers):
+                thr, sep, upper = (float(v) for v in self.thresholds[:, j])
+                rows.append({"metric": "norm_threshold", "layer": i, "value": 10 ** thr if thr < float("inf")
+                             else float("nan"), "separation": sep, "upper_share": upper, "n": self.threshold_n})
         rows += self._knn_rows()
         df = self.tidy(rows)
         df["n_images"], df["n_masked"], df["k"] = self.n_images, self.n_masked, self.k
+        df["rule"] = self._rule_text()
         return df
 
     def _share(self, layer: int, hits: float, n: int) -> dict[str, Any]:
@@ -793,12 +877,33 @@ class HighNormTokens(_Mechanistic):
         return rows
 
 
+ABLATION_MODES = ("zero", "mean")
+ABLATION_SETS = ("each", "all")
+
+
 @register_analysis
 class HeadAblation(_Mechanistic):
-    """Zero-ablation of each attention head, read at the model's output: per (layer, head), the head's output
-    (its slice of ``block{i}.heads``, before the output projection) set to 0 and the rest of the network run
-    from the pass's own residual stream entering that block (``embed`` / ``block{i-1}.out``: only the blocks
-    from i on are recomputed, every head of a block in one batch of ``heads x images``). Table per (layer, head):
+    """Ablation of attention heads, read at the model's output. An ablated head's output (its slice of
+    ``block{i}.heads``, before the output projection) is replaced (``mode``):
+
+    * ``zero``: by 0;
+    * ``mean``: by its mean over images at the same token position, ``mean_images`` images (the first of the
+      dataset's selection, in dataset order; all of them when it has fewer). Per position, because a ViT's
+      tokens are not exchangeable (position embeddings, the CLS token, registers): a mean over positions would
+      also erase what a head writes where; over images, because that is what mean-ablation asks (the head's
+      typical output kept, its dependence on the image removed), and zero is no typical output (the next
+      LayerNorm and MLP never saw it). The mean comes from a statistics pass before the ablation pass
+      (`Analysis.prepare`), since the ablation of the first image already needs it (a mean accumulated in the
+      ablation pass itself would differ per shard and per batch order): a forward of those images up to the
+      last ablated block, once per run (on every rank the same images, so shards agree; saved in the state, so
+      a resumed run reuses it). Every image then needs the same token grid as those images.
+
+    ``heads`` picks the ablation sets: ``each`` head of a block alone (a row per (layer, head)), or ``all``
+    heads of the block at once (a row per layer, ``head`` empty; with ``mean``: the block's attention branch
+    replaced by its mean output). The rest of the network runs from the pass's own residual stream entering
+    that block (``embed`` / ``block{i-1}.out``): only the blocks from i on are recomputed, every set of a block
+    in one batch of ``sets x images``; nothing is written to the weights. Table per (layer, head), with the
+    columns ``mode`` and ``heads``:
 
     * with a classifier head: ``kl_from_clean`` (mean over images of KL(clean prediction || ablated), nats,
       ``stderr``, interval) and ``prediction_flips`` (share of images whose top-1 class changes, Wilson
@@ -808,20 +913,29 @@ class HeadAblation(_Mechanistic):
     * without one: ``output_change`` (mean over images of 1 - cosine similarity of the model's pooled output,
       clean vs ablated).
 
-    Cost: per block i, ``heads x (depth - i)`` block passes for every image (about ``heads x depth / 2``
-    forwards): name the blocks to ablate with ``layers``. BEiT with a shared relative position bias is refused
-    (its blocks cannot be rerun alone)."""
+    Cost: one forward per ablation set from the ablated block on: per block i, ``sets x (depth - i)`` block
+    passes for every image (``each``: about ``heads x depth / 2`` forwards over all blocks, ``all``: about
+    ``depth / 2``); ``mean`` adds the statistics pass over ``mean_images`` images. Name the blocks to ablate
+    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone)."""
 
     name = "head_ablation"
-    description = "each attention head zeroed in turn: KL to the clean prediction, flips, accuracy drop"
+    state_version = 2  # the mean and the ablation sets in the state
+    description = "attention heads zeroed or mean-ablated (each, or all of a block): KL to the clean prediction, flips"
     _MEANS = ("kl", "change", "drop")
     _TENSORS = ("flips",)
 
-    def __init__(self, vm: Any, layers: Any = None, head_classes: str | None = None):
+    def __init__(self, vm: Any, layers: Any = None, head_classes: str | None = None,
+                 mode: Literal["zero", "mean"] = "zero", heads: Literal["each", "all"] = "each",
+                 mean_images: Count = 500):
         from vitscope.analyses.robustness import check_head_classes, head_label_space
+        from vitscope.errors import check_choice
 
         super().__init__(vm)
         check_head_classes(self.name, head_classes)
+        self.mode = check_choice(mode, ABLATION_MODES, self.name, "mode", "zero or mean")
+        self.heads = check_choice(heads, ABLATION_SETS, self.name, "heads", "each or all")
+        Count.__metadata__[0].check(mean_images, f"{self.name}: mean_images")
+        self.mean_images = int(mean_images)
         self.layers = self.layers_param(layers)
         self._model = getattr(vm, "model", None)
         if self._model is not None and getattr(self._model, "rel_pos_bias", None) is not None:
@@ -830,14 +944,22 @@ class HeadAblation(_Mechanistic):
         self.has_head = self._model is None or int(getattr(self._model, "num_classes", 0) or 0) > 0
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
         self.classes: list[str] | None = None
-        L, H = len(self.layers), self.num_heads
-        self.kl, self.change, self.drop = _Means(L, H), _Means(L, H), _Means(L, H)
-        self.flips = torch.zeros(L, H, dtype=torch.float64)
+        L, G = len(self.layers), self.n_sets
+        self.kl, self.change, self.drop = _Means(L, G), _Means(L, G), _Means(L, G)
+        self.flips = torch.zeros(L, G, dtype=torch.float64)
         self.n_masked = 0  # the shared state layout: images whose labels were scored
+        # mode mean: (layers, tokens, D) float64 mean of block{i}.heads over the images of the statistics pass
+        self.head_mean = torch.zeros(0, dtype=torch.float64)
+        self.mean_n = 0
+
+    @property
+    def n_sets(self) -> int:
+        """Ablation sets per block: one per head, or one (all heads)."""
+        return self.num_heads if self.heads == "each" else 1
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "has_head": self.has_head, "head_space": self.head_space,
-                "classes": self.classes}
+                "classes": self.classes, "mode": self.mode, "heads": self.heads, "mean_images": self.mean_images}
 
     configure = LogitLens.configure
     _covered_classes = LogitLens._covered_classes
@@ -845,30 +967,67 @@ class HeadAblation(_Mechanistic):
     def required_taps(self) -> list[str]:
         return [("embed" if i == 0 else f"block{i - 1}.out") for i in self.layers] + ["logits"]
 
+    def prepare(self, vm: Any, first_images: Any) -> None:
+        """Mode ``mean``: the statistics pass, unless the state already holds its result (a resumed run)."""
+        if self.mode != "mean" or self.mean_n:
+            return
+        from vitscope.capture.engine import Capture
+
+        taps = [f"block{i}.heads" for i in self.layers]
+        total: torch.Tensor | None = None
+        n = 0
+        with Capture(vm, taps) as cap:
+            for b in first_images(self.mean_images):
+                feats = cap(b.images)
+                x = torch.stack([feats[t].double().sum(0) for t in taps]).cpu()  # (L, T, D)
+                if total is not None and x.shape != total.shape:
+                    raise VitscopeError(f"{self.name}: mode 'mean' needs one token grid, but the images of its "
+                                        f"statistics pass have {total.shape[1]} and {x.shape[1]} tokens (whole "
+                                        "frames of different sizes): give the dataset one image size")
+                total = x if total is None else total + x
+                n += len(b.images)
+        if total is None or not n:
+            raise VitscopeError(f"{self.name}: mode 'mean' found no image to average the heads over")
+        self.head_mean, self.mean_n = total / n, n
+
     def _ablated(self, x: torch.Tensor, layer: int) -> torch.Tensor:
-        """``(H, B, ...)`` model outputs with head h of block ``layer`` zeroed in group h."""
-        m, H = self._model, self.num_heads
+        """``(G, B, ...)`` model outputs with ablation set g of block ``layer`` (head g, or every head) in group g."""
+        m, H, G = self._model, self.num_heads, self.n_sets
         if m is None:
             raise VitscopeError(f"{self.name}: ablation needs the loaded model, not a cached state")
         B = x.shape[0]
+        mean = None
+        if self.mode == "mean":
+            if not self.mean_n:
+                raise VitscopeError(f"{self.name}: mode 'mean' needs the heads' mean from its statistics pass: call "
+                                    "prepare(vm, first_images) before the first batch (a study does)")
+            mean = self.head_mean[self.layers.index(layer)]  # (T, D)
+            if mean.shape[0] != x.shape[1]:
+                raise VitscopeError(f"{self.name}: mode 'mean' averaged the heads over {mean.shape[0]} tokens, but "
+                                    f"this batch has {x.shape[1]} (images of another size): give the dataset one "
+                                    "image size")
 
-        def zero(module: Any, args: tuple) -> tuple:
+        def ablate(module: Any, args: tuple) -> tuple:
             h = args[0].clone()
-            view = h.view(H, B, h.shape[1], H, -1)
-            for g in range(H):
-                view[g, :, :, g] = 0
+            view = h.view(G, B, h.shape[1], H, -1)
+            fill = 0.0 if mean is None else mean.to(h.device, h.dtype).view(h.shape[1], H, -1)
+            for g in range(G):
+                if G == 1:
+                    view[g] = fill
+                else:
+                    view[g, :, :, g] = fill if mean is None else fill[:, g]
             return (h, *args[1:])
 
-        handle = m.blocks[layer].attn.proj.register_forward_pre_hook(zero)
+        handle = m.blocks[layer].attn.proj.register_forward_pre_hook(ablate)
         try:
             with torch.inference_mode(), taps_paused():
-                y = x.repeat(H, *([1] * (x.ndim - 1)))
+                y = x.repeat(G, *([1] * (x.ndim - 1)))
                 for blk in list(m.blocks)[layer:]:
                     y = blk(y)
                 out = m.forward_head(m.norm(y))
         finally:
             handle.remove()
-        return out.reshape(H, B, -1)
+        return out.reshape(G, B, -1)
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         from vitscope.analyses.robustness import head_scores
@@ -885,14 +1044,14 @@ class HeadAblation(_Mechanistic):
         kls, changes, flips, correct = [], [], [], []
         for i in self.layers:
             x = feats["embed"] if i == 0 else feats[f"block{i - 1}.out"]
-            abl = self._ablated(x, i).double()  # (H, B, C)
+            abl = self._ablated(x, i).double()  # (G, B, C): G ablation sets
             if self.has_head:
-                kls.append(torch.stack([M.kl_to_final(a, clean) for a in abl], 1))  # (B, H)
+                kls.append(torch.stack([M.kl_to_final(a, clean) for a in abl], 1))  # (B, G)
                 flips.append((abl.argmax(-1) != clean.argmax(-1)).double().sum(1).cpu())
                 if classes is not None:
-                    correct.append(hits(clean).unsqueeze(1) - torch.stack([hits(a) for a in abl], 1))  # (B, H)
+                    correct.append(hits(clean).unsqueeze(1) - torch.stack([hits(a) for a in abl], 1))  # (B, G)
             else:
-                cos = torch.nn.functional.cosine_similarity(abl, clean.unsqueeze(0), dim=-1)  # (H, B)
+                cos = torch.nn.functional.cosine_similarity(abl, clean.unsqueeze(0), dim=-1)  # (G, B)
                 changes.append((1 - cos).T)
         if self.has_head:
             self.kl.add(torch.stack(kls, 1))
@@ -907,6 +1066,12 @@ class HeadAblation(_Mechanistic):
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         o = cast(HeadAblation, other)
+        if self.mean_n and o.mean_n and (self.mean_n != o.mean_n or self.head_mean.shape != o.head_mean.shape
+                                         or not torch.allclose(self.head_mean, o.head_mean, rtol=1e-4, atol=1e-6)):
+            raise VitscopeError(f"{self.name}: cannot merge parts ablated with different means of the heads (other "
+                                "images in their statistics passes)")
+        if o.mean_n and not self.mean_n:
+            self.head_mean, self.mean_n = o.head_mean.clone(), o.mean_n
         for k in self._MEANS:
             getattr(self, k).merge(getattr(o, k))
         for k in self._TENSORS:
@@ -914,21 +1079,31 @@ class HeadAblation(_Mechanistic):
         self.n_images += o.n_images
         self.n_masked += o.n_masked
 
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "head_mean": self.head_mean.clone(), "mean_n": self.mean_n}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        self.head_mean, self.mean_n = state["head_mean"].clone(), int(state["mean_n"])
+
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
         n = self.n_images
         for j, i in enumerate(self.layers):
-            for h in range(self.num_heads):
+            for g in range(self.n_sets):
+                h = g if self.heads == "each" else None
                 if not self.has_head:
-                    rows.append({"metric": "output_change", "layer": i, "head": h, **self.change.row(j, h)})
+                    rows.append({"metric": "output_change", "layer": i, "head": h, **self.change.row(j, g)})
                     continue
-                rows.append({"metric": "kl_from_clean", "layer": i, "head": h, **self.kl.row(j, h)})
-                p = float(self.flips[j, h]) / n if n else float("nan")
+                rows.append({"metric": "kl_from_clean", "layer": i, "head": h, **self.kl.row(j, g)})
+                p = float(self.flips[j, g]) / n if n else float("nan")
                 lo, hi, se = binomial_interval(p, n)
                 rows.append({"metric": "prediction_flips", "layer": i, "head": h, "value": p, "stderr": se,
                              "value_lo": lo, "value_hi": hi, "n": n})
-                if self.drop.count[j, h] > 0:  # per image: clean correct minus ablated correct (-1, 0 or 1)
-                    rows.append({"metric": "accuracy_drop", "layer": i, "head": h, **self.drop.row(j, h)})
+                if self.drop.count[j, g] > 0:  # per image: clean correct minus ablated correct (-1, 0 or 1)
+                    rows.append({"metric": "accuracy_drop", "layer": i, "head": h, **self.drop.row(j, g)})
         df = self.tidy(rows)
-        df["n_images"] = self.n_images
+        df["n_images"], df["mode"], df["heads"] = self.n_images, self.mode, self.heads
+        if self.mode == "mean":
+            df["mean_images"] = self.mean_n
         return df

@@ -8,6 +8,8 @@
 * :func:`kl_to_final`: KL(final || block) of two sets of logits, per image.
 * :func:`robust_outliers`: tokens whose norm lies above ``median + k * 1.4826 * MAD`` of their own image's
   patch-token norms (the normal-consistent MAD), per image.
+* :func:`bimodal_threshold`: a norm threshold read off a pooled distribution of log norms that has two modes
+  (a two-Gaussian mixture, Ashman's D), or none when it has one.
 
 Tensors in, tensors out; no I/O (``vitscope.metrics`` conventions).
 """
@@ -20,12 +22,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "attention_rollout", "fuse_heads", "gradient_rollout", "kl_to_final",
-           "product_rows", "robust_outliers", "rollout_step"]
+__all__ = ["HEAD_FUSIONS", "MAD_SCALE", "MAX_UPPER_SHARE", "MIN_SEPARATION", "attention_rollout", "bimodal_threshold",
+           "fuse_heads", "gradient_rollout", "kl_to_final", "product_rows", "robust_outliers", "rollout_step"]
 
 HEAD_FUSIONS = ("mean", "max", "min")
 MAD_SCALE = 1.4826
 """The MAD times this estimates the standard deviation of a normal distribution."""
+MIN_SEPARATION = 2.0
+"""Ashman's D above which two Gaussian components count as two modes (Ashman, Bird and Zepf 1994)."""
+MAX_UPPER_SHARE = 0.2
+"""The largest share of the tokens an upper mode may hold to count as artifacts: they are a small minority (about
+2 % of the tokens in Darcet et al. 2024); a larger upper mode splits ordinary tokens (object vs background)."""
 
 
 def fuse_heads(attn: Tensor, head_fusion: Literal["mean", "max", "min"] = "mean") -> Tensor:
@@ -117,3 +124,36 @@ def robust_outliers(norms: Tensor, k: float = 6.0) -> Tensor:
     med = norms.median(-1, keepdim=True).values
     mad = (norms - med).abs().median(-1, keepdim=True).values
     return norms > med + k * MAD_SCALE * mad
+
+
+def bimodal_threshold(values: Tensor, min_separation: float = MIN_SEPARATION, max_share: float = MAX_UPPER_SHARE,
+                      max_values: int = 200_000, seed: int = 0) -> tuple[float, float, float]:
+    """``(threshold, separation, upper_share)`` of 1-D ``values`` (log norms): a two-component Gaussian mixture
+    (scikit-learn, fixed ``seed``) is fitted; its separation is Ashman's D,
+    ``sqrt(2) |mu_2 - mu_1| / sqrt(s_1^2 + s_2^2)``, and ``upper_share`` the mixture weight of the upper
+    component. When D exceeds ``min_separation`` and the upper component holds at most ``max_share`` of the
+    values, the distribution has an outlier mode and the threshold is the point between the means where the
+    upper component's weighted density overtakes the lower one's (on a grid of 10,001 points: 1e-4 of the gap);
+    else it is ``inf`` (no value lies above it). At most ``max_values`` values are used (an even stride)."""
+    import numpy as np
+    from sklearn.mixture import GaussianMixture
+
+    x = values.detach().double().flatten().cpu().numpy()
+    x = x[np.isfinite(x)]
+    if len(x) < 4 or np.ptp(x) == 0:
+        return float("inf"), 0.0, 0.0
+    if len(x) > max_values:
+        x = x[:: -(-len(x) // max_values)]
+    gm = GaussianMixture(2, covariance_type="full", random_state=seed, n_init=1).fit(x[:, None])
+    mu, sd, w = gm.means_[:, 0], np.sqrt(gm.covariances_[:, 0, 0]), gm.weights_
+    lo, hi = np.argsort(mu)
+    sep = float(np.sqrt(2) * (mu[hi] - mu[lo]) / np.sqrt(sd[lo] ** 2 + sd[hi] ** 2))
+    if not (sep > min_separation and w[hi] <= max_share):
+        return float("inf"), sep, float(w[hi])
+    grid = np.linspace(mu[lo], mu[hi], 10_001)
+
+    def log_density(k: int) -> np.ndarray:
+        return np.log(w[k]) - np.log(sd[k]) - 0.5 * ((grid - mu[k]) / sd[k]) ** 2
+
+    above = np.nonzero(log_density(hi) >= log_density(lo))[0]
+    return float(grid[above[0]] if len(above) else grid[-1]), sep, float(w[hi])

@@ -85,6 +85,7 @@ class Source:
     read_here: set[str] = field(default_factory=set)  # the skipped images this rank's own passes met
     offset: int = 0      # position of this shard's first id in the selection (torchrun; 0 in one process)
     n_selected: int = 0  # ids selected on every rank together
+    selected: list[int] = field(default_factory=list)  # every rank's selected ids, in order (`_first_images`)
 
 
 def _pk(p: PassKey) -> str:
@@ -366,7 +367,17 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     shard, offset = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
     return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids), offset=offset,
-                  n_selected=len(ids))
+                  n_selected=len(ids), selected=list(ids))
+
+
+def _first_images(src: Source, pre: Any, batch_size: int) -> Callable[[int], Iterator[Any]]:
+    """``n -> `` the clean batches of the first ``n`` selected images of ``src`` (every rank's selection, not
+    this shard's: the same images on every rank), for `Analysis.prepare`."""
+    def batches(n: int) -> Iterator[Any]:
+        for b in src.dataset.batches(batch_size, pre, indices=list(src.selected[:n])):
+            b.dataset, b.view = src.name, CLEAN
+            yield b
+    return batches
 
 
 def _units(ds: Any, n: int) -> list[int] | None:
@@ -639,6 +650,10 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                                             for slot, d in job.plan.slots.items()})
                     continue
                 _restore_skipped(part, sources, job.plan)
+        for job in todo:
+            if not isinstance(job.analysis, PairAnalysis):
+                main = sources[job.plan.slots["data"]]
+                job.analysis.prepare(vm, _first_images(main, vm.preprocessing, cfg.batch_size))
         timings["load"] = round(time.perf_counter() - t0, 2)
         t0 = time.perf_counter()
         updates: dict[str, float] = {}

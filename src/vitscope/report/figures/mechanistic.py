@@ -127,7 +127,11 @@ def high_norm_tokens(df: pd.DataFrame) -> Figures:
     legend_outside(fig, extra=[style_handle("-o", "norm: median, band 1-99 %"), style_handle(":", "dotted: maximum"),
                                style_handle("--", "dashed: uniform attention's share"), band_handle()])
     k = df["k"].dropna()
-    rule = f"norm > median + {float(k.iloc[0]):g}·1.4826·MAD of the image" if len(k) else "the stated rule"
+    said = df["rule"].dropna() if "rule" in df.columns else pd.Series([], dtype=object)
+    if len(said) and said.str.startswith("norm above").any():
+        rule = "norm above the block's bimodal threshold"
+    else:
+        rule = f"norm > median + {float(k.iloc[0]):g}·1.4826·MAD of the image" if len(k) else "the stated rule"
     return [(f"High-norm tokens per block (outlier: {rule}) [{cite('darcet2024')}]", fig)]
 
 
@@ -138,11 +142,16 @@ def gradient_rollout(df: pd.DataFrame) -> Figures:
 
 
 def head_ablation(df: pd.DataFrame) -> Figures:
-    """Effect of zeroing each head on the model's output, block x head, one panel per model: KL to the clean
-    prediction (with a head), else 1 - cosine of the pooled output [Michel et al. 2019]."""
+    """Effect of ablating each head (or all heads of a block: column ``all``) on the model's output, block x
+    head, one panel per model: KL to the clean prediction (with a head), else 1 - cosine of the pooled output
+    [Michel et al. 2019]."""
     from vitscope.report.figures._common import colorbar, model_label
 
     out: Figures = []
+    df = df.assign(head=df["head"].astype(float).fillna(-1))  # heads: all -> one column, -1
+    modes = sorted(set(df["mode"].dropna())) if "mode" in df.columns else []
+    how = {"zero": "zeroed", "mean": "mean-ablated"}
+    done = " or ".join(how.get(m, m) for m in modes) or "zeroed"
     for metric, label in (("kl_from_clean", "KL(clean ‖ ablated), nats"), ("output_change", "1 - cos(clean, ablated)")):
         d = df[df.metric == metric]
         models = models_of(d)
@@ -156,11 +165,12 @@ def head_ablation(df: pd.DataFrame) -> Figures:
             im = ax.imshow(arr.to_numpy(dtype=float), aspect="auto", cmap="magma", vmin=0, vmax=vmax or 1.0,
                            interpolation="nearest")
             ax.set_yticks(range(len(arr.index)), [f"b{int(b)}" for b in arr.index], fontsize=6)
-            ax.set_xticks(range(len(arr.columns)), [f"h{int(h)}" for h in arr.columns], fontsize=6)
+            ax.set_xticks(range(len(arr.columns)), [f"h{int(h)}" if h >= 0 else "all" for h in arr.columns],
+                          fontsize=6)
             ax.set_title(model_label(model), fontsize=9)
         colorbar(fig, im, axes[0, -1], label)
-        out.append((f"Each attention head zeroed in turn: change of the model's output ({label}), block x head "
-                    f"[{cite('michel2019')}]", fig))
+        out.append((f"Attention heads {done} (each in turn; 'all': every head of the block): change of the "
+                    f"model's output ({label}), block x head [{cite('michel2019')}]", fig))
     return out
 
 
