@@ -31,6 +31,8 @@ NOT_RUN = {
         "the test suite itself",
     "vitscope zoo train --objective dino --out zoo/dino": "trains for minutes (test_zoo trains tiny runs)",
     "vitscope zoo evaluate zoo/dino": "needs the run that trains for minutes",
+    "vitscope findings RUN_DIR": "needs two contrastive models and a MIM one; the README study has one "
+                                 "(tests/test_findings.py runs it on a study of its own)",
 }
 
 

@@ -20,6 +20,7 @@ EPILOG = """examples:
   vitscope report vitscope-runs/default         rebuild a run's report.html
   vitscope cache                                the cache by model and analysis (prune: --older-than, --max-size)
   vitscope report RUN_DIR --export figs --format pdf   every figure as a file, sized for a paper
+  vitscope findings RUN_DIR --family mine=contrastive  which similarity findings hold under every measure
   vitscope zoo train --objective dino --out zoo/dino   train a model of the controlled zoo (docs/ZOO.md)
 """
 
@@ -176,6 +177,23 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_findings(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import vitscope.findings as findings
+
+    manifest = findings.read_manifest(args.run_dir)
+    families = findings.parse_families(args.family, manifest["models"])
+    table = findings.check_measures(args.run_dir, families)
+    if table.empty:
+        raise VitscopeError(findings.no_check_reason(args.run_dir, families))
+    print(findings.to_markdown(table))
+    if not (Path(args.run_dir) / "results" / "similarity.parquet").is_file():
+        print(f"\nOnly CKA here: {findings.HOW_TO_GET_SIMILARITY} for the other measures.")
+    print(f"\n-> {findings.write(args.run_dir, table)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vitscope", description="How Vision Transformers see, whatever taught them.",
@@ -246,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --export: lay every figure out one (3.5 in) or two (7.16 in) columns wide "
                           "(default: the narrower that holds it)")
     rep.set_defaults(func=_cmd_report)
+
+    fi = sub.add_parser("findings", parents=[common],
+                        help="which similarity findings (contrastive vs MIM) hold under every similarity measure of a "
+                             "run: holds / fails / inconclusive per measure",
+                        description="Re-checks each similarity finding (two contrastive models more alike than "
+                                    "contrastive and MIM) under every measure of the run's results/cka.parquet and "
+                                    "results/similarity.parquet, and writes the table to "
+                                    "results/summary/findings.parquet. Models are grouped by the objective family "
+                                    "the manifest records (registry entries); give others with --family.")
+    fi.add_argument("run_dir", help="the output_dir of a `vitscope run`")
+    fi.add_argument("--family", action="append", default=[], metavar="LABEL=FAMILY",
+                    help="a model's objective family (contrastive, reconstructive, explicit, hybrid, none), for "
+                         "models the registry does not know; repeat for several")
+    fi.set_defaults(func=_cmd_findings)
 
     add_zoo_parser(sub)
     return p

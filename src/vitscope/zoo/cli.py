@@ -122,7 +122,27 @@ def _cmd_findings(args: argparse.Namespace) -> int:
         raise VitscopeError(f"{args.run_dir}: no finding could be checked (the study needs contrastive and "
                             "reconstructive models and the attention / semantics / fourier / cka analyses)")
     print(to_markdown(table))
+    _print_by_measure(args.run_dir)
     return 0
+
+
+def _print_by_measure(run_dir: str) -> None:
+    """The similarity finding re-checked under every measure of the run's similarity table (`vitscope.findings`),
+    printed and written to results/summary/findings.parquet; one sentence on how to get it when the run has none."""
+    from pathlib import Path
+
+    import vitscope.findings as findings
+
+    if not (Path(run_dir) / "results" / "similarity.parquet").is_file():
+        print(f"\nThe similarity finding rests on CKA alone in this run: {findings.HOW_TO_GET_SIMILARITY} to "
+              "re-check it under Procrustes, the shape metric, the CCA family, RSA, mutual k-NN, CKNNA and ridge R².")
+        return
+    table = findings.check_measures(run_dir)
+    if table.empty:
+        print(f"\n{findings.no_check_reason(run_dir)}.")
+        return
+    print("\n" + findings.to_markdown(table))
+    print(f"\n(per measure: {findings.write(run_dir, table)})")
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -265,7 +285,8 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
                     help="the final block only, not every block (a fine-tuned model: no bar to judge)")
     ev.set_defaults(func=_cmd_evaluate)
 
-    fi = zsub.add_parser("findings", help="which of the sources' findings (contrastive vs MIM) hold in a study")
+    fi = zsub.add_parser("findings", help="which of the sources' findings (contrastive vs MIM) hold in a study; "
+                                                 "the similarity finding under every measure of its similarity table")
     fi.add_argument("run_dir", help="a finished `vitscope run` output directory")
     fi.set_defaults(func=_cmd_findings)
 

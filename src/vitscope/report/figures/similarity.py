@@ -7,6 +7,7 @@ import inspect
 import numpy as np
 import pandas as pd
 
+from vitscope.measures import is_distance
 from vitscope.references import cite
 from vitscope.report.figures._common import (
     Figures,
@@ -200,7 +201,7 @@ def _scale(metric: str) -> tuple[tuple[float, float], str, bool]:
     (lo, hi), label = _SCALES.get(base, ((0.0, 1.0), metric.replace("_", " ")))
     if "_alpha=" in metric:
         label = f"{label}, alpha {metric.split('=')[1]}"
-    return (lo, hi), label, base in ("procrustes", "angular_shape")
+    return (lo, hi), label, is_distance(metric)
 
 
 def similarity(df: pd.DataFrame) -> Figures:
