@@ -263,3 +263,47 @@ def test_torch_input_and_bad_inputs_are_one_sentence():
         S.angular_shape_metric(x, y, 2.0)
     with pytest.raises(VitscopeError, match="k = 30"):
         S.mutual_knn(x, y, k=30)
+
+
+@pytest.mark.parametrize("n, d", [(30, 45), (90, 12)])  # fewer examples than channels, and more
+def test_compare_grid_equals_the_pairwise_compare_it_replaced(n, d):
+    from similarity_before import compare_before
+
+    rng = np.random.default_rng(n)
+    base = rng.standard_normal((n, d)) * np.linspace(2.0, 0.1, d)
+    layers_a = [base + s * rng.standard_normal((n, d)) for s in (0.1, 1.0, 3.0)]
+    layers_b = [base[:, :d - 3] @ rng.standard_normal((d - 3, d - 3)) + rng.standard_normal((n, d - 3)),
+                rng.standard_normal((n, d + 2)), layers_a[0]]  # related, independent, identical
+    pa, pb = [S.prepare(x, k=5, rsa_images=20) for x in layers_a], [S.prepare(y, k=5, rsa_images=20) for y in layers_b]
+    pairs = [(0, 0), (0, 2), (1, 1), (2, 0), (2, 2), (1, 0)]
+    alphas = (0.0, 0.3, 1.0)
+    got = S.compare_grid(pa, pb, pairs, alphas=alphas, ridge=1e-2, reverse=["ridge_r2", "pwcca"])
+    assert list(got) == pairs
+    for i, j in pairs:
+        want = compare_before(pa[i], pb[j], alphas=alphas, ridge=1e-2)
+        back = compare_before(pb[j], pa[i], ["ridge_r2", "pwcca"], ridge=1e-2)
+        want.update({f"{m}_reverse": v for m, v in back.items()})
+        assert set(got[i, j]) == set(want)
+        for name, v in want.items():
+            # the distances near 0 are arccos / sqrt of 1 - 1e-16 rounding: about 1.5e-8 either way
+            tol = 1e-7 if name.startswith(("procrustes", "angular")) else 1e-11
+            assert got[i, j][name] == pytest.approx(v, rel=1e-9, abs=tol), (i, j, name)
+    # a grid wider than one product's columns: the chunks give the same numbers
+    wide = S.compare_grid(pa, pb * 40, [(0, j) for j in range(120)], ["ridge_r2", "mean_cca"], reverse=["ridge_r2"])
+    for j in range(120):
+        want = compare_before(pa[0], pb[j % 3], ["ridge_r2", "mean_cca"])
+        assert wide[0, j]["ridge_r2"] == pytest.approx(want["ridge_r2"], rel=1e-9)
+        assert wide[0, j]["mean_cca"] == pytest.approx(want["mean_cca"], rel=1e-9)
+        assert wide[0, j]["ridge_r2_reverse"] == pytest.approx(S.ridge_r2(layers_b[j % 3], layers_a[0]), rel=1e-9)
+    with pytest.raises(VitscopeError, match="asymmetric"):
+        S.compare_grid(pa, pb, [(0, 0)], reverse=["mean_cca"])
+
+
+def test_top_k_equals_the_first_k_of_a_stable_sort_with_ties():
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        n = int(rng.integers(5, 50))
+        k = int(rng.integers(1, n))
+        sim = rng.integers(0, 3, (n, n)).astype(float) if trial % 2 else rng.standard_normal((n, n))
+        np.fill_diagonal(sim, -np.inf)
+        assert np.array_equal(S._top_k(sim, k), np.argsort(-sim, axis=1, kind="stable")[:, :k]), trial

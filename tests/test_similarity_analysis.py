@@ -288,3 +288,48 @@ def test_three_models_give_each_pair_what_the_pair_alone_gives():
         alone = cls.cross([an[a], an[b]])
         got = every[(every.model == an[a].model_name) & (every.model_b == an[b].model_name)]
         pd.testing.assert_frame_equal(got.reset_index(drop=True), alone.reset_index(drop=True))
+
+
+def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
+    """The same seeded shuffles and resamples as the loop of commit b73785d, one `compare` per shuffle."""
+    from similarity_before import compare_before
+
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(3)
+    n, d, m_rsa = 70, 9, 25
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = (x @ rng.standard_normal((d, d)) + rng.standard_normal((n, d))).astype(np.float32)
+    params = dict(k=5, rsa_images=m_rsa, n_permutations=7, n_bootstrap=6, seed=4)
+    a, b = _fed(vm_a, {"block0.out": x}, torch.arange(n), **params), _fed(vm_b, {"block0.out": y}, torch.arange(n),
+                                                                          **params)
+    row = type(a).cross([a, b]).set_index("metric")
+    fa, fb = a.feats["block0.out"], b.feats["block0.out"]
+    pa, pb = (M.prepare(f, k=5, rsa_images=m_rsa) for f in (fa, fb))
+    rev = ["ridge_r2", "pwcca"]
+    null: dict = {}
+    for p in range(7):
+        g = np.random.default_rng([4, 1, 0, 0, p])
+        shuffled = pb.permuted(np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)]))
+        got = compare_before(pa, shuffled)
+        got.update({f"{m}_reverse": v for m, v in compare_before(shuffled, pa, rev).items()})
+        for metric, v in got.items():
+            null.setdefault(metric, []).append(v)
+    boot: dict = {}
+    linear = list(M.LINEAR_MEASURES)
+    for r in range(6):
+        rows = torch.from_numpy(np.random.default_rng([4, 2, 0, 0, r]).integers(0, n, n))
+        xa, xb = M.prepare(fa[rows], linear), M.prepare(fb[rows], linear)
+        got = compare_before(xa, xb, linear)
+        got.update({f"{m}_reverse": v for m, v in compare_before(xb, xa, rev).items()})
+        for metric, v in got.items():
+            boot.setdefault(metric, []).append(v)
+    assert set(null) == set(row.index)
+    for metric, v in null.items():
+        v = np.asarray(v)
+        assert row.loc[metric, "null_mean"] == pytest.approx(v.mean(), rel=1e-9, abs=1e-7), metric
+        assert row.loc[metric, "null_q95"] == pytest.approx(np.quantile(v, 0.95), rel=1e-9, abs=1e-7), metric
+        assert row.loc[metric, "n_permutations"] == 7
+    for metric, v in boot.items():
+        assert row.loc[metric, "value_lo"] == pytest.approx(np.quantile(v, 0.025), rel=1e-9, abs=1e-7), metric
+        assert row.loc[metric, "value_hi"] == pytest.approx(np.quantile(v, 0.975), rel=1e-9, abs=1e-7), metric

@@ -41,7 +41,7 @@ recomputing it (permutation nulls). The pairwise functions below are `compare(pr
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "cca_correlations",
     "cknna",
     "compare",
+    "compare_grid",
     "kendall_tau_a",
     "mean_cca",
     "mutual_knn",
@@ -112,7 +113,7 @@ class Prepared:
     rdm: np.ndarray | None = None  # (m,) upper triangle of the correlation-distance RDM
     rdm_n: int = 0  # examples of the RDM (the first rdm_n)
     rdm_ranks: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # cached values the order of the examples does not change
 
     def permuted(self, perm: np.ndarray) -> Prepared:
         """The same matrix with its examples reordered (row i of the new one is row perm[i]), without a new SVD
@@ -164,7 +165,7 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
         sim = z @ z.T
         np.fill_diagonal(sim, -np.inf)
-        idx = np.argsort(-sim, axis=1, kind="stable")[:, :k]
+        idx = _top_k(sim, k)
         p.knn, p.knn_sim = idx, np.take_along_axis(sim, idx, axis=1)
     if "rsa" in measures:
         m = n if rsa_images is None else min(int(rsa_images), n)
@@ -173,6 +174,18 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         p.rdm_n, p.rdm = m, correlation_rdm(a[:m])
         p.rdm_ranks = scipy.stats.rankdata(p.rdm)
     return p
+
+
+def _top_k(sim: np.ndarray, k: int) -> np.ndarray:
+    """Per row, the columns of the ``k`` largest values, largest first and equal values by column: the first
+    ``k`` of a stable argsort of ``-sim``, from a partition (rows where the k-th value is tied take the sort)."""
+    idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(sim, idx, axis=1)
+    tied = (sim >= vals.min(1, keepdims=True)).sum(1) > k
+    idx = np.take_along_axis(idx, np.lexsort((idx, -vals), axis=-1), axis=1)
+    if tied.any():
+        idx[tied] = np.argsort(-sim[tied], axis=1, kind="stable")[:, :k]
+    return idx
 
 
 def _thin_svd(a: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -216,40 +229,170 @@ def compare(px: Prepared, py: Prepared, measures: Iterable[str] = MEASURES, alph
     """{name: value} of ``measures`` between two prepared matrices of the same examples. Names: ``procrustes``,
     ``angular_shape_alpha=<a>`` per alpha, ``mean_cca``, ``svcca``, ``pwcca``, ``ridge_r2`` (X predicts Y),
     ``rsa_spearman``, ``rsa_kendall``, ``mutual_knn``, ``cknna``."""
+    return compare_grid([px], [py], [(0, 0)], measures, alphas, ridge)[0, 0]
+
+
+#: measures whose value changes when x and y swap: `compare_grid` gives them as ``<name>_reverse`` too
+ASYMMETRIC = ("pwcca", "ridge_r2")
+GRID_COLUMNS = 2048  # columns of the stacked targets in one product (n x 2048 float64: 32 MB at n = 2000)
+
+
+def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable[tuple[int, int]],
+                 measures: Iterable[str] = MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3,
+                 reverse: Iterable[str] = ()) -> dict[tuple[int, int], dict[str, float]]:
+    """``compare(pa[i], pb[j], measures)`` for each ``(i, j)`` of ``pairs``, and for the asymmetric measures in
+    ``reverse`` (pwcca, ridge_r2) also ``<name>_reverse`` = ``compare(pb[j], pa[i], [name])``: the same numbers
+    as those calls (up to float rounding), in less time. The cross products ``U_iᵀ U_j`` of each ``pa[i]``
+    with all the ``pb[j]`` it meets come from one matrix product; one eigendecomposition of each of
+    ``M Mᵀ`` and ``Mᵀ M`` gives the canonical correlations and PWCCA's directions both ways; ridge's residuals
+    of one predictor against all its targets come from one product."""
     measures = _check_measures(measures)
-    if px.n != py.n:
-        raise FeatureError(f"x and y must hold the same examples: got n = {px.n} and n = {py.n}")
-    out: dict[str, float] = {}
-    if any(m in LINEAR_MEASURES for m in measures):
-        if px.u is None or py.u is None:
+    asked = _check_measures(reverse)
+    if any(m not in ASYMMETRIC for m in asked):
+        raise FeatureError(f"compare_grid: reverse takes the asymmetric measures {', '.join(ASYMMETRIC)}")
+    reverse = [m for m in ASYMMETRIC if m in asked and m in measures]
+    pairs = list(dict.fromkeys((int(i), int(j)) for i, j in pairs))
+    linear = any(m in LINEAR_MEASURES for m in measures)
+    for i, j in pairs:
+        px, py = pa[i], pb[j]
+        if px.n != py.n:
+            raise FeatureError(f"x and y must hold the same examples: got n = {px.n} and n = {py.n}")
+        if linear and (px.u is None or py.u is None):
             raise FeatureError("compare: a matrix was prepared without the linear measures")
-        cross = px.u.T @ py.u  # (rx, ry)
-        rho = None  # canonical correlations, computed once for the measures that share them
-        if "mean_cca" in measures or "pwcca" in measures or ("angular_shape" in measures and 0.0 in alphas):
-            rho = np.clip(_svals(cross), 0.0, 1.0)
-        if "procrustes" in measures or ("angular_shape" in measures and 1.0 in alphas):
-            nuc1 = _svals(px.s[:, None] * cross * py.s[None, :]).sum()  # |XᵀY|_*, both at unit norm
-            if "procrustes" in measures:
-                out["procrustes"] = float(np.sqrt(max(0.0, 2.0 - 2.0 * min(nuc1, 1.0))))
-        if "angular_shape" in measures:
-            for a in alphas:
-                known = nuc1 if float(a) == 1.0 else rho.sum() if float(a) == 0.0 else None
-                out[f"angular_shape_alpha={float(a):g}"] = _angular(px, py, cross, float(a), known)
-        if "mean_cca" in measures:
-            out["mean_cca"] = float(rho.mean())
-        if "pwcca" in measures:
-            # canonical directions of x: eigenvectors of cross crossᵀ, the largest min(rx, ry) eigenvalues
-            lam, ua = np.linalg.eigh(cross @ cross.T)
-            c = min(cross.shape)
-            ua, rho_w = ua[:, ::-1][:, :c], np.sqrt(np.clip(lam[::-1][:c], 0.0, 1.0))
-            # <h_i, x_j> for the canonical variates h = U_x a_i and the neurons x_j (columns of U_x S V_xᵀ)
-            w = np.abs((ua.T * px.s[None, :]) @ px.vt).sum(1)
-            out["pwcca"] = float((w * rho_w).sum() / w.sum())
-        if "svcca" in measures:
-            rho_k = _svals(cross[:px.keep_svcca, :py.keep_svcca])
-            out["svcca"] = float(np.clip(rho_k, 0.0, 1.0).mean())
+    out: dict[tuple[int, int], dict[str, float]] = {pair: {} for pair in pairs}
+    if linear:
+        cross = _cross_products(pa, pb, pairs)
+        for (i, j), m in cross.items():
+            out[i, j].update(_linear(pa[i], pb[j], m, measures, [float(a) for a in alphas], reverse))
         if "ridge_r2" in measures:
-            out["ridge_r2"] = _ridge_loo_r2(px, py, cross, float(ridge))
+            for (i, j), v in _ridge_grid(pa, pb, cross, float(ridge)).items():
+                out[i, j]["ridge_r2"] = v
+            if "ridge_r2" in reverse:
+                back = {(j, i): m.T for (i, j), m in cross.items()}
+                for (j, i), v in _ridge_grid(pb, pa, back, float(ridge)).items():
+                    out[i, j]["ridge_r2_reverse"] = v
+    for i, j in pairs:
+        out[i, j].update(_nonlinear(pa[i], pb[j], measures))
+        out[i, j] = _ordered(out[i, j], measures, [float(a) for a in alphas], reverse)
+    return out
+
+
+def _ordered(got: dict[str, float], measures: list[str], alphas: list[float], reverse: list[str]) -> dict[str, float]:
+    """The names in a fixed order (the tables' row order), then the reverse ones."""
+    names = []
+    for m in ("procrustes", "angular_shape", "mean_cca", "pwcca", "svcca", "ridge_r2", "rsa", "mutual_knn", "cknna"):
+        if m not in measures:
+            continue
+        if m == "angular_shape":
+            names += [f"angular_shape_alpha={a:g}" for a in alphas]
+        elif m == "rsa":
+            names += ["rsa_spearman", "rsa_kendall"]
+        else:
+            names.append(m)
+    names += [f"{m}_reverse" for m in reverse]
+    return {k: got[k] for k in dict.fromkeys(names) if k in got}
+
+
+def _cross_products(pa: Sequence[Prepared], pb: Sequence[Prepared],
+                    pairs: list[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+    """``U_iᵀ U_j`` for each pair: per i, its partners' bases side by side in one product."""
+    by_i: dict[int, list[int]] = {}
+    for i, j in pairs:
+        by_i.setdefault(i, []).append(j)
+    out = {}
+    for i, js in by_i.items():
+        for chunk in _chunks(js, [pb[j].u.shape[1] for j in js]):
+            wide = pa[i].u.T @ np.concatenate([pb[j].u for j in chunk], axis=1)
+            for j, block in zip(chunk, _split(wide, [pb[j].u.shape[1] for j in chunk]), strict=True):
+                out[i, j] = block
+    return {pair: out[pair] for pair in pairs}
+
+
+def _chunks(items: list[int], widths: list[int]) -> list[list[int]]:
+    """``items`` in runs whose widths add up to at most GRID_COLUMNS (one item alone may exceed it)."""
+    runs, run, width = [], [], 0
+    for item, w in zip(items, widths, strict=True):
+        if run and width + w > GRID_COLUMNS:
+            runs.append(run)
+            run, width = [], 0
+        run.append(item)
+        width += w
+    return [*runs, run] if run else runs
+
+
+def _split(wide: np.ndarray, widths: list[int]) -> list[np.ndarray]:
+    return np.split(wide, np.cumsum(widths)[:-1], axis=1)
+
+
+def _linear(px: Prepared, py: Prepared, cross: np.ndarray, measures: list[str], alphas: list[float],
+            reverse: list[str]) -> dict[str, float]:
+    """The linear measures but ridge from the cross product ``cross = U_xᵀ U_y``."""
+    out: dict[str, float] = {}
+    tall = cross.shape[0] >= cross.shape[1]  # _svals takes the smaller Gram: Mᵀ M when tall
+    eig: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # False: eigh(M Mᵀ) (x's side), True: eigh(Mᵀ M)
+    if "pwcca" in measures:
+        eig[False] = np.linalg.eigh(cross @ cross.T)
+    if "pwcca" in reverse:
+        eig[True] = np.linalg.eigh(cross.T @ cross)
+    rho = None  # canonical correlations, computed once for the measures that share them
+    if "mean_cca" in measures or "pwcca" in measures or ("angular_shape" in measures and 0.0 in alphas):
+        lam = eig[tall][0] if tall in eig else np.linalg.eigvalsh(cross.T @ cross if tall else cross @ cross.T)
+        rho = np.clip(np.sqrt(np.clip(lam[::-1], 0.0, None)), 0.0, 1.0)
+    nuc1 = None
+    if "procrustes" in measures or ("angular_shape" in measures and 1.0 in alphas):
+        nuc1 = _svals(px.s[:, None] * cross * py.s[None, :]).sum()  # |XᵀY|_*, both at unit norm
+        if "procrustes" in measures:
+            out["procrustes"] = float(np.sqrt(max(0.0, 2.0 - 2.0 * min(nuc1, 1.0))))
+    if "angular_shape" in measures:
+        for a in alphas:
+            known = nuc1 if a == 1.0 else rho.sum() if a == 0.0 else None
+            out[f"angular_shape_alpha={a:g}"] = _angular(px, py, cross, a, known)
+    if "mean_cca" in measures:
+        out["mean_cca"] = float(rho.mean())
+    if "pwcca" in measures:
+        out["pwcca"] = _pwcca(px, *eig[False], min(cross.shape))
+    if "pwcca" in reverse:
+        out["pwcca_reverse"] = _pwcca(py, *eig[True], min(cross.shape))
+    if "svcca" in measures:
+        rho_k = _svals(cross[:px.keep_svcca, :py.keep_svcca])
+        out["svcca"] = float(np.clip(rho_k, 0.0, 1.0).mean())
+    return out
+
+
+def _pwcca(px: Prepared, lam: np.ndarray, vec: np.ndarray, c: int) -> float:
+    """PWCCA with weights from x, given the eigendecomposition of ``M Mᵀ`` (ascending) for ``M = U_xᵀ U_y``:
+    x's canonical directions are its eigenvectors of the ``c`` largest eigenvalues."""
+    ua, rho_w = vec[:, ::-1][:, :c], np.sqrt(np.clip(lam[::-1][:c], 0.0, 1.0))
+    # <h_i, x_j> for the canonical variates h = U_x a_i and the neurons x_j (columns of U_x S V_xᵀ)
+    w = np.abs((ua.T * px.s[None, :]) @ px.vt).sum(1)
+    return float((w * rho_w).sum() / w.sum())
+
+
+def _ridge_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], cross: Mapping[tuple[int, int], np.ndarray],
+                ridge: float) -> dict[tuple[int, int], float]:
+    """Leave-one-out ridge R² (module docstring) of pa[i] predicting pb[j] for each pair of ``cross`` (its
+    ``U_iᵀ U_j``): per i, the fitted values of all its targets in one product."""
+    by_i: dict[int, list[int]] = {}
+    for i, j in cross:
+        by_i.setdefault(i, []).append(j)
+    out = {}
+    for i, js in by_i.items():
+        px = pa[i]
+        f = px.s ** 2 / (px.s ** 2 + ridge)  # shrinkage of each direction of X (total variance 1)
+        scale = 1.0 / np.maximum(1.0 - (px.u ** 2) @ f, 1e-12)  # 1 / (1 - the hat matrix's diagonal)
+        for chunk in _chunks(js, [pb[j].u.shape[1] for j in js]):
+            coef = np.concatenate([f[:, None] * cross[i, j] * pb[j].s[None, :] for j in chunk], axis=1)
+            resid = np.concatenate([pb[j].u * pb[j].s[None, :] for j in chunk], axis=1)
+            resid -= px.u @ coef  # (I - H) Y in Y's basis, every target side by side
+            resid *= scale[:, None]
+            sse = (resid ** 2).sum(0)
+            for j, part in zip(chunk, _split(sse[None, :], [pb[j].u.shape[1] for j in chunk]), strict=True):
+                out[i, j] = float(1.0 - part.sum() / (pb[j].s ** 2).sum())
+    return out
+
+
+def _nonlinear(px: Prepared, py: Prepared, measures: list[str]) -> dict[str, float]:
+    out: dict[str, float] = {}
     if "rsa" in measures:
         if px.rdm is None or py.rdm is None or px.rdm_n != py.rdm_n:
             raise FeatureError("compare: RSA needs both matrices prepared with RDMs of the same examples")
@@ -285,14 +428,6 @@ def _angular(px: Prepared, py: Prepared, cross: np.ndarray, alpha: float, known:
     return float(np.arccos(np.clip(nuc / (np.linalg.norm(wx) * np.linalg.norm(wy)), -1.0, 1.0)))
 
 
-def _ridge_loo_r2(px: Prepared, py: Prepared, cross: np.ndarray, ridge: float) -> float:
-    f = px.s ** 2 / (px.s ** 2 + ridge)  # shrinkage of each direction of X (total variance 1)
-    h = (px.u ** 2) @ f  # the hat matrix's diagonal
-    resid = py.u * py.s[None, :] - px.u @ (f[:, None] * cross * py.s[None, :])  # (I - H) Y in Y's basis
-    loo = resid / np.maximum(1.0 - h, 1e-12)[:, None]
-    return float(1.0 - (loo ** 2).sum() / (py.s ** 2).sum())
-
-
 def _pearson(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a - a.mean(), b - b.mean()
     den = np.sqrt((a @ a) * (b @ b))
@@ -305,7 +440,7 @@ def kendall_tau_a(a: np.ndarray, b: np.ndarray) -> float:
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     m = len(a)
     m0 = m * (m - 1) / 2
-    ties = [sum(c * (c - 1) / 2 for c in np.unique(v, return_counts=True)[1]) for v in (a, b)]
+    ties = [float((c * (c - 1) // 2).sum()) for c in (np.unique(v, return_counts=True)[1] for v in (a, b))]
     den = np.sqrt((m0 - ties[0]) * (m0 - ties[1]))
     if den == 0:
         return float("nan")
@@ -330,8 +465,13 @@ def _cknna(px: Prepared, py: Prepared, same: np.ndarray) -> float:
     i_x, j_x = np.nonzero(same.any(2))  # positions in x's list that are also in y's
     j_y = same.argmax(2)[i_x, j_x]
     kl = hsic(px.knn_sim[i_x, j_x], py.knn_sim[i_x, j_y], i_x, px.knn[i_x, j_x])
-    kk = hsic(px.knn_sim.ravel(), px.knn_sim.ravel(), rows, px.knn.ravel())
-    ll = hsic(py.knn_sim.ravel(), py.knn_sim.ravel(), rows, py.knn.ravel())
+
+    def self_hsic(p: Prepared) -> float:  # the same for every partner and every reordering of the examples
+        if "hsic_self" not in p.extra:
+            p.extra["hsic_self"] = hsic(p.knn_sim.ravel(), p.knn_sim.ravel(), rows, p.knn.ravel())
+        return p.extra["hsic_self"]
+
+    kk, ll = self_hsic(px), self_hsic(py)
     return float(kl / np.sqrt(kk * ll)) if kk * ll > 0 else float("nan")
 
 
