@@ -58,7 +58,9 @@ class RaggedBatch:
     """One id chunk whose images differ in size (whole frames of a variable-size dataset): consecutive runs
     of one size, each a `Batch` (``parts``), in the chunk's order. The capture engine runs one forward per
     part and feeds every analysis the parts in order, so a chunk keeps its composition (resume, shards and
-    tables as for any batch) and no image is padded or resized to fit another."""
+    tables as for any batch) and no image is padded or resized to fit another. Padding was rejected (attention
+    sees the pad tokens, so the features change), and so was one image per chunk (it changes the chunks and the
+    CKA groups)."""
 
     parts: list[Batch]
     dataset: str = ""

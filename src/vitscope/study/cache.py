@@ -15,7 +15,10 @@ finished table as parquet bytes in a uint8 tensor. An entry holding anything els
 file of another format) is not read: it is recomputed and overwritten. ``mmap=True`` maps the tensors
 of an entry instead of reading them (the semantics analysis's pooled features).
 
-The default location is per user (`default_cache_dir`), never a directory other users can write to.
+The default location is per user (`default_cache_dir`), never a directory other users can write to. Not
+``<output_dir>/../cache`` (an output directory under a shared one such as /tmp put the cache there, writable by
+every user at predictable names), and not inside the run directory: the keys are content hashes, so one cache
+serves every study of a user, which a per-run cache would lose (it is the fallback when there is no home).
 
 Housekeeping (`vitscope cache`, without torch): reading an entry sets its mtime, so an entry's mtime is its last
 use; ``<model key>/about.json`` names the model (or pair) the folder belongs to; `listing` sums the entries by

@@ -6,7 +6,8 @@ work around them (the analyses' updates and finalize: probes, k-means, t-SNE); t
 each overlap one model's finalize with another's forwards. The study's process stays the only one that writes
 results: it reads the helper's models back from the cache (exactly as a rerun would) and runs the pair stages,
 the cross-model stage, the tables and the report itself. If the helper fails or dies, the study computes the
-model itself: the helper can cost time, never a result.
+model itself: the helper can cost time, never a result. Not torchrun's shards for this: they split images, so
+every rank still runs every model's finalize; the helper splits models.
 
 When: `vitscope.threads.workers()` is 2 (two usable cores; ``VITSCOPE_WORKERS=1`` turns it off), one process
 (not under torchrun), no ``on_batch`` hook (tests that interrupt runs), and at least `MIN_MODELS` models with
