@@ -657,6 +657,47 @@ def test_a_tiny_pickle_asking_allowed_globals_for_gigabytes_is_refused_before_al
         assert "ask for" in message and "more than saved tensors ever need" in message, (kind, message)
 
 
+LOAD_STATES_UNDER_1GB = HOSTILE + r'''
+import json, resource
+from pathlib import Path
+from vitscope.study.cache import Cache
+from vitscope.zoo.train import load_state
+out = {}
+for i, kind in enumerate(sys.argv[2:]):
+    path = Path(sys.argv[1]) / f"entry{i}.pt"
+    write(path, kind)
+    vm_size = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (vm_size + 2 ** 30, resource.RLIM_INFINITY))  # 1 GiB more, at most
+    cached = Cache(Path(sys.argv[1])).load(path)
+    try:
+        load_state(path)
+        state = "loaded"
+    except Exception as e:
+        state = f"{type(e).__name__}: {e}"
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    out[kind] = [cached is None, state]
+print(json.dumps(out))
+'''
+
+
+def test_a_cache_entry_or_training_state_asking_for_gigabytes_is_refused_before_loading(tmp_path):
+    """The same tiny pickles planted as a study cache entry (read back with mmap) and as a zoo training state:
+    the entry is ignored (recomputed) and the state refused in one sentence, each under a 1 GiB limit."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", LOAD_STATES_UNDER_1GB, str(tmp_path), *HOSTILE_KINDS],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    for kind in HOSTILE_KINDS:
+        ignored, state = out[kind]
+        assert ignored, kind
+        assert state.startswith("VitscopeError: cannot resume from") and "ask for" in state, (kind, state)
+        assert "MemoryError" not in state and "\n" not in state, (kind, state)
+
+
 def test_torch_files_within_their_size_still_load(tmp_path):
     """A stride-0 view of a saved tensor, shared storages, a Parameter, the argparse.Namespace of official files,
     in both formats: loaded as before, and their shapes read off the pickle alone."""

@@ -170,7 +170,10 @@ class Cache:
 
         if not path.is_file():
             return None
+        from vitscope.models.torchfile import check_memory
+
         try:
+            check_memory(path)  # a pickle asking for more memory than the file holds is refused, not loaded
             entry = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(entry, dict) or entry.get("format") != FORMAT:
                 raise ValueError(f"not a vitscope cache entry of format {FORMAT}")

@@ -233,7 +233,10 @@ def load_state(path: Path) -> dict[str, Any]:
     allowed = [(np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
                (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
                *((reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core"))]
+    from vitscope.models.torchfile import check_memory
+
     try:
+        check_memory(path)  # a pickle asking for more memory than the file holds is refused, not loaded
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - one sentence, not the unpickler's page of advice
