@@ -235,8 +235,9 @@ class Propagation(_Dense):
     input size, so they are whole frames as they are."""
 
     name = "propagation"
-    state_version = 4  # 4: a wide video's context kept transposed; 3: stderr over objects; 2: whole frames scored
-    # at the annotation's resolution, void as background, final norm
+    # 4: the context in one buffer, a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the
+    # annotation's resolution, void as background, final norm
+    state_version = 4
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -300,15 +301,21 @@ class Propagation(_Dense):
             return
         # context, labels and predictions are kept in the working grid's token order (`_work`)
         work, turned = self._work(grid)
-        x = self._turn(x.transpose(1, 2), grid).transpose(1, 2).contiguous() if turned else x.clone()
-        ctx = torch.stack([cur["first_x"]] + [q[0] for q in cur["queue"]], 2).transpose(1, 2)  # (L, n, S, D)
-        lab = torch.stack([cur["first_y"]] + [q[1] for q in cur["queue"]], 1)                # (L, n, C, S)
-        probs = D.propagate(x, ctx, lab, work, self.radius, self.topk, self.temperature, self.near(work))
-        cprobs = D.neighbourhood_mean(torch.stack([cur["first_c"]] + [q[2] for q in cur["queue"]], 1),
+        x = self._turn(x.transpose(1, 2), grid).transpose(1, 2) if turned else x
+        # the context frames' features sit in one (L, S, slots, D) buffer (slot 0 the first frame, then a ring of
+        # the last n_last_frames), the layout `propagate` reads a band of keys from without a copy
+        n, buf = cur["n_ctx"], cur["ctx"]
+        lab = torch.stack([cur["labels"][i][0] for i in range(n)], 1)                         # (L, n, C, S)
+        probs = D.propagate(x, buf[:, :, :n].transpose(1, 2), lab, work, self.radius, self.topk, self.temperature,
+                            self.near(work))                                               # (L, C, S)
+        cprobs = D.neighbourhood_mean(torch.stack([cur["labels"][i][1] for i in range(n)], 1),
                                       self.near(work))                                     # (1, C, S)
-        cur["queue"].append((x, probs, cprobs))  # x is a copy: not a view that keeps the batch alive
-        if len(cur["queue"]) > self.n_last_frames:
-            cur["queue"].pop(0)
+        if self.n_last_frames:
+            slot = cur["next"]  # the oldest of the last frames, or a free slot
+            buf[:, :, slot] = x
+            cur["labels"][slot] = (probs, cprobs)
+            cur["next"] = 1 + slot % self.n_last_frames
+            cur["n_ctx"] = min(n + 1, 1 + self.n_last_frames)
         if turned:
             probs, cprobs = self._turn(probs, work), self._turn(cprobs, work)
         cur["last_scored"] = objects is not None
@@ -329,7 +336,7 @@ class Propagation(_Dense):
     def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
                item: int, grid: tuple[int, int]) -> None:
         cur: dict[str, Any] = {"sequence": seq if seq is not None else f"item{item}", "last_frame": frame,
-                               "n_frames": 1, "queue": [], "scores": [], "first_item": item, "grid": list(grid)}
+                               "n_frames": 1, "scores": [], "first_item": item, "grid": list(grid)}
         self.cur = cur
         if frame not in (None, 0):
             cur["skip"] = "video does not start at frame 0"
@@ -343,8 +350,11 @@ class Propagation(_Dense):
                 y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
                 if self._work(grid)[1]:  # kept in the working grid's order (`_frame`)
                     x, y = self._turn(x.transpose(1, 2), grid).transpose(1, 2), self._turn(y, grid)
-                cur.update(objects=ids, first_x=x.clone(), first_y=y[None].expand(len(self.layers), -1, -1).clone(),
-                           first_c=y[None].clone())
+                L, S, Dm = x.shape
+                buf = torch.zeros(L, S, 1 + self.n_last_frames, Dm, dtype=x.dtype)  # zeros: a saved state is
+                buf[:, :, 0] = x                                                     # the same bytes every time
+                cur.update(objects=ids, ctx=buf, n_ctx=1, next=1,
+                           labels=[(y[None].expand(L, -1, -1).clone(), y[None].clone())] + [None] * self.n_last_frames)
 
     def _close(self) -> None:
         cur, self.cur = self.cur, None
@@ -380,8 +390,9 @@ class Propagation(_Dense):
     def state_dict(self) -> dict[str, Any]:
         cur = None
         if self.cur is not None:
-            cur = {k: v for k, v in self.cur.items() if k != "queue"}
-            cur["queue"] = [list(q) for q in self.cur["queue"]]
+            cur = {k: v for k, v in self.cur.items() if k != "labels"}
+            if "labels" in self.cur:
+                cur["labels"] = [None if q is None else list(q) for q in self.cur["labels"]]
         return {"layers": self.layers, "videos": self.videos, "cur": cur, "skipped": dict(self.skipped),
                 "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
                 "scored_at": list(self.scored_at)}
@@ -392,8 +403,9 @@ class Propagation(_Dense):
         self.scored_at = list(state.get("scored_at", []))
         self.videos = [dict(v) for v in state["videos"]]
         cur = state["cur"]
-        self.cur = None if cur is None else {**cur, "queue": [tuple(q) for q in cur["queue"]],
-                                             "scores": [tuple(s) for s in cur["scores"]]}
+        self.cur = None if cur is None else {**cur, "scores": [tuple(s) for s in cur["scores"]]}
+        if self.cur is not None and "labels" in self.cur:
+            self.cur["labels"] = [None if q is None else tuple(q) for q in self.cur["labels"]]
         self.skipped = Counter(state["skipped"])
         self.n_images, self.unscored_frames = int(state["n_images"]), int(state["unscored_frames"])
 
