@@ -161,7 +161,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             continue
         est.n_models += 1
         try:
-            mkey = _model_key(mc)[1]
+            mkey = _model_key(mc, sources)[1]
         except Exception:  # noqa: BLE001 - a file that is not there (a dry run notes it): nothing cached
             mkey = None
         todo = []
