@@ -289,8 +289,8 @@ def _check_ablations(cfg: StudyConfig) -> None:
             if spec.dataset not in names:
                 hint = close_matches(spec.dataset, names)
                 raise ConfigError(f"{where}.dataset: no dataset named {spec.dataset!r} in the study"
-                                  + (f"; did you mean {', '.join(hint)}?" if hint else "")
-                                  + f" Datasets: {', '.join(names)}.")
+                                  + (f"; did you mean {', '.join(hint)}?" if hint else ";")
+                                  + f" its datasets: {', '.join(names)}")
         kw = m.kwargs or {}
         if isinstance(kw.get("depth"), int) and isinstance(kw.get("num_heads"), int):
             check_bounds(spec, kw["depth"], kw["num_heads"], where)
