@@ -916,7 +916,9 @@ class HeadAblation(_Mechanistic):
     Cost: one forward per ablation set from the ablated block on: per block i, ``sets x (depth - i)`` block
     passes for every image (``each``: about ``heads x depth / 2`` forwards over all blocks, ``all``: about
     ``depth / 2``); ``mean`` adds the statistics pass over ``mean_images`` images. Name the blocks to ablate
-    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone)."""
+    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone).
+    To re-measure another analysis (k-NN, propagation, shape bias) with heads ablated, make the model an ablated
+    variant instead: ``ablate:`` on its study entry (docs/CONFIG.md), one forward per image per variant."""
 
     name = "head_ablation"
     state_version = 2  # the mean and the ablation sets in the state
