@@ -279,3 +279,15 @@ def test_a_head_out_of_range_of_a_model_whose_size_the_config_does_not_say_stops
                          "kwargs: {img_size: 32, patch_size: 8, embed_dim: 48, depth: 2}, ablate: {heads: [[0, 7]]}")
     with pytest.raises(ConfigError, match=r"head 7 is out of range: the model has 6 heads per block"):
         run_study(load_config(write(tmp_path, text), [f"output_dir={tmp_path / 'run'}"]))
+
+
+def test_the_dry_run_counts_the_statistics_pass_of_a_variant(tmp_path, monkeypatch):
+    from vitscope.study import cost
+
+    over = [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"]
+    est = cost.dry_run(load_config(write(tmp_path, STUDY), over))
+    forwards = []
+    real_call = Capture.__call__
+    monkeypatch.setattr(Capture, "__call__", lambda self, x: forwards.append(len(x)) or real_call(self, x))
+    run_study(load_config(write(tmp_path, STUDY), over))
+    assert est.forwards == len(forwards) == 3 * 6 + 2  # 24 images in batches of 4 per model; 8 statistics images
