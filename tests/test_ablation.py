@@ -3,6 +3,9 @@ write-hooks on the ablated heads, run by every analysis like any model, cached a
 
 import copy
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -291,3 +294,46 @@ def test_the_dry_run_counts_the_statistics_pass_of_a_variant(tmp_path, monkeypat
     monkeypatch.setattr(Capture, "__call__", lambda self, x: forwards.append(len(x)) or real_call(self, x))
     run_study(load_config(write(tmp_path, STUDY), over))
     assert est.forwards == len(forwards) == 3 * 6 + 2  # 24 images in batches of 4 per model; 8 statistics images
+
+
+VIDEOS = f"""
+models:
+  - {{name: vit_small_patch16_224, label: tiny, pretrained: false, kwargs: {TINY}}}
+  - {{name: vit_small_patch16_224, label: tiny-abl, pretrained: false, kwargs: {TINY},
+     ablate: {{heads: global, mode: mean, images: 8}}}}
+dataset: {{name: synthetic-videos, n_images: 16, options: {{n_frames: 8}}}}
+analyses:
+  propagation: {{}}
+batch_size: 4
+progress: false
+"""
+
+
+def test_propagation_is_re_measured_on_a_variant_whose_global_heads_are_mean_ablated(tmp_path):
+    out = run_study(load_config(write(tmp_path, VIDEOS), [f"output_dir={tmp_path / 'run'}",
+                                                         f"cache_dir={tmp_path / 'cache'}"]))
+    df = pd.read_parquet(out / "results" / "propagation.parquet")
+    jf = df[df.metric == "JF"].set_index(["model", "layer"]).value
+    ablated = json.loads((out / "manifest.json").read_text())["models"]["tiny-abl"]["ablation"]["heads"]
+    assert ablated and min(i for i, _ in ablated) == 0  # the random tiny ViT's heads are global, block 0's too
+    assert jf[("tiny-abl", 0)] == jf[("tiny", 0)]  # the embedding, before any ablated head
+    assert jf[("tiny-abl", 2)] != jf[("tiny", 2)]  # the last block's features propagate other masks
+
+
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+def test_a_variant_sharded_by_torchrun_equals_one_process(tmp_path):
+    cfg = write(tmp_path, STUDY.replace("semantics: {layers: [1], views: [cls, gap], ks: [5], kmeans: false, "
+                                        "probe: false}", "cka: {batch_size: 4, views: [gap]}"))
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "vitscope", "--quiet", "run", str(cfg),
+                    f"output_dir={sharded}", f"cache_dir={tmp_path / 'c2'}"], check=True, timeout=240)
+    subprocess.run([sys.executable, "-m", "vitscope", "--quiet", "run", str(cfg), f"output_dir={single}",
+                    f"cache_dir={tmp_path / 'c1'}"], check=True, timeout=240)
+    a = pd.read_parquet(sharded / "results" / "cka.parquet")
+    b = pd.read_parquet(single / "results" / "cka.parquet")
+    assert len(a) == len(b) > 0 and set(a.model) == {"tiny", ABLATED, "tiny-mean"}
+    # abs: cka_divergence (1 - CKA) rounds to ~1e-9 in the clean model too
+    assert a.value.to_numpy() == pytest.approx(b.value.to_numpy(), rel=1e-6, abs=1e-8)
+    for run_dir in (sharded, single):
+        models = json.loads((run_dir / "manifest.json").read_text())["models"]
+        assert models["tiny-mean"]["ablation"]["heads"] == [[0, 1], [1, 0]]
