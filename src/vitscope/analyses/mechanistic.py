@@ -916,7 +916,9 @@ class HeadAblation(_Mechanistic):
     Cost: one forward per ablation set from the ablated block on: per block i, ``sets x (depth - i)`` block
     passes for every image (``each``: about ``heads x depth / 2`` forwards over all blocks, ``all``: about
     ``depth / 2``); ``mean`` adds the statistics pass over ``mean_images`` images. Name the blocks to ablate
-    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone)."""
+    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone).
+    To re-measure another analysis (k-NN, propagation, shape bias) with heads ablated, make the model an ablated
+    variant instead: ``ablate:`` on its study entry (docs/CONFIG.md), one forward per image per variant."""
 
     name = "head_ablation"
     state_version = 2  # the mean and the ablation sets in the state
@@ -971,27 +973,14 @@ class HeadAblation(_Mechanistic):
         """Mode ``mean``: the statistics pass, unless the state already holds its result (a resumed run)."""
         if self.mode != "mean" or self.mean_n:
             return
-        from vitscope.capture.engine import Capture
+        from vitscope.models.ablation import head_means
 
-        taps = [f"block{i}.heads" for i in self.layers]
-        total: torch.Tensor | None = None
-        n = 0
-        with Capture(vm, taps) as cap:
-            for b in first_images(self.mean_images):
-                feats = cap(b.images)
-                x = torch.stack([feats[t].double().sum(0) for t in taps]).cpu()  # (L, T, D)
-                if total is not None and x.shape != total.shape:
-                    raise VitscopeError(f"{self.name}: mode 'mean' needs one token grid, but the images of its "
-                                        f"statistics pass have {total.shape[1]} and {x.shape[1]} tokens (whole "
-                                        "frames of different sizes): give the dataset one image size")
-                total = x if total is None else total + x
-                n += len(b.images)
-        if total is None or not n:
-            raise VitscopeError(f"{self.name}: mode 'mean' found no image to average the heads over")
-        self.head_mean, self.mean_n = total / n, n
+        self.head_mean, self.mean_n = head_means(vm, self.layers, first_images, self.mean_images, self.name)
 
     def _ablated(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """``(G, B, ...)`` model outputs with ablation set g of block ``layer`` (head g, or every head) in group g."""
+        from vitscope.models.ablation import replace_heads
+
         m, H, G = self._model, self.num_heads, self.n_sets
         if m is None:
             raise VitscopeError(f"{self.name}: ablation needs the loaded model, not a cached state")
@@ -1009,13 +998,9 @@ class HeadAblation(_Mechanistic):
 
         def ablate(module: Any, args: tuple) -> tuple:
             h = args[0].clone()
-            view = h.view(G, B, h.shape[1], H, -1)
-            fill = 0.0 if mean is None else mean.to(h.device, h.dtype).view(h.shape[1], H, -1)
+            view = h.view(G, B, *h.shape[1:])
             for g in range(G):
-                if G == 1:
-                    view[g] = fill
-                else:
-                    view[g, :, :, g] = fill if mean is None else fill[:, g]
+                replace_heads(view[g], H, None if G == 1 else [g], mean)
             return (h, *args[1:])
 
         handle = m.blocks[layer].attn.proj.register_forward_pre_hook(ablate)

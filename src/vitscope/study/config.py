@@ -29,6 +29,7 @@ class ModelConfig:
     finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
     checkpoints: Any = None                # list of checkpoint files, or a run directory: one model per epoch
     epoch: int | None = None               # the fine-tuning epoch of this checkpoint (set by `checkpoints`)
+    ablate: dict[str, Any] | None = None   # heads ablated by a write-hook (see "Ablated variants" below)
 
 
 @dataclass
@@ -212,6 +213,7 @@ def validate(cfg: StudyConfig) -> None:
     if not cfg.models:
         raise ConfigError("the config lists no models: add at least one under `models:`")
     cfg.models = expand_models(cfg.models)
+    _check_ablations(cfg)
     labels = [m.label or m.name for m in cfg.models]
     dupes = {x for x in labels if labels.count(x) > 1}
     if dupes:
@@ -268,6 +270,32 @@ def validate(cfg: StudyConfig) -> None:
     from vitscope.study.plan import make_plan
 
     make_plan(cfg)  # datasets matched with analyses, views and relations checked: before any model loads
+
+
+def _check_ablations(cfg: StudyConfig) -> None:
+    """Each ``ablate:`` entry parsed (`vitscope.models.ablation.parse_spec`), its statistics dataset named in the
+    study, its blocks and heads within the model where the entry's kwargs give depth and num_heads (else when it
+    loads); the variant labelled after the model and the ablation when the entry gives no label."""
+    from vitscope.models.ablation import check_bounds, default_label, parse_spec
+
+    names = None
+    for i, m in enumerate(cfg.models):
+        if m.ablate is None:
+            continue
+        where = f"models[{i}].ablate"
+        spec = parse_spec(m.ablate, where)
+        if spec.dataset is not None:
+            names = names if names is not None else list(study_datasets(cfg))
+            if spec.dataset not in names:
+                hint = close_matches(spec.dataset, names)
+                raise ConfigError(f"{where}.dataset: no dataset named {spec.dataset!r} in the study"
+                                  + (f"; did you mean {', '.join(hint)}?" if hint else ";")
+                                  + f" its datasets: {', '.join(names)}")
+        kw = m.kwargs or {}
+        if isinstance(kw.get("depth"), int) and isinstance(kw.get("num_heads"), int):
+            check_bounds(spec, kw["depth"], kw["num_heads"], where)
+        if m.label is None:
+            m.label = default_label(m.name, spec)
 
 
 def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
@@ -486,5 +514,24 @@ def schema_markdown() -> str:
             typ = str(f.type).replace("|", "or")
             out.append(f"| `{f.name}` | {typ} | `{shown}` | {comments.get(f.name, '').replace('|', 'or')} |")
         out.append("")
+    out += ["## Ablated variants (`ablate:` of a model entry)", "", ABLATE_DOC, ""]
     return "\n".join(out)
+
+
+ABLATE_DOC = (
+    "An entry with `ablate:` is the same weights with a forward pre-hook (a write-hook) on the output projection "
+    "of each ablated block's attention, replacing the chosen heads' outputs (`block{i}.heads` slices) by 0 "
+    "(`mode: zero`, the default) or by their mean per token position (`mode: mean`: over the first `images` images "
+    "of the statistics dataset, the clean model's heads, as the `head_ablation` analysis averages them). `heads:` "
+    "is `all` (every head of `layers`, default every block), a list of `[layer, head]` pairs, a list of heads with "
+    "`layers: [...]`, or a head type (`local` = strict_local, soft_local, axial or offset_local; or one of "
+    "strict_local, soft_local, axial, offset_local, global, mixed; optionally within `layers`), resolved per model "
+    "by the rule of `aligned_attention_maps` (default thresholds) on the first `images` (default 500) images of "
+    "`dataset` (default: the study's first dataset), clean, in selection order. Every analysis runs on the variant "
+    "as on any model (cached, resumable, sharded); the cache key holds the spec and the statistics images, the "
+    "manifest the resolved `[layer, head]` list (`models.<label>.ablation`), and the variant is labelled "
+    "`<name> \u2212 <what> (<mode>)` unless `label` is given. Nothing is written to the weights; the hooks come off "
+    "when the study is done with the model. Cost: one forward per image per variant, like any model, plus one "
+    "statistics pass of `images` forwards when `mode` is mean or `heads` a type (the attention maps unfused then). "
+    "Example: `models: [{name: zoo-dino}, {name: zoo-dino, ablate: {heads: local, mode: mean}}]`.")
 

@@ -14,6 +14,7 @@ attention maps are B x heads x T x T per block. Images are the model's native si
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -161,7 +162,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             continue
         est.n_models += 1
         try:
-            mkey = _model_key(mc)[1]
+            mkey = _model_key(mc, sources)[1]
         except Exception:  # noqa: BLE001 - a file that is not there (a dry run notes it): nothing cached
             mkey = None
         todo = []
@@ -180,6 +181,9 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             est.forwards += len(sources[d].chunks)
         if not todo:
             continue
+        stats = _statistics_images(mc, sources)  # an ablated variant's statistics pass, when it has one
+        if stats:
+            est.forwards += math.ceil(stats / max(int(getattr(cfg, "batch_size", 1)), 1))
         vm = architecture(mc, builds)
         if isinstance(vm, str):
             if not any(vm in n for n in est.notes):
@@ -191,6 +195,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             for step in analyses[ap.name].superlinear(n_of[ap.slots["data"]]):
                 if f"{step} ({ap.name})" not in est.superlinear:
                     est.superlinear.append(f"{step} ({ap.name})")
+        est.flops += stats * forward_flops(vm)
         for d, v in passes:
             est.flops += n_of[d] * forward_flops(vm)
             taps: list[str] = []
@@ -206,6 +211,20 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
         for a, b in ap.pairs:
             est.pairs.append(f"{ap.name} {a} -> {b} on {n_of[ap.slots['data']]} images")
     return est
+
+
+def _statistics_images(mc: Any, sources: dict[str, Any]) -> int:
+    """The images of an ablated variant's statistics pass (`vitscope.models.ablation`): 0 for a model or a
+    variant without one."""
+    if getattr(mc, "ablate", None) is None:
+        return 0
+    from vitscope.models.ablation import parse_spec
+    from vitscope.study.run import _statistics_dataset
+
+    spec = parse_spec(mc.ablate, "ablate")
+    if not spec.needs_statistics:
+        return 0
+    return min(spec.images, sources[_statistics_dataset(spec, sources)].n_selected)
 
 
 def free_memory(device: str) -> int | None:

@@ -115,7 +115,7 @@ def _main(cfg: Any, labels: list[str], out: Any) -> None:
         sources = {name: R._source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
         single = [ap for ap in plan.analyses if not ap.pair]
         by_label = {label_of(m): m for m in plan.models}
-        pool = R._ModelPool(cfg, plan)
+        pool = R._ModelPool(cfg, plan, sources)
         for label in labels:
             t0 = time.perf_counter()
             _info, _jobs, mmeta = R._run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)

@@ -86,6 +86,7 @@ class Source:
     offset: int = 0      # position of this shard's first id in the selection (torchrun; 0 in one process)
     n_selected: int = 0  # ids selected on every rank together
     selected: list[int] = field(default_factory=list)  # every rank's selected ids, in order (`_first_images`)
+    config: str = ""     # digest of the dataset's config (in an ablated variant's model key)
 
 
 def _pk(p: PassKey) -> str:
@@ -124,7 +125,7 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
     done, partial = [], []
     try:
         for mc in plan.models:
-            mkey = _model_key(mc)[1]
+            mkey = _model_key(mc, sources)[1]
             if not (cache.root / mkey).is_dir():  # nothing of it yet (and `cache.path` would create the folder)
                 continue
             paths = [(cache.path(mkey, ap.name, k), cache.path(mkey, ap.name, k, (0, 1)))
@@ -173,7 +174,7 @@ def _run_slice(cfg: StudyConfig, models: tuple[int, int], on_batch: Callable[[st
     progress.update(plan=plan, sources=sources, cache=cache)
     announce(cfg, plan, sources, cache, dist, mine)
     single = [ap for ap in plan.analyses if not ap.pair]
-    pool = _ModelPool(cfg, plan)
+    pool = _ModelPool(cfg, plan, sources)
     for mc in plan.models:
         if label_of(mc) in mine:
             _run_model(cfg, mc, label_of(mc), single, sources, cache, dist, pool, on_batch)
@@ -202,7 +203,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     t_study = time.perf_counter()
     frames: dict[str, list[pd.DataFrame]] = defaultdict(list)
     by_analysis: dict[str, list[Any]] = defaultdict(list)
-    pool = _ModelPool(cfg, plan)
+    pool = _ModelPool(cfg, plan, sources)
     infos: dict[str, ModelInfo] = {}
     mkeys: dict[str, str] = {}
     single = [ap for ap in plan.analyses if not ap.pair]
@@ -367,7 +368,7 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     shard, offset = _shard(ids, ds, plan.align(name, cfg.batch_size), dist)
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
     return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids), offset=offset,
-                  n_selected=len(ids), selected=list(ids))
+                  n_selected=len(ids), selected=list(ids), config=digest(asdict(dc)))
 
 
 def _first_images(src: Source, pre: Any, batch_size: int) -> Callable[[int], Iterator[Any]]:
@@ -526,8 +527,9 @@ class _ModelPool:
     """Models loaded once per study, released when no later stage needs them (at most the model in its pass
     and the one it was fine-tuned from)."""
 
-    def __init__(self, cfg: StudyConfig, plan: Plan):
+    def __init__(self, cfg: StudyConfig, plan: Plan, sources: dict[str, Source] | None = None):
         self.cfg = cfg
+        self.sources = sources or {}
         self.by_label = {label_of(m): m for m in plan.models}
         order = [label_of(m) for m in plan.models]
         self.last_use = {lab: i for i, lab in enumerate(order)}
@@ -544,23 +546,74 @@ class _ModelPool:
                             checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=self.cfg.device,
                             **mc.kwargs)
             vm.name = label
+            if mc.ablate is not None:  # an ablated variant: its write-hooks, after the statistics pass
+                vm.ablation = self._ablation(mc, vm)
             self.loaded[label] = vm
         return self.loaded[label]
+
+    def _ablation(self, mc: Any, vm: Any) -> Any:
+        from vitscope.models.ablation import parse_spec, resolve
+
+        spec = parse_spec(mc.ablate, f"model {label_of(mc)!r}: ablate")
+        first = None
+        if spec.needs_statistics:
+            src = self.sources[_statistics_dataset(spec, self.sources)]
+            first = _first_images(src, vm.preprocessing, self.cfg.batch_size)
+        ablation = resolve(vm, spec, first, f"model {label_of(mc)!r}")
+        if not ablation.heads:
+            import warnings
+
+            from vitscope.errors import ResultWarning
+
+            warnings.warn(f"model {label_of(mc)!r}: the ablation {spec.describe()} resolves to no head of this "
+                          "model, so the variant is the clean model", ResultWarning, stacklevel=2)
+        return ablation.install(vm)
+
+    def _release(self, label: str) -> None:
+        vm = self.loaded.pop(label)
+        ablation = getattr(vm, "ablation", None)
+        if ablation is not None:  # the hooks off: the model object as loaded
+            ablation.remove()
 
     def done_with(self, label: str) -> None:
         now = self.order.index(label)
         for lab in list(self.loaded):
             if self.last_use[lab] <= now:
-                del self.loaded[lab]
+                self._release(lab)
 
     def clear(self) -> None:
-        self.loaded.clear()
+        for lab in list(self.loaded):
+            self._release(lab)
 
 
-def _model_key(mc: Any) -> tuple[Any, str]:
+def _statistics_dataset(spec: Any, sources: dict[str, Source]) -> str:
+    """The dataset an ablation's statistics pass reads: ``spec.dataset``, else the study's first used one."""
+    from vitscope.errors import ConfigError
+
+    name = spec.dataset or next(iter(sources), None)
+    if name not in sources:
+        raise ConfigError(f"ablate.dataset {name!r}: no analysis of the study uses that dataset, so it is not read; "
+                          f"name one of {', '.join(sources)}")
+    return name
+
+
+def _model_key(mc: Any, sources: dict[str, Source] | None = None) -> tuple[Any, str]:
+    """The model's cache key; an ablated variant's adds its spec and, where it has a statistics pass (mode mean,
+    a head type), the images of that pass (dataset config, selection, count), which decide the resolved heads
+    and their means (recorded in the manifest)."""
     spec = resolve_spec(mc.name)
-    return spec, model_key(spec, file_given(mc.name, mc.weights) or mc.weights, mc.pretrained, mc.checkpoint_format,
-                           mc.seed, dict(mc.kwargs))
+    key = model_key(spec, file_given(mc.name, mc.weights) or mc.weights, mc.pretrained, mc.checkpoint_format,
+                    mc.seed, dict(mc.kwargs))
+    if mc.ablate is not None:
+        from vitscope.models.ablation import parse_spec
+
+        ab = parse_spec(mc.ablate, f"model {label_of(mc)!r}: ablate")
+        stats = None
+        if ab.needs_statistics:
+            src = (sources or {})[_statistics_dataset(ab, sources or {})]
+            stats = [src.name, src.config, src.selection, min(ab.images, src.n_selected)]
+        key = digest(key, "ablate", ab.as_dict(), stats)
+    return spec, key
 
 
 def _analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> str:
@@ -589,7 +642,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                on_batch: Callable[[str, int], None] | None) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
     from vitscope.models.registry import get_spec  # noqa: F401 - registry loaded before resolve_spec
 
-    spec, mkey = _model_key(mc)
+    spec, mkey = _model_key(mc, sources)
     shard = (dist.rank, dist.world)
     jobs = []
     for ap in plans:
@@ -632,6 +685,8 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                       "heads": vm.num_heads, "grid": list(vm.grid_size), "patch": vm.patch_size,
                       "prefix_tokens": vm.num_prefix_tokens,
                       "load_report": vm.load_report.summary() if vm.load_report else "random initialisation"})
+        if getattr(vm, "ablation", None) is not None:  # the resolved heads, with the spec and statistics images
+            mmeta["ablation"] = vm.ablation.meta
         for job in todo:
             job.analysis = job.plan.cls(vm, **job.plan.params)
             _relate(job.analysis, job.plan, mc)
@@ -701,7 +756,7 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
         return None
     pending = []
     for mc in plan.models:
-        _spec, mkey = _model_key(mc)
+        _spec, mkey = _model_key(mc, sources)
         if any(not cache.path(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)).is_file() for ap in single):
             pending.append(label_of(mc))
     labels = delegated(plan, sources, pending)
