@@ -293,8 +293,10 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
         k0, k1 = max(0, r0 - r), min(h, r1 + r)
         q, K = (r1 - r0) * w, (k1 - k0) * w
         keys = keys_all[:, k0 * w:k1 * w].reshape(L, K * n, -1)                      # (L, K n, D), a view
-        sim = torch.bmm(target[:, r0 * w:r1 * w], keys.transpose(1, 2))              # (L, q, K n)
-        sim.view(L, q, K, n).masked_fill_(~near[r0 * w:r1 * w, k0 * w:k1 * w, None], -math.inf)
+        # -inf outside the neighbourhood, added by the product itself (exact: x + 0 = x)
+        far = torch.zeros(q, K, n, dtype=target.dtype)
+        far.masked_fill_(~near[r0 * w:r1 * w, k0 * w:k1 * w, None], -math.inf)
+        sim = torch.baddbmm(far.view(q, K * n), target[:, r0 * w:r1 * w], keys.transpose(1, 2))  # (L, q, K n)
         lab = labels[:, k0 * w:k1 * w].reshape(L, K * n, -1)                         # (L, K n, C)
         k = min(topk, n * K)
         # the k largest and one more: exp((cos - max) / T) is DINO's exp(cos / T) up to a per-query factor
