@@ -6,12 +6,14 @@ blocks plus the final norm, CPU, random init; the weights do not change the cost
 propagated on that grid and scored at 480 x 854 (`vitscope.data.transforms.Framing`), as `vitscope.data.formats.Davis`
 batches them; the forward of one such frame is then timed against one 224 x 224 frame.
 
-Measured on the shared 2-core machine (load from other jobs; random-init ViT-S/16, 12 blocks + final norm):
-  --tasks propagation --frames 12 --reps 2 --batch 6 --threads 1 (224 px): forward 12.66 s, analysis 5.21 s,
-      total / forward min 1.37x, median 1.55x
-  --tasks propagation --size 480 --frames 4 --reps 1 --batch 4 (2 threads): forward 30.34 s, analysis
-      19.41 s, total / forward 1.64x (goal <= 2x); one 480 x 848 forward 8.10 s against 1.24 s at 224 x 224
-      (6.5x; 1590 tokens against 196); with --threads 1: 20.92 s against 1.54 s (13.6x)
+Measured on the 2-core machine, quiet (random-init ViT-S/16, 12 blocks + final norm, 2 threads, 2026-11-25):
+  --tasks propagation --size 480 --frames 12 --reps 2 --batch 4: forward 9.11 s, analysis 6.99 s, total /
+      forward 1.77x (goal <= 2x); --frames 24 (contexts of 8 frames most of the time, as in long videos):
+      forward 17.06 s, analysis 17.61 s, 2.00x (median 2.02x); one 480 x 848 forward 0.66 s against 0.053 s at
+      224 x 224 (12.5x; 1590 tokens against 196)
+  --tasks propagation --frames 50 --reps 3 (224 px): 2.09x (median 2.15x): on a 14 x 14 grid the radius-12
+      neighbourhood is the whole frame, so the affinity is DINO's full product (about 0.65 of a forward's MACs)
+  --tasks correspondence retrieval --reps 3: 1.04x and 1.06x
 
   propagation     one generated video of --frames (50) frames       goal: total <= 2x the forward passes
   correspondence  --pairs (32) generated pairs (2 images each)      goal: total <= 1.3x

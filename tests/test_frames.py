@@ -217,6 +217,11 @@ def test_j_and_f_at_full_resolution_equal_a_slow_davis_implementation_with_void_
     sj, sf = _slow_jf(labels, pred, [1, 2])
     assert np.allclose(j.numpy(), sj, atol=1e-12) and np.allclose(f.numpy(), sf, atol=1e-12)
     assert j[0, 1] < 1.0  # the void pixels predicted as object 2 count against it, as in DAVIS
+    # the same with other object ids, and the predictions given as indices (1 + the object's position)
+    ids = np.array([0, 7, 3])
+    relabel = np.where(labels == D.VOID, D.VOID, ids[np.minimum(labels, 2)])
+    j2, f2 = D.jf_objects(torch.from_numpy(relabel), torch.from_numpy(pred), [7, 3], pred_index=True)
+    assert torch.equal(j2, j) and torch.equal(f2, f)
 
 
 def test_labels_upsampled_at_the_input_then_resized_nearest_to_the_annotation():

@@ -322,10 +322,9 @@ class Propagation(_Dense):
         if objects is None:
             self.unscored_frames += 1
             return
-        ids = torch.tensor([0, *cur["objects"]])
-        pred = ids[D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]),
-                                      (grid[0] * self.patch_size, grid[1] * self.patch_size))]
-        j, f = D.jf_objects(objects.long(), pred, cur["objects"], self.bound_th)            # (L + 1, K)
+        pred = D.tokens_to_labels(torch.cat([probs, cprobs]), grid, tuple(objects.shape[-2:]),
+                                  (grid[0] * self.patch_size, grid[1] * self.patch_size))  # 0 or 1 + object
+        j, f = D.jf_objects(objects.long(), pred, cur["objects"], self.bound_th, pred_index=True)  # (L + 1, K)
         h, w = objects.shape[-2:]
         where = "model input" if (h, w) == (grid[0] * self.patch_size, grid[1] * self.patch_size) else "annotation"
         at = f"{where} {h}x{w}"

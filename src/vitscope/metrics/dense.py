@@ -194,21 +194,25 @@ def _near_counts(points: torch.Tensor, maps: torch.Tensor, radius: int, chunk: i
 
 
 def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: Sequence[int],
-               bound_th: float = BOUND_TH) -> tuple[torch.Tensor, torch.Tensor]:
+               bound_th: float = BOUND_TH, pred_index: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """J and F of each object for N predicted label maps of one frame, as the DAVIS semi-supervised evaluation
     scores them (davis2017-evaluation ``_evaluate_semisupervised``: each object's true mask is ``labels ==
     id``, so `VOID` (255) pixels count as background: a prediction there is a false positive, none is
     needed; the void mask it builds from those binary masks is empty).
 
     gt_labels: (H, W) integer ids (0 background, `VOID` = background); pred_labels: (N, H, W) (e.g. one per
-    layer). Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks' boundaries and their
+    layer), or with ``pred_index`` the maps of 1 + each object's position in ``object_ids`` (0: none), as
+    `tokens_to_labels` gives them. Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks'
+    boundaries and their
     dilation are computed once for all N predictions; the predictions' dilations are never formed (a gather
     at the true boundary's pixels, `_near_counts`)."""
     K, N = len(object_ids), pred_labels.shape[0]
-    gi, pi = _object_index(gt_labels, object_ids), _object_index(pred_labels, object_ids)  # 0: no object
+    gi = _object_index(gt_labels, object_ids)                                          # 0: no object
+    pi = pred_labels.long() if pred_index else _object_index(pred_labels, object_ids)
     # J from one confusion count per map: entry (g, p) = pixels of true index g predicted as p
-    conf = torch.bincount((pi + (K + 1) * gi[None] + (K + 1) ** 2 * torch.arange(N)[:, None, None]).flatten(),
-                          minlength=N * (K + 1) ** 2).view(N, K + 1, K + 1).double()
+    base = ((K + 1) * gi).flatten()
+    conf = torch.stack([torch.bincount(p.flatten() + base, minlength=(K + 1) ** 2) for p in pi])
+    conf = conf.view(N, K + 1, K + 1).double()
     inter = conf.diagonal(dim1=1, dim2=2)[:, 1:]
     union = conf.sum(2)[:, 1:] + conf.sum(1)[:, 1:] - inter
     j = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
