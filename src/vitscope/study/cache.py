@@ -173,7 +173,7 @@ class Cache:
         from vitscope.models.torchfile import check_memory
 
         try:
-            check_memory(path)  # a pickle asking for more memory than the file holds is refused, not loaded
+            check_memory(path, quick=True)  # a pickle asking for more memory than the file holds is refused, not loaded
             entry = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             if not isinstance(entry, dict) or entry.get("format") != FORMAT:
                 raise ValueError(f"not a vitscope cache entry of format {FORMAT}")

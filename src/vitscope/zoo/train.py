@@ -236,7 +236,7 @@ def load_state(path: Path) -> dict[str, Any]:
     from vitscope.models.torchfile import check_memory
 
     try:
-        check_memory(path)  # a pickle asking for more memory than the file holds is refused, not loaded
+        check_memory(path, quick=True)  # a pickle asking for more memory than the file holds is refused, not loaded
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - one sentence, not the unpickler's page of advice
