@@ -246,6 +246,31 @@ def test_logit_lens_with_a_head_matches_the_head_applied_by_hand_and_is_the_mode
     assert acc_last == np.mean(final.argmax(1) == y)
 
 
+def test_logit_lens_of_a_registers_model_with_average_pooling_reads_blocks_as_the_model_reads_its_last():
+    vm = tiny("reg", num_classes=10, global_pool="avg")  # 4 registers; norm after pooling (fc_norm), no CLS read
+    m, p = vm.model, vm.num_prefix_tokens
+    assert p == 5 and isinstance(m.norm, torch.nn.Identity)
+    batches = _batches(vm, n=6, bs=3)
+    df = _stream("logit_lens", vm, batches).finalize()
+    x = torch.cat([b.images for b in batches])
+    feats = vs.extract(vm, x, [f"block{i}.out" for i in range(vm.depth)])
+    with torch.no_grad():
+        final = m(x).double().numpy()  # the model's own forward, not a tap
+    for i in range(vm.depth):  # written out: mean of the patch tokens (registers and CLS left out), layer norm, head
+        pooled = feats[f"block{i}.out"][:, p:].double().mean(1)
+        z = torch.nn.functional.layer_norm(pooled, m.fc_norm.normalized_shape, m.fc_norm.weight.double(),
+                                           m.fc_norm.bias.double(), m.fc_norm.eps)
+        lg = (z @ m.head.weight.double().T + m.head.bias.double()).detach().numpy()
+        got = _rows(df, metric="kl_to_final", layer=i).value.iloc[0]
+        assert got == pytest.approx(_np_kl(lg, final).mean(), rel=1e-4, abs=1e-6)
+        agree = _rows(df, metric="agreement_with_final", layer=i).value.iloc[0]
+        assert agree == pytest.approx(np.mean(lg.argmax(1) == final.argmax(1)))
+    last = vm.depth - 1
+    assert _rows(df, metric="kl_to_final", layer=last).value.iloc[0] == 0.0  # exactly the model's prediction
+    assert _rows(df, metric="agreement_with_final", layer=last).value.iloc[0] == 1.0
+    assert _rows(df, metric="kl_to_final", layer=0).value.iloc[0] > 0
+
+
 def test_logit_lens_reports_no_accuracy_when_the_head_does_not_cover_the_classes():
     vm = tiny("vit", num_classes=10)
     a = _stream("logit_lens", vm, _batches(vm, n=4, bs=4))  # 12 synthetic classes, an unknown 10-way head
@@ -338,10 +363,16 @@ def _ref_high_norm(vm, batches, k):
         norms = np.linalg.norm(feats[f"block{i}.out"][:, p:].double().numpy(), axis=-1)
         flags = _np_outliers(norms, k)
         res = {"count": flags.sum(1), "var_out": var[flags], "var_all": var.reshape(-1), "fg_out": masks[flags],
-               "min": norms.min(), "max": norms.max(), "flags": flags, "norms": norms.reshape(-1)}
+               "fg_all": masks.reshape(-1), "min": norms.min(), "max": norms.max(), "flags": flags,
+               "norms": norms.reshape(-1)}
+        if p > 1:  # the registers (tokens 1 .. p-1), apart from the patch tokens
+            reg = np.linalg.norm(feats[f"block{i}.out"][:, 1:p].double().numpy(), axis=-1)
+            res["reg_min"], res["reg_max"] = reg.min(), reg.max()
         if i + 1 < vm.depth:
             cls = feats[f"block{i + 1}.attn"][:, :, 0].double().mean(1).numpy()
             res["absorbed"] = [cls[b, p:][flags[b]].sum() for b in range(B) if flags[b].any()]
+            res["uniform"] = [flags[b].sum() / cls.shape[1] for b in range(B) if flags[b].any()]
+            res["registers"] = [cls[b, 1:p].sum() for b in range(B)] if p > 1 else []
         out[i] = res
     return out
 
@@ -364,14 +395,29 @@ def test_high_norm_tokens_match_a_loop_reference(kind):
         share = _rows(df, metric="images_with_outliers", layer=i).value.iloc[0]
         assert share == pytest.approx(np.mean(r["count"] > 0))
         for metric, tokens, vals in (("patch_variance", "outliers", r["var_out"]), ("patch_variance", "all",
-                                     r["var_all"]), ("foreground_share", "outliers", r["fg_out"])):
+                                     r["var_all"]), ("foreground_share", "outliers", r["fg_out"]),
+                                     ("foreground_share", "all", r["fg_all"])):
             got = _rows(df, metric=metric, layer=i, tokens=tokens)
             assert got.value.iloc[0] == pytest.approx(np.mean(vals), rel=1e-5) and got.n.iloc[0] == len(vals)
+        regq = _rows(df, metric="norm_quantile", layer=i, token_view="register")
+        if vm.num_prefix_tokens > 1:  # the registers' norms, reported apart from the patch tokens'
+            assert _rows(regq, quantile=0.0).value.iloc[0] == pytest.approx(r["reg_min"], rel=1e-6)
+            assert _rows(regq, quantile=1.0).value.iloc[0] == pytest.approx(r["reg_max"], rel=1e-6)
+        else:
+            assert regq.empty
         pos = _rows(df, metric="outlier_position", layer=i).sort_values(["row", "col"]).value.to_numpy()
         assert np.array_equal(pos, r["flags"].sum(0))
         if "absorbed" in r:
             got = _rows(df, metric="cls_attention_absorbed", layer=i, tokens="outliers").value.iloc[0]
             assert got == pytest.approx(np.mean(r["absorbed"]), rel=1e-5)
+            got = _rows(df, metric="cls_attention_absorbed", layer=i, tokens="uniform").value.iloc[0]
+            assert got == pytest.approx(np.mean(r["uniform"]), rel=1e-9)
+            regs = _rows(df, metric="cls_attention_absorbed", layer=i, tokens="registers")
+            if r["registers"]:
+                assert regs.value.iloc[0] == pytest.approx(np.mean(r["registers"]), rel=1e-5)
+                assert regs.n.iloc[0] == len(r["registers"])
+            else:
+                assert regs.empty
         else:
             assert _rows(df, metric="cls_attention_absorbed", layer=i).empty  # the last block: no next attention
     regs = df[df.token_view == "register"]
