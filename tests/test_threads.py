@@ -36,3 +36,39 @@ def test_import_sets_a_passive_wait_policy_unless_the_user_chose():
     assert run({}) == "PASSIVE"
     assert run({"OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
     assert run({"VITSCOPE_THREADS": "off"}) == "None"
+
+
+def test_a_probe_fits_on_one_thread_in_every_pool(monkeypatch):
+    """The robustness lenses' and semantics' probes (a few hundred rows) run L-BFGS on one BLAS thread: with two,
+    OpenBLAS's threads spun on every tiny product (17x the time per iteration beside other work)."""
+    from vitscope.metrics import semantics as S
+
+    seen = []
+    real = S._lbfgs
+    monkeypatch.setattr(S, "_lbfgs", lambda *a, **k: (seen.append((torch.get_num_threads(), _pools())),
+                                                        real(*a, **k))[1])
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(0)
+        x, y = torch.randn(40, 8, generator=g), torch.arange(40) % 4
+        fit = S.fit_probe(x[:30], y[:30], x[30:], y[30:], tune=True, grid=(1e-2, 1e-4))
+        assert seen and all(s == (1, {1}) for s in seen)
+        assert torch.get_num_threads() == 2 and 0 <= fit.accuracy <= 1
+    finally:
+        torch.set_num_threads(own)
+
+
+def test_one_thread_holds_every_pool_until_restored():
+    from vitscope.threads import one_thread
+
+    own = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        before = _pools()
+        restore = one_thread()
+        assert torch.get_num_threads() == 1 and _pools() == {1}
+        restore()
+        assert torch.get_num_threads() == 2 and _pools() == before
+    finally:
+        torch.set_num_threads(own)

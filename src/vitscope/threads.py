@@ -101,6 +101,25 @@ def few_threads(size: int = 0) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def one_thread() -> Callable[[], None]:
+    """One thread in every pool of this process (torch's; BLAS and OpenMP too unless vitscope's thread
+    settings are off) until the returned function restores them: for a process that shares two cores with
+    another (a study beside its helper; study/helper.py)."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    before = torch.get_num_threads()
+    limiter = threadpool_limits(limits=1) if enabled() else None  # before torch's: it records torch's OpenMP pool
+    torch.set_num_threads(1)
+
+    def restore() -> None:
+        if limiter is not None:
+            limiter.restore_original_limits()
+        torch.set_num_threads(before)
+
+    return restore
+
+
 def single_threaded(fn: F) -> F:
     """`few_threads` around every call of ``fn`` (whatever its size: for work that is always small)."""
 

@@ -23,6 +23,7 @@ from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_inf
 from sklearn.metrics.cluster import contingency_matrix
 
 from vitscope.errors import ConfigError, ResultWarning
+from vitscope.threads import few_threads
 
 Tensor = torch.Tensor
 
@@ -205,6 +206,15 @@ def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Te
     At most ``max_iter`` iterations; a tuned fit that hits the cap warns (`ResultWarning`, prefixed by
     ``where``). Classes absent from the training labels get a score below every other; a training set of
     fewer than two classes warns: the probe then predicts its one class everywhere."""
+    with few_threads(train.numel() + test.numel()):  # a few hundred rows: a second thread only spins
+        return _fit_probe(train, train_labels, test, test_labels, standardize=standardize,
+                          weight_decay=weight_decay, max_iter=max_iter, num_classes=num_classes, warn=warn,
+                          tune=tune, grid=grid, folds=folds, where=where)
+
+
+def _fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *, standardize: bool,
+               weight_decay: float, max_iter: int, num_classes: int | None, warn: bool, tune: bool,
+               grid: Sequence[float], folds: int, where: str) -> ProbeFit:
     c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
     x, xt = train.double().numpy(), test.double().numpy()
     if standardize:
@@ -227,7 +237,7 @@ def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Te
         converged = iters < max_iter
         if tune and not converged and warn:
             warnings.warn(f"{where}: the probe (weight decay {lam:g}) stopped at its cap of {max_iter} iterations "
-                          "before converging; raise probe_max_iter", ResultWarning, stacklevel=2)
+                          "before converging; raise probe_max_iter", ResultWarning, stacklevel=3)
         if len(xt):
             scores[:, torch.from_numpy(classes)] = torch.from_numpy(log_softmax(_logits(params, xt, len(classes)), 1))
     if len(xt) and np.isfinite(scores.numpy()).any():

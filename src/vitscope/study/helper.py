@@ -97,16 +97,14 @@ class Helper:
 def _main(cfg: Any, labels: list[str], out: Any) -> None:
     import time
 
-    import torch
-
     from vitscope.study import run as R
     from vitscope.study.cache import Cache, default_cache_dir
     from vitscope.study.distributed import Dist
     from vitscope.study.plan import label_of, make_plan
-    from vitscope.threads import die_with_parent
+    from vitscope.threads import die_with_parent, one_thread
 
     die_with_parent()
-    torch.set_num_threads(1)
+    one_thread()  # every pool of this process (torch, BLAS, OpenMP): the study's process holds the other core
     label = "setup"
     try:
         plan = make_plan(cfg)

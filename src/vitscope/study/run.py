@@ -47,6 +47,7 @@ from vitscope.study.cost import announce
 from vitscope.study.distributed import Dist
 from vitscope.study.helper import Helper, delegated
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
+from vitscope.threads import one_thread
 
 log = logging.getLogger(__name__)
 
@@ -208,16 +209,16 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     mkeys: dict[str, str] = {}
     single = [ap for ap in plan.analyses if not ap.pair]
     helper = _start_helper(cfg, plan, single, sources, cache, dist, on_batch)
-    threads = torch.get_num_threads()
-    if helper is not None:  # two processes of one thread each (study/helper.py)
-        torch.set_num_threads(1)
+    # two processes of one thread each (study/helper.py), in every pool: a probe's BLAS threads would spin
+    restore_threads = one_thread() if helper is not None else None
 
     def release_helper() -> None:  # the helper's work is done or abandoned: all threads back to this process
         nonlocal helper
         if helper is not None:
             helper.close()
             helper = None
-            torch.set_num_threads(threads)
+            if restore_threads is not None:
+                restore_threads()
 
     try:
         for mc in plan.models:
