@@ -934,3 +934,28 @@ def test_a_revisited_query_box_far_outside_its_image_is_one_sentence_not_a_crop_
     near = RevisitedRetrieval(_revisited_with(tmp_path / "near", _gnd(bbx=[5.0, 4.0, 60.0, 50.0])), "roxford5k")
     assert near[0].image.shape == (46, 55, 3)  # past the border, within the bound: padded as before
 
+
+def test_the_run_directory_lock_is_held_from_the_first_batch_to_the_report(config, tmp_path, monkeypatch):
+    """BAD 2: the lock is not only taken at the start: another writer is refused at the first batch and while the
+    report (the run's last step) is written, and may write once the run is over."""
+    from filelock import FileLock, Timeout
+
+    import vitscope.report as report
+    from vitscope.study import rundir
+
+    out = tmp_path / "out"
+    seen = []
+
+    def other_writer(*_):
+        with pytest.raises(Timeout):
+            FileLock(str(out / rundir.LOCK), timeout=0).acquire()
+        seen.append(True)
+
+    write_report = report.write_report
+    monkeypatch.setattr(report, "write_report", lambda d: (other_writer(), write_report(d))[1])
+    from vitscope.study import load_config, run_study
+
+    run_study(load_config(config, [f"output_dir={out}"]), on_batch=lambda *a: other_writer() if not seen else None)
+    assert len(seen) == 2
+    with FileLock(str(out / rundir.LOCK), timeout=0):
+        pass
