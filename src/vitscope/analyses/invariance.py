@@ -120,6 +120,9 @@ class Stir(PairAnalysis):
     # corruptions are the robustness lens's (CIFAR-10-C table); 4: derived metrics carry their spread; 5: the
     # last batch's biased CKA terms kept beside the sums (cka_estimator), column cka_estimator
     STATE_KEYS = ("ba", "ab", "aa", "bb")
+    #: images every batch needs (the unbiased HSIC_1 of a batch): a study refuses a selection leaving fewer
+    #: before any model loads (`vitscope.study.run.check_batch_sizes`)
+    min_batch = 4
 
     @classmethod
     def views(cls, params: Any) -> list[str]:
@@ -233,8 +236,9 @@ class Stir(PairAnalysis):
             INV.check_pair(vm_a, vm_b)
             self.same_model = INV.same_weights(vm_a, vm_b, self.taps)
         x, ids = batch.images, batch.index.cpu().long()
-        if len(x) < 4:
-            raise VitscopeError(f"stir: a batch of {len(x)} images; the unbiased CKA needs at least 4 per batch")
+        if len(x) < self.min_batch:
+            raise VitscopeError(f"stir: a batch of {len(x)} images; the unbiased CKA needs at least {self.min_batch} "
+                                "per batch")
         fa = INV.measure(vm_a, x, self.taps, self.view)
         fb = INV.measure(vm_b, x, self.taps, self.view)
         key = int(ids.max())

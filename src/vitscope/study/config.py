@@ -319,6 +319,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     from vitscope.models import checkpoints as ck
     from vitscope.models import hf
     from vitscope.models.load import resolve_spec
+    from vitscope.study.cost import check_build
 
     for i, m in enumerate(cfg.models):
         try:
@@ -330,6 +331,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
             if m.weights and "://" not in m.weights and not Path(m.weights).is_file():
                 raise ConfigError(f"weights file {m.weights!r} does not exist")
             resolve_spec(m.name)
+            check_build(m)  # built on the meta device: arguments timm refuses, parameters beyond memory
         except VitscopeError as e:
             if not dry_run:
                 raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None

@@ -127,6 +127,48 @@ def architecture(mc: Any, builds: dict[str, Any] | None = None) -> Any:
     return ViTModel(model=model, name=label_of(mc), spec=replace(spec, model_kwargs=kwargs))
 
 
+#: what a failed build says about its arguments (timm's checks are asserts, TypeErrors and ValueErrors); any other
+#: exception on the meta device is not taken as the config's fault
+_BUILD_ERRORS = (TypeError, ValueError, AssertionError, KeyError)
+
+
+def check_build(mc: Any) -> None:
+    """Before any model loads (`vitscope.study.config.preflight`): a model that timm builds from its name and
+    ``kwargs`` alone (random init, timm's own weights) is built on the meta device (shapes, no storage) with the
+    arguments the load will use, so arguments timm refuses (``embed_dim`` not divisible by ``num_heads``, an
+    unknown or mistyped keyword) are one ConfigError sentence, and a model whose float32 parameters exceed the
+    memory free here (each size within its bound, their product not) is refused instead of allocated. Models
+    whose architecture comes from a file (a checkpoint, a transformers directory, a registry entry's weights) are
+    checked against that file elsewhere."""
+    import torch
+
+    from vitscope.errors import VitscopeError, first_line
+    from vitscope.models.load import _create, file_given, resolve_spec
+    from vitscope.study.cache import human
+
+    if file_given(mc.name, mc.weights) or mc.weights:
+        return
+    spec = resolve_spec(mc.name)
+    if not spec.arch or (mc.pretrained and spec.weights.kind not in ("none", "timm")):
+        return
+    kwargs = {**spec.model_kwargs, **(mc.kwargs or {})}
+    try:
+        with torch.device("meta"):
+            model = _create(spec.arch, kwargs, 0)
+    except ConfigError:
+        raise
+    except (VitscopeError, *_BUILD_ERRORS) as e:
+        cause = e.__cause__ if e.__cause__ is not None else e  # _create's "timm could not build" wraps TypeErrors
+        raise ConfigError(f"timm cannot build {spec.arch} with kwargs {kwargs}: {first_line(cause)}") from None
+    except Exception:  # noqa: BLE001 - the meta device itself, not the arguments: the load says what is wrong
+        return
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    free = free_memory("cpu")
+    if free is not None and n * 4 > free:
+        raise ConfigError(f"{spec.arch} with kwargs {kwargs} has {n:,} parameters, {human(n * 4)} in float32, more "
+                          f"than the {human(free)} of memory free here: choose a smaller embed_dim, depth or mlp_ratio")
+
+
 def tap_elements(vm: Any, tap: str) -> int:
     """Numbers one image's ``tap`` holds (`capture/taps.py` lists the shapes)."""
     from vitscope.capture.taps import parse_tap
@@ -295,12 +337,16 @@ def dry_run(cfg: Any, models: tuple[int, int] | None = None) -> Estimate:
     from vitscope.study.config import preflight, slice_models
     from vitscope.study.distributed import Dist
     from vitscope.study.plan import make_plan
-    from vitscope.study.run import _source
+    from vitscope.study.run import _source, check_batch_sizes
 
     notes = preflight(cfg, dry_run=True)
     plan = make_plan(cfg)
     labels = [label_of(m) for m in slice_models(cfg.models, *models)] if models is not None else None
     sources = {name: _source(name, dc, cfg, plan, Dist()) for name, dc in plan.datasets.items()}
+    try:
+        check_batch_sizes(cfg, plan, sources)
+    except ConfigError as e:
+        notes.append(f"{e} (a real run stops there)")
     cache = Cache(Path(cfg.cache_dir or default_cache_dir(Path(cfg.output_dir))))
     est = estimate(cfg, plan, sources, cache, labels, notes)
     free = free_memory(cfg.device)

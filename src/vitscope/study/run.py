@@ -35,7 +35,7 @@ from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.catalog import build_dataset
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import InputError, StudyInterrupted
+from vitscope.errors import ConfigError, InputError, StudyInterrupted
 from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
@@ -193,6 +193,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     claimed = rundir.claim(out, config_key, overwrite, keep=(cache_root,)) if dist.is_main else {}
     cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+    check_batch_sizes(cfg, plan, sources, dist.world)
     progress.update(plan=plan, sources=sources, cache=cache)  # what Ctrl-C reports on
     announce(cfg, plan, sources, cache, dist)  # the cost, and a batch too large for the device refused
     manifest: dict[str, Any] = {
@@ -240,13 +241,13 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
                 seconds = helped["seconds"]
             manifest["models"][label] = {**mmeta, "seconds": seconds,
                                          "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
-            for ap in plan.analyses:  # pair stages in which this model is B: right after its own pass
-                for a, b in ap.pairs:
-                    if b == label:
+            for ap in plan.analyses:  # pair stages of this model: right after the later of the two passes
+                for a, b in ap.pairs:  # (a pair may name its models in either order of the study's)
+                    if label in (a, b) and a in infos and b in infos:
                         job = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool, on_batch)
                         frames[ap.name].append(job.frame)
                         by_analysis[ap.name].append(job.analysis)
-                        manifest["models"][label].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
+                        manifest["models"][b].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
                             "from_cache": job.meta.get("from_cache", False)}
             pool.done_with(label)
     finally:
@@ -370,6 +371,29 @@ def _source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sou
     chunks = [shard[i:i + cfg.batch_size] for i in range(0, len(shard), cfg.batch_size)]
     return Source(name, ds, chunks, digest(cfg.batch_size, shard), selection=digest(ids), offset=offset,
                   n_selected=len(ids), selected=list(ids), config=digest(asdict(dc)))
+
+
+def check_batch_sizes(cfg: StudyConfig, plan: Plan, sources: dict[str, Source], world: int = 1) -> None:
+    """Refuse, in one ConfigError sentence and before any model loads, a study with an analysis that needs at
+    least ``min_batch`` images in every batch (stir's unbiased CKA: 4) whose selection leaves a batch with fewer,
+    in one process or in any of ``world`` shards (every rank judges all shards, so all refuse alike); otherwise
+    the pair stage would fail at that batch, after every model's pass."""
+    for ap in plan.analyses:
+        need = int(getattr(ap.cls, "min_batch", 0) or 0)
+        name = ap.slots.get("data")
+        if need <= 1 or name not in sources:
+            continue
+        src = sources[name]
+        shards = [src.selected] if world <= 1 else \
+            [_shard(src.selected, src.dataset, plan.align(name, cfg.batch_size), Dist(r, world))[0]
+             for r in range(world)]
+        sizes = [len(s[i:i + cfg.batch_size]) for s in shards for i in range(0, len(s), cfg.batch_size)]
+        if sizes and min(sizes) < need:
+            where = "" if world <= 1 else f" over {world} processes"
+            raise ConfigError(
+                f"analysis {ap.name!r} needs at least {need} images in every batch, but the {src.n_selected} images "
+                f"of dataset {name!r} in batches of {cfg.batch_size}{where} leave a batch of {min(sizes)}: choose "
+                f"batch_size (at least {need}) and n_images so that no batch holds fewer")
 
 
 def _first_images(src: Source, pre: Any, batch_size: int) -> Callable[[int], Iterator[Any]]:
@@ -526,7 +550,7 @@ def _device(vm: Any) -> torch.device:
 
 class _ModelPool:
     """Models loaded once per study, released when no later stage needs them (at most the model in its pass
-    and the one it was fine-tuned from)."""
+    and the other model of a pair stage that follows it)."""
 
     def __init__(self, cfg: StudyConfig, plan: Plan, sources: dict[str, Source] | None = None):
         self.cfg = cfg
@@ -534,9 +558,11 @@ class _ModelPool:
         self.by_label = {label_of(m): m for m in plan.models}
         order = [label_of(m) for m in plan.models]
         self.last_use = {lab: i for i, lab in enumerate(order)}
-        for ap in plan.analyses:
+        for ap in plan.analyses:  # a pair stage runs after the later of its two models' passes
             for a, b in ap.pairs:
-                self.last_use[a] = max(self.last_use[a], order.index(b))
+                later = max(order.index(a), order.index(b))
+                for x in (a, b):
+                    self.last_use[x] = max(self.last_use[x], later)
         self.order = order
         self.loaded: dict[str, Any] = {}
 

@@ -4,9 +4,11 @@ names), ``qimlist`` (query names) and ``gnd`` (per query: 'easy', 'hard', 'junk'
 
 from __future__ import annotations
 
+import numbers
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +18,39 @@ from vitscope.data.synthetic_tasks import medium_hard, with_retrieval_layout
 from vitscope.data.transforms import Framing, crop
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
+
+#: how far outside its image a query's box may reach, in image sizes (the crop pads it with zeros; a box farther
+#: out would be a crop of gigabytes of padding)
+BOX_MARGIN = 1.0
+
+
+def _check_query(g: Any, q: int, n: int, gnd_file: Path) -> None:
+    """One InputError sentence naming the file and query unless ``g`` is a dict whose 'easy', 'hard' and 'junk'
+    are database indices (whole numbers 0..n-1) and whose 'bbx' is four finite numbers x0 < x1, y0 < y1."""
+    who = f"{str(gnd_file)!r}: query {q}"
+    if not isinstance(g, dict):
+        raise InputError(f"{who} is a {type(g).__name__}, not a dict with bbx, easy, hard and junk")
+    for k in ("easy", "hard", "junk"):
+        ids = g.get(k, [])
+        try:
+            ids = list(ids)
+        except TypeError:
+            raise InputError(f"{who}: {k} is a {type(ids).__name__}, not a list of database indices") from None
+        odd = [j for j in ids if isinstance(j, bool) or not isinstance(j, numbers.Integral)]
+        if odd:
+            raise InputError(f"{who}: {k} holds {odd[0]!r}, not a database index (a whole number)")
+        bad = [int(j) for j in ids if not 0 <= j < n]
+        if bad:
+            raise InputError(f"{who} refers to database images {bad[:5]} of {n}")
+    if "bbx" not in g:
+        raise InputError(f"{who} has no 'bbx'")
+    try:
+        box = np.asarray(g["bbx"], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(f"{who}: bbx {g['bbx']!r} is not four numbers x0, y0, x1, y1") from None
+    if box.shape != (4,) or not np.isfinite(box).all() or box[0] >= box[2] or box[1] >= box[3]:
+        raise InputError(f"{who}: bbx {g['bbx']!r} is not four finite numbers x0, y0, x1, y1 with x0 < x1 and "
+                         "y0 < y1")
 
 
 class RevisitedRetrieval(RetrievalSplit, FileDataset):
@@ -37,6 +72,7 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
             root = root / dataset
         self.root, self.name, self.crop_queries = root, name or dataset, crop_queries
         gnd_file = root / f"gnd_{dataset}.pkl"
+        self.gnd_name = gnd_file.name
         if not gnd_file.is_file():
             raise InputError(f"expected the revisited ground truth {str(gnd_file)!r}")
         try:
@@ -51,10 +87,7 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
             raise InputError(f"{str(gnd_file)!r}: {len(self.qimlist)} queries but {len(self.gnd)} gnd entries")
         n = len(self.imlist)
         for q, g in enumerate(self.gnd):
-            bad = [j for k in ("easy", "hard", "junk") for j in g.get(k, []) if not 0 <= j < n]
-            if bad or "bbx" not in g:
-                raise InputError(f"{str(gnd_file)!r}: query {q} " + (f"refers to database images {bad[:5]} of {n}"
-                                                                       if bad else "has no 'bbx'"))
+            _check_query(g, q, n, gnd_file)
         self.classes: list[str] = []
         self.files = [root / "jpg" / f"{x}.jpg" for x in self.qimlist + self.imlist]
         require_files(self.files, f"{str(gnd_file)!r} refers to")
@@ -87,6 +120,11 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
                    extra={"path": str(self.files[i]), "role": "query" if i < self.n_queries else "database"})
         if i < self.n_queries:
             x0, y0, x1, y1 = (float(v) for v in self.gnd[i]["bbx"])
+            h, w = s.image.shape[:2]
+            if min(x0, x1) < -BOX_MARGIN * w or max(x0, x1) > (1 + BOX_MARGIN) * w or \
+                    min(y0, y1) < -BOX_MARGIN * h or max(y0, y1) > (1 + BOX_MARGIN) * h:
+                raise InputError(f"{str(self.root / self.gnd_name)!r}: query {i}'s bbx {[x0, y0, x1, y1]} lies "
+                                 f"more than {BOX_MARGIN:g} image size outside its {w}x{h} image; fix the ground truth")
             s.bbox = np.array([x0, y0, x1, y1], np.float32)
             if self.crop_queries:
                 top, left = int(np.floor(y0)), int(np.floor(x0))

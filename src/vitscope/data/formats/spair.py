@@ -25,6 +25,39 @@ SPLITS = ("trn", "val", "test")
 _VARIATIONS = ("viewpoint_variation", "scale_variation", "truncation", "occlusion", "mirror")
 
 
+def _check_pair(rec: dict, d: dict, f: Path) -> None:
+    """One InputError sentence naming the file unless the pair's keypoints are [x, y] pairs of finite numbers,
+    as many on each side (and as many ``kps_ids``), and each box four finite numbers x0 <= x1, y0 <= y1: a NaN
+    would otherwise score as a miss, and a malformed list fail later as a traceback."""
+    def bad(why: str) -> InputError:
+        return InputError(f"{str(f)!r}: {why}; fix or remove the pair annotation")
+
+    def finite(key: str) -> np.ndarray:
+        try:
+            arr = np.asarray(rec[key], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise bad(f"{key} {rec[key]!r} is not numbers") from None
+        if not np.isfinite(arr).all():
+            raise bad(f"{key} holds {arr[~np.isfinite(arr)][0]:g}, not a finite number")
+        return arr
+
+    n = {}
+    for side in ("src", "trg"):
+        kps = finite(f"{side}_kps")
+        if kps.size and (kps.ndim != 2 or kps.shape[1] != 2):
+            raise bad(f"{side}_kps must be a list of [x, y] pairs, got an array of shape {kps.shape}")
+        n[side] = len(kps)
+        box = finite(f"{side}_bndbox")
+        if box.shape != (4,) or box[0] > box[2] or box[1] > box[3]:
+            raise bad(f"{side}_bndbox {rec[f'{side}_bndbox']!r} is not four numbers x0, y0, x1, y1 with x0 <= x1 "
+                      "and y0 <= y1")
+    if n["src"] != n["trg"]:
+        raise bad(f"{n['src']} source but {n['trg']} target keypoints")
+    ids = d.get("kps_ids")
+    if ids is not None and (not isinstance(ids, list) or len(ids) != n["src"]):
+        raise bad(f"kps_ids must list one id per keypoint ({n['src']}), got {ids!r}")
+
+
 class SPair71k(FileDataset):
     """Item i = pair i (files sorted by name). `pair(i)` -> (source, target) Samples with ``keypoints``
     (K, 3) in the same keypoint order, ``bbox``, label = category index, ``extra['kps_ids']``.
@@ -67,11 +100,10 @@ class SPair71k(FileDataset):
                 raise InputError(f"{str(f)!r} is not a SPair-71k pair annotation ({type(e).__name__}: {e})") from e
             if categories is not None and rec["category"] not in categories:
                 continue
+            _check_pair(rec, d, f)
             rec["kps_ids"] = d.get("kps_ids", list(range(len(rec["src_kps"]))))
             rec.update({k: d[k] for k in _VARIATIONS if k in d})
             rec["file"] = f.name
-            if len(rec["src_kps"]) != len(rec["trg_kps"]):
-                raise InputError(f"{str(f)!r}: {len(rec['src_kps'])} source but {len(rec['trg_kps'])} target keypoints")
             self.pairs.append(rec)
         if not self.pairs:
             raise InputError(f"no pairs of categories {categories} in {str(folder)!r}")
