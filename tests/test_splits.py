@@ -135,6 +135,8 @@ def test_semantics_split_is_stratified_recorded_and_the_same_for_every_view():
         assert (rows.n_test == int(test.sum())).all() and (rows.n_train == int((~test).sum())).all()
     probe = df[df.metric == "probe_top1"]
     assert len(probe) == 1 and probe.probe_weight_decay.item() in S.PROBE_GRID and probe.probe_iterations.item() > 0
+    knn = df[df.metric == "knn3_top1"]  # the protocol's settings in the rows (issue 29, part 5)
+    assert len(knn) == 2 and (knn.k == 3).all() and (knn.temperature == 0.07).all()
 
 
 def _readme_study_yaml():
