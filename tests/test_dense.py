@@ -544,6 +544,9 @@ def test_revisited_batches_carry_the_retrieval_layout(tmp_path):
     _revisited(tmp_path)
     ds = RevisitedRetrieval(tmp_path, "roxford5k")
     b = next(ds.batches(4, Preprocessing(input_size=16)))
+    # whole images by default: 12 x 20 and 30 x 40 with the long side at 40, sides down to the patch (16)
+    whole = next(RevisitedRetrieval(tmp_path, "roxford5k", size=40).batches(4, Preprocessing(input_size=16)))
+    assert whole.images.shape[-2:] == (16, 32)
     assert b.extra["query_index"].tolist() == [0, -1, -1, -1] and b.extra["db_index"].tolist() == [-1, 0, 1, 2]
     assert b.extra["gnd"][0] == {"easy": [0], "hard": [2], "junk": [1]} and b.extra["gnd"][1] is None
     a = get_analysis("retrieval")(info(2, 8, dim=3), final_norm=False, views=["cls"])

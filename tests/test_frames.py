@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_analyses_attention import _ref_aaam
 from test_dense import _slow_f
 
 from conftest import tiny
@@ -135,6 +136,12 @@ def test_attention_and_fourier_analyses_run_on_a_rectangular_grid_and_refuse_a_s
     px = px[px.metric == "distance_px"].value.to_numpy()
     assert np.allclose(px, (direct.mean(0) * 8 * (8 - 1)).flatten().numpy(), atol=1e-4)
     assert aligned.canvas.shape[-2:] == (9, 15) and cls_maps.sums.shape[-2:] == (5, 8)
+    for i in range(3):  # each query's map placed around it on the 5 x 8 grid, as the loop reference does
+        ref = _ref_aaam(feats[f"block{i}.attn"].double(), (5, 8), 1)
+        got = aligned.finalize()
+        got = got[(got.metric == "aaam") & (got.layer == i)].sort_values(["head", "dy", "dx"])
+        assert got.dy.min() == -4 and got.dx.max() == 7
+        assert got.value.to_numpy() == pytest.approx(ref.reshape(-1).numpy(), abs=1e-6)
     assert diversity.hsic_tokens.shape[-1] == 40
     table = fourier.finalize()
     assert len(table[(table.metric == "delta_log_amp") & (table.layer == 0)]) == min(5 - 5 // 2, 8 - 8 // 2)

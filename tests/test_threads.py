@@ -44,16 +44,17 @@ def test_a_probe_fits_on_one_thread_in_every_pool(monkeypatch):
     from vitscope.metrics import semantics as S
 
     seen = []
-    real = S._lbfgs
-    monkeypatch.setattr(S, "_lbfgs", lambda *a, **k: (seen.append((torch.get_num_threads(), _pools())),
-                                                        real(*a, **k))[1])
+    real = S.minimize
+    monkeypatch.setattr(S, "minimize", lambda *a, **k: (seen.append((torch.get_num_threads(), _pools())),
+                                                         real(*a, **k))[1])
     own = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         g = torch.Generator().manual_seed(0)
         x, y = torch.randn(40, 8, generator=g), torch.arange(40) % 4
-        fit = S.fit_probe(x[:30], y[:30], x[30:], y[30:], tune=True, grid=(1e-2, 1e-4))
-        assert seen and all(s == (1, {1}) for s in seen)
+        for tune in (True, False):  # the tuned probe and the fixed one (the robustness lenses' default here)
+            fit = S.fit_probe(x[:30], y[:30], x[30:], y[30:], tune=tune, grid=(1e-2, 1e-4))
+        assert len(seen) > 2 and all(s == (1, {1}) for s in seen)
         assert torch.get_num_threads() == 2 and 0 <= fit.accuracy <= 1
     finally:
         torch.set_num_threads(own)

@@ -55,9 +55,10 @@ class Semantics(Analysis):
     cross-validation on the training split alone (folds stratified by class rank, deterministic; one
     warm-started path per fold from the strongest decay to the weakest, stopped at the first decay whose
     held-out accuracy is below the best so far, as the weak end costs the most iterations), refits on the whole
-    training split and runs to convergence (at most ``probe_max_iter`` L-BFGS iterations; hitting the cap
-    warns); ``probe_top1`` rows record the ``probe_weight_decay`` chosen and the ``probe_iterations`` of the
-    final fit. ``probe_tune: false`` is the fixed decay ``probe_weight_decay`` (scikit-learn's default budget).
+    training split and runs to convergence (at most ``probe_max_iter`` L-BFGS iterations, preconditioned in the
+    training features' principal axes; stopping short of convergence warns); ``probe_top1`` rows record the
+    ``probe_weight_decay`` chosen and the ``probe_iterations`` of the final fit. ``probe_tune: false`` is the
+    fixed decay ``probe_weight_decay`` for a fixed budget of ``probe_max_iter`` iterations, without a warning.
     At most ``max_images`` images are kept, in a float16 store on disk (`vitscope.analyses.pooled`).
 
     Against the sources: the k-NN is DINO's (cosine of L2-normalised features, weights exp(sim / T), T =
