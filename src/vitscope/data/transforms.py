@@ -294,15 +294,26 @@ def _stack_maps(maps: Sequence[np.ndarray | None], dtype: torch.dtype) -> torch.
     return torch.from_numpy(np.stack(maps)).to(dtype)
 
 
+def _batch_buffer(shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty float32 batch; in a DataLoader worker, in shared memory already (as torch's default_collate
+    does), so handing the batch to the study's process does not copy it into shared memory again."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape)
+    storage = torch.empty(0)._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
+    return torch.empty(0).new(storage).view(shape)
+
+
 def collate(samples: Sequence[Sample], pre: Preprocessing) -> Batch:
     """Samples of one size -> a `Batch` with images normalised for ``pre``; a field is set only when every
     sample has it (keypoints: padded to the largest K with invisible rows)."""
     # the crops are stacked as they are (uint8 from a file) and only the stack is converted to float
     images = [s.image for s in samples]
-    if images and all(im.dtype == np.uint8 for im in images):
-        x = torch.from_numpy(np.ascontiguousarray(np.stack(images).transpose(0, 3, 1, 2))).float().div_(255.0)
-    else:
-        x = torch.from_numpy(np.stack([as_float(im) for im in images])).permute(0, 3, 1, 2).contiguous()
+    stacked = np.stack(images if images and all(im.dtype == np.uint8 for im in images)
+                       else [as_float(im) for im in images])
+    x = _batch_buffer((stacked.shape[0], stacked.shape[3], stacked.shape[1], stacked.shape[2]))
+    x.copy_(torch.from_numpy(stacked).permute(0, 3, 1, 2))  # uint8 -> float32 exactly
+    if stacked.dtype == np.uint8:
+        x.div_(255.0)
     mean = torch.tensor(pre.mean, dtype=x.dtype).view(1, 3, 1, 1)
     std = torch.tensor(pre.std, dtype=x.dtype).view(1, 3, 1, 1)
     x.sub_(mean).div_(std)  # `normalize` in place: the same numbers, no second batch-sized buffer
