@@ -146,6 +146,36 @@ def test_float_images_are_resized_in_float_and_8_bit_crops_normalised_at_collate
     assert torch.allclose(only_u8.images[0].double(), by_hand, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["q90", "444", "422", "progressive", "optimized", "grey", "cmyk"])
+def test_jpegs_read_as_pil_reads_them(tmp_path, kind):
+    """read_rgb decodes colour and greyscale JPEGs with torchvision (faster): the pixels must be PIL's own decode
+    with convert('RGB') (what timm's eval transform starts from), bit for bit; CMYK goes to PIL."""
+    from vitscope.data.formats.common import decode_jpeg, read_rgb
+
+    img = _photo(97, 171)
+    kw = {"q90": {"quality": 90}, "444": {"quality": 95, "subsampling": 0}, "422": {"quality": 75, "subsampling": 1},
+          "progressive": {"quality": 85, "progressive": True}, "optimized": {"quality": 50, "optimize": True},
+          "grey": {"quality": 90}, "cmyk": {"quality": 90}}[kind]
+    im = Image.fromarray(img[..., 0]) if kind == "grey" else Image.fromarray(img)
+    (im.convert("CMYK") if kind == "cmyk" else im).save(tmp_path / "x.jpg", **kw)
+    with Image.open(tmp_path / "x.jpg") as ref:
+        want = np.asarray(ref.convert("RGB"))
+    got = read_rgb(tmp_path / "x.jpg")
+    assert got.dtype == np.uint8 and got.shape == (97, 171, 3) and np.array_equal(got, want)
+    assert (decode_jpeg(tmp_path / "x.jpg") is None) == (kind == "cmyk")
+
+
+def test_a_truncated_jpeg_is_left_to_pil_and_unreadable(tmp_path):
+    from vitscope.data.formats.common import Unreadable, decode_jpeg, read_rgb
+
+    Image.fromarray(_photo(97, 171)).save(tmp_path / "x.jpg", quality=90)
+    data = (tmp_path / "x.jpg").read_bytes()
+    (tmp_path / "x.jpg").write_bytes(data[: len(data) // 3])
+    assert decode_jpeg(tmp_path / "x.jpg") is None
+    with pytest.raises(Unreadable):
+        read_rgb(tmp_path / "x.jpg")
+
+
 # ---------------------------------------------------------------- ImageFolder
 
 
