@@ -16,7 +16,7 @@ Prints, from one run:
     python benchmarks/pipeline.py [--images 240] [--study-images 192] [--batch 32] [--skip-study]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - vitscope is imported before numpy and torch, on purpose
 
 import argparse
 import json
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import vitscope as vs  # first, as the `vitscope` command does: torch's OpenMP threads then wait passively
 
-import numpy as np  # noqa: I001
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
