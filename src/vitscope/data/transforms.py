@@ -133,9 +133,10 @@ def resize_image(image: np.ndarray, height: int, width: int, interpolation: str 
         with warnings.catch_warnings():  # a decoded PIL image's array is read-only; interpolate only reads it
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             x = torch.from_numpy(np.ascontiguousarray(image))
-        # (1, C, H, W) viewed channels-last: torch's fast uint8 kernel, and the result is (H, W, C) contiguous
+        # (1, C, H, W) viewed channels-last: torch's fast uint8 kernel. Its result is (1, C, H, W) contiguous; the
+        # (H, W, C) copy is torch's (0.17 ms at 224x398, numpy's strided uint8 copy took 0.35 ms)
         out = F.interpolate(x.permute(2, 0, 1)[None], size=(height, width), mode=mode, **kw)
-        return np.ascontiguousarray(out[0].permute(1, 2, 0).numpy())
+        return out[0].permute(1, 2, 0).contiguous().numpy()
     x = torch.from_numpy(np.ascontiguousarray(as_float(image))).permute(2, 0, 1)[None]
     return F.interpolate(x, size=(height, width), mode=mode, **kw).clamp_(0, 1)[0].permute(1, 2, 0).numpy()
 
