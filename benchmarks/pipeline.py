@@ -16,7 +16,7 @@ Prints, from one run:
     python benchmarks/pipeline.py [--images 240] [--study-images 192] [--batch 32] [--skip-study]
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - vitscope is imported before numpy and torch, on purpose
 
 import argparse
 import json
@@ -26,13 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import vitscope as vs  # first, as the `vitscope` command does: torch's OpenMP threads then wait passively
+
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import bare_forward_seconds, print_where_time_went  # noqa: E402
 
-import vitscope as vs  # noqa: E402
 from vitscope.data.catalog import build_dataset  # noqa: E402
 from vitscope.study import load_config, run_study  # noqa: E402
 from vitscope.study.config import DatasetConfig  # noqa: E402

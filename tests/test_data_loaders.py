@@ -23,7 +23,7 @@ from vitscope.data.loaders import (
     SPair71k,
     read_class_list,
 )
-from vitscope.data.transforms import Geometry, center_crop, crop, for_model, hflip, resize
+from vitscope.data.transforms import Geometry, center_crop, collate, crop, for_model, hflip, resize
 from vitscope.errors import InputError
 from vitscope.models.registry import Preprocessing
 
@@ -46,7 +46,10 @@ def _unnormalise(x: torch.Tensor, pre: Preprocessing) -> torch.Tensor:
 
 
 def _is(colour, pixel) -> bool:
-    return bool(np.abs(np.asarray(pixel, float) - np.asarray(colour, float) / 255).max() < 0.25)
+    """Whether a pixel (float in [0, 1], or uint8: transforms keep 8-bit images 8-bit) is near ``colour``."""
+    p = np.asarray(pixel)
+    p = p / 255 if p.dtype == np.uint8 else p.astype(float)
+    return bool(np.abs(p - np.asarray(colour, float) / 255).max() < 0.25)
 
 
 # ---------------------------------------------------------------- transforms
@@ -101,6 +104,76 @@ def test_each_transform_moves_a_marker_and_its_keypoint_together():
                               out.image[int(y), int(x)]) and out.mask[int(y), int(x)]
     padded = crop(s, -5, 75, 40, 40)
     assert (padded.image[:5] == 0).all() and not padded.mask[:5].any()
+
+
+def _photo(h: int, w: int, seed: int = 0) -> np.ndarray:
+    """A photograph-like 8-bit image: smooth colour fields (PIL's bicubic upsampling of coarse noise) with fine
+    texture, so resizing it exercises every tap of the kernel."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, (h // 8 + 1, w // 8 + 1, 3), dtype=np.uint8)).resize((w, h),
+                                                                                                        Image.BICUBIC)
+    return (np.asarray(coarse, np.int16) + rng.integers(-20, 21, (h, w, 3))).clip(0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
+@pytest.mark.parametrize("src,dst", [((480, 854), (224, 398)), ((375, 500), (256, 341)), ((60, 90), (150, 225))])
+def test_8_bit_images_are_resized_as_pil_resizes_them(src, dst, interpolation):
+    """timm's eval transform resizes the PIL image (torchvision's Resize: PIL's Image.resize); the 8-bit
+    resize here is that algorithm (torch's uint8 kernel, fixed point like PIL's): uint8 out, identical to PIL's
+    on almost every pixel and at most 2 grey levels off (rounding), shrinking (antialiased) and enlarging."""
+    img = _photo(*src)
+    out = resize(Sample(image=img), *dst, interpolation=interpolation).image
+    mode = {"bicubic": Image.BICUBIC, "bilinear": Image.BILINEAR}[interpolation]
+    ref = np.asarray(Image.fromarray(img).resize(dst[::-1], mode)).astype(int)
+    assert out.dtype == np.uint8 and out.shape == (*dst, 3)
+    diff = np.abs(out.astype(int) - ref)
+    assert diff.max() <= 2 and (diff == 0).mean() > 0.98 and diff.mean() < 0.02
+
+
+def test_float_images_are_resized_in_float_and_8_bit_crops_normalised_at_collate():
+    img = _photo(60, 90)
+    f = resize(Sample(image=img.astype(np.float32) / 255), 30, 45).image
+    u = resize(Sample(image=img), 30, 45).image
+    assert f.dtype == np.float32 and 0 <= f.min() and f.max() <= 1
+    # the same resize, unrounded (PIL's algorithm rounds to 8 bits after each of its two 1-d passes)
+    assert np.abs(f * 255 - u).max() <= 2.0 and np.abs(f * 255 - u).mean() < 0.5
+    pre = Preprocessing(mean=(0.2, 0.4, 0.6), std=(0.5, 0.25, 0.125), input_size=30, crop_pct=1.0)
+    b = collate([Sample(image=u, index=0), Sample(image=u.astype(np.float32) / 255, index=1)], pre)
+    by_hand = (torch.tensor(u, dtype=torch.float64).permute(2, 0, 1) / 255 - torch.tensor(pre.mean)[:, None, None]) \
+        / torch.tensor(pre.std)[:, None, None]
+    assert b.images.dtype == torch.float32 and torch.allclose(b.images[0].double(), by_hand, atol=1e-5)
+    only_u8 = collate([Sample(image=u, index=0)], pre)
+    assert torch.allclose(only_u8.images[0].double(), by_hand, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["q90", "444", "422", "progressive", "optimized", "grey", "cmyk"])
+def test_jpegs_read_as_pil_reads_them(tmp_path, kind):
+    """read_rgb decodes colour and greyscale JPEGs with torchvision (faster): the pixels must be PIL's own decode
+    with convert('RGB') (what timm's eval transform starts from), bit for bit; CMYK goes to PIL."""
+    from vitscope.data.formats.common import decode_jpeg, read_rgb
+
+    img = _photo(97, 171)
+    kw = {"q90": {"quality": 90}, "444": {"quality": 95, "subsampling": 0}, "422": {"quality": 75, "subsampling": 1},
+          "progressive": {"quality": 85, "progressive": True}, "optimized": {"quality": 50, "optimize": True},
+          "grey": {"quality": 90}, "cmyk": {"quality": 90}}[kind]
+    im = Image.fromarray(img[..., 0]) if kind == "grey" else Image.fromarray(img)
+    (im.convert("CMYK") if kind == "cmyk" else im).save(tmp_path / "x.jpg", **kw)
+    with Image.open(tmp_path / "x.jpg") as ref:
+        want = np.asarray(ref.convert("RGB"))
+    got = read_rgb(tmp_path / "x.jpg")
+    assert got.dtype == np.uint8 and got.shape == (97, 171, 3) and np.array_equal(got, want)
+    assert (decode_jpeg(tmp_path / "x.jpg") is None) == (kind == "cmyk")
+
+
+def test_a_truncated_jpeg_is_left_to_pil_and_unreadable(tmp_path):
+    from vitscope.data.formats.common import Unreadable, decode_jpeg, read_rgb
+
+    Image.fromarray(_photo(97, 171)).save(tmp_path / "x.jpg", quality=90)
+    data = (tmp_path / "x.jpg").read_bytes()
+    (tmp_path / "x.jpg").write_bytes(data[: len(data) // 3])
+    assert decode_jpeg(tmp_path / "x.jpg") is None
+    with pytest.raises(Unreadable):
+        read_rgb(tmp_path / "x.jpg")
 
 
 # ---------------------------------------------------------------- ImageFolder

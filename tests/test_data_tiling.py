@@ -88,10 +88,10 @@ def test_dense_features_of_a_tiny_vit_equal_the_features_of_each_tile():
     assert (d.plan.height, d.plan.width) == (h, w) and d.features.shape == (h // 8, w // 8, vm.embed_dim)
     # recompute each tile with a plain forward on the same resized, normalised image
     from vitscope.data.base import Sample
-    from vitscope.data.transforms import normalize, resize
+    from vitscope.data.transforms import as_float, normalize, resize
 
     s = resize(Sample(image=image), h, w, vm.preprocessing.interpolation)
-    x = normalize(torch.from_numpy(s.image).permute(2, 0, 1)[None], vm.preprocessing)[0]
+    x = normalize(torch.from_numpy(as_float(s.image)).permute(2, 0, 1)[None], vm.preprocessing)[0]
     tap = f"block{vm.depth - 1}.out"
     for tl in d.plan.tiles:
         ref = extract(vm, x[None, :, tl.y:tl.y + 32, tl.x:tl.x + 32], [tap], view="spatial")[tap][0].reshape(4, 4, -1)

@@ -650,10 +650,14 @@ def _analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: 
 
 
 def _dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> dict[str, Any]:
+    """What decides each slot's pixels: the dataset's spec, the ids selected and how images are resized
+    (`vitscope.data.transforms.PIXELS_VERSION`: results computed from other pixels are not reused)."""
+    from vitscope.data.transforms import PIXELS_VERSION
     from vitscope.study.config import study_datasets
 
     dcs = study_datasets(cfg)
-    return {slot: {**asdict(dcs[name]), "selected": sources[name].selection if name in sources else None}
+    return {slot: {**asdict(dcs[name]), "selected": sources[name].selection if name in sources else None,
+                   "pixels": PIXELS_VERSION}
             for slot, name in ap.slots.items()}
 
 
