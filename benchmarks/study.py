@@ -12,7 +12,7 @@ before the clock starts: that is study work; measured before and after the study
 For the zoo the goal is study / bare forwards <= 2.5x.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - vitscope is imported before torch, on purpose
 
 import argparse
 import json
@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
+import vitscope as vs  # first, as the `vitscope` command does: torch's OpenMP threads then wait passively
 
-import vitscope as vs
+import torch
 from vitscope.analyses import ANALYSES
 from vitscope.data import SyntheticShapes
 from vitscope.data.catalog import build_dataset
