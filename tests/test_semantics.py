@@ -394,3 +394,23 @@ def test_one_class_fewer_test_images_than_classes_and_a_one_class_probe_warn(tmp
     _, said = _warnings_of(lambda: S.linear_probes([x[:6]] * 3, torch.zeros(6, dtype=torch.long), [x[6:]] * 3,
                                                    torch.tensor([0, 1])))
     assert len(said) == 1  # once for all the layers
+
+
+def test_kendall_tau_b_of_rows_equals_scipy_row_by_row_with_ties_and_constant_rows():
+    """prediction_agreement's per-image Kendall tau (vectorised) against scipy.stats.kendalltau one row at a time,
+    on scores with many ties, a constant row on either side and both, and k = 1."""
+    import numpy as np
+    from scipy.stats import kendalltau
+
+    from vitscope.metrics.semantics import kendall_tau_b_rows
+
+    g = torch.Generator().manual_seed(3)
+    for k in (1, 2, 5, 10, 37):
+        a = torch.randint(0, 4, (300, k), generator=g).double()  # few values: ties in most rows
+        b = torch.randn(300, k, generator=g, dtype=torch.float64)
+        b[::7] = torch.randint(0, 3, (len(b[::7]), k), generator=g).double()
+        a[1], b[2], a[3], b[3] = 1.0, 2.0, 0.0, 0.0  # constant rows
+        got = kendall_tau_b_rows(a, b, chunk=64).numpy()
+        want = np.array([kendalltau(x, y).statistic for x, y in zip(a.numpy(), b.numpy(), strict=True)], dtype=float)
+        assert np.array_equal(np.isnan(got), np.isnan(want)), k
+        np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=0, atol=1e-12)

@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from scipy.optimize import minimize
 from scipy.special import log_softmax
-from scipy.stats import kendalltau
 from sklearn.cluster import KMeans
 from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_info_score
 from sklearn.metrics.cluster import contingency_matrix
@@ -382,6 +381,26 @@ def kmeans_scores(feats: np.ndarray, labels: np.ndarray, k: int, seed: int = 0, 
             "ari": float(adjusted_rand_score(labels, pred))}
 
 
+def kendall_tau_b_rows(a: Tensor, b: Tensor, chunk: int = 256) -> Tensor:
+    """Kendall's tau-b of every row of ``a`` (n, k) with the same row of ``b`` (what `scipy.stats.kendalltau`
+    gives one row at a time; NaN where a row is constant), from the k x k sign matrices of a few rows at a time:
+    tau_b = sum_{i<j} sgn(a_i - a_j) sgn(b_i - b_j) / sqrt((n0 - ties_a) (n0 - ties_b)), n0 = k (k - 1) / 2."""
+    a, b = a.double(), b.double()
+    n, k = a.shape
+    n0 = k * (k - 1) / 2
+    out = torch.empty(n, dtype=torch.float64)
+    for s in range(0, n, chunk):
+        sa = torch.sign(a[s:s + chunk, :, None] - a[s:s + chunk, None, :])
+        sb = torch.sign(b[s:s + chunk, :, None] - b[s:s + chunk, None, :])
+        con = (sa * sb).sum((1, 2)) / 2  # each unordered pair counted twice
+        untied_a = (sa != 0).sum((1, 2)).double() / 2  # n0 - ties_a
+        untied_b = (sb != 0).sum((1, 2)).double() / 2
+        den = torch.sqrt(untied_a * untied_b)
+        out[s:s + chunk] = torch.where(den > 0, con / den.clamp_min(1e-300), torch.tensor(float("nan"),
+                                                                                          dtype=torch.float64))
+    return out if n0 > 0 else torch.full((n,), float("nan"), dtype=torch.float64)
+
+
 def prediction_agreement(logits_a: Tensor, logits_b: Tensor, labels: Tensor,
                          ks: tuple[int, ...] = (5, 10, 100)) -> dict[str, float]:
     """Shekhar et al. 2022 §2.4: for each image, Kendall's tau between the two models' scores on model A's top-k
@@ -394,11 +413,7 @@ def prediction_agreement(logits_a: Tensor, logits_b: Tensor, labels: Tensor,
     for k in ks:
         kk = min(k, logits_a.shape[1])
         top = logits_a.topk(kk, dim=1).indices
-        taus = []
-        for i in range(len(labels)):
-            t = kendalltau(logits_a[i, top[i]].numpy(), logits_b[i, top[i]].numpy()).statistic
-            taus.append(np.nan if t is None else t)
-        taus_t = torch.tensor(taus, dtype=torch.float64)
+        taus_t = kendall_tau_b_rows(logits_a.gather(1, top), logits_b.gather(1, top))
         for g, mask in groups.items():
             sel = taus_t[mask]
             out[f"kendall_tau_top{k}_{g}"] = float(np.nanmean(sel.numpy())) if len(sel) else float("nan")
