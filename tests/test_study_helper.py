@@ -71,3 +71,49 @@ def test_workers_reads_the_environment(monkeypatch, value, want):
 
     monkeypatch.setenv("VITSCOPE_WORKERS", value)
     assert workers() == want
+
+
+def test_the_pair_stages_models_stay_in_the_study_process_and_the_tables_equal_one_process(tmp_path, monkeypatch):
+    """With a pair stage (STIR between m4 and m3, named against the study order), the helper takes half of the
+    other models (the old every-second rule gave it m3), so the study's process runs the pair stage while the
+    helper still computes; the study's own models go first. Tables (row order included) and the manifest's
+    model order equal one process's."""
+    monkeypatch.setattr(H, "MIN_IMAGES", 0)
+    yaml = YAML.format(models="\n".join(MODEL.format(i=i) for i in range(6))).replace(
+        "\nbatch_size: 8", "\n  stir: {iterations: 1, corruptions: none, pairs: [[m4, m3]]}\nbatch_size: 8")
+
+    def config(name):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml)
+        return load_config(cfg, [f"output_dir={tmp_path / name}", f"cache_dir={tmp_path / (name + '-cache')}"])
+
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    helped = run_study(config("helped"))
+    manifest = json.loads((helped / "manifest.json").read_text())
+    assert [m for m, meta in manifest["models"].items() if meta.get("helper_process")] == ["m1", "m2", "m5"]
+    assert list(manifest["models"]) == [f"m{i}" for i in range(6)] and "stir:m4" in manifest["models"]["m3"]["pairs"]
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
+    alone = run_study(config("alone"))
+    assert list(json.loads((alone / "manifest.json").read_text())["models"]) == list(manifest["models"])
+    for name in ("attention_distance", "cka", "semantics", "stir"):
+        a = pd.read_parquet(helped / "results" / f"{name}.parquet")
+        b = pd.read_parquet(alone / "results" / f"{name}.parquet")
+        assert len(a) == len(b) > 0
+        pd.testing.assert_frame_equal(a.drop(columns="value"), b.drop(columns="value"))  # same rows, same order
+        pd.testing.assert_series_equal(a.value, b.value, rtol=1e-6, atol=1e-9)
+
+
+def test_delegation_keeps_pair_models_home_and_falls_back_to_every_second_model(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(H, "MIN_IMAGES", 0)
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    labels = [f"m{i}" for i in range(8)]
+
+    def plan(pairs):
+        return SimpleNamespace(analyses=[SimpleNamespace(pair=True, pairs=pairs, passes=[])])
+
+    assert H.delegated(plan([]), {}, labels) == ["m1", "m3", "m5", "m7"]
+    got = H.delegated(plan([("m6", "m7")]), {}, labels)  # the default study's shape: the pair last
+    assert got == ["m1", "m3", "m4", "m5"] and not {"m6", "m7"} & set(got)
+    assert H.delegated(plan([("m0", "m1"), ("m2", "m3"), ("m4", "m5")]), {}, labels) == ["m1", "m3", "m5", "m7"]

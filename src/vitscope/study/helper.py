@@ -36,12 +36,21 @@ def _images_per_model(plan: Any, sources: dict[str, Any]) -> int:
 
 
 def delegated(plan: Any, sources: dict[str, Any], pending: list[str]) -> list[str]:
-    """The models (labels, in study order) a helper computes: every second one of those with work left."""
+    """The models (labels, in study order) a helper computes: half of those with work left, every second one,
+    taken among the models no pair stage needs where there are enough of them. The study's process runs the
+    pair stages; with both of a pair's models its own, it runs the stage while the helper still computes,
+    instead of waiting for the helper's model first."""
     from vitscope.threads import workers
 
     if workers() < 2 or len(pending) < MIN_MODELS or _images_per_model(plan, sources) < MIN_IMAGES:
         return []
-    return pending[1::2]
+    want = len(pending) // 2
+    in_pairs = {x for ap in plan.analyses for pair in ap.pairs for x in pair}
+    free = [lab for lab in pending if lab not in in_pairs]
+    if len(free) < want:
+        return pending[1::2]
+    take = free[1::2] + [lab for lab in reversed(free[0::2])][:want - len(free[1::2])]
+    return [lab for lab in pending if lab in take]
 
 
 class Helper:

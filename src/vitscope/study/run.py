@@ -221,8 +221,12 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
             if restore_threads is not None:
                 restore_threads()
 
+    done: dict[str, tuple[list[Job], dict[str, Any]]] = {}  # label -> (its jobs, its manifest entry)
+    paired: dict[tuple[str, str, str], Job] = {}  # (analysis, a, b) -> the pair stage's job
     try:
-        for mc in plan.models:
+        # this process's own models first, then the helper's as it finishes them: the study never waits for
+        # the helper while it has work of its own (tables and manifest are assembled in study order below)
+        for mc in _processing_order(plan, helper.labels if helper is not None else []):
             label = label_of(mc)
             t0 = time.perf_counter()
             helped = helper.wait_for(label) if helper is not None and label in helper.labels else None
@@ -230,28 +234,35 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
                 release_helper()
             info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
             infos[label], mkeys[label] = info, mmeta["model_key"]
-            for job in jobs:
-                frames[job.name].append(job.frame)
-                by_analysis[job.name].append(job.analysis)
             seconds = round(time.perf_counter() - t0, 2)
             if helped is not None:  # computed in this run by the helper, read back here
                 for job in jobs:
                     job.meta["from_cache"] = False
                 mmeta = {**mmeta, "timings": helped["timings"], "helper_process": True}
                 seconds = helped["seconds"]
-            manifest["models"][label] = {**mmeta, "seconds": seconds,
-                                         "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
-            for ap in plan.analyses:  # pair stages of this model: right after the later of the two passes
+            done[label] = jobs, {**mmeta, "seconds": seconds,
+                                 "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
+            for ap in plan.analyses:  # pair stages of this model: as soon as both of its models have passed
                 for a, b in ap.pairs:  # (a pair may name its models in either order of the study's)
                     if label in (a, b) and a in infos and b in infos:
-                        job = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool, on_batch)
-                        frames[ap.name].append(job.frame)
-                        by_analysis[ap.name].append(job.analysis)
-                        manifest["models"][b].setdefault("pairs", {})[f"{ap.name}:{a}"] = {
-                            "from_cache": job.meta.get("from_cache", False)}
+                        paired[(ap.name, a, b)] = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool,
+                                                            on_batch)
             pool.done_with(label)
     finally:
         release_helper()
+    order = [label_of(m) for m in plan.models]
+    for label in order:  # in study order, whichever process computed what: each model, then the pair stages
+        jobs, manifest["models"][label] = done[label]  # that follow its pass (the later of their two models)
+        for job in jobs:
+            frames[job.name].append(job.frame)
+            by_analysis[job.name].append(job.analysis)
+        for (name, a, b), job in paired.items():
+            if max(order.index(a), order.index(b)) == order.index(label):
+                frames[name].append(job.frame)
+                by_analysis[name].append(job.analysis)
+    for (name, a, b), job in paired.items():
+        manifest["models"][b].setdefault("pairs", {})[f"{name}:{a}"] = {"from_cache": job.meta.get("from_cache",
+                                                                                                   False)}
     pool.clear()
     manifest["seconds"] = round(time.perf_counter() - t_study, 2)
     manifest["skipped_images"] = {n: sorted([p, r] for p, r in s.skipped.items()) for n, s in sources.items()
@@ -778,6 +789,13 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def _processing_order(plan: Plan, delegated_labels: list[str]) -> list[Any]:
+    """The order this process takes the models in: its own first, then those a helper computes (both in study
+    order)."""
+    own = [m for m in plan.models if label_of(m) not in delegated_labels]
+    return own + [m for m in plan.models if label_of(m) in delegated_labels]
 
 
 def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sources: dict[str, Source], cache: Cache,
