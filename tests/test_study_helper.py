@@ -56,7 +56,7 @@ def test_no_helper_where_it_cannot_pay(tmp_path, monkeypatch):
 
 
 def test_a_failing_helper_is_reported_and_leaves_the_model_to_the_study(tmp_path, caplog):
-    helper = H.Helper(_config(tmp_path, "x"), ["no-such-model"])  # fails in the child: no model of that label
+    helper = H.Helper().assign(_config(tmp_path, "x"), ["no-such-model"])  # fails in the child: no such model
     try:
         with caplog.at_level(logging.WARNING, logger="vitscope.study.helper"):
             assert helper.wait_for("no-such-model") is None
@@ -117,3 +117,63 @@ def test_delegation_keeps_pair_models_home_and_falls_back_to_every_second_model(
     got = H.delegated(plan([("m6", "m7")]), {}, labels)  # the default study's shape: the pair last
     assert got == ["m1", "m3", "m4", "m5"] and not {"m6", "m7"} & set(got)
     assert H.delegated(plan([("m0", "m1"), ("m2", "m3"), ("m4", "m5")]), {}, labels) == ["m1", "m3", "m5", "m7"]
+
+
+def test_vitscope_run_starts_the_helper_before_its_own_imports_and_hands_it_the_models(tmp_path, monkeypatch):
+    """`vitscope run` starts the helper before load_config (whose imports of torch and timm take seconds on the
+    study's core), gives that same process its models, and leaves none waiting; tables equal one process's."""
+    from vitscope.cli import main
+    from vitscope.study import config as C
+
+    monkeypatch.setattr(H, "MIN_IMAGES", 0)
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    events, made = [], []
+    real_init, real_load = H.Helper.__init__, C.load_config
+
+    def init(self):  # noqa: ANN001
+        events.append("helper")
+        real_init(self)
+        made.append(self)
+
+    monkeypatch.setattr(H.Helper, "__init__", init)
+    monkeypatch.setattr(C, "load_config", lambda *a, **k: (events.append("load_config"), real_load(*a, **k))[1])
+    cfg = tmp_path / "study.yaml"
+    cfg.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(4))))
+    assert main(["run", str(cfg), f"output_dir={tmp_path / 'cli'}", f"cache_dir={tmp_path / 'cli-cache'}"]) == 0
+    assert events == ["helper", "load_config"] and H._WAITING is None and not made[0]._proc.is_alive()
+    manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
+    assert [m for m, meta in manifest["models"].items() if meta.get("helper_process")] == ["m1", "m3"]
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
+    alone = run_study(_config(tmp_path, "alone"))
+    for name in ("attention_distance", "cka", "semantics"):
+        pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "cli" / "results" / f"{name}.parquet"),
+                                      pd.read_parquet(alone / "results" / f"{name}.parquet"), rtol=1e-6, atol=1e-9)
+
+
+def test_an_early_helper_only_where_it_may_pay_and_dismissed_when_not_needed(tmp_path, monkeypatch):
+    from vitscope.cli import main
+
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    four, two = tmp_path / "four.yaml", tmp_path / "two.yaml"
+    four.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(4))))
+    two.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(2))))
+    assert H.models_listed(four) == 4 and H.models_listed(two) == 2 and H.models_listed(None) >= H.MIN_MODELS
+    assert H.models_listed(tmp_path / "missing.yaml") == 0
+    H.prespawn(two)  # too few models to pay
+    assert H._WAITING is None
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun: no helper
+    H.prespawn(four)
+    assert H._WAITING is None
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
+    H.prespawn(four)
+    assert H._WAITING is None
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    made = []
+    real_init = H.Helper.__init__
+    monkeypatch.setattr(H.Helper, "__init__", lambda self: (real_init(self), made.append(self))[0])
+    # four models, but 24 images each: below MIN_IMAGES, the study dismisses the helper it started early
+    assert main(["run", str(four), f"output_dir={tmp_path / 'o'}", f"cache_dir={tmp_path / 'c'}"]) == 0
+    assert len(made) == 1 and H._WAITING is None and not made[0]._proc.is_alive()
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert not any(m.get("helper_process") for m in manifest["models"].values())

@@ -73,13 +73,30 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vitscope.study.config import load_config, parse_models_slice, slice_models
+    from vitscope.study.config import parse_models_slice
 
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         overrides.insert(0, config)
         config = None
     models = parse_models_slice(args.models) if args.models is not None else None
+    if models is None and not args.dry_run:  # a helper importing torch on the core this process leaves idle
+        from vitscope.study.helper import prespawn
+
+        prespawn(config)
+    try:
+        return _run(args, config, overrides, models)
+    finally:
+        from vitscope.study.helper import dismiss
+
+        dismiss()  # one started early and given no models
+
+
+def _run(args: argparse.Namespace, config: str | None, overrides: list[str], models: tuple[int, int] | None) -> int:
+    from pathlib import Path
+
+    from vitscope.study.config import load_config, slice_models
+
     cfg = load_config(config, overrides)
     if models is not None:
         slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads

@@ -13,12 +13,18 @@ When: `vitscope.threads.workers()` is 2 (two usable cores; ``VITSCOPE_WORKERS=1`
 (not under torchrun), no ``on_batch`` hook (tests that interrupt runs), and at least `MIN_MODELS` models with
 work left whose passes cover at least `MIN_IMAGES` images each: below that, starting a process (importing
 torch and vitscope, a few seconds) costs more than it saves.
+
+Started early: `vitscope run` starts the helper (`prespawn`) before it imports torch and timm itself, when
+the config lists at least `MIN_MODELS` models, so the helper's imports run on the core the study's own imports
+leave idle; the study then hands it its models (`start`) or dismisses it (`dismiss`). A run that starts no
+helper early starts one when it needs it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import signal
 from pathlib import Path
@@ -54,17 +60,18 @@ def delegated(plan: Any, sources: dict[str, Any], pending: list[str]) -> list[st
 
 
 class Helper:
-    """The helper process: computes ``labels`` in order, reporting each as it is cached."""
+    """The helper process: imports the study's modules, waits for its models (`assign`), computes them in order
+    and reports each as it is cached."""
 
-    def __init__(self, cfg: Any, labels: list[str]):
+    def __init__(self) -> None:
         import multiprocessing as mp
 
         # spawn, not fork: the study's process has torch's thread pools running
         ctx = mp.get_context("spawn")
-        self.labels = list(labels)
+        self.labels: list[str] = []
+        self._inbox: Any = ctx.Queue()
         self._queue: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_main, args=(dataclasses.replace(cfg, progress=False), self.labels,
-                                                     self._queue), daemon=True, name="vitscope-helper")
+        self._proc = ctx.Process(target=_main, args=(self._inbox, self._queue), daemon=True, name="vitscope-helper")
         # Ctrl-C blocked while it starts (the mask is inherited): a child still importing would print a
         # traceback; once running, it ignores SIGINT (`die_with_parent`) and the study ends it
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") \
@@ -76,6 +83,12 @@ class Helper:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._done: dict[str, dict[str, Any]] = {}
         self._failed: str | None = None
+
+    def assign(self, cfg: Any, labels: list[str]) -> Helper:
+        """Give the helper its models (it computes them in this order)."""
+        self.labels = list(labels)
+        self._inbox.put((dataclasses.replace(cfg, progress=False), self.labels))
+        return self
 
     def wait_for(self, label: str) -> dict[str, Any] | None:
         """Block until the helper has cached ``label`` (its timings), or None when it cannot: it failed or
@@ -101,18 +114,73 @@ class Helper:
             self._proc.terminate()
         self._proc.join(timeout=10)
         self._queue.close()
+        self._inbox.close()
 
 
-def _main(cfg: Any, labels: list[str], out: Any) -> None:
+_WAITING: Helper | None = None  # started by `prespawn`, not yet given its models
+
+
+def models_listed(config: str | Path | None) -> int:
+    """How many models a study config lists, read cheaply (plain YAML, no validation; 0 when it cannot tell):
+    whether starting a helper early may pay."""
+    import yaml
+
+    try:
+        if config is None:
+            from importlib.resources import files
+
+            text = files("vitscope.configs").joinpath("default.yaml").read_text(encoding="utf-8")
+        else:
+            text = Path(config).read_text(encoding="utf-8")
+        models = yaml.safe_load(text).get("models")
+    except Exception:  # noqa: BLE001 - a heuristic: the config's own checks say what is wrong with it
+        return 0
+    return len(models) if isinstance(models, list) else 0
+
+
+def prespawn(config: str | Path | None) -> None:
+    """Start a helper before the study's imports where one may be used: two usable cores (`workers`), not under
+    torchrun, at least `MIN_MODELS` models in the config. `start` hands it its models, `dismiss` ends it."""
+    global _WAITING
+    from vitscope.threads import workers
+
+    world = os.environ.get("WORLD_SIZE", "1")
+    if _WAITING is not None or workers() < 2 or (world.isdigit() and int(world) > 1) \
+            or models_listed(config) < MIN_MODELS:
+        return
+    _WAITING = Helper()
+
+
+def start(cfg: Any, labels: list[str]) -> Helper:
+    """A helper computing ``labels``: the one started early if there is one, else a new one."""
+    global _WAITING
+    helper, _WAITING = (_WAITING or Helper()), None
+    return helper.assign(cfg, labels)
+
+
+def dismiss() -> None:
+    """End a helper started early that was given no models (the study needed none, or stopped before)."""
+    global _WAITING
+    if _WAITING is not None:
+        _WAITING.close()
+        _WAITING = None
+
+
+def _main(inbox: Any, out: Any) -> None:
     import time
 
-    from vitscope.study import run as R
+    from vitscope.threads import die_with_parent, one_thread
+
+    die_with_parent()  # first: a study that dies while this process imports takes it along
+    from vitscope.study import run as R  # the study's imports (torch, timm), while the study makes its own
     from vitscope.study.cache import Cache, default_cache_dir
     from vitscope.study.distributed import Dist
     from vitscope.study.plan import label_of, make_plan
-    from vitscope.threads import die_with_parent, one_thread
 
-    die_with_parent()
+    job = inbox.get()
+    if job is None:
+        return
+    cfg, labels = job
     one_thread()  # every pool of this process (torch, BLAS, OpenMP): the study's process holds the other core
     label = "setup"
     try:

@@ -40,6 +40,7 @@ from vitscope.files import write_atomic
 from vitscope.models import load_model
 from vitscope.models.adapter import ModelInfo
 from vitscope.models.load import file_given, resolve_spec
+from vitscope.study import helper as helpers
 from vitscope.study import rundir
 from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
@@ -802,6 +803,7 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
                   dist: Dist, on_batch: Callable[[str, int], None] | None) -> Helper | None:
     """A helper process for every second model with work left, where it pays (`vitscope.study.helper`)."""
     if dist.world > 1 or on_batch is not None or not single:
+        helpers.dismiss()
         return None
     pending = []
     for mc in plan.models:
@@ -810,9 +812,10 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
             pending.append(label_of(mc))
     labels = delegated(plan, sources, pending)
     if not labels:
+        helpers.dismiss()  # one started early by `vitscope run`, not needed
         return None
     _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
-    return Helper(cfg, labels)
+    return helpers.start(cfg, labels)
 
 
 def _unusable(path: Path, e: Exception) -> None:
