@@ -27,6 +27,7 @@ from vitscope.analyses import ANALYSES
 from vitscope.data import SyntheticShapes
 from vitscope.data.catalog import build_dataset
 from vitscope.study import load_config, run_study
+from vitscope.study import helper
 from vitscope.study.plan import make_plan
 from vitscope.study.run import _select_ids
 
@@ -125,8 +126,15 @@ def main() -> None:
 
     bare_before = bare_forwards()
     with tempfile.TemporaryDirectory() as tmp:
+        cfg = study_config(tmp)
+        # `vitscope run` starts its helper process before its own imports, so the helper imports while the
+        # study's process does; here the study's imports are done before the clock starts, and so are the
+        # helper's (where the study uses one)
+        helper.prespawn(None if args.size == "zoo" else Path(tmp) / "study.yaml")
+        if helper._WAITING is not None:
+            helper._WAITING.wait_ready()
         t0, c0 = time.perf_counter(), time.process_time()
-        run_dir = run_study(study_config(tmp))
+        run_dir = run_study(cfg)
         first, first_cpu = time.perf_counter() - t0, time.process_time() - c0
         manifest = json.loads((Path(run_dir) / "manifest.json").read_text())
         t0 = time.perf_counter()

@@ -177,3 +177,16 @@ def test_an_early_helper_only_where_it_may_pay_and_dismissed_when_not_needed(tmp
     assert len(made) == 1 and H._WAITING is None and not made[0]._proc.is_alive()
     manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
     assert not any(m.get("helper_process") for m in manifest["models"].values())
+
+
+def test_an_early_helper_says_when_its_imports_are_done_and_ends_when_dismissed(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    four = tmp_path / "four.yaml"
+    four.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(4))))
+    H.prespawn(four)
+    waiting = H._WAITING
+    try:
+        assert waiting is not None and waiting.wait_ready(timeout=120) and waiting._proc.is_alive()
+    finally:
+        H.dismiss()
+    assert H._WAITING is None and not waiting._proc.is_alive()

@@ -83,6 +83,21 @@ class Helper:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         self._done: dict[str, dict[str, Any]] = {}
         self._failed: str | None = None
+        self._ready = False
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Block until the helper has imported the study's modules (benchmarks start their clock after it)."""
+        import time
+
+        end = time.monotonic() + timeout
+        while not self._ready and self._proc.is_alive() and time.monotonic() < end:
+            try:
+                kind, got, info = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "ready":
+                self._ready = True
+        return self._ready
 
     def assign(self, cfg: Any, labels: list[str]) -> Helper:
         """Give the helper its models (it computes them in this order)."""
@@ -102,6 +117,8 @@ class Helper:
                 continue
             if kind == "done":
                 self._done[got] = info
+            elif kind == "ready":
+                self._ready = True
             else:
                 self._failed = f"{got}: {info}"
         if label in self._done:
@@ -177,6 +194,7 @@ def _main(inbox: Any, out: Any) -> None:
     from vitscope.study.distributed import Dist
     from vitscope.study.plan import label_of, make_plan
 
+    out.put(("ready", None, None))
     job = inbox.get()
     if job is None:
         return
