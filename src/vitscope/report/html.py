@@ -226,9 +226,12 @@ def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
     if workers < 2:
         return {n: _draw(run, n) for n in names}
     _FORKED_RUN = run
+    # the largest tables first (their figures take longest): no process is left drawing a big one alone at the end
+    order = sorted(names, key=lambda n: -len(run.tables.get(n, ())))
     try:
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=die_with_parent) as pool:
-            return dict(zip(names, pool.map(_draw_forked, names), strict=True))
+            drawn = dict(zip(order, pool.map(_draw_forked, order), strict=True))
+        return {n: drawn[n] for n in names}
     except BrokenProcessPool:  # a drawing process was killed (e.g. out of memory): draw here instead
         log.warning("a process drawing the report's figures ended abruptly; drawing them in this process")
         return {n: _draw(run, n) for n in names}

@@ -42,21 +42,17 @@ def _images_per_model(plan: Any, sources: dict[str, Any]) -> int:
 
 
 def delegated(plan: Any, sources: dict[str, Any], pending: list[str]) -> list[str]:
-    """The models (labels, in study order) a helper computes: half of those with work left, every second one,
-    taken among the models no pair stage needs where there are enough of them. The study's process runs the
-    pair stages; with both of a pair's models its own, it runs the stage while the helper still computes,
-    instead of waiting for the helper's model first."""
+    """The shared list of models (labels, in study order) the helper and the study's process claim from: the
+    models with work left that no pair stage needs, where at least two are. The study's process computes a pair
+    stage's models itself first and runs the stage while the helper claims from the list, then claims from it too
+    (whoever is free takes the next model). Without such models, every model with work left."""
     from vitscope.threads import workers
 
     if workers() < 2 or len(pending) < MIN_MODELS or _images_per_model(plan, sources) < MIN_IMAGES:
         return []
-    want = len(pending) // 2
     in_pairs = {x for ap in plan.analyses for pair in ap.pairs for x in pair}
     free = [lab for lab in pending if lab not in in_pairs]
-    if len(free) < want:
-        return pending[1::2]
-    take = free[1::2] + [lab for lab in reversed(free[0::2])][:want - len(free[1::2])]
-    return [lab for lab in pending if lab in take]
+    return free if len(free) >= 2 else list(pending)
 
 
 class Helper:
@@ -68,10 +64,12 @@ class Helper:
 
         # spawn, not fork: the study's process has torch's thread pools running
         ctx = mp.get_context("spawn")
-        self.labels: list[str] = []
+        self.labels: list[str] = []  # the shared list: each process claims its next model from it
+        self._next: Any = ctx.Value("i", 0)  # the first unclaimed position of ``labels``
         self._inbox: Any = ctx.Queue()
         self._queue: Any = ctx.Queue()
-        self._proc = ctx.Process(target=_main, args=(self._inbox, self._queue), daemon=True, name="vitscope-helper")
+        self._proc = ctx.Process(target=_main, args=(self._inbox, self._queue, self._next), daemon=True,
+                                 name="vitscope-helper")
         # Ctrl-C blocked while it starts (the mask is inherited): a child still importing would print a
         # traceback; once running, it ignores SIGINT (`die_with_parent`) and the study ends it
         blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if hasattr(signal, "pthread_sigmask") \
@@ -100,10 +98,35 @@ class Helper:
         return self._ready
 
     def assign(self, cfg: Any, labels: list[str]) -> Helper:
-        """Give the helper its models (it computes them in this order)."""
+        """Give the helper the shared list of models: it claims them one at a time, in this order, as the study's
+        process does with `claim` once its own models are done (whoever is free takes the next)."""
         self.labels = list(labels)
         self._inbox.put((dataclasses.replace(cfg, progress=False), self.labels))
         return self
+
+    def finished(self) -> list[str]:
+        """The models the helper has cached so far (without waiting), in the order it finished them."""
+        while True:
+            try:
+                kind, got, info = self._queue.get_nowait()
+            except queue.Empty:
+                return list(self._done)
+            if kind == "done":
+                self._done[got] = info
+            elif kind == "ready":
+                self._ready = True
+            else:
+                self._failed = f"{got}: {info}"
+
+    def claim(self) -> str | None:
+        """The next unclaimed model of the shared list, now this process's to compute (None: all claimed)."""
+        return _claim(self._next, self.labels)
+
+    def claimed_by_helper(self, own: set[str]) -> list[str]:
+        """The models of the shared list claimed so far that this process did not claim (``own``)."""
+        with self._next.get_lock():
+            upto = self._next.value
+        return [lab for lab in self.labels[:upto] if lab not in own]
 
     def wait_for(self, label: str) -> dict[str, Any] | None:
         """Block until the helper has cached ``label`` (its timings), or None when it cannot: it failed or
@@ -183,7 +206,16 @@ def dismiss() -> None:
         _WAITING = None
 
 
-def _main(inbox: Any, out: Any) -> None:
+def _claim(counter: Any, labels: list[str]) -> str | None:
+    with counter.get_lock():
+        i = counter.value
+        if i >= len(labels):
+            return None
+        counter.value = i + 1
+    return labels[i]
+
+
+def _main(inbox: Any, out: Any, counter: Any) -> None:
     import time
 
     from vitscope.threads import die_with_parent, one_thread
@@ -209,7 +241,8 @@ def _main(inbox: Any, out: Any) -> None:
         single = [ap for ap in plan.analyses if not ap.pair]
         by_label = {label_of(m): m for m in plan.models}
         pool = R._ModelPool(cfg, plan, sources)
-        for label in labels:
+        while (claimed := _claim(counter, labels)) is not None:  # until the shared list is all claimed
+            label = claimed
             t0 = time.perf_counter()
             _info, _jobs, mmeta = R._run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)
             pool.clear()

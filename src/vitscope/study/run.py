@@ -224,31 +224,48 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
 
     done: dict[str, tuple[list[Job], dict[str, Any]]] = {}  # label -> (its jobs, its manifest entry)
     paired: dict[tuple[str, str, str], Job] = {}  # (analysis, a, b) -> the pair stage's job
+
+    def step(mc: Any, helped: dict[str, Any] | None) -> None:
+        """One model: computed here, or read back from the cache where the helper computed it (``helped``: its
+        timings); then the pair stages whose two models have both passed."""
+        label = label_of(mc)
+        t0 = time.perf_counter()
+        info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
+        infos[label], mkeys[label] = info, mmeta["model_key"]
+        seconds = round(time.perf_counter() - t0, 2)
+        if helped is not None:  # computed in this run by the helper, read back here
+            for job in jobs:
+                job.meta["from_cache"] = False
+            mmeta = {**mmeta, "timings": helped["timings"], "helper_process": True}
+            seconds = helped["seconds"]
+        done[label] = jobs, {**mmeta, "seconds": seconds,
+                             "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
+        for ap in plan.analyses:  # pair stages of this model: as soon as both of its models have passed
+            for a, b in ap.pairs:  # (a pair may name its models in either order of the study's)
+                if label in (a, b) and a in infos and b in infos:
+                    paired[(ap.name, a, b)] = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool,
+                                                        on_batch)
+        pool.done_with(label)
+
     try:
-        # this process's own models first, then the helper's as it finishes them: the study never waits for
-        # the helper while it has work of its own (tables and manifest are assembled in study order below)
-        for mc in _processing_order(plan, helper.labels if helper is not None else []):
-            label = label_of(mc)
-            t0 = time.perf_counter()
-            helped = helper.wait_for(label) if helper is not None and label in helper.labels else None
-            if helper is not None and label == helper.labels[-1]:  # its last model
-                release_helper()
-            info, jobs, mmeta = _run_model(cfg, mc, label, single, sources, cache, dist, pool, on_batch)
-            infos[label], mkeys[label] = info, mmeta["model_key"]
-            seconds = round(time.perf_counter() - t0, 2)
-            if helped is not None:  # computed in this run by the helper, read back here
-                for job in jobs:
-                    job.meta["from_cache"] = False
-                mmeta = {**mmeta, "timings": helped["timings"], "helper_process": True}
-                seconds = helped["seconds"]
-            done[label] = jobs, {**mmeta, "seconds": seconds,
-                                 "analyses_from_cache": [j.name for j in jobs if j.meta.get("from_cache")]}
-            for ap in plan.analyses:  # pair stages of this model: as soon as both of its models have passed
-                for a, b in ap.pairs:  # (a pair may name its models in either order of the study's)
-                    if label in (a, b) and a in infos and b in infos:
-                        paired[(ap.name, a, b)] = _run_pair(cfg, ap, a, b, infos, mkeys, sources, cache, dist, pool,
-                                                            on_batch)
-            pool.done_with(label)
+        # this process's own models first (those of pair stages, and those already cached), then it claims from
+        # the list it shares with the helper until all are claimed, then reads back what the helper computed:
+        # whoever is free takes the next model (tables and manifest are assembled in study order below)
+        shared = helper.labels if helper is not None else []
+        for mc in plan.models:
+            if label_of(mc) not in shared:
+                step(mc, None)
+        if helper is not None:
+            mine: set[str] = set()
+            while (label := helper.claim()) is not None:
+                mine.add(label)
+                step(pool.by_label[label], None)
+                for lab in helper.finished():  # read back while the helper still computes, not all at the end
+                    if lab not in done:
+                        step(pool.by_label[lab], helper.wait_for(lab))
+            for label in helper.claimed_by_helper(mine):
+                if label not in done:  # None from wait_for: the helper failed, the model is computed here
+                    step(pool.by_label[label], helper.wait_for(label))
     finally:
         release_helper()
     order = [label_of(m) for m in plan.models]
@@ -790,13 +807,6 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
-
-
-def _processing_order(plan: Plan, delegated_labels: list[str]) -> list[Any]:
-    """The order this process takes the models in: its own first, then those a helper computes (both in study
-    order)."""
-    own = [m for m in plan.models if label_of(m) not in delegated_labels]
-    return own + [m for m in plan.models if label_of(m) in delegated_labels]
 
 
 def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sources: dict[str, Source], cache: Cache,
