@@ -162,6 +162,13 @@ def test_pooled_table_grows_round_trips_through_a_mapped_file_and_stores_exactly
     assert torch.equal(back.layer(1), t.layer(1)) and torch.equal(back.column("is_test"), t.column("is_test"))
     assert torch.equal(back.column("labels"), torch.cat([(torch.arange(len(c[0])) + 10_000 * k) % 7
                                                          for k, c in enumerate(chunks)]))
+    # read back (as a cached rerun or a resume does), then grown: the new rows follow, the file read is untouched
+    saved = (tmp_path / "s.pt").read_bytes()
+    extra = torch.randn(5, 24, generator=g)
+    back.append([extra, extra], torch.arange(5) + 90_000, torch.zeros(5, dtype=torch.long), torch.ones(5) > 0)
+    assert len(back) == 1608 and torch.equal(back.layer(0)[:1603], t.layer(0))
+    assert torch.equal(back.layer(1)[1603:], extra.half()) and back.column("is_test")[-5:].all()
+    assert (tmp_path / "s.pt").read_bytes() == saved
 
 
 def _region_reference(spatial, maps, grid, min_tokens):

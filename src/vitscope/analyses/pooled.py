@@ -51,6 +51,15 @@ class _Matrix:
             except OSError:  # pragma: no cover - platforms that cannot unlink an open file
                 pass
 
+    @classmethod
+    def holding(cls, rows: torch.Tensor) -> _Matrix:
+        """Rows already in memory (a state read from the cache), kept as they are, without a file: the first
+        append that needs room moves them into one (`append`)."""
+        m = cls.__new__(cls)
+        m.dim, m.n = int(rows.shape[-1]), len(rows)
+        m.mm = rows.detach().to(torch.float16).contiguous().numpy()
+        return m
+
     def append(self, rows: torch.Tensor | np.ndarray) -> None:
         rows = rows.detach().to(torch.float16).cpu().numpy() if isinstance(rows, torch.Tensor) else rows
         need = self.n + len(rows)
@@ -113,6 +122,8 @@ class PooledTable:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> PooledTable:
         t = cls(len(state["layers"]))
-        if len(state["ids"]):
-            t.append(list(state["layers"]), *(state[c] for c in _COLUMNS))
+        if len(state["ids"]):  # the loaded rows as they are (no file written and read back for a cached rerun)
+            t.mats = [_Matrix.holding(x) for x in state["layers"]]
+            for c in _COLUMNS:
+                t.cols[c].append(state[c].detach().cpu().to(torch.bool if c == "is_test" else torch.long))
         return t
