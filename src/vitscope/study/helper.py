@@ -1,10 +1,12 @@
-"""A second process for a study on a machine with two cores: it computes every second model's analyses into the
-cache while the study's own process computes the others, each process on one thread.
+"""A second process for a study on a machine with two cores: it and the study's own process take the models from
+one shared list (whoever is free takes the next) and compute their analyses into the cache, each process on
+one thread.
 
 Why: a small model's forward passes keep two cores busy, but most of a small-model study is single-threaded
 work around them (the analyses' updates and finalize: probes, k-means, t-SNE); two processes of one thread
 each overlap one model's finalize with another's forwards. The study's process stays the only one that writes
-results: it reads the helper's models back from the cache (exactly as a rerun would) and runs the pair stages,
+results: it reads the helper's models back from the cache (exactly as a rerun would) and runs the pair stages
+(whose models it computes itself, first, so a pair stage runs while the helper still computes),
 the cross-model stage, the tables and the report itself. If the helper fails or dies, the study computes the
 model itself: the helper can cost time, never a result. Not torchrun's shards for this: they split images, so
 every rank still runs every model's finalize; the helper splits models.
@@ -90,11 +92,9 @@ class Helper:
         end = time.monotonic() + timeout
         while not self._ready and self._proc.is_alive() and time.monotonic() < end:
             try:
-                kind, got, info = self._queue.get(timeout=0.2)
+                self._note(*self._queue.get(timeout=0.2))
             except queue.Empty:
                 continue
-            if kind == "ready":
-                self._ready = True
         return self._ready
 
     def assign(self, cfg: Any, labels: list[str]) -> Helper:
@@ -108,15 +108,18 @@ class Helper:
         """The models the helper has cached so far (without waiting), in the order it finished them."""
         while True:
             try:
-                kind, got, info = self._queue.get_nowait()
+                self._note(*self._queue.get_nowait())
             except queue.Empty:
                 return list(self._done)
-            if kind == "done":
-                self._done[got] = info
-            elif kind == "ready":
-                self._ready = True
-            else:
-                self._failed = f"{got}: {info}"
+
+    def _note(self, kind: str, got: Any, info: Any) -> None:
+        """One message of the helper's: a model cached, its imports done, or what stopped it."""
+        if kind == "done":
+            self._done[got] = info
+        elif kind == "ready":
+            self._ready = True
+        else:
+            self._failed = f"{got}: {info}"
 
     def claim(self) -> str | None:
         """The next unclaimed model of the shared list, now this process's to compute (None: all claimed)."""
@@ -133,17 +136,10 @@ class Helper:
         died (the study then computes the model itself)."""
         while label not in self._done and self._failed is None:
             try:
-                kind, got, info = self._queue.get(timeout=1.0)
+                self._note(*self._queue.get(timeout=1.0))
             except queue.Empty:
                 if not self._proc.is_alive():
                     self._failed = f"the helper process ended (exit code {self._proc.exitcode})"
-                continue
-            if kind == "done":
-                self._done[got] = info
-            elif kind == "ready":
-                self._ready = True
-            else:
-                self._failed = f"{got}: {info}"
         if label in self._done:
             return self._done[label]
         log.warning("helper process: %s; the study computes %s itself", self._failed, label)
