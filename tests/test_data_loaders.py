@@ -176,6 +176,24 @@ def test_a_truncated_jpeg_is_left_to_pil_and_unreadable(tmp_path):
         read_rgb(tmp_path / "x.jpg")
 
 
+def test_a_jpeg_claiming_more_pixels_than_pils_limit_is_never_decoded_by_torchvision(tmp_path, monkeypatch):
+    """A small file can claim a huge image: its size is read from the header (no pixels) and such a file goes to
+    PIL, whose decompression-bomb check refuses it in one sentence, before torchvision allocates anything."""
+    import torchvision.io
+
+    from vitscope.data.formats.common import Unreadable, decode_jpeg, read_rgb
+
+    Image.fromarray(_photo(97, 171)).save(tmp_path / "x.jpg", quality=90)
+    calls = []
+    real = torchvision.io.decode_jpeg
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    assert decode_jpeg(tmp_path / "x.jpg") is not None and calls == [1]  # within the limit: torchvision decodes
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 97 * 171 // 3)  # the file is now over twice the limit
+    assert decode_jpeg(tmp_path / "x.jpg") is None and calls == [1]
+    with pytest.raises(Unreadable, match="DecompressionBomb"):
+        read_rgb(tmp_path / "x.jpg")
+
+
 # ---------------------------------------------------------------- ImageFolder
 
 

@@ -9,6 +9,7 @@ dataset is built and raise `vitscope.errors.InputError` saying what was expected
 
 from __future__ import annotations
 
+import io
 import pickle
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -88,14 +89,20 @@ def decode_jpeg(path: str | Path) -> np.ndarray | None:
         from torchvision.io import ImageReadMode
         from torchvision.io import decode_jpeg as tv_decode_jpeg
 
+        # the header first (PIL reads no pixels here): a file claiming more pixels than PIL's limit, or another
+        # colour space, goes to PIL before anything is allocated for it
+        with Image.open(io.BytesIO(data)) as im:
+            (w0, h0), mode = im.size, im.mode
+        limit = Image.MAX_IMAGE_PIXELS
+        if mode not in ("RGB", "L") or (limit is not None and w0 * h0 > limit):
+            return None
         with warnings.catch_warnings():  # torchvision >= 0.29 says on each call that its decoders are deprecated
             warnings.simplefilter("ignore", DeprecationWarning)
             x = tv_decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
     except Exception:  # noqa: BLE001 - PIL reads it, or says why it cannot (also once torchvision drops it)
         return None
     c, h, w = x.shape
-    limit = Image.MAX_IMAGE_PIXELS
-    if c not in (1, 3) or (limit is not None and h * w > limit):
+    if c not in (1, 3) or (h, w) != (h0, w0):
         return None
     return np.ascontiguousarray(x.expand(3, h, w).permute(1, 2, 0).numpy())
 
