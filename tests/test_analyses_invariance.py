@@ -316,3 +316,18 @@ def test_an_unknown_cka_estimator_is_one_sentence_at_config_time():
     pt, ft = pair()
     with pytest.raises(ConfigError, match="does not exist"):
         Stir(pt.info(), ft.info(), cka_estimator="unbiased")
+
+
+def test_a_pair_analysis_outside_a_study_removes_its_temporary_store_with_itself():
+    """Outside a study (no cache) `store` is a temporary folder; it went with nothing and stayed in /tmp."""
+    import gc
+
+    pt, ft = pair()
+    a = Stir(pt.info(), ft.info(), **KW)
+    d = a.store("products")
+    (d / "x.pt").write_bytes(b"data")
+    root = d.parent
+    assert a.store("other").parent == root and root.is_dir()  # one folder per analysis
+    del a
+    gc.collect()
+    assert not root.exists()

@@ -219,10 +219,14 @@ class PairAnalysis(_Lifecycle):
     def store(self, key: str) -> Path:
         """A cache directory for reusable products of model A (set by the planner; a temporary one otherwise)."""
         if self._store is None:
+            import shutil
             import tempfile
+            import weakref
             from pathlib import Path
 
-            self._tmp = getattr(self, "_tmp", None) or tempfile.mkdtemp(prefix="vitscope-store-")
+            if getattr(self, "_tmp", None) is None:  # removed with the analysis (it was left in /tmp before)
+                self._tmp = tempfile.mkdtemp(prefix="vitscope-store-")
+                weakref.finalize(self, shutil.rmtree, self._tmp, ignore_errors=True)
             d = Path(self._tmp) / key
             d.mkdir(parents=True, exist_ok=True)
             return d
