@@ -89,16 +89,11 @@ def few_threads(size: int = 0) -> Iterator[None]:
     if not enabled() or size >= SMALL:
         yield
         return
-    import torch
-    from threadpoolctl import threadpool_limits
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    restore = one_thread()
     try:
-        with threadpool_limits(limits=1):
-            yield
+        yield
     finally:
-        torch.set_num_threads(before)
+        restore()
 
 
 def one_thread() -> Callable[[], None]:
