@@ -283,48 +283,43 @@ def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Te
     ``where``). Classes absent from the training labels get a score below every other; a training set of
     fewer than two classes warns: the probe then predicts its one class everywhere."""
     with few_threads(train.numel() + test.numel()):  # a few hundred rows: a second thread only spins
-        return _fit_probe(train, train_labels, test, test_labels, standardize=standardize,
-                          weight_decay=weight_decay, max_iter=max_iter, num_classes=num_classes, warn=warn,
-                          tune=tune, grid=grid, folds=folds, where=where)
-
-
-def _fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *, standardize: bool,
-               weight_decay: float, max_iter: int, num_classes: int | None, warn: bool, tune: bool,
-               grid: Sequence[float], folds: int, where: str) -> ProbeFit:
-    c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
-    x, xt = train.double().numpy(), test.double().numpy()
-    if standardize:
-        mu, sd = x.mean(0), np.maximum(x.std(0, ddof=1), 1e-6)
-        x, xt = (x - mu) / sd, (xt - mu) / sd
-    y = train_labels.numpy()
-    scores = torch.full((len(xt), c), float("nan"), dtype=torch.float64)
-    classes = np.unique(y)
-    if len(classes) < 2 and warn:
-        warn_single_class_probe(len(classes))
-    lam, cv, iters, converged = float(weight_decay), {}, 0, True
-    if len(classes) == 1:  # nothing to fit: every test image gets the one class seen
-        scores[:, int(classes[0])] = 0.0
-    elif len(classes) > 1:
-        pos = np.searchsorted(classes, y)  # the training classes as positions 0..C'-1
-        if tune:  # in the training rows' principal axes (the same problem, preconditioned)
-            rot, var = principal_axes(x)
-            x, xt = x @ rot, xt @ rot
-            lam, cv, start = choose_weight_decay(x, pos, grid, folds, max_iter, axes=(rot, var))
-            params, iters, converged = _lbfgs_axes(x, np.eye(len(classes))[pos], lam, max_iter, var, rot,
-                                                   start=start)
-        else:
-            params, iters = _lbfgs(x, np.eye(len(classes))[pos], lam, max_iter)
-            converged = iters < max_iter
-        if tune and not converged and warn:
-            why = (f"at its cap of {max_iter} iterations before converging; raise probe_max_iter" if iters >= max_iter
-                   else f"after {iters} iterations with its gradient above the tolerance (1e-4)")
-            warnings.warn(f"{where}: the probe (weight decay {lam:g}) stopped {why}", ResultWarning, stacklevel=3)
-        if len(xt):
-            scores[:, torch.from_numpy(classes)] = torch.from_numpy(log_softmax(_logits(params, xt, len(classes)), 1))
-    if len(xt) and np.isfinite(scores.numpy()).any():
-        scores = torch.nan_to_num(scores, nan=float(np.nanmin(scores.numpy())) - 1.0)
-    acc = float((scores.argmax(1) == test_labels).double().mean()) if len(xt) else float("nan")
-    return ProbeFit(acc, scores, lam, iters, converged, cv)
+        c = int(num_classes) if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1
+        x, xt = train.double().numpy(), test.double().numpy()
+        if standardize:
+            mu, sd = x.mean(0), np.maximum(x.std(0, ddof=1), 1e-6)
+            x, xt = (x - mu) / sd, (xt - mu) / sd
+        y = train_labels.numpy()
+        scores = torch.full((len(xt), c), float("nan"), dtype=torch.float64)
+        classes = np.unique(y)
+        if len(classes) < 2 and warn:
+            warn_single_class_probe(len(classes))
+        lam, cv, iters, converged = float(weight_decay), {}, 0, True
+        if len(classes) == 1:  # nothing to fit: every test image gets the one class seen
+            scores[:, int(classes[0])] = 0.0
+        elif len(classes) > 1:
+            pos = np.searchsorted(classes, y)  # the training classes as positions 0..C'-1
+            if tune:  # in the training rows' principal axes (the same problem, preconditioned)
+                rot, var = principal_axes(x)
+                x, xt = x @ rot, xt @ rot
+                lam, cv, start = choose_weight_decay(x, pos, grid, folds, max_iter, axes=(rot, var))
+                params, iters, converged = _lbfgs_axes(x, np.eye(len(classes))[pos], lam, max_iter, var, rot,
+                                                       start=start)
+            else:
+                params, iters = _lbfgs(x, np.eye(len(classes))[pos], lam, max_iter)
+                converged = iters < max_iter
+            if tune and not converged and warn:
+                why = (f"at its cap of {max_iter} iterations before converging; raise probe_max_iter"
+                       if iters >= max_iter else
+                       f"after {iters} iterations with its gradient above the tolerance (1e-4)")
+                warnings.warn(f"{where}: the probe (weight decay {lam:g}) stopped {why}", ResultWarning,
+                              stacklevel=2)
+            if len(xt):
+                scores[:, torch.from_numpy(classes)] = torch.from_numpy(
+                    log_softmax(_logits(params, xt, len(classes)), 1))
+        if len(xt) and np.isfinite(scores.numpy()).any():
+            scores = torch.nan_to_num(scores, nan=float(np.nanmin(scores.numpy())) - 1.0)
+        acc = float((scores.argmax(1) == test_labels).double().mean()) if len(xt) else float("nan")
+        return ProbeFit(acc, scores, lam, iters, converged, cv)
 
 
 def linear_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *,
@@ -386,10 +381,8 @@ def kendall_tau_b_rows(a: Tensor, b: Tensor, chunk: int = 256) -> Tensor:
     gives one row at a time; NaN where a row is constant), from the k x k sign matrices of a few rows at a time:
     tau_b = sum_{i<j} sgn(a_i - a_j) sgn(b_i - b_j) / sqrt((n0 - ties_a) (n0 - ties_b)), n0 = k (k - 1) / 2."""
     a, b = a.double(), b.double()
-    n, k = a.shape
-    n0 = k * (k - 1) / 2
-    out = torch.empty(n, dtype=torch.float64)
-    for s in range(0, n, chunk):
+    out = torch.empty(len(a), dtype=torch.float64)
+    for s in range(0, len(a), chunk):
         sa = torch.sign(a[s:s + chunk, :, None] - a[s:s + chunk, None, :])
         sb = torch.sign(b[s:s + chunk, :, None] - b[s:s + chunk, None, :])
         con = (sa * sb).sum((1, 2)) / 2  # each unordered pair counted twice
@@ -398,7 +391,7 @@ def kendall_tau_b_rows(a: Tensor, b: Tensor, chunk: int = 256) -> Tensor:
         den = torch.sqrt(untied_a * untied_b)
         out[s:s + chunk] = torch.where(den > 0, con / den.clamp_min(1e-300), torch.tensor(float("nan"),
                                                                                           dtype=torch.float64))
-    return out if n0 > 0 else torch.full((n,), float("nan"), dtype=torch.float64)
+    return out  # k < 2: no pair, every row NaN (den 0), as scipy
 
 
 def prediction_agreement(logits_a: Tensor, logits_b: Tensor, labels: Tensor,
