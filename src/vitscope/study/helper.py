@@ -223,10 +223,7 @@ def _main(inbox: Any, out: Any, counter: Any) -> None:
     from vitscope.study.plan import label_of, make_plan
 
     out.put(("ready", None, None))
-    job = inbox.get()
-    if job is None:
-        return
-    cfg, labels = job
+    cfg, labels = inbox.get()  # a helper not needed is ended (`dismiss`) while it waits here
     one_thread()  # every pool of this process (torch, BLAS, OpenMP): the study's process holds the other core
     label = "setup"
     try:

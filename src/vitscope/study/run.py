@@ -46,7 +46,6 @@ from vitscope.study.cache import Cache, default_cache_dir, digest, model_key
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.cost import announce
 from vitscope.study.distributed import Dist
-from vitscope.study.helper import Helper, delegated
 from vitscope.study.plan import AnalysisPlan, Plan, label_of, make_plan
 from vitscope.threads import one_thread
 
@@ -810,8 +809,9 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
 
 
 def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sources: dict[str, Source], cache: Cache,
-                  dist: Dist, on_batch: Callable[[str, int], None] | None) -> Helper | None:
-    """A helper process for every second model with work left, where it pays (`vitscope.study.helper`)."""
+                  dist: Dist, on_batch: Callable[[str, int], None] | None) -> helpers.Helper | None:
+    """A helper process sharing the list of models with work left with this process, where it pays
+    (`vitscope.study.helper`); one started early by `vitscope run` is used, or dismissed when none pays."""
     if dist.world > 1 or on_batch is not None or not single:
         helpers.dismiss()
         return None
@@ -820,11 +820,12 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
         _spec, mkey = _model_key(mc, sources)
         if any(not cache.path(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)).is_file() for ap in single):
             pending.append(label_of(mc))
-    labels = delegated(plan, sources, pending)
+    labels = helpers.delegated(plan, sources, pending)
     if not labels:
         helpers.dismiss()  # one started early by `vitscope run`, not needed
         return None
-    _say(cfg, dist, f"a helper process computes {len(labels)} of the {len(pending)} models: {', '.join(labels)}")
+    _say(cfg, dist, f"a helper process shares {len(labels)} of the {len(pending)} models with this one: "
+                    f"{', '.join(labels)}")
     return helpers.start(cfg, labels)
 
 
