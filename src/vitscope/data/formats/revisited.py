@@ -72,7 +72,7 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
             root = root / dataset
         self.root, self.name, self.crop_queries = root, name or dataset, crop_queries
         gnd_file = root / f"gnd_{dataset}.pkl"
-        self.gnd_name = gnd_file.name
+        self.gnd_file = gnd_file
         if not gnd_file.is_file():
             raise InputError(f"expected the revisited ground truth {str(gnd_file)!r}")
         try:
@@ -123,7 +123,7 @@ class RevisitedRetrieval(RetrievalSplit, FileDataset):
             h, w = s.image.shape[:2]
             if min(x0, x1) < -BOX_MARGIN * w or max(x0, x1) > (1 + BOX_MARGIN) * w or \
                     min(y0, y1) < -BOX_MARGIN * h or max(y0, y1) > (1 + BOX_MARGIN) * h:
-                raise InputError(f"{str(self.root / self.gnd_name)!r}: query {i}'s bbx {[x0, y0, x1, y1]} lies "
+                raise InputError(f"{str(self.gnd_file)!r}: query {i}'s bbx {[x0, y0, x1, y1]} lies "
                                  f"more than {BOX_MARGIN:g} image size outside its {w}x{h} image; fix the ground truth")
             s.bbox = np.array([x0, y0, x1, y1], np.float32)
             if self.crop_queries:
