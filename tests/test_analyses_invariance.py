@@ -318,16 +318,28 @@ def test_an_unknown_cka_estimator_is_one_sentence_at_config_time():
         Stir(pt.info(), ft.info(), cka_estimator="unbiased")
 
 
-def test_a_pair_analysis_outside_a_study_removes_its_temporary_store_with_itself():
-    """Outside a study (no cache) `store` is a temporary folder; it went with nothing and stayed in /tmp."""
+def test_a_pair_analysis_outside_a_study_removes_its_temporary_store_with_itself(tmp_path, monkeypatch):
+    """Outside a study (no cache) `store` is a temporary folder; it went with nothing and stayed in /tmp. Only
+    that folder goes: a user's file beside it in the temporary directory, and a study's cache store, stay."""
     import gc
+    import tempfile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "users-notes.txt").write_text("mine")
     pt, ft = pair()
     a = Stir(pt.info(), ft.info(), **KW)
     d = a.store("products")
     (d / "x.pt").write_bytes(b"data")
     root = d.parent
-    assert a.store("other").parent == root and root.is_dir()  # one folder per analysis
+    assert root.parent == tmp_path and a.store("other").parent == root and root.is_dir()  # one folder
     del a
     gc.collect()
-    assert not root.exists()
+    assert not root.exists() and (tmp_path / "users-notes.txt").read_text() == "mine"
+    assert not list(tmp_path.glob("vitscope-store-*"))
+    cached = tmp_path / "cache-store"  # in a study the planner sets the store: a cache folder, never removed
+    b = Stir(pt.info(), ft.info(), **KW)
+    b._store = lambda key: (cached / key).mkdir(parents=True, exist_ok=True) or cached / key
+    (b.store("products") / "x.pt").write_bytes(b"data")
+    del b
+    gc.collect()
+    assert (cached / "products" / "x.pt").read_bytes() == b"data"
