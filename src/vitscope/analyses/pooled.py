@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from vitscope.files import disk_error
+from vitscope.host import to_host
 
 _COLUMNS = ("ids", "labels", "is_test")
 
@@ -88,17 +89,21 @@ class PooledTable:
 
     def append(self, feats: list[torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
                is_test: torch.Tensor) -> None:
-        """``feats``: one (rows, D) tensor per layer; the columns: (rows,) each."""
+        """``feats``: one (rows, D) tensor per layer; the columns: (rows,) each; on any one device (one copy to
+        the host, `vitscope.host.to_host`)."""
         if len(feats) != self.num_layers:
             raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
         if not len(ids):
             return
         if self.mats is None:
             self.mats = [_Matrix(f.shape[-1]) for f in feats]
-        for m, f in zip(self.mats, feats, strict=True):
-            m.append(f)
-        for c, v in zip(_COLUMNS, (ids, labels, is_test), strict=True):
-            self.cols[c].append(v.detach().cpu().to(torch.bool if c == "is_test" else torch.long))
+        cols = [v.to(torch.bool if c == "is_test" else torch.long) for c, v in zip(_COLUMNS, (ids, labels, is_test),
+                                                                                     strict=True)]
+        host = to_host(*(f.to(torch.float16) for f in feats), *cols)  # one copy from the device per append
+        for m, f in zip(self.mats, host, strict=False):
+            m.append(f.numpy())
+        for c, v in zip(_COLUMNS, host[len(feats):], strict=True):
+            self.cols[c].append(v)
 
     def layer(self, j: int) -> torch.Tensor:
         """(rows, D) float16 features of the j-th layer (a view of the file)."""

@@ -7,6 +7,11 @@ of a single process. torch's `DataLoader` (``batch_size=None``, the chunk number
 the chunks out in order, with a bounded prefetch (``prefetch_factor`` chunks per worker) and, when the model
 sits on a GPU, in pinned memory, so the copy to the device can be non-blocking.
 
+A view (band noise, a corruption) is computed on the model's device: on a GPU after the copy, in the study's
+process; on the CPU it is the chunk's ``transform``, computed where the chunk is read, so the workers take it
+over too (the study's process then only runs the model). Views are per image deterministic, so the pixels
+do not depend on where they are computed.
+
 What a worker's copy of the dataset learns does not reach the study's process by itself, so each chunk
 travels with it: the images it could not read (``(path, reason)``) and the warnings it raised (re-emitted
 in the study's process). A `vitscope.errors.VitscopeError` raised while reading (a dataset's one sentence)
@@ -23,8 +28,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,10 +67,12 @@ def auto_workers(dataset: Any) -> int:
 @dataclass
 class Chunk:
     """One chunk as read: its batch (None when none of its images could be read), the images skipped as
-    unreadable, the warnings raised while reading it, or the error that stopped it."""
+    unreadable, the warnings raised while reading it, or the error that stopped it; ``transform_seconds``: the
+    time its ``transform`` took."""
 
     k: int
     batch: Any = None
+    transform_seconds: float = 0.0
     skipped: list[tuple[str, str]] = field(default_factory=list)
     warned: list[tuple[type[Warning], str]] = field(default_factory=list)
     error: VitscopeError | None = None
@@ -78,10 +86,13 @@ class Chunk:
 
 
 class Chunks(torch.utils.data.Dataset):
-    """Map-style dataset over the chunk numbers of a pass: item k is chunk k, read, framed and collated."""
+    """Map-style dataset over the chunk numbers of a pass: item k is chunk k, read, framed and collated, then
+    each part's images passed through ``transform(images, index)`` where one is given."""
 
-    def __init__(self, dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: Any):
+    def __init__(self, dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: Any,
+                 transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         self.dataset, self.chunks, self.preprocessing = dataset, [list(c) for c in chunks], preprocessing
+        self.transform = transform
 
     def __len__(self) -> int:
         return len(self.chunks)
@@ -106,6 +117,11 @@ class Chunks(torch.utils.data.Dataset):
             out.skipped = [(str(p), str(r)) for p, r in self.dataset.skipped[before:]]
         if got:
             out.batch = got[0] if len(got) == 1 else concat(got)
+            if self.transform is not None:
+                t0 = time.perf_counter()
+                for part in batch_parts(out.batch):
+                    part.images = self.transform(part.images, part.index)
+                out.transform_seconds = time.perf_counter() - t0
         return out
 
 
@@ -145,14 +161,16 @@ def _worker_init(_worker_id: int) -> None:
 
 
 def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: Any, start: int = 0,
-                  num_workers: int = 0, pin_memory: bool = False) -> Iterator[Chunk]:
-    """Chunks ``start``.. of a pass, in order, read by ``num_workers`` worker processes (0: in this process);
+                  num_workers: int = 0, pin_memory: bool = False,
+                  transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Iterator[Chunk]:
+    """Chunks ``start``.. of a pass, in order, read (and ``transform``-ed, `Chunks`) by ``num_workers`` worker
+    processes (0: in this process);
     the images each chunk skipped are added to ``dataset.skipped`` here and its warnings re-emitted; an
     error raised while reading is raised here. Workers are shut down when the iterator ends or is closed."""
     order = list(range(start, len(chunks)))
     workers = max(0, min(int(num_workers), len(order)))
     loader = torch.utils.data.DataLoader(
-        Chunks(dataset, chunks, preprocessing), batch_size=None, sampler=order, num_workers=workers,
+        Chunks(dataset, chunks, preprocessing, transform), batch_size=None, sampler=order, num_workers=workers,
         collate_fn=_same, pin_memory=pin_memory, worker_init_fn=_worker_init if workers else None,
         prefetch_factor=2 if workers else None, persistent_workers=False,
         multiprocessing_context=_CONTEXT if workers else None)

@@ -93,8 +93,9 @@ def image_generator(seed: int, key: str, image_id: int) -> torch.Generator:
 
 
 def apply_view(images: torch.Tensor, index: torch.Tensor, spec: str, mean: tuple[float, ...], std: tuple[float, ...],
-               seed: int) -> torch.Tensor:
-    """Normalised images -> the same images under view ``spec``, normalised again."""
+               seed: int, inplace: bool = False) -> torch.Tensor:
+    """Normalised images -> the same images under view ``spec``, normalised again; with ``inplace``, written
+    into ``images``' own storage (a worker's batch in shared memory stays there: no copy to send it)."""
     kind, kwargs = parse_view(spec)
     if kind == CLEAN:
         return images
@@ -105,7 +106,7 @@ def apply_view(images: torch.Tensor, index: torch.Tensor, spec: str, mean: tuple
     out = VIEW_KINDS[kind](x01, index, seed, **kwargs)
     if out.shape != images.shape:
         raise ValueError(f"view {spec!r} changed the batch's shape {tuple(images.shape)} -> {tuple(out.shape)}")
-    return out.clamp(0, 1).sub_(m).div_(s)
+    return torch.clamp(out, 0, 1, out=images if inplace else None).sub_(m).div_(s)
 
 
 def _load_builtin_kinds() -> None:

@@ -16,6 +16,7 @@ with the same `merge` that resume uses. A run directory holds:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import platform
@@ -537,14 +538,17 @@ def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int, timin
                   num_workers: int | None = 0, device: torch.device | None = None) -> Iterator[Any]:
     """Chunks from ``start`` on as batches (one per chunk; a chunk none of whose images could be read
     yields an empty marker so chunk numbers stay aligned), read by ``num_workers`` processes (None: `auto_workers`;
-    `vitscope.data.pipeline`), their images moved to ``device`` (pinned and non-blocking for a GPU), then
-    under ``view`` there."""
+    `vitscope.data.pipeline`), their images moved to ``device`` (pinned and non-blocking for a GPU), under
+    ``view`` on that device: on a GPU here after the copy, on the CPU where the chunk is read (the workers)."""
     from vitscope.data.pipeline import auto_workers, chunk_batches
 
     workers = auto_workers(src.dataset) if num_workers is None else num_workers
     gpu = device is not None and device.type == "cuda"
+    on_host = device is None or device.type == "cpu"
     size = len(src.chunks[0]) if src.chunks else 0
-    chunks = chunk_batches(src.dataset, src.chunks, pre, start, workers, pin_memory=gpu)
+    viewed = None if view == CLEAN else functools.partial(apply_view, spec=view, mean=pre.mean, std=pre.std, seed=seed)
+    chunks = chunk_batches(src.dataset, src.chunks, pre, start, workers, pin_memory=gpu,  # in the batch's buffer
+                           transform=functools.partial(viewed, inplace=True) if on_host and viewed else None)
     try:
         for item in chunks:
             k, batch = item.k, item.batch
@@ -558,12 +562,13 @@ def _pass_batches(src: Source, view: str, pre: Any, seed: int, start: int, timin
             _set_positions(batch, src.chunks[k], src.offset + k * size)
             t0 = time.perf_counter()
             for part in batch_parts(batch):
-                if device is not None and device.type != "cpu":
+                if not on_host:
                     part.images = part.images.to(device, non_blocking=gpu)
-                if view != CLEAN:
-                    part.images = apply_view(part.images, part.index, view, pre.mean, pre.std, seed)
-            if timings is not None and view != CLEAN:
-                timings[f"view {view}"] = timings.get(f"view {view}", 0.0) + time.perf_counter() - t0
+                    if viewed is not None:
+                        part.images = viewed(part.images, part.index)
+            if timings is not None and viewed is not None:  # on the host: the time the reader spent on it
+                spent = item.transform_seconds if on_host else time.perf_counter() - t0
+                timings[f"view {view}"] = timings.get(f"view {view}", 0.0) + spent
             yield batch
     finally:
         chunks.close()  # the workers end with the pass, also when it fails or is interrupted
