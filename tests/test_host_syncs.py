@@ -11,8 +11,8 @@ import collections
 
 import pytest
 import torch
-
 from host_syncs import HostSyncs
+
 from vitscope.analyses.base import Analysis
 
 EXTRA = ["analyses.head_ablation={}", "analyses.logit_lens={}", "analyses.similarity={}"]
