@@ -19,6 +19,7 @@ Prints, from one run:
 from __future__ import annotations  # noqa: I001 - vitscope is imported before numpy and torch, on purpose
 
 import argparse
+import functools
 import json
 import resource
 import sys
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from study import bare_forward_seconds, print_where_time_went  # noqa: E402
 
 from vitscope.data.catalog import build_dataset  # noqa: E402
+from vitscope.data.pipeline import Chunks  # noqa: E402
 from vitscope.study import load_config, run_study  # noqa: E402
 from vitscope.study.config import DatasetConfig  # noqa: E402
 from vitscope.study.run import Source, _pass_batches  # noqa: E402
@@ -78,6 +80,38 @@ def pipeline_rate(root: Path, n: int, batch: int, workers: int, pre) -> tuple[fl
     return seen / (time.perf_counter() - t0), 1000 * (_cpu_seconds() - c0) / seen
 
 
+def _read_chunks(chunks: Chunks, ks: range) -> None:
+    torch.set_num_threads(1)
+    for k in ks:
+        chunks[k]
+
+
+def machine_ceiling(root: Path, n: int, batch: int, pre) -> tuple[float, float]:  # noqa: ANN001
+    """The same reading (and view) with no pipeline at all: all chunks in this process on one thread, then split
+    between two forked processes (no queue, no copy back): seconds per image of each. Their ratio is what two
+    workers could gain over one reader on this machine at best (memory bandwidth and shared caches included)."""
+    import multiprocessing as mp
+
+    from vitscope.data.views import apply_view
+
+    ds = build_dataset(DatasetConfig(name="imagefolder", root=str(root), n_images=n))
+    view = functools.partial(apply_view, spec=VIEW, mean=pre.mean, std=pre.std, seed=0, inplace=True)
+    chunks = Chunks(ds, [list(range(i, min(i + batch, n))) for i in range(0, n, batch)], pre, view)
+    threads = torch.get_num_threads()
+    t0 = time.perf_counter()
+    _read_chunks(chunks, range(len(chunks)))
+    one = time.perf_counter() - t0
+    torch.set_num_threads(threads)
+    procs = [mp.get_context("fork").Process(target=_read_chunks, args=(chunks, range(i, len(chunks), 2)))
+             for i in range(2)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return one / n, (time.perf_counter() - t0) / n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", type=int, default=240, help="JPEGs for the pipeline alone")
@@ -99,6 +133,10 @@ def main() -> None:
         print(f"  2 workers / 0 workers: {rates[2][0] / rates[0][0]:.2f}x (goal on a quiet 2-core machine: >= 1.7x; "
               f"the CPU time per image: {rates[2][1] / rates[0][1]:.2f}x)")
         print(f"  one worker: {1000 / rates[1][0]:.2f} ms per image (in this process: {1000 / rates[0][0]:.2f} ms)")
+        one, two = machine_ceiling(root, args.images, args.batch, pre)
+        print(f"  the same reading with no pipeline (forked processes, nothing sent back): one process on one thread "
+              f"{1000 * one:.2f} ms per image, two processes {1000 * two:.2f} ms per image: {one / two:.2f}x; the best "
+              f"2 workers could do against num_workers=0 here: {1000 / rates[0][0] / (1000 * two):.2f}x")
         if args.skip_study:
             return
         n = min(args.study_images, args.images)

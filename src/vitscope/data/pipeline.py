@@ -9,8 +9,9 @@ sits on a GPU, in pinned memory, so the copy to the device can be non-blocking.
 
 A view (band noise, a corruption) is computed on the model's device: on a GPU after the copy, in the study's
 process; on the CPU it is the chunk's ``transform``, computed where the chunk is read, so the workers take it
-over too (the study's process then only runs the model). Views are per image deterministic, so the pixels
-do not depend on where they are computed.
+over too (the study's process then only runs the model). Views are per image deterministic, and a transform
+runs on one thread in the study's process too (as in a worker: the last bits of some kernels, e.g. band noise's,
+depend on the thread count), so the pixels do not depend on the number of workers.
 
 What a worker's copy of the dataset learns does not reach the study's process by itself, so each chunk
 travels with it: the images it could not read (``(path, reason)``) and the warnings it raised (re-emitted
@@ -118,9 +119,13 @@ class Chunks(torch.utils.data.Dataset):
         if got:
             out.batch = got[0] if len(got) == 1 else concat(got)
             if self.transform is not None:
-                t0 = time.perf_counter()
-                for part in batch_parts(out.batch):
-                    part.images = self.transform(part.images, part.index)
+                t0, threads = time.perf_counter(), torch.get_num_threads()
+                torch.set_num_threads(1)  # as in a worker: some kernels' last bits depend on the thread count
+                try:
+                    for part in batch_parts(out.batch):
+                        part.images = self.transform(part.images, part.index)
+                finally:
+                    torch.set_num_threads(threads)
                 out.transform_seconds = time.perf_counter() - t0
         return out
 
