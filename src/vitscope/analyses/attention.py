@@ -6,15 +6,19 @@ al. 2023 ("What do self-supervised ViTs learn?", ICLR).
 Every analysis here keeps state whose size depends on the model only (sums over images, a count, and at
 most ``keep_images`` per-image maps), so memory does not grow with the dataset, and merging two parts
 adds their sums: a merge of two shards equals one pass over all their images (up to float64 rounding).
+The sums (and the few kept maps) live on the features' device and ``update`` never waits for it: no value
+reaches the host and no Python branch depends on one (tests/test_host_syncs.py counts); ``state_dict``
+copies the state to the CPU, and a loaded or merged state moves to the device at its next batch.
 
 Speed (all layers of ViT-S/16 at batch 32 must cost well under a third of the forward pass; see
 benchmarks/attention.py): nothing of the size of the attention is formed beyond one temporary. The
 renormalised spatial attention stays implicit (a view and per-row inverse masses, `_Spatial`); metrics
-that are linear in it (AAAM, distance) are the `vitscope.metrics.attention` functions applied to its sum
-over the batch's images; NMI is rearranged to a single ``R log R`` pass; the IoU of every layer, query
-and merged head runs as one call per batch; and the analyses of one pass share row sums, image sums and
-query means of the same captured tensor (`_SHARED`). tests/test_analyses_attention.py checks each
-analysis against slow loops, and the hot path against the metric functions.
+that are linear in it (AAAM, distance) are evaluated on its sum over the batch's images, with the
+arithmetic of the `vitscope.metrics.attention` functions; NMI is rearranged to a single ``R log R`` pass;
+the IoU of every layer, query and merged head runs as one call per batch; and the analyses of one pass
+share row sums, image sums and query means of the same captured tensor (`_SHARED`).
+tests/test_analyses_attention.py checks each analysis against slow loops, and the hot path against the
+metric functions.
 
 =========================  ===================================================================================
 analysis                   metrics (extra columns)
