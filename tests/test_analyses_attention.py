@@ -568,3 +568,29 @@ def test_every_figure_draws_from_a_two_model_run(tmp_path):
                 assert isinstance(title, str) and title and isinstance(fig, plt.Figure)
                 plt.close(fig)
     assert FIGURES["cls_attention_maps"](tables["cls_attention_maps"][0].iloc[0:0]) == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kept_rows_are_the_smallest_distinct_ids_in_fixed_size_buffers(seed):
+    """`keep_smallest` over random batches (repeated ids, within a batch and across batches) equals a Python
+    reference (the first row seen of each of the k smallest ids), once the `NO_ID` rows are dropped."""
+    from vitscope.analyses.kept import NO_ID, keep_smallest, smallest_distinct, valid_rows
+
+    g = torch.Generator().manual_seed(seed)
+    k = int(torch.randint(1, 6, (), generator=g))
+    ids, rows = torch.zeros(0, dtype=torch.long), [torch.zeros(0, 2)]
+    first: dict[int, torch.Tensor] = {}
+    for _ in range(5):
+        n = int(torch.randint(1, 7, (), generator=g))
+        new = torch.randint(0, 12, (n,), generator=g)
+        vals = torch.randn(n, 2, generator=g)
+        pos, cand = smallest_distinct(new, k)
+        assert len(cand) == min(k, n) and cand.tolist() == sorted(cand.tolist())
+        ids, rows = keep_smallest(k, ids, rows, cand, [vals[pos]])
+        assert len(ids) <= k
+        for i, v in zip(new.tolist(), vals, strict=True):
+            first.setdefault(i, v)
+        want = sorted(first)[:k]
+        got, (got_rows,) = valid_rows(ids, rows)
+        assert got.tolist() == want and (ids[len(want):] == NO_ID).all()
+        assert torch.equal(got_rows, torch.stack([first[i] for i in want]))

@@ -133,6 +133,22 @@ def test_merge_equals_one_pass(name):
     assert c.finalize().value.to_numpy() == pytest.approx(whole.finalize().value.to_numpy(), rel=1e-6, abs=1e-9)
 
 
+@pytest.mark.parametrize("name", ["svd_volume", "fourier"])
+def test_merge_with_a_part_that_saw_no_image_keeps_the_sums(name):
+    """A part without images (its per-tap sums empty) merged into a fed one, or a fed one into it, changes
+    nothing: the taps only one part has seen keep their sums (the merge used to drop or fail on them)."""
+    vm = tiny("vit")
+    batches = _batches(vm, n=6)
+    fed = get_analysis(name)(vm)
+    stream(vm, batches, [fed], progress=False)
+    want = fed.finalize().value.to_numpy()
+    into_empty, empty = get_analysis(name)(vm), get_analysis(name)(vm)
+    into_empty.merge(fed)
+    fed.merge(empty)
+    for part in (into_empty, fed):
+        assert part.finalize().value.to_numpy() == pytest.approx(want, rel=1e-12, nan_ok=True)
+
+
 def test_tsne_separates_images_whose_tokens_are_distinct_and_keeps_the_smallest_ids():
     from vitscope.data import Batch
 

@@ -6,15 +6,19 @@ al. 2023 ("What do self-supervised ViTs learn?", ICLR).
 Every analysis here keeps state whose size depends on the model only (sums over images, a count, and at
 most ``keep_images`` per-image maps), so memory does not grow with the dataset, and merging two parts
 adds their sums: a merge of two shards equals one pass over all their images (up to float64 rounding).
+The sums (and the few kept maps) live on the features' device and ``update`` never waits for it: no value
+reaches the host and no Python branch depends on one (tests/test_host_syncs.py counts); ``state_dict``
+copies the state to the CPU, and a loaded or merged state moves to the device at its next batch.
 
 Speed (all layers of ViT-S/16 at batch 32 must cost well under a third of the forward pass; see
 benchmarks/attention.py): nothing of the size of the attention is formed beyond one temporary. The
 renormalised spatial attention stays implicit (a view and per-row inverse masses, `_Spatial`); metrics
-that are linear in it (AAAM, distance) are the `vitscope.metrics.attention` functions applied to its sum
-over the batch's images; NMI is rearranged to a single ``R log R`` pass; the IoU of every layer, query
-and merged head runs as one call per batch; and the analyses of one pass share row sums, image sums and
-query means of the same captured tensor (`_SHARED`). tests/test_analyses_attention.py checks each
-analysis against slow loops, and the hot path against the metric functions.
+that are linear in it (AAAM, distance) are evaluated on its sum over the batch's images, with the
+arithmetic of the `vitscope.metrics.attention` functions; NMI is rearranged to a single ``R log R`` pass;
+the IoU of every layer, query and merged head runs as one call per batch; and the analyses of one pass
+share row sums, image sums and query means of the same captured tensor (`_SHARED`).
+tests/test_analyses_attention.py checks each analysis against slow loops, and the hot path against the
+metric functions.
 
 =========================  ===================================================================================
 analysis                   metrics (extra columns)
@@ -50,12 +54,24 @@ import torch
 import torch.nn.functional as F
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import NonNegative, Range
 from vitscope.errors import VitscopeError
 from vitscope.metrics import attention as A
 
 HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
 """Every type :func:`vitscope.metrics.attention.head_types` can return, in the order figures list them."""
+
+
+def _on(device: torch.device, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """State tensors on ``device``, the incoming features' (sums live where the batches are computed: a state
+    loaded from the cache or just created sits on the CPU and moves at its first batch; free once there)."""
+    return tuple(t.to(device) for t in state)
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a state tensor on the CPU, for ``state_dict`` (a cached state loads on any machine)."""
+    return t.detach().to("cpu", copy=True)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -124,10 +140,11 @@ class _Spatial:
         return self._get("inv", lambda: 1.0 / self.s.clamp_min(A.EPS))
 
     @property
-    def rows_have_mass(self) -> bool:
-        """Every spatial row is renormalised to sum 1 (no row with mass below EPS): the condition under which
-        metrics that are linear in the spatial attention may be evaluated on its sum over images."""
-        return bool(self._get("rows_have_mass", lambda: (self.s >= A.EPS).all()))
+    def full_rows(self) -> torch.Tensor:
+        """0-d bool tensor: every spatial row is renormalised to sum 1 (no row with mass below EPS), the
+        condition under which metrics that are linear in the spatial attention may be evaluated on its sum over
+        images renormalised (a tensor, not a Python bool: the pass does not wait for it)."""
+        return self._get("full_rows", lambda: (self.s >= A.EPS).all())
 
     def image_sum(self, max_elements: int = 1 << 21) -> torch.Tensor:
         """``(H, S, S)`` sum over images of the spatial attention, a few images at a time so that the scaled
@@ -205,31 +222,32 @@ def _distance_matrix(grid: tuple[int, int], dtype: torch.dtype, device: torch.de
 def _canvas_and_distance(sps: Sequence[_Spatial], grid: tuple[int, int], with_canvas: bool = True
                          ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """For each layer's attention, the sum over the batch of the AAAM canvas (``(L, H, 2h-1, 2w-1)``, None
-    unless ``with_canvas``) and of the mean attention distance (``(L, H)``), float64 on the CPU.
+    unless ``with_canvas``) and of the mean attention distance (``(L, H)``), float64 on the attention's device.
 
-    Both metrics are linear in the spatial attention, so when every row was renormalised to sum 1 they are
-    :func:`~vitscope.metrics.attention.aligned_maps` and :func:`~vitscope.metrics.attention.attention_distance`
-    of the attention summed over the ``B`` images (rows summing to ``B``, renormalised by those functions),
-    times ``B``: one read of the attention instead of several float64 passes, and one call for all layers
-    (their ``L x H`` image sums passed as heads). A layer with a row without spatial mass runs the functions
-    on its full tensor instead."""
+    Both metrics are linear in the spatial attention, so they are evaluated on its sum over the ``B`` images
+    (`_Spatial.image_sum`, one read of the attention), all layers at once (their ``L x H`` sums as heads).
+    When every row of a layer was renormalised to sum 1 (`_Spatial.full_rows`), that sum's rows sum to ``B``
+    and it is renormalised and scaled by ``B`` as in :func:`~vitscope.metrics.attention.aligned_maps` and
+    :func:`~vitscope.metrics.attention.attention_distance` (the same arithmetic as those functions); a layer
+    with a row without spatial mass (which counts as zeros) is summed as it is. The choice is a
+    ``torch.where`` on the device, so the pass never waits for it."""
     L, (B, H) = len(sps), sps[0].attn.shape[:2]
     h, w = grid
-    canvas = torch.zeros(L, H, 2 * h - 1, 2 * w - 1, dtype=torch.float64) if with_canvas else None
-    dist = torch.zeros(L, H, dtype=torch.float64)
-    fast = [j for j, sp in enumerate(sps) if sp.rows_have_mass]
-    if fast:
-        M = torch.stack([sps[j].image_sum() for j in fast]).flatten(0, 1).unsqueeze(0)  # (1, len(fast) * H, S, S)
-        dist[fast] = (A.attention_distance(M, grid, 0)[0].double() * B).reshape(len(fast), H).cpu()
-        if canvas is not None:
-            c, _ = A.aligned_maps(M, grid, 0, reduce="sum")
-            canvas[fast] = (c * B).reshape(len(fast), H, 2 * h - 1, 2 * w - 1).cpu()
-    for j in sorted(set(range(L)) - set(fast)):
-        sp = sps[j]
-        dist[j] = A.attention_distance(sp.attn, grid, sp.p).double().sum(0).cpu()
-        if canvas is not None:
-            canvas[j] = A.aligned_maps(sp.attn, grid, sp.p, reduce="sum")[0].cpu()
-    return canvas, dist
+    M = torch.stack([sp.image_sum() for sp in sps]).flatten(0, 1)  # (L * H, S, S)
+    full = torch.stack([sp.full_rows for sp in sps]).unsqueeze(1).expand(L, H).reshape(L * H)
+    X = torch.where(full[:, None, None], A._renormalise(M), M)
+    scale = torch.where(full, float(B), 1.0).double()  # (L * H,)
+    D = _distance_matrix(grid, M.dtype, M.device)
+    per_query = (X * D).sum(dim=-1, dtype=torch.float64).mean(dim=-1)  # (L * H,)
+    # a renormalised layer's distance is rounded to the attention's dtype, as attention_distance returns it
+    dist = torch.where(full, per_query.to(M.dtype).double() * scale, per_query).reshape(L, H)
+    if not with_canvas:
+        return None, dist
+    S = h * w
+    index = A._canvas_index(h, w, device=M.device).expand(L * H, -1)
+    canvas = torch.zeros(L * H, (2 * h - 1) * (2 * w - 1), dtype=torch.float64, device=M.device)
+    canvas.scatter_add_(1, index, X.reshape(L * H, S * S).double())
+    return (canvas * scale[:, None]).reshape(L, H, 2 * h - 1, 2 * w - 1), dist
 
 
 def _nmi(sps: Sequence[_Spatial]) -> torch.Tensor:
@@ -305,7 +323,8 @@ class _PerHeadMean(_LayerAttention):
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
-        v = self.batch_values(sps).double().cpu()
+        v = self.batch_values(sps).double()
+        self.sums, self.sumsq = _on(v.device, self.sums, self.sumsq)
         self.sums += v.sum(1)
         self.sumsq += v.square().sum(1)
         self.n_images += len(batch)
@@ -314,12 +333,12 @@ class _PerHeadMean(_LayerAttention):
         self._check_mergeable(other)
         assert isinstance(other, _PerHeadMean)
         self._check_grid_merge(other)
-        self.sums += other.sums
-        self.sumsq += other.sumsq
+        self.sums += other.sums.to(self.sums.device)
+        self.sumsq += other.sumsq.to(self.sumsq.device)
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "sums": self.sums.clone(), "sumsq": self.sumsq.clone(),
+        return {"layers": list(self.layers), "sums": _cpu(self.sums), "sumsq": _cpu(self.sumsq),
                 "n_images": self.n_images, "grid": list(self.grid_size)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -328,13 +347,13 @@ class _PerHeadMean(_LayerAttention):
         self.grid_size = tuple(int(v) for v in state.get("grid", self.grid_size))
 
     def mean(self) -> torch.Tensor:
-        """``(layers, heads)`` float64 mean over the images seen (0 before any image)."""
-        return self.sums / max(self.n_images, 1)
+        """``(layers, heads)`` float64 mean over the images seen (0 before any image), on the CPU."""
+        return self.sums.cpu() / max(self.n_images, 1)
 
     def stderr(self) -> torch.Tensor:
         """``(layers, heads)`` float64 standard error of the mean over images (sample standard deviation, ddof
-        1, over sqrt(n)); NaN below two images."""
-        return stderr_from_sums(self.sums, self.sumsq, self.n_images)
+        1, over sqrt(n)); NaN below two images. On the CPU."""
+        return stderr_from_sums(self.sums.cpu(), self.sumsq.cpu(), self.n_images)
 
     def _stat_rows(self, metric: str, mean: torch.Tensor, se: torch.Tensor) -> list[dict[str, Any]]:
         """Rows of a per-(layer, head) statistic with its stderr and 95 % interval (mean ± 1.96 stderr)."""
@@ -425,7 +444,7 @@ def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str,
         "head": ((idx // (R * C)) % H).numpy(),
         names[0]: ((idx // C) % R - offsets[0]).numpy(),
         names[1]: (idx % C - offsets[1]).numpy(),
-        "value": values.reshape(-1).double().numpy(),
+        "value": values.reshape(-1).double().cpu().numpy(),
     }
 
 
@@ -483,55 +502,55 @@ class CLSAttentionMaps(_LayerAttention):
             return
         maps = torch.stack([A.cls_attention_maps(feats[f"block{i}.attn"], self.grid_size, self.num_prefix_tokens)
                             for i in self.layers], dim=1)  # (B, L, H, h, w)
-        self.sums += maps.sum(0, dtype=torch.float64).cpu()
+        (self.sums,) = _on(maps.device, self.sums)
+        self.sums += maps.sum(0, dtype=torch.float64)
         if self.keep_images:
-            index = batch.index.detach().cpu().long()
-            # only images that can be kept are converted (the smallest indices seen so far and in this batch)
-            bound = torch.cat([self.kept_index, index]).sort().values[: self.keep_images]
-            take = index <= bound[-1]
-            self._keep(index[take], maps[take.to(maps.device)].detach().float().cpu(),
-                       self._pixels(batch.images[take.to(batch.images.device)]))
+            index = batch.index.to(maps.device, torch.long)
+            # only the batch's images that can be kept are converted (its keep_images smallest indices)
+            take, index = smallest_distinct(index, self.keep_images)
+            self._keep(index, maps[take].detach().float(), self._pixels(batch.images[take.to(batch.images.device)]))
 
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them: normalisation undone with the
-        model's mean and std (each image scaled to its own range when they are not known)."""
-        x = images.detach().float().cpu()
+        """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them (on their device): normalisation
+        undone with the model's mean and std (each image scaled to its own range when they are not known)."""
+        x = images.detach().float()
         if self.pixel_mean is not None and self.pixel_std is not None:
-            x = x * torch.tensor(self.pixel_std).view(1, 3, 1, 1) + torch.tensor(self.pixel_mean).view(1, 3, 1, 1)
+            std = torch.tensor(self.pixel_std, device=x.device).view(1, 3, 1, 1)
+            x = x * std + torch.tensor(self.pixel_mean, device=x.device).view(1, 3, 1, 1)
         else:
             lo = x.amin(dim=(1, 2, 3), keepdim=True)
             x = (x - lo) / (x.amax(dim=(1, 2, 3), keepdim=True) - lo).clamp_min(1e-12)
         return (x.clamp(0, 1) * 255).round().to(torch.uint8)
 
     def _keep(self, index: torch.Tensor, maps: torch.Tensor, pixels: torch.Tensor) -> None:
-        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones."""
+        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones, on the
+        new ones' device (`vitscope.analyses.kept`: ``kept_index`` may end in `NO_ID` rows, dropped on save)."""
         if len(index) == 0:
             return
         if len(self.kept_index) == 0:  # the first images decide the size of the kept pixels
             self.kept_pixels = torch.zeros(0, *pixels.shape[1:], dtype=torch.uint8)
-        idx = torch.cat([self.kept_index, index])
-        order = torch.sort(idx, stable=True).indices
-        idx = idx[order]
-        first = torch.ones_like(idx, dtype=torch.bool)
-        first[1:] = idx[1:] != idx[:-1]
-        sel = order[first][: self.keep_images]
-        self.kept_maps = torch.cat([self.kept_maps, maps])[sel]  # advanced indexing: a copy, not a view
-        self.kept_pixels = torch.cat([self.kept_pixels, pixels])[sel]
-        self.kept_index = idx[first][: self.keep_images]
+        self.kept_index, (self.kept_maps, self.kept_pixels) = keep_smallest(
+            self.keep_images, self.kept_index, [self.kept_maps, self.kept_pixels], index, [maps, pixels])
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, CLSAttentionMaps)
         self._check_grid_merge(other)
-        self.sums += other.sums
+        self.sums += other.sums.to(self.sums.device)
         self.n_images += other.n_images
         if self.keep_images:
-            self._keep(other.kept_index, other.kept_maps, other.kept_pixels)
+            dev = self.sums.device
+            self._keep(other.kept_index.to(dev), other.kept_maps.to(dev), other.kept_pixels.to(dev))
+
+    def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept indices, maps and pixels on the CPU, without the rows that hold no image."""
+        index, (maps, pixels) = valid_rows(self.kept_index, [self.kept_maps, self.kept_pixels])
+        return index, maps, pixels
 
     def state_dict(self) -> dict[str, Any]:
+        index, maps, pixels = self._kept()
         return {"layers": list(self.layers), "keep_images": self.keep_images, "n_images": self.n_images,
-                "sums": self.sums.clone(), "kept_index": self.kept_index.clone(), "kept_maps": self.kept_maps.clone(),
-                "kept_pixels": self.kept_pixels.clone()}
+                "sums": _cpu(self.sums), "kept_index": index, "kept_maps": maps, "kept_pixels": pixels}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.keep_images = list(state["layers"]), int(state["keep_images"])
@@ -541,16 +560,17 @@ class CLSAttentionMaps(_LayerAttention):
         self.grid_size = (int(self.sums.shape[-2]), int(self.sums.shape[-1]))
 
     def average(self) -> torch.Tensor:
-        """``(layers, heads, h, w)`` float64 average CLS map (zeros before any image)."""
-        return self.sums / max(self.n_images, 1)
+        """``(layers, heads, h, w)`` float64 average CLS map (zeros before any image), on the CPU."""
+        return self.sums.cpu() / max(self.n_images, 1)
 
     def finalize(self) -> pd.DataFrame:
         if not self.has_cls_token:
             warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS attention "
                           f"map; the table is empty", UserWarning, stacklevel=2)
             return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
+        kept_index, kept_maps, kept_pixels = self._kept()
         parts = [(None, self.average())] if self.n_images else []
-        parts += [(int(i), m) for i, m in zip(self.kept_index.tolist(), self.kept_maps, strict=True)]
+        parts += [(int(i), m) for i, m in zip(kept_index.tolist(), kept_maps, strict=True)]
         frames = [pd.DataFrame({**_cell_columns(maps, self.layers, ("row", "col")),
                                 "image": pd.array([image] * maps.numel(), dtype="Int64")})
                   for image, maps in parts]
@@ -558,10 +578,10 @@ class CLSAttentionMaps(_LayerAttention):
             return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
         df = pd.concat(frames, ignore_index=True)
         df["metric"] = "cls_attention"
-        if len(self.kept_index):
+        if len(kept_index):
             df = pd.concat([df, pd.DataFrame({
-                "metric": "input_image", "image": pd.array(self.kept_index.tolist(), dtype="Int64"),
-                "value": float("nan"), "png": [_png_bytes(p) for p in self.kept_pixels]})], ignore_index=True)
+                "metric": "input_image", "image": pd.array(kept_index.tolist(), dtype="Int64"),
+                "value": float("nan"), "png": [_png_bytes(p) for p in kept_pixels]})], ignore_index=True)
         df["n_images"] = self.n_images
         return self.tidy(cast(Any, df))
 
@@ -620,6 +640,7 @@ class AlignedAttentionMaps(_LayerAttention):
         self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
         canvas, dist = _canvas_and_distance(sps, self.grid_size)
+        self.canvas, self.distance = _on(dist.device, self.canvas, self.distance)
         self.canvas += cast(torch.Tensor, canvas)
         self.distance += dist
         self.n_maps += len(batch) * self.grid_size[0] * self.grid_size[1]
@@ -629,14 +650,14 @@ class AlignedAttentionMaps(_LayerAttention):
         self._check_mergeable(other)
         assert isinstance(other, AlignedAttentionMaps)
         self._check_grid_merge(other)
-        self.canvas += other.canvas
-        self.distance += other.distance
+        self.canvas += other.canvas.to(self.canvas.device)
+        self.distance += other.distance.to(self.distance.device)
         self.n_maps += other.n_maps
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "thresholds": dict(self.thresholds), "canvas": self.canvas.clone(),
-                "distance": self.distance.clone(), "n_maps": self.n_maps, "n_images": self.n_images}
+        return {"layers": list(self.layers), "thresholds": dict(self.thresholds), "canvas": _cpu(self.canvas),
+                "distance": _cpu(self.distance), "n_maps": self.n_maps, "n_images": self.n_images}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.thresholds = list(state["layers"]), dict(state["thresholds"])
@@ -645,15 +666,15 @@ class AlignedAttentionMaps(_LayerAttention):
         self.n_maps, self.n_images = int(state["n_maps"]), int(state["n_images"])
 
     def aaam(self) -> torch.Tensor:
-        """``(layers, heads, 2h-1, 2w-1)`` float64: canvas sums over the number of maps added."""
-        return self.canvas / max(self.n_maps, 1)
+        """``(layers, heads, 2h-1, 2w-1)`` float64: canvas sums over the number of maps added (on the CPU)."""
+        return self.canvas.cpu() / max(self.n_maps, 1)
 
     def finalize(self) -> pd.DataFrame:
         if self.n_images == 0:
             return self._frame({"dy": [], "dx": [], "n_images": []})
         h, w = self.grid_size
         aaam = self.aaam()
-        dist = self.distance / self.n_images
+        dist = self.distance.cpu() / self.n_images
         frames = [pd.DataFrame({"metric": "aaam", **_cell_columns(aaam, self.layers, ("dy", "dx"), (h - 1, w - 1))})]
         rows: list[dict[str, Any]] = []
         counts = dict.fromkeys(HEAD_TYPES, 0)
@@ -753,12 +774,14 @@ class SaliencyIoU(_LayerAttention):
                     merged = sp.query_mean(inv.expand_as(sp.s)).sum(1, keepdim=True)
                 weights += [per_head, merged]
         W = torch.cat(weights, dim=1)  # (B, layers * queries * (H + 1), S)
-        iou = _saliency_iou_of(W, batch.masks.to(W.device), g, self.mass).double().cpu()
+        iou = _saliency_iou_of(W, batch.masks.to(W.device), g, self.mass).double()
         iou = iou.reshape(B, len(self.layers), len(self.queries), H + 1)
         ok = ~torch.isnan(iou)
         vals = torch.where(ok, iou, 0.0)
         sums, counts = vals.sum(0).transpose(0, 1), ok.sum(0).transpose(0, 1)  # (Q, L, H+1)
         sumsq = vals.square().sum(0).transpose(0, 1)
+        for k in self._TENSORS:  # the sums live on the features' device
+            setattr(self, k, getattr(self, k).to(iou.device))
         self.iou_sum += sums[..., :H]
         self.iou_sumsq += sumsq[..., :H]
         self.iou_count += counts[..., :H]
@@ -773,14 +796,15 @@ class SaliencyIoU(_LayerAttention):
         self._check_mergeable(other)
         assert isinstance(other, SaliencyIoU)
         for k in self._TENSORS:
-            getattr(self, k).add_(getattr(other, k))
+            mine = getattr(self, k)
+            mine.add_(getattr(other, k).to(mine.device))
         self.n_images += other.n_images
         self.n_skipped += other.n_skipped
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "queries": list(self.queries), "mass": self.mass,
                 "requested_queries": list(self.requested_queries), "n_images": self.n_images,
-                "n_skipped": self.n_skipped, **{k: getattr(self, k).clone() for k in self._TENSORS}}
+                "n_skipped": self.n_skipped, **{k: _cpu(getattr(self, k)) for k in self._TENSORS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.queries = list(state["layers"]), list(state["queries"])
@@ -798,10 +822,11 @@ class SaliencyIoU(_LayerAttention):
             warnings.warn(f"{self.name}: {self.n_skipped} image(s) had no foreground mask and were skipped "
                           f"({self.n_images} used)", UserWarning, stacklevel=2)
         nan = float("nan")
-        per_head = torch.where(self.iou_count > 0, self.iou_sum / self.iou_count.clamp_min(1), nan)
-        merged = torch.where(self.merged_count > 0, self.merged_sum / self.merged_count.clamp_min(1), nan)
-        se_head = stderr_from_sums(self.iou_sum, self.iou_sumsq, self.iou_count)
-        se_merged = stderr_from_sums(self.merged_sum, self.merged_sumsq, self.merged_count)
+        st = self.state_dict()  # the sums on the CPU
+        per_head = torch.where(st["iou_count"] > 0, st["iou_sum"] / st["iou_count"].clamp_min(1), nan)
+        merged = torch.where(st["merged_count"] > 0, st["merged_sum"] / st["merged_count"].clamp_min(1), nan)
+        se_head = stderr_from_sums(st["iou_sum"], st["iou_sumsq"], st["iou_count"])
+        se_merged = stderr_from_sums(st["merged_sum"], st["merged_sumsq"], st["merged_count"])
 
         def stat(value: torch.Tensor, se: torch.Tensor) -> dict[str, float]:
             v, e = float(value), float(se)

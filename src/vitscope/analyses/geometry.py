@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
@@ -28,8 +29,18 @@ def _stderr(total: float, total_sq: float, n: int) -> float:
     return math.sqrt(max(total_sq - total * total / n, 0.0) / (n - 1) / n)
 
 
+def _add_sums(mine: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-tap sums of two parts added, on this part's device; a tap only one part has seen keeps its sum."""
+    out = dict(mine)
+    for t, v in theirs.items():
+        out[t] = out[t] + v.to(out[t].device) if t in out else v
+    return out
+
+
 class _PerTap(Analysis):
-    """Shared plumbing: per-tap float64 sums, merged by addition."""
+    """Shared plumbing: per-tap float64 sums, merged by addition. The sums live on the features' device
+    (`_on_device` at each batch: a loaded or new state moves at its first one); ``state_dict`` copies them to
+    the CPU."""
 
     _sums: tuple[str, ...] = ()
 
@@ -40,17 +51,21 @@ class _PerTap(Analysis):
     def required_taps(self) -> list[str]:
         return list(self.taps)
 
+    def _on_device(self, device: torch.device) -> None:
+        """Move the sums to ``device`` (free for those already there)."""
+        for k in self._sums:
+            setattr(self, k, {t: v.to(device) for t, v in getattr(self, k).items()})
+
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, type(self)) and other.taps == self.taps
         self._check_grid_merge(other)
         for k in self._sums:
-            mine, theirs = getattr(self, k), getattr(other, k)
-            setattr(self, k, {t: mine[t] + theirs[t] for t in mine} if isinstance(mine, dict) else mine + theirs)
+            setattr(self, k, _add_sums(getattr(self, k), getattr(other, k)))
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
         return {"taps": list(self.taps), "n_images": self.n_images, "grid": list(self.grid_size),
-                **{k: {t: v.clone() for t, v in getattr(self, k).items()} for k in self._sums}}
+                **{k: {t: v.detach().to("cpu", copy=True) for t, v in getattr(self, k).items()} for k in self._sums}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.taps, self.n_images = list(state["taps"]), int(state["n_images"])
@@ -92,11 +107,15 @@ class SVDVolume(_PerTap):
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self.pass_grid(batch)
-        sel = (batch.index % self.token_every == 0).to(feats[self.taps[0]].device)
+        dev = feats[self.taps[0]].device
+        self._on_device(dev)
+        # the token-level images, chosen by their ids (on the host in a study): the batch's one host sync
+        chosen = [b for b, s in enumerate((batch.index % self.token_every == 0).tolist()) if s]
+        take = torch.tensor(chosen, dtype=torch.long, device=dev)
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
-            some = spatial[sel]
-            if len(some):
+            if chosen:
+                some = spatial[take]
                 ev = G.covariance_spectrum(some)
                 logs = ev.clamp_min(G.EPS).log()
                 tok = logs.sum(0)
@@ -104,12 +123,11 @@ class SVDVolume(_PerTap):
                 vol = logs[:, : self.k].mean(1, dtype=torch.float64)  # each image's volume
                 tokvol, tokvol_sq = vol.sum(), vol.square().sum()
             else:
-                tok, tvar = 0.0, torch.zeros((), dtype=torch.float64)
-                tokvol = tokvol_sq = torch.zeros((), dtype=torch.float64)
+                tok, tvar, tokvol, tokvol_sq = (torch.zeros((), dtype=torch.float64, device=dev) for _ in range(4))
             pooled = spatial.mean(1, dtype=torch.float64)
-            self.tok[t] = self.tok[t] + tok if t in self.tok else torch.as_tensor(tok, dtype=torch.float64)
+            self.tok[t] = self.tok[t] + tok if t in self.tok else tok
             self.tvar[t] = self.tvar[t] + tvar if t in self.tvar else tvar
-            self.ntok[t] = self.ntok[t] + len(some) if t in self.ntok else torch.tensor(len(some))
+            self.ntok[t] = self.ntok[t] + len(chosen) if t in self.ntok else torch.tensor(len(chosen), device=dev)
             self.tokvol[t] = self.tokvol[t] + tokvol if t in self.tokvol else tokvol
             self.tokvol_sq[t] = self.tokvol_sq[t] + tokvol_sq if t in self.tokvol_sq else tokvol_sq
             self.sx[t] = self.sx[t] + pooled.sum(0) if t in self.sx else pooled.sum(0)
@@ -186,6 +204,7 @@ class Fourier(_PerTap):
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self.pass_grid(batch)
+        self._on_device(feats[self.taps[0]].device)
         for t in self.taps:
             spatial = token_view(feats[t], "spatial", self.num_prefix_tokens, self.has_cls_token)
             per_image = G.diagonal_log_amplitude(spatial, self.grid_size)
@@ -240,7 +259,11 @@ class TSNE(Analysis):
         self.layers = self.layers_param(list(layers) if not isinstance(layers, int) else layers)
         self.max_images, self.perplexity, self.seed = int(n_images), float(perplexity), int(seed)
         self.max_iter = max(250, int(max_iter))  # scikit-learn's minimum; cost is linear in it
-        self.kept: dict[int, tuple[torch.Tensor, int]] = {}  # image id -> ((L, S, D) float16, label)
+        # the tokens of the images with the smallest ids, ascending, in fixed-size buffers on the features'
+        # device (`vitscope.analyses.kept`; ids `NO_ID` hold no image): (n,) ids, (n, L, S, D) float16, (n,) labels
+        self.kept_index = torch.zeros(0, dtype=torch.long)
+        self.kept_tokens: torch.Tensor | None = None  # None before the first image (D unknown)
+        self.kept_labels = torch.zeros(0, dtype=torch.long)
 
     def required_taps(self) -> list[str]:
         return [f"block{i}.out" for i in self.layers]
@@ -257,49 +280,71 @@ class TSNE(Analysis):
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         tokens = torch.stack([token_view(feats[f"block{i}.out"], "spatial", self.num_prefix_tokens,
                                          self.has_cls_token) for i in self.layers], 1)  # (B, L, S, D)
-        for b, idx in enumerate(batch.index.tolist()):
-            label = int(batch.labels[b]) if batch.labels is not None else -1
-            self.kept[idx] = (tokens[b].half().cpu(), label)
-        for idx in sorted(self.kept)[self.max_images:]:  # keep the smallest ids: order-independent
-            del self.kept[idx]
+        labels = batch.labels if batch.labels is not None else torch.full((len(batch),), -1,
+                                                                         device=batch.index.device)
+        # the ids and labels (on the host in a study) reach the device in one copy
+        both = torch.stack([batch.index.long(), labels.long()]).to(tokens.device)
+        take, index = smallest_distinct(both[0], self.max_images)  # the batch's images that can be kept
+        self._keep(index, tokens[take].half(), both[1][take])
         self.n_images += len(batch)
+
+    def _keep(self, index: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> None:
+        """Keep the ``max_images`` smallest distinct ids among those kept and the new ones (order-independent)."""
+        if self.kept_tokens is None:
+            self.kept_tokens = torch.zeros(0, *tokens.shape[1:], dtype=torch.float16)
+        self.kept_index, (self.kept_tokens, self.kept_labels) = keep_smallest(
+            self.max_images, self.kept_index, [self.kept_tokens, self.kept_labels], index, [tokens, labels])
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, TSNE) and other.layers == self.layers
-        self.kept.update(other.kept)
-        for idx in sorted(self.kept)[self.max_images:]:
-            del self.kept[idx]
+        if other.kept_tokens is not None:
+            dev = self.kept_tokens.device if self.kept_tokens is not None else other.kept_tokens.device
+            self._keep(other.kept_index.to(dev), other.kept_tokens.to(dev), other.kept_labels.to(dev))
         self.n_images += other.n_images
 
+    @property
+    def kept(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """The kept images on the CPU: image id -> ((L, S, D) float16 tokens, label), ascending by id."""
+        if self.kept_tokens is None:
+            return {}
+        index, (tokens, labels) = valid_rows(self.kept_index, [self.kept_tokens, self.kept_labels])
+        return {i: (x, lab) for i, x, lab in zip(index.tolist(), tokens, labels.tolist(), strict=True)}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "n_images": self.n_images, "kept": dict(self.kept)}
+        return {"layers": list(self.layers), "n_images": self.n_images, "kept": self.kept}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.layers, self.n_images, self.kept = list(state["layers"]), int(state["n_images"]), dict(state["kept"])
+        self.layers, self.n_images = list(state["layers"]), int(state["n_images"])
+        kept = dict(state["kept"])
+        ids = sorted(kept)
+        self.kept_index = torch.tensor(ids, dtype=torch.long)
+        self.kept_tokens = torch.stack([kept[i][0] for i in ids]) if ids else None
+        self.kept_labels = torch.tensor([int(kept[i][1]) for i in ids], dtype=torch.long)
 
     def finalize(self) -> pd.DataFrame:
-        size = sum(int(v[0][0].numel()) for v in self.kept.values())  # points x features of one layer
+        kept = self.kept
+        size = sum(int(v[0][0].numel()) for v in kept.values())  # points x features of one layer
         with few_threads(size):  # a few hundred points: one thread is as fast, and cannot wait for another
-            rows = self._embed()
+            rows = self._embed(kept)
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
 
-    def _embed(self) -> list[dict[str, Any]]:
+    def _embed(self, kept: Mapping[int, tuple[torch.Tensor, int]]) -> list[dict[str, Any]]:
         from sklearn.manifold import TSNE as SkTSNE
 
         rows: list[dict[str, Any]] = []
-        ids = sorted(self.kept)
+        ids = sorted(kept)
         if not ids:
             return rows
-        S = self.kept[ids[0]][0].shape[1]
+        S = kept[ids[0]][0].shape[1]
         for j, layer in enumerate(self.layers):
-            x = torch.cat([self.kept[i][0][j] for i in ids]).float().numpy()
+            x = torch.cat([kept[i][0][j] for i in ids]).float().numpy()
             perplexity = min(self.perplexity, (len(x) - 1) / 3)
             emb = SkTSNE(n_components=2, perplexity=perplexity, init="pca", random_state=self.seed,
                          max_iter=self.max_iter).fit_transform(x)
             for r, (ex, ey) in enumerate(emb):
                 img = ids[r // S]
                 rows.append({"metric": "tsne", "layer": layer, "image": img, "token": r % S,
-                             "x": float(ex), "y": float(ey), "value": float(self.kept[img][1])})
+                             "x": float(ex), "y": float(ey), "value": float(kept[img][1])})
         return rows

@@ -108,7 +108,7 @@ def _renormalise(x: Tensor) -> Tensor:
 def _grid_positions(h: int, w: int, device: torch.device | None = None) -> Tensor:
     """(h*w, 2) float64 (row, col) positions on the unit square: index / (max(h, w) - 1)."""
     scale = max(max(h, w) - 1, 1)
-    rows = torch.arange(h, dtype=torch.float64, device=device).repeat_interleave(w)
+    rows = torch.arange(h, dtype=torch.float64, device=device).repeat_interleave(w, output_size=h * w)
     cols = torch.arange(w, dtype=torch.float64, device=device).repeat(h)
     return torch.stack([rows, cols], dim=-1) / scale
 
@@ -212,7 +212,7 @@ def distance_in_pixels(
 
 def _canvas_index(h: int, w: int, device: torch.device | None = None) -> Tensor:
     """(S*S,) flat canvas index of key k for query q, row-major over (q, k), query at the canvas centre."""
-    r = torch.arange(h, device=device).repeat_interleave(w)
+    r = torch.arange(h, device=device).repeat_interleave(w, output_size=h * w)  # output_size: no host wait
     c = torch.arange(w, device=device).repeat(h)
     dy = r[None, :] - r[:, None] + (h - 1)  # (q, k) -> canvas row
     dx = c[None, :] - c[:, None] + (w - 1)  # (q, k) -> canvas col
