@@ -641,7 +641,9 @@ class Retrieval(_Dense):
     columns say which protocol a run used."""
 
     name = "retrieval"
-    state_version = 3  # 3: stderr over queries; 2: whole images, final norm layer
+    # 4: one store for every view (a batch is one copy to the host), ground truth kept by row until read;
+    # 3: stderr over queries; 2: whole images, final norm layer
+    state_version = 4
     needs = frozenset({"retrieval"})
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
@@ -652,10 +654,16 @@ class Retrieval(_Dense):
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.chance_repeats, self.seed = int(chance_repeats), int(seed)
-        self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
+        # one store for all views, view-major: view v's layer j is the store's layer v * len(layers) + j
+        self.table = PooledTable(len(self.views) * len(self.layers))
         self.gnd: dict[int, dict[str, list[int]]] = {}
+        # ground truth of queries not yet matched with their index: (row of the store, the batch's gnd entry)
+        self.gnd_rows: list[tuple[int, Any]] = []
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        """One append to the store (its one copy to the host) carries every view and layer with the rows'
+        query / database indices; a query's ground truth is kept beside its row and matched with its index
+        when the store's columns are read (`_read_gnd`), so the batch reads no index back here."""
         if "tiling" in batch.extra:
             raise VitscopeError("retrieval ranks whole images (CLS, mean patch token): use the dataset untiled")
         if "db_index" not in batch.extra or "query_index" not in batch.extra:
@@ -664,39 +672,57 @@ class Retrieval(_Dense):
         db = torch.as_tensor(batch.extra["db_index"]).long()
         q = torch.as_tensor(batch.extra["query_index"]).long()
         gnd = batch.extra.get("gnd") or [None] * len(batch)
-        for b in torch.nonzero(q >= 0).flatten().tolist():
-            if gnd[b] is None:
-                raise VitscopeError(f"retrieval: query {int(q[b])} has no ground truth (extra['gnd'])")
-            self.gnd[int(q[b])] = {k: [int(i) for i in gnd[b].get(k, [])] for k in ("easy", "hard", "junk")}
         self._note(batch, self.grid_of(batch))
         is_query = q >= 0
         ids = torch.where(is_query, q, db)
         x = [feats[t] for t in self.required_taps()]
-        for v in self.views:
-            self.tables[v].append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for f in x], ids,
-                                  torch.zeros_like(ids), is_query)
+        first = len(self.table)
+        self.table.append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for v in self.views for f in x],
+                          ids, torch.zeros_like(ids), is_query)
+        self.gnd_rows += [(first + b, g) for b, g in enumerate(gnd) if g is not None]
         self.n_images += len(batch)
+
+    def _read_gnd(self) -> None:
+        """Match the kept ground truth with the query indices of its rows (read from the store's columns; once,
+        not per batch); a query row without ground truth is an error."""
+        if not len(self.table):
+            return
+        ids, is_q = self.table.column("ids"), self.table.column("is_test")
+        given = {row: g for row, g in self.gnd_rows}
+        self.gnd_rows = []
+        for row in torch.nonzero(is_q).flatten().tolist():
+            if row in given:
+                g = given[row]
+                self.gnd[int(ids[row])] = {k: [int(i) for i in g.get(k, [])] for k in ("easy", "hard", "junk")}
+            elif int(ids[row]) not in self.gnd:
+                raise VitscopeError(f"retrieval: query {int(ids[row])} has no ground truth (extra['gnd'])")
+
+    def _view(self, v: int, li: int) -> torch.Tensor:
+        """(rows, D) float16 features of view ``v`` (its position in ``views``) at the ``li``-th layer."""
+        return self.table.layer(v * len(self.layers) + li)
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Retrieval) and other.layers == self.layers and other.views == self.views
-        for v in self.views:
-            self.tables[v].extend(other.tables[v])
+        self._read_gnd()
+        other._read_gnd()
+        self.table.extend(other.table)
         self.gnd.update(other.gnd)
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
         self._merge_protocol(other)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "views": self.views,
-                "tables": {v: t.state_dict() for v, t in self.tables.items()},
+        self._read_gnd()
+        return {"layers": self.layers, "views": self.views, "table": self.table.state_dict(),
                 "gnd": {int(k): v for k, v in self.gnd.items()}, "skipped": dict(self.skipped),
                 "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.views = list(state["layers"]), list(state["views"])
         self._load_protocol(state)
-        self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
+        self.table = PooledTable.from_state(state["table"])
         self.gnd = {int(k): v for k, v in state["gnd"].items()}
+        self.gnd_rows = []
         self.skipped = Counter(state["skipped"])
         self.n_images = int(state["n_images"])
 
@@ -704,8 +730,9 @@ class Retrieval(_Dense):
         rows: list[dict[str, Any]] = []
         skipped = Counter(self.skipped)
         n_q = n_db = 0
-        for v in self.views:
-            t = self.tables[v]
+        self._read_gnd()
+        t = self.table
+        for vi, v in enumerate(self.views):
             if not len(t):
                 continue
             ids, is_q = t.column("ids"), t.column("is_test")
@@ -722,7 +749,7 @@ class Retrieval(_Dense):
             mapped = {name: [{"ok": [col.get(i, -1) for i in p["ok"]], "junk": [col[i] for i in p["junk"] if i in col]}
                              for p in prot] for name, prot in protocols.items()}
             for li, layer in enumerate(self.layers):
-                f = F.normalize(t.layer(li).float(), dim=-1)
+                f = F.normalize(self._view(vi, li).float(), dim=-1)
                 scores = f[q_rows] @ f[d_rows].T
                 for name, prot in mapped.items():
                     aps = D.retrieval_aps(scores, prot)
