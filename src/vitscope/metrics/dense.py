@@ -387,6 +387,32 @@ def pck_chance(gt_xy: np.ndarray, ref_size: np.ndarray | float, centres: np.ndar
     return {a: (d <= a * ref).mean(1) for a in alphas}
 
 
+def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tensor, centres: torch.Tensor,
+               ref_size: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, counted: torch.Tensor,
+               alphas: Sequence[float] = PCK_ALPHAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCK of B pairs at once, as tensor ops on their device (no value read back).
+
+    source: (B, L, K, D) L2-normalised features of the source tokens holding keypoints 0..K-1 (L feature sets,
+    e.g. layers); target: (B, L, S, D) the target's tokens; keypoints: (B, K, 2) the target's true x, y and
+    centres: (S, 2) the token centres, both in model-input pixels; ref_size: (B,) max(bbox h, w); scale,
+    shift: (B, 2) the map to the pixels PCK is measured in, (xy - shift) / scale (1 and 0: model-input
+    pixels); counted: (B, K) bool, the keypoints that count. Returns ``correct`` (B, L, A) int64: counted
+    keypoints whose nearest target token (cosine, the first of ties) has its centre within alpha * ref_size of
+    the true point (`pck`), and ``chance`` (B, A) float64: the sum over counted keypoints of `pck_chance`."""
+    B, L, K, _ = source.shape
+    S = target.shape[2]
+    c = (centres.double()[None] - shift[:, None]) / scale[:, None]                       # (B, S, 2)
+    gt = (keypoints.double() - shift[:, None]) / scale[:, None]                          # (B, K, 2)
+    best = torch.einsum("blkd,blsd->blks", source, target).argmax(-1)                   # (B, L, K)
+    pred = torch.gather(c[:, None].expand(B, L, S, 2), 2, best[..., None].expand(B, L, K, 2))
+    thr = torch.tensor(alphas, dtype=torch.float64, device=ref_size.device)[None] * ref_size.double()[:, None]
+    d = torch.linalg.vector_norm(pred - gt[:, None], dim=-1)                              # (B, L, K)
+    correct = ((d[..., None] <= thr[:, None, None]) & counted[:, None, :, None]).sum(2)
+    near = torch.linalg.vector_norm(gt[:, :, None] - c[:, None], dim=-1)                 # (B, K, S)
+    chance = ((near[..., None] <= thr[:, None, None]).double().mean(2) * counted[..., None]).sum(1)
+    return correct, chance
+
+
 # ------------------------------------------------------------------------------------------------ retrieval
 
 
@@ -448,6 +474,6 @@ def random_ranking_map(protocol: Sequence[dict], n_database: int, repeats: int =
 __all__ = ["BOUND_TH", "NEIGHBOURHOOD", "N_LAST_FRAMES", "PCK_ALPHAS", "TEMPERATURE", "TOPK", "VOID",
            "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch", "boundary_map", "disk",
            "jaccard", "jaccard_batch", "jf_objects", "labels_to_tokens", "nearest_resize", "neighbourhood", "pck",
-           "pck_chance",
+           "pck_chance", "pck_counts",
            "propagate", "random_ranking_map", "ranked_ap", "retrieval_aps", "revisited_protocols",
            "tokens_to_labels"]
