@@ -269,6 +269,18 @@ def test_neighbourhood_mean_is_propagation_with_constant_features():
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_label_presence_gives_the_object_ids_torch_unique_gives():
+    g = torch.Generator().manual_seed(4)
+    for high in (3, 40, 256, 300):
+        labels = torch.randint(0, high, (9, 11), generator=g)
+        labels[0, :3] = D.VOID
+        want = [int(k) for k in torch.unique(labels).tolist() if k not in (0, D.VOID)]
+        got = D.present_objects(D.label_presence(labels).tolist())
+        assert got == (want if labels.max() < 256 else None), high
+    assert D.present_objects(D.label_presence(torch.zeros(4, 4, dtype=torch.uint8)).tolist()) == []
+    assert D.present_objects(D.label_presence(torch.tensor([[-1, 2]])).tolist()) is None
+
+
 def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     vids = SyntheticVideos(n_videos=3, n_frames=5, seed=5, size=32)
     batches = _video_batches(vids, 4)

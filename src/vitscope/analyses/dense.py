@@ -205,6 +205,17 @@ def _nan(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+def _moved(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(v, device) for v in obj)
+    return obj
+
+
 # ================================================================================================ propagation
 
 
@@ -235,9 +246,10 @@ class Propagation(_Dense):
     input size, so they are whole frames as they are."""
 
     name = "propagation"
-    # 4: the context in one buffer, a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the
-    # annotation's resolution, void as background, final norm
-    state_version = 4
+    # 5: the video in progress on the features' device (a state holds it on the CPU); 4: the context in one buffer,
+    # a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the annotation's resolution, void
+    # as background, final norm
+    state_version = 5
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -248,7 +260,7 @@ class Propagation(_Dense):
         super().__init__(vm, layers, final_norm)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
         self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
-        self._near: dict[tuple[int, int], torch.Tensor] = {}
+        self._near: dict[tuple[tuple[int, int], torch.device], torch.Tensor] = {}
         self.videos: list[dict[str, Any]] = []   # finished: per-object mean J and F per layer (+ chance)
         self.scored_at: list[str] = []           # 'annotation HxW' / 'model input HxW' per size seen
         self.cur: dict[str, Any] | None = None   # the video in progress (bounded: 1 + n_last_frames frames)
@@ -256,16 +268,80 @@ class Propagation(_Dense):
 
     # -- streaming -----------------------------------------------------------------------------------
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        for x, grid, it in self._items(feats, batch):
-            # scored on the annotation at the file's resolution when the dataset keeps it (whole frames)
-            objects = it["source_objects"] if it.get("source_objects") is not None else it["objects"]
-            self._frame(it["sequence"], it["frame"], x, objects, it["index"], grid)
+        """Frames in order: a frame's propagation reads the predictions of the frames before it, so a video is a
+        loop over its frames, each step tensor ops on the features' device that read nothing back. What Python
+        decides on (the frames' indices and numbers, the object ids of a frame that may start a video) is read in
+        one copy for the batch (`_read`)."""
+        items, index, frames = self._frame_items(feats, batch)
+        if not items:
+            return
+        if self.cur is not None:
+            self.cur = _moved(self.cur, items[0]["x"].device)  # a loaded state's video goes on with the features
+        starts = self._may_start(items)
+        index, frames, ids = self._read(index, frames, [items[b]["objects"] for b in starts])
+        first_ids = dict(zip(starts, ids, strict=True))
+        for b, it in enumerate(items):
+            self._frame(it["sequence"], frames[b], it["x"], it["objects"], index[b], it["grid"], first_ids.get(b))
             self.n_images += 1
 
-    def near(self, grid: tuple[int, int]) -> torch.Tensor:
-        if grid not in self._near:
-            self._near[grid] = D.neighbourhood(grid, self.radius)
-        return self._near[grid]
+    def _frame_items(self, feats: Mapping[str, torch.Tensor], batch: Any) -> tuple[list[dict[str, Any]], Any, Any]:
+        """The batch's frames (``x`` (L, S, D) features, ``grid``, ``sequence``, ``objects``: the annotation,
+        at the file's resolution when the dataset keeps it (whole frames)), with their dataset indices and frame
+        numbers as the batch holds them (tensors, or lists for a tiled batch)."""
+        if "tiling" in batch.extra:
+            items, index, frames = [], [], []
+            for x, grid, it in self._items(feats, batch):
+                objects = it.get("source_objects") if it.get("source_objects") is not None else it.get("objects")
+                items.append({"x": x, "grid": grid, "sequence": it.get("sequence"), "objects": objects})
+                index.append(int(it["index"]))
+                frames.append(it.get("frame"))
+            return items, index, frames
+        grid = self.grid_of(batch)
+        self._note(batch, grid)
+        x = self._patch_features(feats, grid)
+        src, objects, seqs = batch.extra.get("source_objects"), batch.objects, batch.sequences
+        items = [{"x": x[b], "grid": grid, "sequence": seqs[b] if seqs is not None else None,
+                  "objects": src[b] if src is not None and src[b] is not None else
+                  objects[b] if objects is not None else None} for b in range(len(batch))]
+        return items, batch.index, batch.frames if batch.frames is not None else [None] * len(batch)
+
+    def _may_start(self, items: list[dict[str, Any]]) -> list[int]:
+        """Positions of the annotated frames that may start a video: no sequence name, or another than the frame
+        before (a frame 0 inside a named sequence also starts one: its object ids are read then, `_start`)."""
+        prev = self.cur["sequence"] if self.cur is not None else None
+        out = []
+        for b, it in enumerate(items):
+            seq = it["sequence"]
+            if it["objects"] is not None and (seq is None or seq != prev or (b == 0 and self.cur is None)):
+                out.append(b)
+            prev = seq
+        return out
+
+    @staticmethod
+    def _read(index: Any, frames: Any, maps: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
+        """One copy to Python for a batch: the frames' indices and numbers (those held in tensors) and, per map
+        of ``maps``, its object ids (`metrics.dense.label_presence`: a fixed size, so all fit in the copy; None
+        for a map with values outside 0 .. 255)."""
+        held = [v for v in (index, frames) if torch.is_tensor(v)]
+        parts = [v.long().flatten() for v in held] + [D.label_presence(m) for m in maps]
+        vals = torch.cat(parts).tolist() if parts else []
+        at = 0
+        out = []
+        for v in (index, frames):
+            if torch.is_tensor(v):
+                n = v.numel()
+                out.append(vals[at:at + n])
+                at += n
+            else:
+                out.append(list(v))
+        ids = [D.present_objects(vals[at + 257 * i:at + 257 * (i + 1)]) for i in range(len(maps))]
+        return out[0], out[1], ids
+
+    def near(self, grid: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+        key = (tuple(grid), torch.device(device))
+        if key not in self._near:
+            self._near[key] = D.neighbourhood(grid, self.radius, device)
+        return self._near[key]
 
     @staticmethod
     def _work(grid: tuple[int, int]) -> tuple[tuple[int, int], bool]:
@@ -282,7 +358,7 @@ class Propagation(_Dense):
         return t.unflatten(-1, (h, w)).transpose(-1, -2).flatten(-2)
 
     def _frame(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int, grid: tuple[int, int]) -> None:
+               item: int, grid: tuple[int, int], ids: list[int] | None = None) -> None:
         cur = self.cur
         new = cur is None or seq is None or seq != cur["sequence"] or (frame is not None and frame == 0)
         if not new and frame is not None and cur["last_frame"] is not None and frame != cur["last_frame"] + 1:
@@ -290,7 +366,7 @@ class Propagation(_Dense):
                                 "frames of a video must arrive in order (a video is one unit)")
         if new:
             self._close()
-            self._start(seq, frame, x, objects, item, grid)
+            self._start(seq, frame, x, objects, item, grid, ids)
             return
         if tuple(cur["grid"]) != tuple(grid):
             raise VitscopeError(f"propagation: frames of video {seq!r} have token grids {tuple(cur['grid'])} and "
@@ -306,10 +382,10 @@ class Propagation(_Dense):
         # the last n_last_frames), the layout `propagate` reads a band of keys from without a copy
         n, buf = cur["n_ctx"], cur["ctx"]
         lab = torch.stack([cur["labels"][i][0] for i in range(n)], 1)                         # (L, n, C, S)
+        near = self.near(work, x.device)
         probs = D.propagate(x, buf[:, :, :n].transpose(1, 2), lab, work, self.radius, self.topk, self.temperature,
-                            self.near(work))                                               # (L, C, S)
-        cprobs = D.neighbourhood_mean(torch.stack([cur["labels"][i][1] for i in range(n)], 1),
-                                      self.near(work))                                     # (1, C, S)
+                            near)                                                          # (L, C, S)
+        cprobs = D.neighbourhood_mean(torch.stack([cur["labels"][i][1] for i in range(n)], 1), near)  # (1, C, S)
         if self.n_last_frames:
             slot = cur["next"]  # the oldest of the last frames, or a free slot
             buf[:, :, slot] = x
@@ -333,7 +409,9 @@ class Propagation(_Dense):
         cur["scores"].append((j, f))
 
     def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int, grid: tuple[int, int]) -> None:
+               item: int, grid: tuple[int, int], ids: list[int] | None = None) -> None:
+        """Open a video at its first frame: the object ids of its annotation (``ids`` when the batch's copy read
+        them, else read here) and the first frame's features and token labels as the context."""
         cur: dict[str, Any] = {"sequence": seq if seq is not None else f"item{item}", "last_frame": frame,
                                "n_frames": 1, "scores": [], "first_item": item, "grid": list(grid)}
         self.cur = cur
@@ -342,15 +420,16 @@ class Propagation(_Dense):
         elif objects is None:
             cur["skip"] = "no annotated first frame"
         else:
-            ids = [int(k) for k in torch.unique(objects).tolist() if k not in (0, D.VOID)]
+            if ids is None:  # a frame 0 inside its sequence, or label values beyond 255: read on its own
+                ids = [int(k) for k in torch.unique(objects).tolist() if k not in (0, D.VOID)]
             if not ids:
                 cur["skip"] = "no object in the first frame's annotation"
             else:
-                y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
+                y = D.labels_to_tokens(objects.long(), grid, ids).to(x.device)               # (C, S)
                 if self._work(grid)[1]:  # kept in the working grid's order (`_frame`)
                     x, y = self._turn(x.transpose(1, 2), grid).transpose(1, 2), self._turn(y, grid)
                 L, S, Dm = x.shape
-                buf = torch.zeros(L, S, 1 + self.n_last_frames, Dm, dtype=x.dtype)  # zeros: a saved state is
+                buf = x.new_zeros(L, S, 1 + self.n_last_frames, Dm)  # zeros: a saved state is
                 buf[:, :, 0] = x                                                     # the same bytes every time
                 cur.update(objects=ids, ctx=buf, n_ctx=1, next=1,
                            labels=[(y[None].expand(L, -1, -1).clone(), y[None].clone())] + [None] * self.n_last_frames)
@@ -392,7 +471,8 @@ class Propagation(_Dense):
             cur = {k: v for k, v in self.cur.items() if k != "labels"}
             if "labels" in self.cur:
                 cur["labels"] = [None if q is None else list(q) for q in self.cur["labels"]]
-        return {"layers": self.layers, "videos": self.videos, "cur": cur, "skipped": dict(self.skipped),
+        return {"layers": self.layers, "videos": _moved(self.videos, "cpu"), "cur": _moved(cur, "cpu"),
+                "skipped": dict(self.skipped),
                 "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
                 "scored_at": list(self.scored_at)}
 
@@ -412,6 +492,7 @@ class Propagation(_Dense):
         self._close()
         rows: list[dict[str, Any]] = []
         if self.videos:
+            self.videos = _moved(self.videos, "cpu")
             j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
             f = torch.cat([v["F"] for v in self.videos], 1)
             for k, layer in enumerate([*self.layers, None]):
