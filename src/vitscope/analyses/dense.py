@@ -425,7 +425,7 @@ class Propagation(_Dense):
             if not ids:
                 cur["skip"] = "no object in the first frame's annotation"
             else:
-                y = D.labels_to_tokens(objects.long(), grid, ids).to(x.device)               # (C, S)
+                y = D.labels_to_tokens(objects.long(), grid, ids).to(x.device, non_blocking=True)  # (C, S)
                 if self._work(grid)[1]:  # kept in the working grid's order (`_frame`)
                     x, y = self._turn(x.transpose(1, 2), grid).transpose(1, 2), self._turn(y, grid)
                 L, S, Dm = x.shape
@@ -646,6 +646,7 @@ class Correspondence(_Dense):
         out = {"pair": torch.as_tensor(pair).long(), "role": torch.as_tensor(role).long(),
                "kp": torch.as_tensor(kp).double(), "size": size, "scale": maps[:, :2], "shift": maps[:, 2:],
                "cat": cats}
+        # to the device without a stream synchronisation (a pageable host source is staged at once)
         return {k: v.to(device, non_blocking=True) for k, v in out.items()}
 
     @staticmethod

@@ -168,9 +168,10 @@ def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: S
     `tokens_to_labels` gives them. Returns (J, F), each (N, K) float64 for the K ``object_ids``, on the
     predictions' device. Tensor ops only, nothing read back (no output whose size depends on the values): the
     confusion counts by ``scatter_add_``, the boundaries matched by dilating whole maps (`_dilate`; the true
-    masks' once for all N predictions)."""
+    masks' once for all N predictions). True labels on the host go to the device without a stream
+    synchronisation (``non_blocking``: a pageable source is staged at once)."""
     K, N = len(object_ids), pred_labels.shape[0]
-    gi = _object_index(gt_labels.to(pred_labels.device), object_ids)                   # 0: no object
+    gi = _object_index(gt_labels.to(pred_labels.device, non_blocking=True), object_ids)  # 0: no object
     pi = pred_labels.long() if pred_index else _object_index(pred_labels, object_ids)
     # J from one confusion count per map: entry (g, p) = pixels of true index g predicted as p
     cells = pi.flatten(1) + ((K + 1) * gi).flatten()[None]
@@ -382,7 +383,8 @@ def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tens
     gt = (keypoints.double() - shift[:, None]) / scale[:, None]                          # (B, K, 2)
     best = torch.einsum("blkd,blsd->blks", source, target).argmax(-1)                   # (B, L, K)
     pred = torch.gather(c[:, None].expand(B, L, S, 2), 2, best[..., None].expand(B, L, K, 2))
-    thr = torch.tensor(alphas, dtype=torch.float64, device=ref_size.device)[None] * ref_size.double()[:, None]
+    a = torch.tensor(alphas, dtype=torch.float64).to(ref_size.device, non_blocking=True)  # no stream sync
+    thr = a[None] * ref_size.double()[:, None]
     d = torch.linalg.vector_norm(pred - gt[:, None], dim=-1)                              # (B, L, K)
     correct = ((d[..., None] <= thr[:, None, None]) & counted[:, None, :, None]).sum(2)
     near = torch.linalg.vector_norm(gt[:, :, None] - c[:, None], dim=-1)                 # (B, K, S)
