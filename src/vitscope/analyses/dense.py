@@ -698,7 +698,8 @@ class Correspondence(_Dense):
         prev_kp = torch.cat([last["kp"][None], kp[:-1]])
         prev_pair = torch.cat([last["pair"][None], a["pair"][:-1]])
         prev_src = torch.cat([last["source"][None], is_src[:-1]])
-        self.last = {"x": own[-1], "kp": kp[-1], "pair": a["pair"][-1], "source": is_src[-1]}
+        self.last = {"x": own[-1].clone(), "kp": kp[-1].clone(), "pair": a["pair"][-1].clone(),
+                     "source": is_src[-1].clone()}  # copies: views would keep the whole batch's tensors alive
         paired = ~is_src & prev_src & (prev_pair == a["pair"])
         common = (prev_kp[..., 2] > 0) & (kp[..., 2] > 0)                                # (B, K)
         shown = common.any(1)
