@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from scipy import ndimage
@@ -268,6 +269,18 @@ def test_neighbourhood_mean_is_propagation_with_constant_features():
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+def test_label_presence_gives_the_object_ids_torch_unique_gives():
+    g = torch.Generator().manual_seed(4)
+    for high in (3, 40, 256, 300):
+        labels = torch.randint(0, high, (9, 11), generator=g)
+        labels[0, :3] = D.VOID
+        want = [int(k) for k in torch.unique(labels).tolist() if k not in (0, D.VOID)]
+        got = D.present_objects(D.label_presence(labels).tolist())
+        assert got == (want if labels.max() < 256 else None), high
+    assert D.present_objects(D.label_presence(torch.zeros(4, 4, dtype=torch.uint8)).tolist()) == []
+    assert D.present_objects(D.label_presence(torch.tensor([[-1, 2]])).tolist()) is None
+
+
 def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     vids = SyntheticVideos(n_videos=3, n_frames=5, seed=5, size=32)
     batches = _video_batches(vids, 4)
@@ -425,6 +438,92 @@ def test_a_pair_without_a_shared_visible_keypoint_is_counted():
     assert df[df.metric == "skipped"].set_index("reason").value[
         "pair without a keypoint visible in both images"] == 1
     assert df.n_pairs.iloc[0] == 1
+
+
+def test_pck_counts_equal_a_loop_over_pairs_layers_and_keypoints():
+    """The batched PCK (all pairs, layers and keypoints at once, masked) against `pck` / `pck_chance` per pair on
+    its counted keypoints, with maps to other pixels and ref sizes of every kind."""
+    g = torch.Generator().manual_seed(7)
+    B, L, K, S, Dm, alphas = 5, 3, 6, 12, 4, (0.1, 0.3, 0.02)
+    src = torch.nn.functional.normalize(torch.randn(B, L, K, Dm, generator=g), dim=-1)
+    trg = torch.nn.functional.normalize(torch.randn(B, L, S, Dm, generator=g), dim=-1)
+    kp = torch.rand(B, K, 2, generator=g, dtype=torch.float64) * 40
+    centres = torch.rand(S, 2, generator=g, dtype=torch.float64) * 40
+    size = torch.tensor([10.0, 25.0, 0.0, 40.0, 7.5], dtype=torch.float64)
+    scale = torch.tensor([[1, 1], [2, 0.5], [-1, 1], [0.25, 3], [1, 1]], dtype=torch.float64)
+    shift = torch.tensor([[0, 0], [3, -4], [40, 0], [1, 1], [0, 0]], dtype=torch.float64)
+    counted = torch.rand(B, K, generator=g) > 0.3
+    counted[4] = False
+    correct, chance = D.pck_counts(src, trg, kp, centres, size, scale, shift, counted, alphas)
+    assert correct.shape == (B, L, len(alphas)) and chance.shape == (B, len(alphas))
+    for b in range(B):
+        idx = torch.nonzero(counted[b]).flatten()
+        c = ((centres - shift[b]) / scale[b]).numpy()
+        gt = ((kp[b, idx] - shift[b]) / scale[b]).numpy()
+        for li in range(L):
+            best = (src[b, li, idx] @ trg[b, li].T).argmax(-1).numpy()
+            ok = D.pck(c[best], gt, float(size[b]), alphas)
+            assert correct[b, li].tolist() == [int(ok[a].sum()) for a in alphas]
+        ch = D.pck_chance(gt, float(size[b]), c, alphas)
+        assert chance[b].tolist() == pytest.approx([float(ch[a].sum()) for a in alphas], rel=1e-12, abs=1e-15)
+
+
+def test_correspondence_state_and_merge_give_the_table_of_one_pass():
+    """Pairs straddling batches, a state saved mid-way and loaded into a fresh analysis, and two shards
+    merged (one resumed from a state): the same table as one pass."""
+    pairs = SyntheticPairs(n_pairs=5, seed=1, size=32, flat=True)
+    batches = list(pairs.batches(3, Preprocessing(input_size=32)))
+    g = torch.Generator().manual_seed(2)
+    feats = [{f"block{i}.out": torch.randn(len(b), 17, 6, generator=g) for i in range(2)} for b in batches]
+    make = lambda: get_analysis("correspondence")(info(4, 8, depth=2), final_norm=False)  # noqa: E731
+    whole = make()
+    for f, b in zip(feats, batches, strict=True):
+        whole.update(f, b)
+    first = make()
+    for f, b in zip(feats[:2], batches[:2], strict=True):
+        first.update(f, b)
+    resumed = make()
+    resumed.load_state_dict(first.state_dict())
+    assert all(v.device.type == "cpu" for v in first.state_dict()["sums"].values())
+    for f, b in zip(feats[2:], batches[2:], strict=True):
+        resumed.update(f, b)
+    cols = ["metric", "layer", "category", "value", "reason"]
+    want = whole.finalize()[cols]
+    assert (want.metric == "pck@0.1").sum() > 2
+    pd.testing.assert_frame_equal(resumed.finalize()[cols], want)
+    a, b = make(), make()  # pairs 0-1 in one shard, 2-4 in the other (batches of 4 items split on a pair)
+    four = list(pairs.batches(4, Preprocessing(input_size=32)))
+    f4 = [{f"block{i}.out": torch.randn(len(x), 17, 6, generator=g) for i in range(2)} for x in four]
+    ref = make()
+    for f, x in zip(f4, four, strict=True):
+        ref.update(f, x)
+    a.update(f4[0], four[0])
+    for f, x in zip(f4[1:], four[1:], strict=True):
+        b.update(f, x)
+    a.merge(b)
+    pd.testing.assert_frame_equal(a.finalize()[cols], ref.finalize()[cols])
+
+
+def test_retrieval_reads_ground_truth_with_the_store_and_refuses_a_query_without_it():
+    from vitscope.errors import VitscopeError
+
+    r = SyntheticRetrieval(n_queries=4, views=2, n_distractors=2, seed=3, size=32)
+    batches = list(r.batches(3, Preprocessing(input_size=32)))
+    a = get_analysis("retrieval")(info(4, 8, dim=5), final_norm=False, views=["cls", "gap_spatial"])
+    g = torch.Generator().manual_seed(0)
+    for b in batches:
+        a.update({"block0.out": torch.randn(len(b), 17, 5, generator=g)}, b)
+    state = a.state_dict()
+    want = {int(q): gq for b in batches for q, gq in zip(b.extra["query_index"].tolist(), b.extra["gnd"],
+                                                         strict=True) if q >= 0}
+    assert state["gnd"] == {q: {k: list(v.get(k, [])) for k in ("easy", "hard", "junk")} for q, v in want.items()}
+    assert len(state["table"]["layers"]) == 2 and len(state["table"]["ids"]) == len(r)
+    bad = get_analysis("retrieval")(info(4, 8, dim=5), final_norm=False, views=["cls"])
+    b = batches[0]
+    b.extra["gnd"] = [None] * len(b)
+    bad.update({"block0.out": torch.randn(len(b), 17, 5)}, b)
+    with pytest.raises(VitscopeError, match="has no ground truth"):
+        bad.finalize()
 
 
 # ------------------------------------------------------------------------------------------------ retrieval

@@ -205,6 +205,17 @@ def _nan(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+def _moved(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_moved(v, device) for v in obj)
+    return obj
+
+
 # ================================================================================================ propagation
 
 
@@ -235,9 +246,10 @@ class Propagation(_Dense):
     input size, so they are whole frames as they are."""
 
     name = "propagation"
-    # 4: the context in one buffer, a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the
-    # annotation's resolution, void as background, final norm
-    state_version = 4
+    # 5: the video in progress on the features' device (a state holds it on the CPU); 4: the context in one buffer,
+    # a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the annotation's resolution, void
+    # as background, final norm
+    state_version = 5
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -248,7 +260,7 @@ class Propagation(_Dense):
         super().__init__(vm, layers, final_norm)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
         self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
-        self._near: dict[tuple[int, int], torch.Tensor] = {}
+        self._near: dict[tuple[tuple[int, int], torch.device], torch.Tensor] = {}
         self.videos: list[dict[str, Any]] = []   # finished: per-object mean J and F per layer (+ chance)
         self.scored_at: list[str] = []           # 'annotation HxW' / 'model input HxW' per size seen
         self.cur: dict[str, Any] | None = None   # the video in progress (bounded: 1 + n_last_frames frames)
@@ -256,16 +268,80 @@ class Propagation(_Dense):
 
     # -- streaming -----------------------------------------------------------------------------------
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        for x, grid, it in self._items(feats, batch):
-            # scored on the annotation at the file's resolution when the dataset keeps it (whole frames)
-            objects = it["source_objects"] if it.get("source_objects") is not None else it["objects"]
-            self._frame(it["sequence"], it["frame"], x, objects, it["index"], grid)
+        """Frames in order: a frame's propagation reads the predictions of the frames before it, so a video is a
+        loop over its frames, each step tensor ops on the features' device that read nothing back. What Python
+        decides on (the frames' indices and numbers, the object ids of a frame that may start a video) is read in
+        one copy for the batch (`_read`)."""
+        items, index, frames = self._frame_items(feats, batch)
+        if not items:
+            return
+        if self.cur is not None:
+            self.cur = _moved(self.cur, items[0]["x"].device)  # a loaded state's video goes on with the features
+        starts = self._may_start(items)
+        index, frames, ids = self._read(index, frames, [items[b]["objects"] for b in starts])
+        first_ids = dict(zip(starts, ids, strict=True))
+        for b, it in enumerate(items):
+            self._frame(it["sequence"], frames[b], it["x"], it["objects"], index[b], it["grid"], first_ids.get(b))
             self.n_images += 1
 
-    def near(self, grid: tuple[int, int]) -> torch.Tensor:
-        if grid not in self._near:
-            self._near[grid] = D.neighbourhood(grid, self.radius)
-        return self._near[grid]
+    def _frame_items(self, feats: Mapping[str, torch.Tensor], batch: Any) -> tuple[list[dict[str, Any]], Any, Any]:
+        """The batch's frames (``x`` (L, S, D) features, ``grid``, ``sequence``, ``objects``: the annotation,
+        at the file's resolution when the dataset keeps it (whole frames)), with their dataset indices and frame
+        numbers as the batch holds them (tensors, or lists for a tiled batch)."""
+        if "tiling" in batch.extra:
+            items, index, frames = [], [], []
+            for x, grid, it in self._items(feats, batch):
+                objects = it.get("source_objects") if it.get("source_objects") is not None else it.get("objects")
+                items.append({"x": x, "grid": grid, "sequence": it.get("sequence"), "objects": objects})
+                index.append(int(it["index"]))
+                frames.append(it.get("frame"))
+            return items, index, frames
+        grid = self.grid_of(batch)
+        self._note(batch, grid)
+        x = self._patch_features(feats, grid)
+        src, objects, seqs = batch.extra.get("source_objects"), batch.objects, batch.sequences
+        items = [{"x": x[b], "grid": grid, "sequence": seqs[b] if seqs is not None else None,
+                  "objects": src[b] if src is not None and src[b] is not None else
+                  objects[b] if objects is not None else None} for b in range(len(batch))]
+        return items, batch.index, batch.frames if batch.frames is not None else [None] * len(batch)
+
+    def _may_start(self, items: list[dict[str, Any]]) -> list[int]:
+        """Positions of the annotated frames that may start a video: no sequence name, or another than the frame
+        before (a frame 0 inside a named sequence also starts one: its object ids are read then, `_start`)."""
+        prev = self.cur["sequence"] if self.cur is not None else None
+        out = []
+        for b, it in enumerate(items):
+            seq = it["sequence"]
+            if it["objects"] is not None and (seq is None or seq != prev or (b == 0 and self.cur is None)):
+                out.append(b)
+            prev = seq
+        return out
+
+    @staticmethod
+    def _read(index: Any, frames: Any, maps: list[torch.Tensor]) -> tuple[list[int], list[Any], list[Any]]:
+        """One copy to Python for a batch: the frames' indices and numbers (those held in tensors) and, per map
+        of ``maps``, its object ids (`metrics.dense.label_presence`: a fixed size, so all fit in the copy; None
+        for a map with values outside 0 .. 255)."""
+        held = [v for v in (index, frames) if torch.is_tensor(v)]
+        parts = [v.long().flatten() for v in held] + [D.label_presence(m) for m in maps]
+        vals = torch.cat(parts).tolist() if parts else []
+        at = 0
+        out = []
+        for v in (index, frames):
+            if torch.is_tensor(v):
+                n = v.numel()
+                out.append(vals[at:at + n])
+                at += n
+            else:
+                out.append(list(v))
+        ids = [D.present_objects(vals[at + 257 * i:at + 257 * (i + 1)]) for i in range(len(maps))]
+        return out[0], out[1], ids
+
+    def near(self, grid: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+        key = (tuple(grid), torch.device(device))
+        if key not in self._near:
+            self._near[key] = D.neighbourhood(grid, self.radius, device)
+        return self._near[key]
 
     @staticmethod
     def _work(grid: tuple[int, int]) -> tuple[tuple[int, int], bool]:
@@ -282,7 +358,7 @@ class Propagation(_Dense):
         return t.unflatten(-1, (h, w)).transpose(-1, -2).flatten(-2)
 
     def _frame(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int, grid: tuple[int, int]) -> None:
+               item: int, grid: tuple[int, int], ids: list[int] | None = None) -> None:
         cur = self.cur
         new = cur is None or seq is None or seq != cur["sequence"] or (frame is not None and frame == 0)
         if not new and frame is not None and cur["last_frame"] is not None and frame != cur["last_frame"] + 1:
@@ -290,7 +366,7 @@ class Propagation(_Dense):
                                 "frames of a video must arrive in order (a video is one unit)")
         if new:
             self._close()
-            self._start(seq, frame, x, objects, item, grid)
+            self._start(seq, frame, x, objects, item, grid, ids)
             return
         if tuple(cur["grid"]) != tuple(grid):
             raise VitscopeError(f"propagation: frames of video {seq!r} have token grids {tuple(cur['grid'])} and "
@@ -306,10 +382,10 @@ class Propagation(_Dense):
         # the last n_last_frames), the layout `propagate` reads a band of keys from without a copy
         n, buf = cur["n_ctx"], cur["ctx"]
         lab = torch.stack([cur["labels"][i][0] for i in range(n)], 1)                         # (L, n, C, S)
+        near = self.near(work, x.device)
         probs = D.propagate(x, buf[:, :, :n].transpose(1, 2), lab, work, self.radius, self.topk, self.temperature,
-                            self.near(work))                                               # (L, C, S)
-        cprobs = D.neighbourhood_mean(torch.stack([cur["labels"][i][1] for i in range(n)], 1),
-                                      self.near(work))                                     # (1, C, S)
+                            near)                                                          # (L, C, S)
+        cprobs = D.neighbourhood_mean(torch.stack([cur["labels"][i][1] for i in range(n)], 1), near)  # (1, C, S)
         if self.n_last_frames:
             slot = cur["next"]  # the oldest of the last frames, or a free slot
             buf[:, :, slot] = x
@@ -333,7 +409,9 @@ class Propagation(_Dense):
         cur["scores"].append((j, f))
 
     def _start(self, seq: str | None, frame: int | None, x: torch.Tensor, objects: torch.Tensor | None,
-               item: int, grid: tuple[int, int]) -> None:
+               item: int, grid: tuple[int, int], ids: list[int] | None = None) -> None:
+        """Open a video at its first frame: the object ids of its annotation (``ids`` when the batch's copy read
+        them, else read here) and the first frame's features and token labels as the context."""
         cur: dict[str, Any] = {"sequence": seq if seq is not None else f"item{item}", "last_frame": frame,
                                "n_frames": 1, "scores": [], "first_item": item, "grid": list(grid)}
         self.cur = cur
@@ -342,15 +420,16 @@ class Propagation(_Dense):
         elif objects is None:
             cur["skip"] = "no annotated first frame"
         else:
-            ids = [int(k) for k in torch.unique(objects).tolist() if k not in (0, D.VOID)]
+            if ids is None:  # a frame 0 inside its sequence, or label values beyond 255: read on its own
+                ids = [int(k) for k in torch.unique(objects).tolist() if k not in (0, D.VOID)]
             if not ids:
                 cur["skip"] = "no object in the first frame's annotation"
             else:
-                y = D.labels_to_tokens(objects.long(), grid, ids)                            # (C, S)
+                y = D.labels_to_tokens(objects.long(), grid, ids).to(x.device, non_blocking=True)  # (C, S)
                 if self._work(grid)[1]:  # kept in the working grid's order (`_frame`)
                     x, y = self._turn(x.transpose(1, 2), grid).transpose(1, 2), self._turn(y, grid)
                 L, S, Dm = x.shape
-                buf = torch.zeros(L, S, 1 + self.n_last_frames, Dm, dtype=x.dtype)  # zeros: a saved state is
+                buf = x.new_zeros(L, S, 1 + self.n_last_frames, Dm)  # zeros: a saved state is
                 buf[:, :, 0] = x                                                     # the same bytes every time
                 cur.update(objects=ids, ctx=buf, n_ctx=1, next=1,
                            labels=[(y[None].expand(L, -1, -1).clone(), y[None].clone())] + [None] * self.n_last_frames)
@@ -392,7 +471,8 @@ class Propagation(_Dense):
             cur = {k: v for k, v in self.cur.items() if k != "labels"}
             if "labels" in self.cur:
                 cur["labels"] = [None if q is None else list(q) for q in self.cur["labels"]]
-        return {"layers": self.layers, "videos": self.videos, "cur": cur, "skipped": dict(self.skipped),
+        return {"layers": self.layers, "videos": _moved(self.videos, "cpu"), "cur": _moved(cur, "cpu"),
+                "skipped": dict(self.skipped),
                 "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
                 "scored_at": list(self.scored_at)}
 
@@ -412,6 +492,7 @@ class Propagation(_Dense):
         self._close()
         rows: list[dict[str, Any]] = []
         if self.videos:
+            self.videos = _moved(self.videos, "cpu")
             j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
             f = torch.cat([v["F"] for v in self.videos], 1)
             for k, layer in enumerate([*self.layers, None]):
@@ -446,6 +527,30 @@ class Propagation(_Dense):
 # ================================================================================================ correspondence
 
 
+#: the reasons a correspondence item is not scored, in the order of its skip counts
+_PAIR_SKIPS = ("source without its target", "target without its source",
+               "pair without a keypoint visible in both images", "pair whose target object has an empty box")
+
+
+def _batch_column(batch: Any) -> Any:
+    """An untiled batch's annotation columns by the names `_plain_item` gives its items' annotations."""
+    fields = {"keypoints": batch.keypoints, "bbox": batch.boxes, "label": batch.labels}
+
+    def column(key: str) -> Any:
+        return fields[key] if key in fields else batch.extra.get(key)
+    return column
+
+
+def _item_column(item: Mapping[str, Any]) -> Any:
+    """One item's annotations (a tiled item's) as columns of length 1."""
+    def column(key: str) -> Any:
+        v = item.get(key)
+        if v is None:
+            return None
+        return torch.as_tensor(v)[None] if key in ("keypoints", "bbox") else [v]
+    return column
+
+
 @register_analysis
 class Correspondence(_Dense):
     """Keypoint correspondence per layer with no training (Walmer et al., CVPR 2023, §6.3 / E.1): for each
@@ -465,7 +570,9 @@ class Correspondence(_Dense):
     columns say which protocol a run used."""
 
     name = "correspondence"
-    state_version = 3  # 3: stderr over keypoints; 2: whole images, PCK in the file's pixels, final norm layer
+    # 4: sums per category in tensors on the features' device, the last item kept for a pair across batches;
+    # 3: stderr over keypoints; 2: whole images, PCK in the file's pixels, final norm layer
+    state_version = 4
     needs = frozenset({"pairs", "keypoints"})
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
@@ -473,43 +580,140 @@ class Correspondence(_Dense):
     def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS, final_norm: bool = True):
         super().__init__(vm, layers, final_norm)
         self.alphas = tuple(float(a) for a in alphas)
-        self.pending: dict[str, Any] | None = None
-        # per category: correct counts (L, A), chance sums (A,), keypoints, pairs
-        self.cats: dict[str, dict[str, Any]] = {}
+        self.cat_names: list[str] = []
+        L, A = len(self.layers), len(self.alphas)
+        # per category (row c: cat_names[c]): correct counts (L, A), chance sums (A,), keypoints, pairs; and the
+        # skip counts of _PAIR_SKIPS
+        self.sums: dict[str, torch.Tensor] = {
+            "correct": torch.zeros(0, L, A, dtype=torch.long), "chance": torch.zeros(0, A, dtype=torch.float64),
+            "keypoints": torch.zeros(0, dtype=torch.long), "pairs": torch.zeros(0, dtype=torch.long),
+            "skips": torch.zeros(len(_PAIR_SKIPS), dtype=torch.long)}
+        # the last item seen (a source waits there for its target in the next batch): its features at its
+        # keypoints' tokens (L, K, D), keypoints (K, 3), pair () and whether it is a source ()
+        self.last: dict[str, torch.Tensor] | None = None
+
+    @property
+    def cats(self) -> dict[str, dict[str, Any]]:
+        """Per category: ``correct`` (L, A) and ``chance`` (A,) on the CPU, ``keypoints`` and ``pairs`` (ints)."""
+        s = {k: v.cpu() for k, v in self.sums.items()}
+        return {name: {"correct": s["correct"][c], "chance": s["chance"][c], "keypoints": int(s["keypoints"][c]),
+                       "pairs": int(s["pairs"][c])} for c, name in enumerate(self.cat_names)}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        for x, grid, it in self._items(feats, batch):
+        """Every item of the batch is scored at once as the target of the item before it (the first item: of
+        the last item of the previous batch), a 0/1 weight keeping only real pairs (a source followed by its
+        target) with a keypoint visible in both and a non-empty box; the sums stay on the features' device.
+        Nothing is read back (a labels-only dataset reads its labels, for the category names)."""
+        if batch.extra.get("tiling") is None:
+            grid = self.grid_of(batch)
+            self._note(batch, grid)
+            x = self._patch_features(feats, grid)
+            self._score(x, grid, self._annotations(len(batch), _batch_column(batch), x.device))
+            self.n_images += len(batch)
+            return
+        for x, grid, it in self._items(feats, batch):  # a tiled item's grid is its own: one at a time
+            self._score(x[None], grid, self._annotations(1, _item_column(it), x.device))
             self.n_images += 1
-            if it["pair"] is None or it["role"] is None:
-                raise VitscopeError("correspondence needs flattened pairs (extra['pair'], extra['role']: item 2p the "
-                                    "source, 2p + 1 the target); use a pairs dataset of the catalog")
-            if it["keypoints"] is None:
-                raise VitscopeError("correspondence needs keypoints (B, K, 3) in the batches")
-            cat = str(it["category"]) if it["category"] is not None else (
-                str(it["label"]) if it["label"] is not None else "all")
-            kp = torch.as_tensor(it["keypoints"]).double()
-            if int(it["role"]) == 0:
-                if self.pending is not None:
-                    self.skipped["source without its target"] += 1
-                tok = self._token_of(kp[:, :2], grid)
-                self.pending = {"pair": int(it["pair"]), "x": x[:, tok], "kp": kp, "cat": cat}
-                continue
-            src, self.pending = self.pending, None
-            if src is None or src["pair"] != int(it["pair"]):
-                self.skipped["target without its source"] += 1
-                continue
-            to_source = None
-            if it.get("source_ref_size") is not None and it.get("geometry") is not None:
-                # scored in the file's pixels: PCK relative to the box at the original size
-                size, to_source = float(it["source_ref_size"]), it["geometry"].invert
-            elif it["ref_size"] is not None:
-                size = float(it["ref_size"])
-            elif it["bbox"] is not None:
-                bx = torch.as_tensor(it["bbox"]).double()
-                size = float(max(bx[2] - bx[0], bx[3] - bx[1]))
-            else:
-                raise VitscopeError("correspondence needs the target object's box (boxes) or extra['ref_size']")
-            self._score(src, x, kp, size, cat, grid, to_source)
+
+    def _annotations(self, n: int, column: Any, device: torch.device) -> dict[str, torch.Tensor]:
+        """The n items' annotations as tensors on ``device``: ``pair``, ``role`` (n,), ``kp`` (n, K, 3) float64,
+        ``size`` (n,) the PCK reference size, ``scale`` and ``shift`` (n, 2) (model-input pixels -> the pixels
+        PCK is measured in: (xy - shift) / scale), ``cat`` (n,) rows of the category sums. ``column(key)`` is the
+        n items' value of an annotation (a tensor or a list) or None."""
+        pair, role, kp = column("pair"), column("role"), column("keypoints")
+        if pair is None or role is None:
+            raise VitscopeError("correspondence needs flattened pairs (extra['pair'], extra['role']: item 2p the "
+                                "source, 2p + 1 the target); use a pairs dataset of the catalog")
+        if kp is None:
+            raise VitscopeError("correspondence needs keypoints (B, K, 3) in the batches")
+        geo, src_ref, ref, box = column("geometry"), column("source_ref_size"), column("ref_size"), column("bbox")
+        in_source = [src_ref is not None and geo is not None and geo[b] is not None for b in range(n)]
+        if ref is not None:
+            size = torch.as_tensor(ref, dtype=torch.float64)
+        elif box is not None:
+            bx = torch.as_tensor(box).double()
+            size = torch.maximum(bx[:, 2] - bx[:, 0], bx[:, 3] - bx[:, 1])
+        elif all(in_source):
+            size = torch.zeros(n, dtype=torch.float64)
+        else:
+            raise VitscopeError("correspondence needs the target object's box (boxes) or extra['ref_size']")
+        if any(in_source):  # scored in the file's pixels: PCK relative to the box at the original size
+            size = torch.where(torch.tensor(in_source), torch.as_tensor(src_ref, dtype=torch.float64), size)
+        maps = [(g.sx, g.sy, g.tx, g.ty) if s else (1.0, 1.0, 0.0, 0.0) for g, s in zip(geo or [None] * n, in_source,
+                                                                                          strict=True)]
+        maps = torch.tensor(maps, dtype=torch.float64).view(n, 4)
+        cats = torch.tensor([self._category_row(c) for c in self._categories(n, column)], dtype=torch.long)
+        out = {"pair": torch.as_tensor(pair).long(), "role": torch.as_tensor(role).long(),
+               "kp": torch.as_tensor(kp).double(), "size": size, "scale": maps[:, :2], "shift": maps[:, 2:],
+               "cat": cats}
+        # to the device without a stream synchronisation (a pageable host source is staged at once)
+        return {k: v.to(device, non_blocking=True) for k, v in out.items()}
+
+    @staticmethod
+    def _categories(n: int, column: Any) -> list[str]:
+        """The n items' category names: ``category``, else the class label, else 'all'."""
+        cats, labels = column("category"), column("label")
+        if cats is None:
+            cats = [None] * n
+        if labels is not None and any(c is None for c in cats):
+            labels = labels.tolist() if torch.is_tensor(labels) else list(labels)  # a labels-only dataset
+        return [str(c) if c is not None else str(int(labels[b])) if labels is not None else "all"
+                for b, c in enumerate(cats)]
+
+    def _category_row(self, name: str) -> int:
+        """The row of a category in the sums, a zero row appended for a new one."""
+        if name not in self.cat_names:
+            self.cat_names.append(name)
+            for k in ("correct", "chance", "keypoints", "pairs"):
+                v = self.sums[k]
+                self.sums[k] = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
+        return self.cat_names.index(name)
+
+    def _previous(self, x: torch.Tensor, K: int) -> dict[str, torch.Tensor]:
+        """The last item kept from the previous batch, its keypoints cut or padded (not visible) to K: an item
+        that is no source (nothing kept) when there is none."""
+        L, Dm = x.shape[1], x.shape[3]
+        last = self.last
+        if last is None:
+            return {"x": x.new_zeros(L, K, Dm), "kp": torch.zeros(K, 3, dtype=torch.float64, device=x.device),
+                    "pair": torch.full((), -1, dtype=torch.long, device=x.device),
+                    "source": torch.zeros((), dtype=torch.bool, device=x.device)}
+        last = {k: v.to(x.device) for k, v in last.items()}
+        k = min(K, last["kp"].shape[0])
+        xs, kp = x.new_zeros(L, K, Dm), torch.zeros(K, 3, dtype=torch.float64, device=x.device)
+        xs[:, :k], kp[:k] = last["x"][:, :k], last["kp"][:k]
+        return {**last, "x": xs, "kp": kp}
+
+    def _score(self, x: torch.Tensor, grid: tuple[int, int], a: dict[str, torch.Tensor]) -> None:
+        """Score items (B, L, S, D) as targets of the items before them and add to the sums (all tensor ops)."""
+        B, L, S, Dm = x.shape
+        kp = a["kp"]
+        K = kp.shape[1]
+        self.sums = {k: v.to(x.device) for k, v in self.sums.items()}
+        tok = self._token_of(kp[..., :2].reshape(-1, 2), grid).view(B, K)
+        own = torch.gather(x, 2, tok[:, None, :, None].expand(B, L, K, Dm))             # (B, L, K, D) sources
+        last = self._previous(x, K)
+        is_src = a["role"] == 0
+        prev_x = torch.cat([last["x"][None], own[:-1]])
+        prev_kp = torch.cat([last["kp"][None], kp[:-1]])
+        prev_pair = torch.cat([last["pair"][None], a["pair"][:-1]])
+        prev_src = torch.cat([last["source"][None], is_src[:-1]])
+        self.last = {"x": own[-1].clone(), "kp": kp[-1].clone(), "pair": a["pair"][-1].clone(),
+                     "source": is_src[-1].clone()}  # copies: views would keep the whole batch's tensors alive
+        paired = ~is_src & prev_src & (prev_pair == a["pair"])
+        common = (prev_kp[..., 2] > 0) & (kp[..., 2] > 0)                                # (B, K)
+        shown = common.any(1)
+        boxed = a["size"] > 0
+        scored = paired & shown & boxed
+        self.sums["skips"] += torch.stack([is_src & prev_src, ~is_src & ~paired, paired & ~shown,
+                                           paired & shown & ~boxed]).sum(1)
+        correct, chance = D.pck_counts(prev_x, x, kp[..., :2], self.centres(grid, x.device), a["size"],
+                                     a["scale"], a["shift"], common & scored[:, None], self.alphas)
+        cat = a["cat"]
+        self.sums["correct"].index_add_(0, cat, correct)
+        self.sums["chance"].index_add_(0, cat, chance)
+        self.sums["keypoints"].index_add_(0, cat, (common & scored[:, None]).sum(1))
+        self.sums["pairs"].index_add_(0, cat, scored.long())
 
     def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         gh, gw = grid
@@ -518,75 +722,49 @@ class Correspondence(_Dense):
         row = torch.clamp(torch.floor(xy[:, 1] / p), 0, gh - 1).long()
         return row * gw + col
 
-    def centres(self, grid: tuple[int, int]) -> torch.Tensor:
+    def centres(self, grid: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
         """(S, 2) x, y pixel centre of each token of a grid."""
         p = self.patch_size
-        ys, xs = torch.meshgrid((torch.arange(grid[0]) + 0.5) * p, (torch.arange(grid[1]) + 0.5) * p, indexing="ij")
+        ys, xs = torch.meshgrid((torch.arange(grid[0], device=device) + 0.5) * p,
+                                (torch.arange(grid[1], device=device) + 0.5) * p, indexing="ij")
         return torch.stack([xs.flatten(), ys.flatten()], 1).double()
-
-    def _score(self, src: dict[str, Any], xt: torch.Tensor, kp: torch.Tensor, size: float, cat: str,
-               grid: tuple[int, int], to_source: Any = None) -> None:
-        k = min(len(src["kp"]), len(kp))
-        common = (src["kp"][:k, 2] > 0) & (kp[:k, 2] > 0)
-        c = self.cats.setdefault(cat, {"correct": torch.zeros(len(self.layers), len(self.alphas), dtype=torch.long),
-                                       "chance": torch.zeros(len(self.alphas), dtype=torch.float64),
-                                       "keypoints": 0, "pairs": 0})
-        if not common.any():
-            self.skipped["pair without a keypoint visible in both images"] += 1
-            return
-        if not size > 0:
-            self.skipped["pair whose target object has an empty box"] += 1
-            return
-        idx = torch.nonzero(common).flatten()
-        sim = torch.einsum("lkd,lsd->lks", src["x"][:, idx], xt)             # (L, K, S)
-        centres = self.centres(grid)
-        gt = kp[idx, :2]
-        if to_source is not None:  # model-input pixels -> the file's pixels
-            centres = torch.from_numpy(to_source(centres.numpy()))
-            gt = torch.from_numpy(to_source(gt.numpy()))
-        pred = centres[sim.argmax(-1)]                                         # (L, K, 2)
-        d = torch.linalg.vector_norm(pred - gt[None], dim=-1)                  # (L, K)
-        for a, alpha in enumerate(self.alphas):
-            c["correct"][:, a] += (d <= alpha * size).sum(1)
-        ch = D.pck_chance(gt.numpy(), size, centres.numpy(), self.alphas)
-        c["chance"] += torch.tensor([float(ch[a].sum()) for a in self.alphas], dtype=torch.float64)
-        c["keypoints"] += len(idx)
-        c["pairs"] += 1
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Correspondence) and other.layers == self.layers and other.alphas == self.alphas
-        for cat, o in other.cats.items():
-            if cat not in self.cats:
-                self.cats[cat] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in o.items()}
-                continue
-            c = self.cats[cat]
-            c["correct"] = c["correct"] + o["correct"]
-            c["chance"] = c["chance"] + o["chance"]
-            c["keypoints"] += o["keypoints"]
-            c["pairs"] += o["pairs"]
+        dev = self.sums["skips"].device
+        rows = torch.tensor([self._category_row(c) for c in other.cat_names], dtype=torch.long, device=dev)
+        for k, v in other.sums.items():
+            if k == "skips":
+                self.sums[k] = self.sums[k] + v.to(dev)
+            else:
+                self.sums[k] = self.sums[k].index_add(0, rows, v.to(dev))
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
         self._merge_protocol(other)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "alphas": list(self.alphas), "pending": self.pending,
-                "cats": {k: dict(v) for k, v in self.cats.items()}, "skipped": dict(self.skipped),
-                "n_images": self.n_images, "protocol": self._protocol_state()}
+        return {"layers": self.layers, "alphas": list(self.alphas), "cat_names": list(self.cat_names),
+                "sums": {k: v.cpu() for k, v in self.sums.items()},
+                "last": None if self.last is None else {k: v.cpu() for k, v in self.last.items()},
+                "skipped": dict(self.skipped), "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.alphas = list(state["layers"]), tuple(state["alphas"])
         self._load_protocol(state)
-        self.pending = state["pending"]
-        self.cats = {k: dict(v) for k, v in state["cats"].items()}
+        self.cat_names = list(state["cat_names"])
+        self.sums = dict(state["sums"])
+        self.last = None if state["last"] is None else dict(state["last"])
         self.skipped = Counter(state["skipped"])
         self.n_images = int(state["n_images"])
 
     def finalize(self) -> pd.DataFrame:
-        if self.pending is not None:
-            self.skipped["source without its target"] += 1
-            self.pending = None
+        if self.last is not None:
+            self.sums["skips"][0] += self.last["source"].to(self.sums["skips"].device)  # a source without its target
+            self.last = None
+        skipped = self.skipped + Counter(dict(zip(_PAIR_SKIPS, self.sums["skips"].tolist(), strict=True)))
         rows: list[dict[str, Any]] = []
-        cats = {k: v for k, v in sorted(self.cats.items()) if v["keypoints"] > 0}
+        every = self.cats
+        cats = {k: v for k, v in sorted(every.items()) if v["keypoints"] > 0}
         if cats:
             correct = sum(v["correct"] for v in cats.values())
             n = sum(v["keypoints"] for v in cats.values())
@@ -610,10 +788,10 @@ class Correspondence(_Dense):
         for r in rows:
             r["token_view"] = "spatial"
         rows += self._best_rows(rows, "pck@0.1")
-        rows += self._skip_rows()
+        rows += [{"metric": "skipped", "reason": r, "value": float(n)} for r, n in sorted(skipped.items())]
         df = self._table(rows, "category")
-        df["n_pairs"] = sum(v["pairs"] for v in self.cats.values())
-        df["n_keypoints"] = sum(v["keypoints"] for v in self.cats.values())
+        df["n_pairs"] = sum(v["pairs"] for v in every.values())
+        df["n_keypoints"] = sum(v["keypoints"] for v in every.values())
         return self._protocol_columns(df)
 
 
@@ -641,7 +819,9 @@ class Retrieval(_Dense):
     columns say which protocol a run used."""
 
     name = "retrieval"
-    state_version = 3  # 3: stderr over queries; 2: whole images, final norm layer
+    # 4: one store for every view (a batch is one copy to the host), ground truth kept by row until read;
+    # 3: stderr over queries; 2: whole images, final norm layer
+    state_version = 4
     needs = frozenset({"retrieval"})
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
@@ -652,10 +832,16 @@ class Retrieval(_Dense):
         views = [views] if isinstance(views, str) else list(views)
         self.views = [v for v in views if v != "cls" or self.has_cls_token]
         self.chance_repeats, self.seed = int(chance_repeats), int(seed)
-        self.tables = {v: PooledTable(len(self.layers)) for v in self.views}
+        # one store for all views, view-major: view v's layer j is the store's layer v * len(layers) + j
+        self.table = PooledTable(len(self.views) * len(self.layers))
         self.gnd: dict[int, dict[str, list[int]]] = {}
+        # ground truth of queries not yet matched with their index: (row of the store, the batch's gnd entry)
+        self.gnd_rows: list[tuple[int, Any]] = []
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        """One append to the store (its one copy to the host) carries every view and layer with the rows'
+        query / database indices; a query's ground truth is kept beside its row and matched with its index
+        when the store's columns are read (`_read_gnd`), so the batch reads no index back here."""
         if "tiling" in batch.extra:
             raise VitscopeError("retrieval ranks whole images (CLS, mean patch token): use the dataset untiled")
         if "db_index" not in batch.extra or "query_index" not in batch.extra:
@@ -664,39 +850,57 @@ class Retrieval(_Dense):
         db = torch.as_tensor(batch.extra["db_index"]).long()
         q = torch.as_tensor(batch.extra["query_index"]).long()
         gnd = batch.extra.get("gnd") or [None] * len(batch)
-        for b in torch.nonzero(q >= 0).flatten().tolist():
-            if gnd[b] is None:
-                raise VitscopeError(f"retrieval: query {int(q[b])} has no ground truth (extra['gnd'])")
-            self.gnd[int(q[b])] = {k: [int(i) for i in gnd[b].get(k, [])] for k in ("easy", "hard", "junk")}
         self._note(batch, self.grid_of(batch))
         is_query = q >= 0
         ids = torch.where(is_query, q, db)
         x = [feats[t] for t in self.required_taps()]
-        for v in self.views:
-            self.tables[v].append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for f in x], ids,
-                                  torch.zeros_like(ids), is_query)
+        first = len(self.table)
+        self.table.append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for v in self.views for f in x],
+                          ids, torch.zeros_like(ids), is_query)
+        self.gnd_rows += [(first + b, g) for b, g in enumerate(gnd) if g is not None]
         self.n_images += len(batch)
+
+    def _read_gnd(self) -> None:
+        """Match the kept ground truth with the query indices of its rows (read from the store's columns; once,
+        not per batch); a query row without ground truth is an error."""
+        if not len(self.table):
+            return
+        ids, is_q = self.table.column("ids"), self.table.column("is_test")
+        given = {row: g for row, g in self.gnd_rows}
+        self.gnd_rows = []
+        for row in torch.nonzero(is_q).flatten().tolist():
+            if row in given:
+                g = given[row]
+                self.gnd[int(ids[row])] = {k: [int(i) for i in g.get(k, [])] for k in ("easy", "hard", "junk")}
+            elif int(ids[row]) not in self.gnd:
+                raise VitscopeError(f"retrieval: query {int(ids[row])} has no ground truth (extra['gnd'])")
+
+    def _view(self, v: int, li: int) -> torch.Tensor:
+        """(rows, D) float16 features of view ``v`` (its position in ``views``) at the ``li``-th layer."""
+        return self.table.layer(v * len(self.layers) + li)
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Retrieval) and other.layers == self.layers and other.views == self.views
-        for v in self.views:
-            self.tables[v].extend(other.tables[v])
+        self._read_gnd()
+        other._read_gnd()
+        self.table.extend(other.table)
         self.gnd.update(other.gnd)
         self.skipped.update(other.skipped)
         self.n_images += other.n_images
         self._merge_protocol(other)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "views": self.views,
-                "tables": {v: t.state_dict() for v, t in self.tables.items()},
+        self._read_gnd()
+        return {"layers": self.layers, "views": self.views, "table": self.table.state_dict(),
                 "gnd": {int(k): v for k, v in self.gnd.items()}, "skipped": dict(self.skipped),
                 "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.views = list(state["layers"]), list(state["views"])
         self._load_protocol(state)
-        self.tables = {v: PooledTable.from_state(t) for v, t in state["tables"].items()}
+        self.table = PooledTable.from_state(state["table"])
         self.gnd = {int(k): v for k, v in state["gnd"].items()}
+        self.gnd_rows = []
         self.skipped = Counter(state["skipped"])
         self.n_images = int(state["n_images"])
 
@@ -704,8 +908,9 @@ class Retrieval(_Dense):
         rows: list[dict[str, Any]] = []
         skipped = Counter(self.skipped)
         n_q = n_db = 0
-        for v in self.views:
-            t = self.tables[v]
+        self._read_gnd()
+        t = self.table
+        for vi, v in enumerate(self.views):
             if not len(t):
                 continue
             ids, is_q = t.column("ids"), t.column("is_test")
@@ -722,7 +927,7 @@ class Retrieval(_Dense):
             mapped = {name: [{"ok": [col.get(i, -1) for i in p["ok"]], "junk": [col[i] for i in p["junk"] if i in col]}
                              for p in prot] for name, prot in protocols.items()}
             for li, layer in enumerate(self.layers):
-                f = F.normalize(t.layer(li).float(), dim=-1)
+                f = F.normalize(self._view(vi, li).float(), dim=-1)
                 scores = f[q_rows] @ f[d_rows].T
                 for name, prot in mapped.items():
                     aps = D.retrieval_aps(scores, prot)

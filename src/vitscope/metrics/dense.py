@@ -147,49 +147,12 @@ def jaccard_batch(gt: torch.Tensor, pred: torch.Tensor, void: torch.Tensor | Non
     return torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
 
 
-def _dilate_window(b: torch.Tensor, radius: int) -> tuple[tuple[slice, slice] | None, torch.Tensor | None]:
-    """`_dilate` of one (H, W) map computed only on the window around its set pixels (outside it the dilation
-    is False): (the window's row and column slices, the dilation inside it), or (None, None) for an empty map.
-    A boundary map is sparse, so at full DAVIS resolution this is most of the saving."""
-    nz = torch.nonzero(b)
-    if not len(nz):
-        return None, None
-    H, W = b.shape
-    y0, x0 = (int(v) for v in nz.min(0).values)
-    y1, x1 = (int(v) for v in nz.max(0).values)
-    win = (slice(max(0, y0 - radius), min(H, y1 + radius + 1)), slice(max(0, x0 - radius), min(W, x1 + radius + 1)))
-    return win, _dilate(b[win], radius)
-
-
 def _object_index(labels: torch.Tensor, object_ids: Sequence[int]) -> torch.Tensor:
     """Integer label maps -> int64 maps of 1 + the position of the label in ``object_ids``, 0 for any other
     value (background, void)."""
-    out = torch.zeros(labels.shape, dtype=torch.long)
+    out = torch.zeros(labels.shape, dtype=torch.long, device=labels.device)
     for k, v in enumerate(object_ids, start=1):
         out.masked_fill_(labels == v, k)
-    return out
-
-
-def _near_counts(points: torch.Tensor, maps: torch.Tensor, radius: int, chunk: int = 1 << 24) -> torch.Tensor:
-    """For N maps (N, H, W) bool and P pixel coordinates (P, 2) (row, col): how many of the points have a set
-    pixel of each map within the disk of ``radius`` (`disk`), (N,) int64. Equals
-    ``(point_mask & _dilate(maps, radius)).sum()`` without dilating the maps: one gather per disk offset at the
-    points only (the points are a boundary: sparse)."""
-    N, H, W = maps.shape
-    if not len(points):
-        return torch.zeros(N, dtype=torch.long)
-    r = int(radius)
-    pad = F.pad(maps.to(torch.uint8), (r, r, r, r)).bool().flatten(1)                   # (N, (H+2r)(W+2r))
-    off = torch.nonzero(disk(r)) - r                                                     # (O, 2)
-    Wp = W + 2 * r
-    base = (points[:, 0] + r) * Wp + (points[:, 1] + r)                                  # (P,)
-    delta = off[:, 0] * Wp + off[:, 1]                                                   # (O,)
-    out = torch.zeros(N, dtype=torch.long)
-    step = max(1, chunk // max(1, N * len(off)))
-    for p0 in range(0, len(base), step):
-        idx = (base[p0:p0 + step, None] + delta[None]).flatten()                        # (p * O,)
-        hit = pad[:, idx].reshape(N, -1, len(off)).any(-1)                               # (N, p)
-        out += hit.sum(1)
     return out
 
 
@@ -202,30 +165,28 @@ def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: S
 
     gt_labels: (H, W) integer ids (0 background, `VOID` = background); pred_labels: (N, H, W) (e.g. one per
     layer), or with ``pred_index`` the maps of 1 + each object's position in ``object_ids`` (0: none), as
-    `tokens_to_labels` gives them. Returns (J, F), each (N, K) float64 for the K ``object_ids``. The true masks'
-    boundaries and their
-    dilation are computed once for all N predictions; the predictions' dilations are never formed (a gather
-    at the true boundary's pixels, `_near_counts`)."""
+    `tokens_to_labels` gives them. Returns (J, F), each (N, K) float64 for the K ``object_ids``, on the
+    predictions' device. Tensor ops only, nothing read back (no output whose size depends on the values): the
+    confusion counts by ``scatter_add_``, the boundaries matched by dilating whole maps (`_dilate`; the true
+    masks' once for all N predictions). True labels on the host go to the device without a stream
+    synchronisation (``non_blocking``: a pageable source is staged at once)."""
     K, N = len(object_ids), pred_labels.shape[0]
-    gi = _object_index(gt_labels, object_ids)                                          # 0: no object
+    gi = _object_index(gt_labels.to(pred_labels.device, non_blocking=True), object_ids)  # 0: no object
     pi = pred_labels.long() if pred_index else _object_index(pred_labels, object_ids)
     # J from one confusion count per map: entry (g, p) = pixels of true index g predicted as p
-    base = ((K + 1) * gi).flatten()
-    conf = torch.stack([torch.bincount(p.flatten() + base, minlength=(K + 1) ** 2) for p in pi])
+    cells = pi.flatten(1) + ((K + 1) * gi).flatten()[None]
+    conf = torch.zeros(N, (K + 1) ** 2, dtype=torch.long, device=pi.device)
+    conf.scatter_add_(1, cells, torch.ones_like(cells))
     conf = conf.view(N, K + 1, K + 1).double()
     inter = conf.diagonal(dim1=1, dim2=2)[:, 1:]
     union = conf.sum(2)[:, 1:] + conf.sum(1)[:, 1:] - inter
     j = torch.where(union > 0, inter / union.clamp(min=1), torch.ones_like(union))
     r = bound_pixels(gt_labels.shape[-2], gt_labels.shape[-1], bound_th)
-    bg = boundary_map(gi[None] == torch.arange(1, K + 1)[:, None, None])              # (K, H, W)
-    bp = boundary_map(pi[:, None] == torch.arange(1, K + 1)[None, :, None, None])    # (N, K, H, W)
-    fg_match = torch.zeros(N, K, dtype=torch.long)
-    gt_match = torch.zeros(N, K, dtype=torch.long)
-    for k in range(K):
-        win, dil = _dilate_window(bg[k], r)
-        if win is not None:
-            fg_match[:, k] = (bp[:, k, win[0], win[1]] & dil).flatten(1).count_nonzero(1)
-        gt_match[:, k] = _near_counts(torch.nonzero(bg[k]), bp[:, k], r)
+    ks = torch.arange(1, K + 1, device=pi.device)
+    bg = boundary_map(gi[None] == ks[:, None, None])                                     # (K, H, W)
+    bp = boundary_map(pi[:, None] == ks[None, :, None, None])                            # (N, K, H, W)
+    fg_match = (bp & _dilate(bg, r)[None]).flatten(2).count_nonzero(2)
+    gt_match = (bg[None] & _dilate(bp, r)).flatten(2).count_nonzero(2)
     f = _f_score(bp.flatten(2).count_nonzero(2), bg.flatten(1).count_nonzero(1)[None].expand(N, -1), fg_match,
                  gt_match)
     return j, f
@@ -234,14 +195,32 @@ def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: S
 # ------------------------------------------------------------------------------------------------ propagation
 
 
-def neighbourhood(grid: tuple[int, int], radius: int = NEIGHBOURHOOD) -> torch.Tensor:
-    """(S, S) bool: key token within ``radius`` rows and columns of the query token (a square window, as
-    DINO's ``restrict_neighborhood``); radius <= 0: everything."""
+def label_presence(labels: torch.Tensor) -> torch.Tensor:
+    """(257,) int64: entry v is 1 when the label value v (0 .. 255) occurs in ``labels``, entry 256 when a value
+    outside 0 .. 255 does. A fixed-size answer (unlike ``torch.unique``), so several maps' can be read back in
+    one copy; `present_objects` turns it into object ids."""
+    v = labels.flatten().long()
+    out = torch.zeros(257, dtype=torch.long, device=v.device)
+    return out.scatter_(0, torch.where((v >= 0) & (v < 256), v, torch.full_like(v, 256)), 1)
+
+
+def present_objects(presence: Sequence[int]) -> list[int] | None:
+    """The object ids (neither background 0 nor `VOID`) a `label_presence` read back says occur, ascending; None
+    when a value outside 0 .. 255 occurs (the caller then reads the map's values itself)."""
+    if presence[256]:
+        return None
+    return [v for v in range(1, 256) if presence[v] and v != VOID]
+
+
+def neighbourhood(grid: tuple[int, int], radius: int = NEIGHBOURHOOD, device: torch.device | str = "cpu"
+                  ) -> torch.Tensor:
+    """(S, S) bool on ``device``: key token within ``radius`` rows and columns of the query token (a square
+    window, as DINO's ``restrict_neighborhood``); radius <= 0: everything."""
     h, w = grid
-    i, j = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    i, j = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
     i, j = i.flatten(), j.flatten()
     if radius <= 0:
-        return torch.ones(h * w, h * w, dtype=torch.bool)
+        return torch.ones(h * w, h * w, dtype=torch.bool, device=device)
     return ((i[:, None] - i[None]).abs() <= radius) & ((j[:, None] - j[None]).abs() <= radius)
 
 
@@ -251,10 +230,10 @@ def labels_to_tokens(labels: torch.Tensor, grid: tuple[int, int], object_ids: Se
     centre), as DINO reads the first frame's mask at the token grid."""
     h, w = grid
     H, W = labels.shape[-2:]
-    rows = torch.clamp(((torch.arange(h) + 0.5) * H / h).long(), max=H - 1)
-    cols = torch.clamp(((torch.arange(w) + 0.5) * W / w).long(), max=W - 1)
+    rows = torch.clamp(((torch.arange(h, device=labels.device) + 0.5) * H / h).long(), max=H - 1)
+    cols = torch.clamp(((torch.arange(w, device=labels.device) + 0.5) * W / w).long(), max=W - 1)
     small = labels[rows][:, cols].flatten()
-    out = torch.zeros(1 + len(object_ids), h * w)
+    out = torch.zeros(1 + len(object_ids), h * w, device=labels.device)
     out[0] = 1.0
     for c, k in enumerate(object_ids, start=1):
         hit = small == k
@@ -285,7 +264,7 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
     if S != h * w or target.shape[1] != S:
         raise ValueError(f"propagate: {S} context and {target.shape[1]} target tokens on a {h}x{w} grid")
     r = radius if radius > 0 else h
-    near = neighbourhood(grid, radius) if near is None else near
+    near = neighbourhood(grid, radius, target.device) if near is None else near.to(target.device)
     keys_all = context.transpose(1, 2).contiguous()                                 # (L, S, n, D): a band's
     labels = context_labels.permute(0, 3, 1, 2)                                     # keys are one slice
     # rows per band: small against the radius (little key waste), capped so one band's affinity stays near
@@ -298,7 +277,7 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
         q, K = (r1 - r0) * w, (k1 - k0) * w
         keys = keys_all[:, k0 * w:k1 * w].reshape(L, K * n, -1)                      # (L, K n, D), a view
         # -inf outside the neighbourhood, added by the product itself (exact: x + 0 = x)
-        far = torch.zeros(q, K, n, dtype=target.dtype)
+        far = torch.zeros(q, K, n, dtype=target.dtype, device=target.device)
         far.masked_fill_(~near[r0 * w:r1 * w, k0 * w:k1 * w, None], -math.inf)
         sim = torch.baddbmm(far.view(q, K * n), target[:, r0 * w:r1 * w], keys.transpose(1, 2))  # (L, q, K n)
         lab = labels[:, k0 * w:k1 * w].reshape(L, K * n, -1)                         # (L, K n, C)
@@ -310,13 +289,12 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
         got = torch.gather(lab, 1, idx[..., :k].reshape(L, q * k, 1).expand(-1, -1, lab.shape[-1]))
         res = (wts[..., None] * got.view(L, q, k, -1)).sum(2) / wts.sum(-1, keepdim=True)   # (L, q, C)
         if vals.shape[-1] > k:
-            # a key tied with the k-th (or fewer than k keys inside, -inf): DINO keeps every key >= the k-th
-            li, qi_ = torch.nonzero(vals[..., k] == vals[..., k - 1], as_tuple=True)
-            if len(li):
-                s_ = sim[li, qi_]                                                      # (t, n K)
-                aff = torch.where(s_ >= vals[li, qi_, k - 1:k], torch.exp((s_ - vals[li, qi_, :1]) / temperature),
-                                  torch.zeros((), dtype=s_.dtype))
-                res[li, qi_] = torch.bmm((aff / aff.sum(-1, keepdim=True))[:, None], lab[li])[:, 0]
+            # a key tied with the k-th (or fewer than k keys inside, -inf): DINO keeps every key >= the k-th; its
+            # labels are computed for every query and kept where a tie is (a select, not a read of which rows)
+            tie = vals[..., k] == vals[..., k - 1]                                      # (L, q)
+            aff = torch.where(sim >= vals[..., k - 1:k], torch.exp((sim - vals[..., :1]) / temperature),
+                              torch.zeros((), dtype=sim.dtype, device=sim.device))
+            res = torch.where(tie[..., None], torch.bmm(aff / aff.sum(-1, keepdim=True), lab), res)
         out.append(res)
     return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S)
 
@@ -325,7 +303,7 @@ def neighbourhood_mean(context_labels: torch.Tensor, near: torch.Tensor) -> torc
     """(L, n, C, S) context token labels, (S, S) bool `neighbourhood` -> (L, C, S): per target token the mean
     label over its neighbourhood in every context frame: `propagate` with constant features (every key
     equally similar, so every key in the neighbourhood is tied and kept), the propagation's chance level."""
-    nearf = near.to(context_labels.dtype)
+    nearf = near.to(context_labels.device).to(context_labels.dtype)
     return (context_labels.sum(1) @ nearf.T) / (context_labels.shape[1] * nearf.sum(1))
 
 
@@ -336,8 +314,8 @@ def nearest_resize(labels: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     H, W = size
     if (h, w) == (H, W):
         return labels
-    rows = torch.clamp(((torch.arange(H) + 0.5) * h / H).long(), max=h - 1)
-    cols = torch.clamp(((torch.arange(W) + 0.5) * w / W).long(), max=w - 1)
+    rows = torch.clamp(((torch.arange(H, device=labels.device) + 0.5) * h / H).long(), max=h - 1)
+    cols = torch.clamp(((torch.arange(W, device=labels.device) + 0.5) * w / W).long(), max=w - 1)
     return labels[..., rows, :][..., cols]
 
 
@@ -357,7 +335,7 @@ def tokens_to_labels(probs: torch.Tensor, grid: tuple[int, int], size: tuple[int
     shift = torch.where(hi > 0, lo, torch.zeros_like(lo))
     # argmax over channels, the first of tied maxima (torch.argmax's rule), one channel at a time
     best = (up[:, 0] - shift[:, 0]) / scale[:, 0]
-    labels = torch.zeros(best.shape, dtype=torch.uint8 if C < 256 else torch.long)
+    labels = torch.zeros(best.shape, dtype=torch.uint8 if C < 256 else torch.long, device=best.device)
     for c in range(1, C):
         norm = (up[:, c] - shift[:, c]) / scale[:, c]
         better = norm > best
@@ -385,6 +363,33 @@ def pck_chance(gt_xy: np.ndarray, ref_size: np.ndarray | float, centres: np.ndar
     d = np.linalg.norm(np.asarray(gt_xy, np.float64)[:, None] - np.asarray(centres, np.float64)[None], axis=-1)
     ref = np.broadcast_to(np.asarray(ref_size, np.float64), (len(d),))[:, None]
     return {a: (d <= a * ref).mean(1) for a in alphas}
+
+
+def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tensor, centres: torch.Tensor,
+               ref_size: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, counted: torch.Tensor,
+               alphas: Sequence[float] = PCK_ALPHAS) -> tuple[torch.Tensor, torch.Tensor]:
+    """PCK of B pairs at once, as tensor ops on their device (no value read back).
+
+    source: (B, L, K, D) L2-normalised features of the source tokens holding keypoints 0..K-1 (L feature sets,
+    e.g. layers); target: (B, L, S, D) the target's tokens; keypoints: (B, K, 2) the target's true x, y and
+    centres: (S, 2) the token centres, both in model-input pixels; ref_size: (B,) max(bbox h, w); scale,
+    shift: (B, 2) the map to the pixels PCK is measured in, (xy - shift) / scale (1 and 0: model-input
+    pixels); counted: (B, K) bool, the keypoints that count. Returns ``correct`` (B, L, A) int64: counted
+    keypoints whose nearest target token (cosine, the first of ties) has its centre within alpha * ref_size of
+    the true point (`pck`), and ``chance`` (B, A) float64: the sum over counted keypoints of `pck_chance`."""
+    B, L, K, _ = source.shape
+    S = target.shape[2]
+    c = (centres.double()[None] - shift[:, None]) / scale[:, None]                       # (B, S, 2)
+    gt = (keypoints.double() - shift[:, None]) / scale[:, None]                          # (B, K, 2)
+    best = torch.einsum("blkd,blsd->blks", source, target).argmax(-1)                   # (B, L, K)
+    pred = torch.gather(c[:, None].expand(B, L, S, 2), 2, best[..., None].expand(B, L, K, 2))
+    a = torch.tensor(alphas, dtype=torch.float64).to(ref_size.device, non_blocking=True)  # no stream sync
+    thr = a[None] * ref_size.double()[:, None]
+    d = torch.linalg.vector_norm(pred - gt[:, None], dim=-1)                              # (B, L, K)
+    correct = ((d[..., None] <= thr[:, None, None]) & counted[:, None, :, None]).sum(2)
+    near = torch.linalg.vector_norm(gt[:, :, None] - c[:, None], dim=-1)                 # (B, K, S)
+    chance = ((near[..., None] <= thr[:, None, None]).double().mean(2) * counted[..., None]).sum(1)
+    return correct, chance
 
 
 # ------------------------------------------------------------------------------------------------ retrieval
@@ -447,7 +452,6 @@ def random_ranking_map(protocol: Sequence[dict], n_database: int, repeats: int =
 
 __all__ = ["BOUND_TH", "NEIGHBOURHOOD", "N_LAST_FRAMES", "PCK_ALPHAS", "TEMPERATURE", "TOPK", "VOID",
            "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch", "boundary_map", "disk",
-           "jaccard", "jaccard_batch", "jf_objects", "labels_to_tokens", "nearest_resize", "neighbourhood", "pck",
-           "pck_chance",
-           "propagate", "random_ranking_map", "ranked_ap", "retrieval_aps", "revisited_protocols",
-           "tokens_to_labels"]
+           "jaccard", "jaccard_batch", "jf_objects", "label_presence", "labels_to_tokens", "nearest_resize",
+           "neighbourhood", "pck", "pck_chance", "pck_counts", "present_objects", "propagate", "random_ranking_map",
+           "ranked_ap", "retrieval_aps", "revisited_protocols", "tokens_to_labels"]
