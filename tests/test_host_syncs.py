@@ -8,6 +8,7 @@ gradient steps) that reads its stopping rule back every step."""
 from __future__ import annotations
 
 import collections
+import io
 
 import pytest
 import torch
@@ -89,3 +90,4 @@ def test_to_host_moves_many_tensors_in_one_copy_exactly():
     for want, have in zip(tensors, got, strict=True):
         assert have.dtype == want.dtype and have.shape == want.shape and have.device.type == "cpu"
         assert torch.equal(have, want)
+    torch.save(list(got), io.BytesIO())  # each has its own storage: saved together, as a state is

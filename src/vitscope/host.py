@@ -13,7 +13,8 @@ import torch
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors, copied to the host in one transfer (same dtypes, shapes and values; detached, contiguous)."""
+    """The tensors, copied to the host in one transfer (same dtypes, shapes and values; detached, contiguous,
+    each with its own storage)."""
     if not tensors:
         return ()
     dev = tensors[0].device
@@ -25,7 +26,9 @@ def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         spans.append((at, len(raw)))
         at += len(raw) + pad
     packed = torch.cat(parts).cpu()
-    return tuple(packed[a:a + n].view(t.dtype).reshape(t.shape) for t, (a, n) in zip(tensors, spans, strict=True))
+    # each its own storage (a copy on the host): views of one buffer as several dtypes could not be saved together
+    return tuple(packed[a:a + n].view(t.dtype).reshape(t.shape).clone()
+                 for t, (a, n) in zip(tensors, spans, strict=True))
 
 
 _ALIGN = 8
