@@ -230,8 +230,9 @@ class Semantics(Analysis):
         if scorable:
             top1_chance = S.majority_rate(y[~test], y[test], 1)
             top5_chance = S.majority_rate(y[~test], y[test], 5)
-            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c,
-                                               temperature=self.temperature).items():
+            for k, (t1, t5) in S.knn_classify(_take(x, ~test), y[~test], _take(x, test), y[test], ks=self.ks,
+                                               num_classes=c, temperature=self.temperature,
+                                               device=x.device).items():
                 knn = {"k": k, "temperature": self.temperature}
                 out[f"knn{k}_top1"] = {**scored(t1, n_test, top1_chance), **knn}
                 if n_classes > 5:  # top-5 of 5 classes or fewer is 1 by construction
@@ -241,7 +242,8 @@ class Semantics(Analysis):
                                      "probe_weight_decay": probe.weight_decay, "probe_iterations": probe.iterations}
         k = n_classes
         if kmeans and len(x) > k > 1:
-            scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
+            scores = S.kmeans_scores(x.float(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init,
+                                     device=x.device)
             for m, v in scores.items():
                 out[f"kmeans_{m}"] = scored(v, len(x)) if m == "purity" else {"value": v}
         return out
@@ -251,8 +253,8 @@ class Semantics(Analysis):
         """The probe of each (n, D) feature set (all layers in one call)."""
         if view not in self.probe_views:
             return [None] * len(feats)
-        return S.probe_fits([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
-                            num_classes=int(y.max()) + 1, where=where, **self.probe_kw)
+        return S.probe_fits([_take(f, ~test) for f in feats], y[~test], [_take(f, test) for f in feats], y[test],
+                            num_classes=int(y.max()) + 1, where=where, device=feats[0].device, **self.probe_kw)
 
     def finalize(self) -> pd.DataFrame:
         largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
@@ -286,7 +288,8 @@ class Semantics(Analysis):
                 scorable = not one_class and split_warnings(
                     where, y, test, self.class_names if v != "part" else None)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
-            feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
+            # float16 views of the store + noise (on a GPU: copied there in float32, a chunk of rows at a time)
+            feats = [on_device(f, self._device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
             probes = self._probes(feats, y, test, v, where) if scorable else [None] * len(feats)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
@@ -314,9 +317,9 @@ class Semantics(Analysis):
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
         y, ids, test = t.column("labels"), t.column("ids"), self._splits()[view]
-        x = t.layer(self.layers.index(layer)).float()
-        fit = S.fit_probe(x[~test], y[~test], x[test], y[test], num_classes=int(y.max()) + 1, warn=False,
-                          **self.probe_kw)
+        x = on_device(t.layer(self.layers.index(layer)), self._device).float()
+        fit = S.fit_probe(_take(x, ~test), y[~test], _take(x, test), y[test], num_classes=int(y.max()) + 1,
+                          warn=False, device=x.device, **self.probe_kw)
         return fit.scores, y[test], ids[test]
 
     @classmethod
@@ -363,6 +366,23 @@ def _region_rows(x: list[torch.Tensor], weights: torch.Tensor, prefix: int) -> l
         w = weights.to(device=spatial.device, dtype=spatial.dtype)
         out.append(torch.bmm(w, spatial).reshape(-1, spatial.shape[-1]).to(torch.float16))
     return out
+
+
+def on_device(x: torch.Tensor, device: torch.device, chunk: int = 4096) -> torch.Tensor:
+    """Rows of a host store for the finalize steps: on the CPU ``x`` itself (nothing copied); on another device a
+    float32 copy there (a float16 store widened exactly), moved ``chunk`` rows at a time so no full-size float32
+    copy is made on the host."""
+    if device.type == "cpu":
+        return x
+    out = torch.empty(x.shape, dtype=torch.float32, device=device)
+    for s in range(0, len(x), chunk):
+        out[s:s + chunk] = x[s:s + chunk].to(device)
+    return out
+
+
+def _take(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` where the host bool ``mask`` is True, wherever ``x`` lives."""
+    return x[mask] if x.device.type == "cpu" else x[mask.to(x.device)]
 
 
 def _view_subset(which: Any, views: list[str]) -> list[str]:
