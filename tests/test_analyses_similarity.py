@@ -344,3 +344,23 @@ def test_gram_groups_read_the_host_once_per_batch_and_decide_shifts_on_the_devic
         for k in streams:
             assert torch.allclose(have[k], ref[k], rtol=1e-5, atol=1e-4)
     assert groups.ref["plain"] is None and groups.ref["offset"] is not None
+
+
+@pytest.mark.parametrize("name", ["cka", "diversity"])
+def test_a_state_saved_on_the_host_goes_on_on_the_features_device(name):
+    """A state loaded on the CPU meets features on another device (here 'meta', which refuses to mix with CPU
+    tensors, standing in for a GPU): the sums, references and open rows move there; nothing stays behind."""
+    vm = tiny("vit")
+    _, batches = _images_and_batches(vm, n=20, fwd=5)
+    first = _run(name, vm, batches[:2], batch_size=8)  # 10 images: an open group of 2 rows, a reference
+    a = get_analysis(name)(vm, batch_size=8)
+    a.load_state_dict(first.state_dict())
+    taps = a.required_taps()
+    for b in batches[2:]:
+        feats = vs.extract(vm, b.images, taps)
+        a.update({t: f.to("meta") for t, f in feats.items()}, b)
+    if name == "diversity":
+        assert all(getattr(a, k).device.type == "meta" for k in a._TENSORS)
+    else:
+        assert all(g[-1].device.type == "meta" for g in a.grams.values())
+    assert all(x.device.type == "meta" for x in a.groups.pending.values())

@@ -134,7 +134,10 @@ class GramGroups:
         for k, x in rows.items():
             gram = _grouped_gram if k.startswith("*") else _gram
             if k in self._ref:
-                grams[k] = gram(x, self._ref[k])
+                ref = self._ref[k]
+                if ref is not None and ref.device != x.device:  # a loaded state meets the features' device
+                    ref = self._ref[k] = ref.to(x.device)
+                grams[k] = gram(x, ref)
                 continue
             if k not in self._undecided:  # first group: shift only if the mean matters, judged from the plain Gram
                 g = gram(x, None)
