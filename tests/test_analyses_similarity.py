@@ -292,3 +292,75 @@ def test_cka_independent_of_arrival_order_shards_and_resume():
 def _f64(feats, view):
     """float64 (N, F) features of a token view ('gap' or 'all')."""
     return [(f.double().mean(1) if view == "gap" else f.double()).reshape(len(f), -1).numpy() for f in feats]
+
+
+def _gram_groups_reference(streams: dict, n: int) -> list[dict]:
+    """The groups' Grams by the rule, one group at a time: each stream shifted by its first group's mean when
+    that mean holds at least 10 % of the first group's energy (read with Python numbers), else not."""
+    total = len(next(iter(streams.values())))
+    out, ref = [], {}
+    for s in range(0, total, n):
+        grams = {}
+        for k, x in streams.items():
+            x = x[s:s + n].float()
+            if k not in ref:
+                plain = x @ x.T
+                m = plain.shape[-1]
+                mean_energy = float(plain.sum()) / (m * m)
+                ref[k] = x.mean(0) if mean_energy >= 0.1 * float(plain.diagonal().sum()) / m else None
+            grams[k] = x @ x.T if ref[k] is None else (x - ref[k]) @ (x - ref[k]).T
+        out.append(grams)
+    return out, ref
+
+
+def test_gram_groups_read_the_host_once_per_batch_and_decide_shifts_on_the_device():
+    """Several groups closed by the first batch (the shift decision still on the device), a state saved and
+    loaded before the decision was read, then more batches: the Grams of the rule, one host read per add."""
+    from host_syncs import HostSyncs
+
+    from vitscope.analyses.similarity import GramGroups
+
+    g = torch.Generator().manual_seed(3)
+    streams = {"plain": torch.randn(130, 12, generator=g), "offset": torch.randn(130, 12, generator=g) + 5.0}
+    want, shifted = _gram_groups_reference(streams, 16)
+    assert shifted["plain"] is None and shifted["offset"] is not None  # one stream of each kind
+    sizes = [40, 8, 27, 55]  # the first batch closes two groups; the last leaves an open one (flushed)
+    groups, got, at = GramGroups(16), [], 0
+    for i, b in enumerate(sizes):
+        if i == 1:  # the shift decisions are still undecided here: the state reads them
+            saved = groups.state_dict()
+            assert saved["ref"]["plain"] is None and saved["ref"]["offset"] is not None
+            groups = GramGroups(16)
+            groups.load_state_dict(saved)
+        with HostSyncs() as s:
+            got += groups.add({k: x[at:at + b] for k, x in streams.items()}, torch.arange(at, at + b),
+                              torch.arange(at, at + b))
+        assert s.count <= 1, dict(s.where)
+        at += b
+    got += groups.flush()
+    assert [len(ids) for ids, _ in got] == [16] * 8 + [2]
+    assert torch.equal(torch.cat([ids for ids, _ in got]), torch.arange(130))
+    for (_, have), ref in zip(got, want, strict=True):
+        for k in streams:
+            assert torch.allclose(have[k], ref[k], rtol=1e-5, atol=1e-4)
+    assert groups.ref["plain"] is None and groups.ref["offset"] is not None
+
+
+@pytest.mark.parametrize("name", ["cka", "diversity"])
+def test_a_state_saved_on_the_host_goes_on_on_the_features_device(name):
+    """A state loaded on the CPU meets features on another device (here 'meta', which refuses to mix with CPU
+    tensors, standing in for a GPU): the sums, references and open rows move there; nothing stays behind."""
+    vm = tiny("vit")
+    _, batches = _images_and_batches(vm, n=20, fwd=5)
+    first = _run(name, vm, batches[:2], batch_size=8)  # 10 images: an open group of 2 rows, a reference
+    a = get_analysis(name)(vm, batch_size=8)
+    a.load_state_dict(first.state_dict())
+    taps = a.required_taps()
+    for b in batches[2:]:
+        feats = vs.extract(vm, b.images, taps)
+        a.update({t: f.to("meta") for t, f in feats.items()}, b)
+    if name == "diversity":
+        assert all(getattr(a, k).device.type == "meta" for k in a._TENSORS)
+    else:
+        assert all(g[-1].device.type == "meta" for g in a.grams.values())
+    assert all(x.device.type == "meta" for x in a.groups.pending.values())

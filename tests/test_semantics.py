@@ -421,3 +421,96 @@ def test_kendall_tau_b_of_rows_equals_scipy_row_by_row_with_ties_and_constant_ro
         want = np.array([kendalltau(x, y).statistic for x, y in zip(a.numpy(), b.numpy(), strict=True)], dtype=float)
         assert np.array_equal(np.isnan(got), np.isnan(want)), k
         np.testing.assert_allclose(got[~np.isnan(want)], want[~np.isnan(want)], rtol=0, atol=1e-12)
+
+
+def test_pooled_rows_of_several_tables_reach_the_host_in_one_copy():
+    """`gather_to_host` + `PooledTable.append_host` (what semantics does per batch) store what `append` stores,
+    with one host synchronisation for all the tables."""
+    from host_syncs import HostSyncs
+
+    from vitscope.analyses.pooled import PooledTable, gather_to_host
+
+    g = torch.Generator().manual_seed(0)
+    feats = [[torch.randn(5, 6, generator=g) for _ in range(3)] for _ in range(2)]  # 2 tables x 3 layers
+    ids, labels, is_test = torch.arange(5), torch.randint(0, 3, (5,), generator=g), torch.rand(5, generator=g) > 0.5
+    one = [PooledTable(3), PooledTable(3)]
+    for t, f in zip(one, feats, strict=True):
+        t.append(f, ids, labels, is_test)
+    many = [PooledTable(3), PooledTable(3)]
+    with HostSyncs() as s:
+        flat, (i, y, te) = gather_to_host([x.half() for f in feats for x in f], [ids, labels, is_test])
+        for n, t in enumerate(many):
+            t.append_host(flat[3 * n:3 * n + 3], i, y, te)
+    assert s.count == 1, dict(s.where)
+    for a, b in zip(one, many, strict=True):
+        for j in range(3):
+            assert torch.equal(a.layer(j), b.layer(j))
+        for c in ("ids", "labels", "is_test"):
+            assert torch.equal(a.column(c), b.column(c))
+
+
+def test_region_rows_are_region_pool_with_the_padding_dropped_on_the_host():
+    from vitscope.analyses.semantics import _region_rows
+    from vitscope.capture.views import region_pool, region_weights, token_view
+
+    g = torch.Generator().manual_seed(1)
+    maps = torch.randint(0, 4, (3, 8, 8), generator=g)
+    maps[1] = 0  # an image without regions
+    weights, ids = region_weights(maps, (4, 4))
+    x = [torch.randn(3, 17, 5, generator=g) for _ in range(2)]
+    rows = _region_rows(x, weights, 1)
+    valid = ids.reshape(-1) > 0
+    for f, r in zip(x, rows, strict=True):
+        want, image, region = region_pool(token_view(f, "spatial", 1), weights, ids)
+        assert torch.equal(r[valid], want.half())
+    assert torch.equal(torch.arange(3)[:, None].expand_as(ids).reshape(-1)[valid], image)
+    assert torch.equal(ids.reshape(-1)[valid], region)
+
+
+def _probe_data(seed=0, n=120):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 4, (n,), generator=g)
+    x = torch.randn(n, 9, generator=g)
+    x[:, :4] += 1.5 * torch.nn.functional.one_hot(y, 4)
+    return x, y
+
+
+def test_finalize_steps_take_a_device_and_compute_identically_on_the_cpu():
+    """k-NN, the probe and k-means with ``device='cpu'``: the numbers of the default call, bit for bit."""
+    x, y = _probe_data()
+    tr, te = slice(0, 90), slice(90, None)
+    assert S.knn_classify(x[tr], y[tr], x[te], y[te], ks=(5, 20), device="cpu") == \
+        S.knn_classify(x[tr], y[tr], x[te], y[te], ks=(5, 20))
+    assert S.knn_classify(x[tr], y[tr], x[te], y[te], ks=(5, 20), chunk=7) == \
+        S.knn_classify(x[tr], y[tr], x[te], y[te], ks=(5, 20))  # the test rows a chunk at a time
+    for tune in (False, True):
+        a = S.fit_probe(x[tr], y[tr], x[te], y[te], tune=tune, device="cpu")
+        b = S.fit_probe(x[tr], y[tr], x[te], y[te], tune=tune)
+        assert (a.accuracy, a.weight_decay, a.iterations) == (b.accuracy, b.weight_decay, b.iterations)
+        assert torch.equal(a.scores, b.scores)
+    assert S.kmeans_scores(x, y.numpy(), k=4, device="cpu") == S.kmeans_scores(x.numpy(), y.numpy(), k=4)
+
+
+@pytest.mark.parametrize("tune", [False, True])
+def test_the_probes_device_path_solves_the_same_problem(monkeypatch, tune):
+    """The path a GPU takes (features, standardisation, rotation and products as float64 tensors), run on the
+    CPU: the same fit as the NumPy path up to the rounding of the products."""
+    x, y = _probe_data(1)
+    want = S.fit_probe(x[:90], y[:90], x[90:], y[90:], tune=tune)
+    monkeypatch.setattr(S, "ACCELERATED", ("cuda", "cpu"))
+    got = S.fit_probe(x[:90], y[:90], x[90:], y[90:], tune=tune, device="cpu")
+    assert got.accuracy == want.accuracy and got.weight_decay == want.weight_decay
+    assert abs(got.iterations - want.iterations) <= 2
+    assert torch.allclose(got.scores, want.scores, rtol=1e-4, atol=1e-4)
+
+
+def test_torch_kmeans_finds_what_scikit_learn_finds_on_separated_blobs(monkeypatch):
+    rng = np.random.default_rng(0)
+    centres = rng.normal(0, 10, (5, 6))
+    labels = np.repeat(np.arange(5), 30)
+    blobs = torch.from_numpy(centres[labels] + rng.normal(0, 0.3, (150, 6))).float()
+    pred = S.kmeans_torch(blobs, 5, seed=2, n_init=2)
+    assert pred.shape == (150,) and S.purity(labels, pred.numpy()) == 1.0
+    monkeypatch.setattr(S, "ACCELERATED", ("cuda", "cpu"))
+    assert S.kmeans_scores(blobs, labels, k=5, device="cpu") == S.kmeans_scores(blobs.numpy(), labels, k=5) == \
+        {"purity": 1.0, "nmi": pytest.approx(1.0), "ari": pytest.approx(1.0)}

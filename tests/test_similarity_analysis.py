@@ -333,3 +333,28 @@ def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
     for metric, v in boot.items():
         assert row.loc[metric, "value_lo"] == pytest.approx(np.quantile(v, 0.025), rel=1e-9, abs=1e-7), metric
         assert row.loc[metric, "value_hi"] == pytest.approx(np.quantile(v, 0.975), rel=1e-9, abs=1e-7), metric
+
+
+def _splitmix64_reference(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    """The uint64 NumPy recipe `subset_keys` follows in int64 tensor arithmetic (the slow reference)."""
+    mix = 0x9E3779B97F4A7C15
+    with np.errstate(over="ignore"):
+        z = ids.numpy().astype(np.uint64) + np.uint64((int(seed) * mix + mix) % 2 ** 64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z = z ^ (z >> np.uint64(31))
+    return torch.from_numpy((z >> np.uint64(1)).astype(np.int64))
+
+
+@pytest.mark.parametrize("seed", [0, 3, -7, 2 ** 40 + 1])
+def test_subset_keys_are_the_uint64_splitmix_bits_without_a_host_copy(seed):
+    from host_syncs import HostSyncs
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.cat([torch.arange(3000), torch.randint(-2 ** 62, 2 ** 62, (3000,), generator=g),
+                     torch.tensor([2 ** 63 - 1, -2 ** 63])])
+    with HostSyncs() as s:
+        keys = subset_keys(ids, seed)
+    assert s.count == 0, dict(s.where)
+    assert keys.dtype == torch.long and bool((keys >= 0).all())
+    assert torch.equal(keys, _splitmix64_reference(ids, seed))

@@ -62,18 +62,33 @@ class _Matrix:
         return m
 
     def append(self, rows: torch.Tensor | np.ndarray) -> None:
-        rows = rows.detach().to(torch.float16).cpu().numpy() if isinstance(rows, torch.Tensor) else rows
+        """Rows on the host (a tensor is written into the file by torch, without a NumPy round trip)."""
         need = self.n + len(rows)
         if need > len(self.mm):
             bigger = self._alloc(max(need, 2 * len(self.mm)))
             bigger[:self.n] = self.mm[:self.n]
             self.mm = bigger
-        self.mm[self.n:need] = rows
+        if isinstance(rows, torch.Tensor):
+            torch.from_numpy(self.mm[self.n:need]).copy_(rows.detach())
+        else:
+            self.mm[self.n:need] = rows
         self.n = need
 
     def tensor(self) -> torch.Tensor:
         """The filled rows as a float16 tensor sharing the file (exactly ``n`` rows of storage)."""
         return torch.from_numpy(self.mm[:self.n]) if self.n else torch.empty(0, self.dim, dtype=torch.float16)
+
+
+def gather_to_host(tensors: list[torch.Tensor], riders: list[torch.Tensor | None]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """(``tensors``, ``riders``) on the host after one transfer (`vitscope.host.to_host`): ``tensors`` (the
+    features, on their device) always go through it; ``riders`` (a batch's ids, labels, flags: usually on the
+    host already) join it only where they are not on the host, and None stays None. So a batch costs one copy
+    from the device, and the same one on a CPU."""
+    moving = [r for r in riders if r is not None and r.device.type != "cpu"]
+    host = to_host(*tensors, *moving)
+    feats, moved = list(host[:len(tensors)]), iter(host[len(tensors):])
+    return feats, [r if r is None or r.device.type == "cpu" else next(moved) for r in riders]
 
 
 class PooledTable:
@@ -95,15 +110,23 @@ class PooledTable:
             raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
         if not len(ids):
             return
+        host, cols = gather_to_host([f.to(torch.float16) for f in feats], [ids, labels, is_test])
+        self.append_host(host, *cols)
+
+    def append_host(self, feats: list[torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
+                    is_test: torch.Tensor) -> None:
+        """`append` of rows already on the host (e.g. several tables' rows moved in one `gather_to_host`): no
+        copy from a device, nothing that waits for one."""
+        if len(feats) != self.num_layers:
+            raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
+        if not len(ids):
+            return
         if self.mats is None:
             self.mats = [_Matrix(f.shape[-1]) for f in feats]
-        cols = [v.to(torch.bool if c == "is_test" else torch.long) for c, v in zip(_COLUMNS, (ids, labels, is_test),
-                                                                                     strict=True)]
-        host = to_host(*(f.to(torch.float16) for f in feats), *cols)  # one copy from the device per append
-        for m, f in zip(self.mats, host, strict=False):
-            m.append(f.numpy())
-        for c, v in zip(_COLUMNS, host[len(feats):], strict=True):
-            self.cols[c].append(v)
+        for m, f in zip(self.mats, feats, strict=True):
+            m.append(f.to(torch.float16))
+        for c, v in zip(_COLUMNS, (ids, labels, is_test), strict=True):
+            self.cols[c].append(v.to(torch.bool if c == "is_test" else torch.long))
 
     def layer(self, j: int) -> torch.Tensor:
         """(rows, D) float16 features of the j-th layer (a view of the file)."""

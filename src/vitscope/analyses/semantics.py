@@ -14,11 +14,11 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.analyses.pooled import PooledTable
+from vitscope.analyses.pooled import PooledTable, gather_to_host
 from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
 from vitscope.bounds import Count, Fraction, Iterations, Positive, Restarts
-from vitscope.capture.views import region_pool, region_weights, token_view
-from vitscope.errors import ConfigError, ResultWarning
+from vitscope.capture.views import region_weights, token_view
+from vitscope.errors import ConfigError, ResultWarning, VitscopeError
 from vitscope.metrics import semantics as S
 from vitscope.threads import few_threads, single_threaded
 
@@ -104,6 +104,7 @@ class Semantics(Analysis):
         self.unlabelled = 0
         self.own_split = False  # the dataset has its own split (batch.is_test), stored in the tables' is_test
         self.class_names: list[str] | None = None
+        self._device = torch.device("cpu")  # where the features came from (finalize computes there); not saved
 
     def state_bytes(self, n_images: int) -> int:
         """The pooled features: one float16 vector per image (at least; objects and parts add rows), layer and
@@ -123,34 +124,49 @@ class Semantics(Analysis):
         return [f"block{i}.out" for i in self.layers]
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        """Pool every view of every layer on the features' device, then move all of it (and whatever of the
+        batch's ids, labels and split flags is not on the host yet) in one transfer (`gather_to_host`)."""
         take = min(self.max_images - self.n_images, len(batch))
         if take <= 0:
             return
-        ids = batch.index[:take].cpu().long()
+        ids = batch.index[:take].long()
         if batch.is_test is not None:
-            self.own_split, is_test = True, batch.is_test[:take].cpu().bool()
+            self.own_split, is_test = True, batch.is_test[:take].bool()
         else:  # decided in finalize, when every row is known
             is_test = torch.zeros(take, dtype=torch.bool)
         if self.class_names is None and batch.extra.get("class_names") is not None:
             self.class_names = [str(c) for c in batch.extra["class_names"]]
-        labels = batch.labels[:take].cpu().long() if batch.labels is not None else None
+        labels = batch.labels[:take].long() if batch.labels is not None else None
         if labels is None:
             self.unlabelled += take
         x = [feats[f"block{i}.out"][:take] for i in self.layers]
+        self._device = x[0].device
+        pooled: dict[str, list[torch.Tensor]] = {}  # view -> per layer (rows, D) float16, on the device
+        regions: dict[str, torch.Tensor] = {}  # region view -> (B, K) region ids on the host, 0 = padding
         for v in self.views:
             if v in REGION_VIEWS:
                 maps = batch.masks if v == "object" else batch.parts
                 if maps is None or (v == "object" and labels is None):
                     continue
-                weights, region_ids = region_weights(maps[:take], self.grid_of(batch), self.min_region_tokens)
-                pooled = [region_pool(token_view(f, "spatial", self.num_prefix_tokens), weights, region_ids)
-                          for f in x]
-                rows, regions = pooled[0][1], pooled[0][2]
-                self.tables[v].append([p[0] for p in pooled], ids[rows],
-                                      labels[rows] if v == "object" else regions, is_test[rows])
+                weights, regions[v] = region_weights(maps[:take], self.grid_of(batch), self.min_region_tokens)
+                pooled[v] = _region_rows(x, weights, self.num_prefix_tokens)
             elif labels is not None:
-                self.tables[v].append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for f in x],
-                                      ids, labels, is_test)
+                pooled[v] = [token_view(f, v, self.num_prefix_tokens, self.has_cls_token).to(torch.float16)
+                             for f in x]
+        if pooled:
+            flat, (ids, labels, is_test) = gather_to_host([f for v in pooled for f in pooled[v]],
+                                                          [ids, labels, is_test])
+            L = len(self.layers)
+            for n, v in enumerate(pooled):
+                rows = flat[n * L:(n + 1) * L]
+                if v in regions:
+                    valid = regions[v].reshape(-1) > 0  # (B K,): the regions kept, images in order
+                    image = torch.arange(take)[:, None].expand_as(regions[v]).reshape(-1)[valid]
+                    self.tables[v].append_host([r[valid] for r in rows], ids[image],
+                                               labels[image] if v == "object" else regions[v].reshape(-1)[valid],
+                                               is_test[image])
+                else:
+                    self.tables[v].append_host(rows, ids, labels, is_test)
         self.n_images += take
 
     def merge(self, other: Analysis) -> None:
@@ -214,8 +230,9 @@ class Semantics(Analysis):
         if scorable:
             top1_chance = S.majority_rate(y[~test], y[test], 1)
             top5_chance = S.majority_rate(y[~test], y[test], 5)
-            for k, (t1, t5) in S.knn_classify(x[~test], y[~test], x[test], y[test], ks=self.ks, num_classes=c,
-                                               temperature=self.temperature).items():
+            for k, (t1, t5) in S.knn_classify(_take(x, ~test), y[~test], _take(x, test), y[test], ks=self.ks,
+                                               num_classes=c, temperature=self.temperature,
+                                               device=x.device).items():
                 knn = {"k": k, "temperature": self.temperature}
                 out[f"knn{k}_top1"] = {**scored(t1, n_test, top1_chance), **knn}
                 if n_classes > 5:  # top-5 of 5 classes or fewer is 1 by construction
@@ -225,7 +242,8 @@ class Semantics(Analysis):
                                      "probe_weight_decay": probe.weight_decay, "probe_iterations": probe.iterations}
         k = n_classes
         if kmeans and len(x) > k > 1:
-            scores = S.kmeans_scores(x.float().numpy(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
+            scores = S.kmeans_scores(x.float(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init,
+                                     device=x.device)
             for m, v in scores.items():
                 out[f"kmeans_{m}"] = scored(v, len(x)) if m == "purity" else {"value": v}
         return out
@@ -235,8 +253,8 @@ class Semantics(Analysis):
         """The probe of each (n, D) feature set (all layers in one call)."""
         if view not in self.probe_views:
             return [None] * len(feats)
-        return S.probe_fits([f[~test] for f in feats], y[~test], [f[test] for f in feats], y[test],
-                            num_classes=int(y.max()) + 1, where=where, **self.probe_kw)
+        return S.probe_fits([_take(f, ~test) for f in feats], y[~test], [_take(f, test) for f in feats], y[test],
+                            num_classes=int(y.max()) + 1, where=where, device=feats[0].device, **self.probe_kw)
 
     def finalize(self) -> pd.DataFrame:
         largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
@@ -270,7 +288,8 @@ class Semantics(Analysis):
                 scorable = not one_class and split_warnings(
                     where, y, test, self.class_names if v != "part" else None)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
-            feats = [t.layer(j) for j in range(len(self.layers))] + [noise]  # float16 views of the store + noise
+            # float16 views of the store + noise (on a GPU: copied there in float32, a chunk of rows at a time)
+            feats = [on_device(f, self._device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
             probes = self._probes(feats, y, test, v, where) if scorable else [None] * len(feats)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
@@ -298,9 +317,9 @@ class Semantics(Analysis):
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
         y, ids, test = t.column("labels"), t.column("ids"), self._splits()[view]
-        x = t.layer(self.layers.index(layer)).float()
-        fit = S.fit_probe(x[~test], y[~test], x[test], y[test], num_classes=int(y.max()) + 1, warn=False,
-                          **self.probe_kw)
+        x = on_device(t.layer(self.layers.index(layer)), self._device).float()
+        fit = S.fit_probe(_take(x, ~test), y[~test], _take(x, test), y[test], num_classes=int(y.max()) + 1,
+                          warn=False, device=x.device, **self.probe_kw)
         return fit.scores, y[test], ids[test]
 
     @classmethod
@@ -332,6 +351,38 @@ class Semantics(Analysis):
                          "model_b": b.model_name, "value": v} for k, v in agree.items()]
                 frames.append(a.tidy(rows))
         return pd.concat(frames, ignore_index=True) if frames else None
+
+
+def _region_rows(x: list[torch.Tensor], weights: torch.Tensor, prefix: int) -> list[torch.Tensor]:
+    """Per layer the mask-weighted means of the patch tokens of every region slot, (B K, D) float16 on the
+    features' device (`vitscope.capture.views.region_pool` before it drops the padding slots, which the host
+    drops after the transfer: their number is not known on the device)."""
+    out = []
+    for f in x:
+        spatial = token_view(f, "spatial", prefix)
+        if weights.shape[0] != spatial.shape[0] or weights.shape[-1] != spatial.shape[1]:
+            raise VitscopeError(f"region weights of shape {tuple(weights.shape)} do not fit patch tokens of shape "
+                                f"{tuple(spatial.shape)}")
+        w = weights.to(device=spatial.device, dtype=spatial.dtype)
+        out.append(torch.bmm(w, spatial).reshape(-1, spatial.shape[-1]).to(torch.float16))
+    return out
+
+
+def on_device(x: torch.Tensor, device: torch.device, chunk: int = 4096) -> torch.Tensor:
+    """Rows of a host store for the finalize steps: on the CPU ``x`` itself (nothing copied); on another device a
+    float32 copy there (a float16 store widened exactly), moved ``chunk`` rows at a time so no full-size float32
+    copy is made on the host."""
+    if device.type == "cpu":
+        return x
+    out = torch.empty(x.shape, dtype=torch.float32, device=device)
+    for s in range(0, len(x), chunk):
+        out[s:s + chunk] = x[s:s + chunk].to(device)
+    return out
+
+
+def _take(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows of ``x`` where the host bool ``mask`` is True, wherever ``x`` lives."""
+    return x[mask] if x.device.type == "cpu" else x[mask.to(x.device)]
 
 
 def _view_subset(which: Any, views: list[str]) -> list[str]:

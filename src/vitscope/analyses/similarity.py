@@ -29,10 +29,12 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.pooled import gather_to_host
 from vitscope.bounds import Count, Fraction, NonNegative, Positive, Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.errors import ConfigError, VitscopeError, unknown_name
+from vitscope.host import to_host
 from vitscope.metrics import cka as C
 from vitscope.metrics import similarity as M
 from vitscope.threads import few_threads
@@ -53,6 +55,11 @@ class GramGroups:
     fills whole groups is used in place, without a copy. A stream whose key starts with ``*`` is a group of
     G streams given as (B, G, F): its Grams come out stacked (G, n, n), computed in one batched product
     (e.g. one stream per head or per token position).
+
+    Everything computed stays on the features' device (Grams, open rows, references); per batch the host reads
+    only the batch's image ids and positions, which decide the groups, in one transfer (`_host_lists`). The
+    decision whether a stream is shifted is a device tensor until then: it travels with the next batch's ids
+    (or is read by `ref`, `flush` and `state_dict`, which may wait).
     """
 
     def __init__(self, n: int):
@@ -60,10 +67,24 @@ class GramGroups:
             raise ValueError(f"CKA batch_size must be at least {C.MIN_HSIC1_EXAMPLES}")
         self.n = n
         self.pending: dict[str, torch.Tensor] = {}
-        self.pending_ids = torch.empty(0, dtype=torch.long)
-        self.pending_pos = torch.empty(0, dtype=torch.long)
+        self.pending_ids: list[int] = []
+        self.pending_pos: list[int] = []
         self.next_pos = 0  # the position the next row takes when a batch gives none
-        self.ref: dict[str, torch.Tensor | None] = {}
+        self._ref: dict[str, torch.Tensor | None] = {}  # decided: the reference, None = no shift
+        self._undecided: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stream -> (mean, shift? 0-d bool)
+
+    @property
+    def ref(self) -> dict[str, torch.Tensor | None]:
+        """{stream: the reference subtracted before its Grams, or None}: the streams seen so far (waits for the
+        device when a decision is still on it)."""
+        self._decide([bool(s) for _, s in self._undecided.values()])
+        return dict(self._ref)
+
+    def _decide(self, shifts: Sequence[bool]) -> None:
+        """Settle the undecided streams, in order, with the host's reading of their shift flags."""
+        for (k, (mean, _)), shift in zip(list(self._undecided.items()), shifts, strict=True):
+            self._ref[k] = mean if shift else None
+        self._undecided = {}
 
     def add(self, feats: Mapping[str, torch.Tensor], ids: torch.Tensor,
             positions: torch.Tensor | None = None) -> list[tuple[torch.Tensor, dict]]:
@@ -73,29 +94,35 @@ class GramGroups:
         one process forms. Without positions, rows are numbered in arrival order."""
         rows = {k: x.reshape(x.shape[0], x.shape[1], -1) if k.startswith("*") else x.reshape(x.shape[0], -1)
                 for k, x in feats.items()}
-        ids = ids.cpu().long()
-        pos = (positions.cpu().long() if positions is not None
-               else torch.arange(self.next_pos, self.next_pos + len(ids), dtype=torch.long))
-        self.next_pos = int(pos[-1]) + 1 if len(pos) else self.next_pos
-        if len(self.pending_ids):
-            rows = {k: torch.cat([self.pending[k], x]) for k, x in rows.items()}
-            ids = torch.cat([self.pending_ids, ids])
-            pos = torch.cat([self.pending_pos, pos])
-        return self._close(rows, ids, pos, final=False)
+        flags = [s for _, s in self._undecided.values()]
+        new_ids, pos, shifts = _host_lists(ids, positions, flags)
+        self._decide(shifts)
+        if positions is None:
+            pos = list(range(self.next_pos, self.next_pos + len(new_ids)))
+        self.next_pos = pos[-1] + 1 if pos else self.next_pos
+        if self.pending_ids:
+            rows = {k: torch.cat([self.pending[k].to(x.device), x]) for k, x in rows.items()}
+        return self._close(rows, self.pending_ids + new_ids, self.pending_pos + pos, final=False)
 
     def flush(self) -> list[tuple[torch.Tensor, dict]]:
+        self._decide([bool(s) for _, s in self._undecided.values()])
         return self._close(self.pending, self.pending_ids, self.pending_pos, final=True)
 
-    def _close(self, rows: dict[str, torch.Tensor], ids: torch.Tensor, pos: torch.Tensor,
+    def _close(self, rows: dict[str, torch.Tensor], ids: list[int], pos: list[int],
                final: bool) -> list[tuple[torch.Tensor, dict]]:
+        """Cut the rows into the groups their positions (increasing: one run per group) complete; the last,
+        open group's rows wait unless ``final``."""
         out = []
-        group = pos // self.n
+        group = [p // self.n for p in pos]
         start = 0
         while start < len(ids):
-            stop = start + int((group[start:] == group[start]).sum())  # positions increase: one run per group
+            stop = start + 1
+            while stop < len(ids) and group[stop] == group[start]:
+                stop += 1
             if stop == len(ids) and not final and stop - start < self.n:  # open: its positions may still come
                 break
-            out.append((ids[start:stop], self._grams({k: x[start:stop] for k, x in rows.items()})))
+            out.append((torch.tensor(ids[start:stop], dtype=torch.long),
+                        self._grams({k: x[start:stop] for k, x in rows.items()})))
             start = stop
         # copies, not views: a view of one row would keep (and save into the cache) the batch's whole tensor
         self.pending = {k: x[start:].clone() for k, x in rows.items()} if start < len(ids) else {}
@@ -106,31 +133,76 @@ class GramGroups:
         grams = {}
         for k, x in rows.items():
             gram = _grouped_gram if k.startswith("*") else _gram
-            if k not in self.ref:  # first group: shift only if the mean matters, judged from the plain Gram
+            if k in self._ref:
+                ref = self._ref[k]
+                if ref is not None and ref.device != x.device:  # a loaded state meets the features' device
+                    ref = self._ref[k] = ref.to(x.device)
+                grams[k] = gram(x, ref)
+                continue
+            if k not in self._undecided:  # first group: shift only if the mean matters, judged from the plain Gram
                 g = gram(x, None)
-                self.ref[k] = _reference(x) if _needs_shift(g) else None
-                grams[k] = g if self.ref[k] is None else gram(x, self.ref[k])
-            else:
-                grams[k] = gram(x, self.ref[k])
+                self._undecided[k] = (_reference(x), _needs_shift(g))
+            else:  # a later group before the host has read the decision: both Grams, one kept
+                g = gram(x, None)
+            mean, shift = self._undecided[k]
+            grams[k] = torch.where(shift, gram(x, mean), g)
         return grams
 
     def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n, "pending": dict(self.pending), "pending_ids": self.pending_ids, "ref": dict(self.ref),
-                "pending_pos": self.pending_pos, "next_pos": self.next_pos}
+        """CPU tensors (a state saved on a GPU loads anywhere)."""
+        ref = self.ref
+        refs = [r for r in ref.values() if r is not None]
+        pending, refs = _host_split(list(self.pending.values()), refs)
+        it = iter(refs)
+        return {"n": self.n, "pending": dict(zip(self.pending, pending, strict=True)),
+                "pending_ids": torch.tensor(self.pending_ids, dtype=torch.long),
+                "ref": {k: None if r is None else next(it) for k, r in ref.items()},
+                "pending_pos": torch.tensor(self.pending_pos, dtype=torch.long), "next_pos": self.next_pos}
 
     def load_state_dict(self, s: Mapping[str, Any]) -> None:
-        self.n, self.pending, self.pending_ids, self.ref = s["n"], dict(s["pending"]), s["pending_ids"], dict(s["ref"])
+        self.n, self.pending, self._ref = s["n"], dict(s["pending"]), dict(s["ref"])
+        self._undecided = {}
+        self.pending_ids = [int(i) for i in s["pending_ids"].tolist()]
         n_pending = len(self.pending_ids)  # a state saved before positions: its rows numbered in arrival order
         self.next_pos = int(s.get("next_pos", n_pending))
-        self.pending_pos = s.get("pending_pos", torch.arange(self.next_pos - n_pending, self.next_pos))
+        pos = s.get("pending_pos")
+        self.pending_pos = (list(range(self.next_pos - n_pending, self.next_pos)) if pos is None
+                            else [int(p) for p in pos.tolist()])
+
+
+def _host_lists(ids: torch.Tensor, positions: torch.Tensor | None,
+                flags: Sequence[torch.Tensor]) -> tuple[list[int], list[int], list[bool]]:
+    """(ids, positions (empty without), flags) as Python values, read in one transfer: one tensor of longs,
+    copied with one ``tolist``."""
+    parts = [ids.reshape(-1).long()]
+    if positions is not None:
+        parts.append(positions.reshape(-1).long().to(ids.device))
+    parts += [f.reshape(1).long().to(ids.device) for f in flags]
+    values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+    n = len(ids)
+    pos = values[n:2 * n] if positions is not None else []
+    return values[:n], pos, [bool(v) for v in values[len(values) - len(flags):]]
+
+
+def _host_split(*groups: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Lists of tensors copied to the host in one transfer (no copy for those already there), same grouping."""
+    flat = [t for g in groups for t in g]
+    if any(t.device.type != "cpu" for t in flat):
+        flat = list(to_host(*flat))
+    out, at = [], 0
+    for g in groups:
+        out.append(flat[at:at + len(g)])
+        at += len(g)
+    return out
 
 
 SHIFT_MIN_ENERGY = 0.1
 
 
-def _needs_shift(g: torch.Tensor) -> bool:
-    """Whether the first group's mean carries at least SHIFT_MIN_ENERGY of the features' energy, read off its
-    plain Gram(s) (n, n) or (G, n, n): |mean|^2 = 1ᵀK1 / n^2 and mean |x|^2 = tr(K) / n.
+def _needs_shift(g: torch.Tensor) -> torch.Tensor:
+    """Whether (a 0-d bool tensor, on the Gram's device) the first group's mean carries at least
+    SHIFT_MIN_ENERGY of the features' energy, read off its plain Gram(s) (n, n) or (G, n, n): |mean|^2 =
+    1ᵀK1 / n^2 and mean |x|^2 = tr(K) / n.
 
     The shift exists for precision only (HSIC_1 is shift-invariant): a float32 Gram loses digits in proportion
     to mean energy / centred energy. Below 10% of the energy in the mean that loss is at most ~1.1x that of
@@ -139,7 +211,7 @@ def _needs_shift(g: torch.Tensor) -> bool:
     n = g.shape[-1]
     mean_energy = g.sum(dim=(-2, -1)) / (n * n)
     energy = g.diagonal(dim1=-2, dim2=-1).sum(dim=-1) / n
-    return bool((mean_energy >= SHIFT_MIN_ENERGY * energy).any())
+    return (mean_energy >= SHIFT_MIN_ENERGY * energy).any()
 
 
 def _reference(x: torch.Tensor) -> torch.Tensor:
@@ -202,17 +274,18 @@ class _GramAnalysis(Analysis):
         self.n_images += other.n_images
 
     def _finished(self) -> _GramAnalysis:
+        """A copy with the open group closed, its Grams on the host (where the CKA tables are reduced)."""
         done = copy.copy(self)
-        done.groups = GramGroups(self.batch_size)
-        done.groups.load_state_dict(self.groups.state_dict())
-        done.grams = {k: list(v) for k, v in self.grams.items()}
-        done.gram_ids = list(self.gram_ids)
+        done.load_state_dict(self.state_dict())
         done._store(done.groups.flush())
         return done
 
     def state_dict(self) -> dict[str, Any]:
+        """CPU tensors: the Grams (kept on the features' device during the pass) copied in one transfer."""
+        keys = list(self.grams)
+        moved = _host_split(*(self.grams[k] for k in keys))
         return {"batch_size": self.batch_size, "n_images": self.n_images, "groups": self.groups.state_dict(),
-                "grams": {k: list(v) for k, v in self.grams.items()}, "gram_ids": list(self.gram_ids)}
+                "grams": dict(zip(keys, moved, strict=True)), "gram_ids": list(self.gram_ids)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.batch_size, self.n_images = int(state["batch_size"]), int(state["n_images"])
@@ -454,8 +527,14 @@ class Diversity(Analysis):
         S = grid[0] * grid[1]
         self.hsic_tokens = torch.zeros(len(self.layers), S, S, dtype=torch.float64)
 
+    def _on_device(self, device: torch.device) -> None:
+        """Move the sums to the features' device (once: at the first batch, or after a load or merge)."""
+        for name in self._TENSORS:
+            setattr(self, name, getattr(self, name).to(device))
+
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self.pass_grid(batch)
+        self._on_device(feats[f"block{self.layers[0]}.heads"].device)
         P, H = self.num_prefix_tokens, self.num_heads
         streams: dict[str, torch.Tensor] = {}
         for j, i in enumerate(self.layers):
@@ -508,8 +587,7 @@ class Diversity(Analysis):
                 depth = torch.stack([C.hsic1(k, m), C.hsic1(k, k), C.hsic1(m, m)])
                 self.hsic_depth[j] += depth
                 # this group's own CKA values, for the spread over groups (batch means)
-                one = torch.tensor([_mean_offdiag_cka(heads), _mean_offdiag_cka(tokens), _depth_cka(depth)],
-                                   dtype=torch.float64)
+                one = torch.stack([_mean_offdiag_cka(heads), _mean_offdiag_cka(tokens), _depth_cka(depth)])
                 self.cka_group[0, :, j] += one
                 self.cka_group[1, :, j] += one.square()
 
@@ -519,7 +597,8 @@ class Diversity(Analysis):
         other = other._finished()
         self._reduce(self.groups.flush())
         for name in self._TENSORS:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            mine = getattr(self, name)
+            setattr(self, name, mine + getattr(other, name).to(mine.device))
         self.n_groups += other.n_groups
         self.n_images += other.n_images
 
@@ -533,7 +612,10 @@ class Diversity(Analysis):
                 "cka_group")
 
     def state_dict(self) -> dict[str, Any]:
-        s = {k: getattr(self, k).clone() for k in self._TENSORS}
+        """CPU tensors (copies: the sums keep growing), whatever device the pass ran on."""
+        sums = [getattr(self, k) for k in self._TENSORS]
+        on_host = all(t.device.type == "cpu" for t in sums)
+        s = dict(zip(self._TENSORS, [t.clone() for t in sums] if on_host else to_host(*sums), strict=True))
         return {**s, "layers": list(self.layers), "batch_size": self.batch_size, "n_images": self.n_images,
                 "grid": list(self.grid_size),
                 "n_groups": self.n_groups, "groups": self.groups.state_dict()}
@@ -554,10 +636,11 @@ class Diversity(Analysis):
         cka_se = _stderr(d.cka_group[0], d.cka_group[1], d.n_groups)
         rows = []
         for j, i in enumerate(d.layers):
-            kl, kk, ll = d.hsic_depth[j]
             values = {"cosine_heads": float(d.cos_heads[j] / n), "cosine_tokens": float(d.cos_tokens[j] / n),
-                      "cosine_depth": float(d.cos_depth[j] / n), "cka_heads": _mean_offdiag_cka(d.hsic_heads[j]),
-                      "cka_tokens": _mean_offdiag_cka(d.hsic_tokens[j]), "cka_depth": _depth_cka(d.hsic_depth[j])}
+                      "cosine_depth": float(d.cos_depth[j] / n),
+                      "cka_heads": float(_mean_offdiag_cka(d.hsic_heads[j])),
+                      "cka_tokens": float(_mean_offdiag_cka(d.hsic_tokens[j])),
+                      "cka_depth": float(_depth_cka(d.hsic_depth[j]))}
             ses = {"cosine_heads": cos_se[0, j], "cosine_tokens": cos_se[1, j], "cosine_depth": cos_se[2, j],
                    "cka_heads": cka_se[0, j], "cka_tokens": cka_se[1, j], "cka_depth": cka_se[2, j]}
             rows += [{"metric": k, "layer": i, **_with_interval(v, float(ses[k]))} for k, v in values.items()]
@@ -574,17 +657,19 @@ def _stderr(sums: torch.Tensor, sumsq: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sqrt(var.clamp_min(0) / n)
 
 
-def _depth_cka(hsic: torch.Tensor) -> float:
-    """CKA from the three HSIC terms (K,L), (K,K), (L,L)."""
+def _depth_cka(hsic: torch.Tensor) -> torch.Tensor:
+    """CKA (0-d tensor, on ``hsic``'s device) from the three HSIC terms (K,L), (K,K), (L,L)."""
     kl, kk, ll = hsic
-    return float(kl / (kk * ll).sqrt())
+    return kl / (kk * ll).sqrt()
 
 
-def _mean_offdiag_cka(hsic: torch.Tensor) -> float:
+def _mean_offdiag_cka(hsic: torch.Tensor) -> torch.Tensor:
+    """The mean CKA over the pairs i != j of an (m, m) HSIC matrix (0-d tensor, on its device; NaN pairs
+    count as 0)."""
     d = hsic.diagonal().clamp_min(0).sqrt()
     cka = hsic / (d[:, None] * d[None, :])
     n = cka.shape[0]
-    return float((cka.nansum() - cka.diagonal().nansum()) / (n * (n - 1)))
+    return (cka.nansum() - cka.diagonal().nansum()) / (n * (n - 1))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -599,13 +684,26 @@ _MIX = 0x9E3779B97F4A7C15
 def subset_keys(ids: torch.Tensor, seed: int) -> torch.Tensor:
     """A pseudo-random int64 key per image id (splitmix64 of the id and the seed): the images kept are the
     ``n_subset`` smallest keys, so the subset depends on the ids alone, never on arrival order, shards or
-    resumption, and two models fed the same images keep the same ones."""
-    with np.errstate(over="ignore"):
-        z = ids.cpu().numpy().astype(np.uint64) + np.uint64((int(seed) * _MIX + _MIX) % 2 ** 64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return torch.from_numpy((z >> np.uint64(1)).astype(np.int64))
+    resumption, and two models fed the same images keep the same ones.
+
+    Computed in int64 tensor arithmetic on the ids' device (no copy to the host): additions and products wrap
+    modulo 2^64 as the uint64 ones do, and the logical right shifts are arithmetic shifts with the sign bits
+    masked off, so the bits are those of the uint64 recipe."""
+    z = ids.long() + _signed((int(seed) * _MIX + _MIX) % 2 ** 64)
+    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
+    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
+    z = z ^ _shr(z, 31)
+    return _shr(z, 1)
+
+
+def _signed(c: int) -> int:
+    """The int64 with the bits of the uint64 ``c``."""
+    return c - 2 ** 64 if c >= 2 ** 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (as uint64) by ``s`` in 1..63."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
 
 
 @register_analysis
@@ -683,8 +781,9 @@ class Similarity(Analysis):
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         rows = {t: token_view(feats[t], self.view, self.num_prefix_tokens, self.has_cls_token)
                 if feats[t].ndim == 3 else feats[t] for t in self.taps}
-        ids = batch.index.cpu().long()
-        self._keep(ids, subset_keys(ids, self.seed), {t: x.detach().cpu().to(torch.float16) for t, x in rows.items()})
+        ids = batch.index.long()
+        host, (ids,) = gather_to_host([rows[t].detach().to(torch.float16) for t in self.taps], [ids])
+        self._keep(ids, subset_keys(ids, self.seed), dict(zip(self.taps, host, strict=True)))
         self.n_images += len(ids)
 
     def _keep(self, ids: torch.Tensor, keys: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:

@@ -29,28 +29,32 @@ Tensor = torch.Tensor
 
 def knn_classify(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor,
                  ks: tuple[int, ...] = (10, 20, 100, 200), temperature: float = 0.07, num_classes: int | None = None,
-                 chunk: int = 1024) -> dict[int, tuple[float, float]]:
+                 chunk: int = 1024, device: torch.device | str | None = None) -> dict[int, tuple[float, float]]:
     """DINO's weighted k-NN: cosine similarity of L2-normalised features, the k nearest training images
     vote for their class with weight exp(sim / T). Returns {k: (top-1, top-5)} accuracies in [0, 1];
-    k larger than the training set is clipped to it."""
-    train = torch.nn.functional.normalize(train.float(), dim=1)
-    test = torch.nn.functional.normalize(test.float(), dim=1)
+    k larger than the training set is clipped to it. ``device``: where the similarities are computed (default:
+    the training features'); the test rows go there ``chunk`` at a time, and the hits are counted there and
+    read once at the end."""
+    device = train.device if device is None else torch.device(device)
+    train = torch.nn.functional.normalize(train.to(device).float(), dim=1)
+    train_labels = train_labels.to(device)
     c = int(num_classes if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1)
     kmax = min(max(ks), len(train))
-    hits = {k: [0, 0] for k in ks}
+    hits = torch.zeros(len(ks), 2, dtype=torch.long, device=device)
     for s in range(0, len(test), chunk):
-        sim, idx = (test[s:s + chunk] @ train.T).topk(kmax, dim=1)
+        part = torch.nn.functional.normalize(test[s:s + chunk].to(device).float(), dim=1)
+        sim, idx = (part @ train.T).topk(kmax, dim=1)
         votes_lbl = train_labels[idx]
         w = (sim / temperature).exp()
-        y = test_labels[s:s + chunk, None]
-        for k in ks:
+        y = test_labels[s:s + chunk, None].to(device)
+        for i, k in enumerate(ks):
             kk = min(k, kmax)
-            scores = torch.zeros(len(y), c).scatter_add_(1, votes_lbl[:, :kk], w[:, :kk])
+            scores = torch.zeros(len(y), c, device=device).scatter_add_(1, votes_lbl[:, :kk], w[:, :kk])
             top = scores.topk(min(5, c), dim=1).indices
-            hits[k][0] += int((top[:, :1] == y).any(1).sum())
-            hits[k][1] += int((top == y).any(1).sum())
+            hits[i, 0] += (top[:, :1] == y).any(1).sum()
+            hits[i, 1] += (top == y).any(1).sum()
     n = max(len(test), 1)
-    return {k: (h[0] / n, h[1] / n) for k, h in hits.items()}
+    return {k: (h[0] / n, h[1] / n) for k, h in zip(ks, hits.tolist(), strict=True)}
 
 
 def binomial_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float, float]:
@@ -123,10 +127,13 @@ def class_folds(labels: np.ndarray, folds: int) -> np.ndarray:
     return out
 
 
-def _softmax_loss_grad(p: np.ndarray, x: np.ndarray, onehot: np.ndarray, weight_decay: float
+def _softmax_loss_grad(p: np.ndarray, x: np.ndarray | Tensor, onehot: np.ndarray | Tensor, weight_decay: float
                        ) -> tuple[float, np.ndarray]:
     """Mean cross-entropy of a multinomial logistic regression + weight_decay |W|^2 (bias not penalised), and its
-    gradient; ``p`` holds W (D x C, row-major) then the C biases."""
+    gradient; ``p`` holds W (D x C, row-major) then the C biases. ``x`` a tensor (on an accelerator): computed
+    there (`_softmax_loss_grad_on`)."""
+    if isinstance(x, Tensor):
+        return _softmax_loss_grad_on(p, x, _like(onehot, x), weight_decay)
     n, d = x.shape
     c = onehot.shape[1]
     w, b = p[:d * c].reshape(d, c), p[d * c:]
@@ -139,6 +146,40 @@ def _softmax_loss_grad(p: np.ndarray, x: np.ndarray, onehot: np.ndarray, weight_
     return loss, np.concatenate([(x.T @ g + 2 * weight_decay * w).ravel(), g.sum(0)])
 
 
+def _softmax_loss_grad_on(p: np.ndarray, x: Tensor, onehot: Tensor, weight_decay: float) -> tuple[float, np.ndarray]:
+    """`_softmax_loss_grad` with the rows ``x`` and ``onehot`` float64 tensors on their device: the parameters go
+    there, the loss and gradient come back in one copy."""
+    n, d = x.shape
+    c = onehot.shape[1]
+    pt = torch.from_numpy(np.ascontiguousarray(p)).to(x.device)
+    w, b = pt[:d * c].reshape(d, c), pt[d * c:]
+    z = x @ w + b
+    z = z - z.max(1, keepdim=True).values
+    e = z.exp()
+    s = e.sum(1, keepdim=True)
+    loss = -(onehot * (z - s.log())).sum() / n + weight_decay * (w * w).sum()
+    g = (e / s - onehot) / n
+    out = torch.cat([loss.reshape(1), (x.T @ g + 2 * weight_decay * w).reshape(-1), g.sum(0)]).cpu().numpy()
+    return float(out[0]), out[1:]
+
+
+def _like(a: np.ndarray | Tensor, x: Tensor) -> Tensor:
+    """``a`` as a float64 tensor on ``x``'s device."""
+    return torch.as_tensor(a, dtype=torch.float64).to(x.device)
+
+
+def _rows(x: np.ndarray | Tensor, mask: np.ndarray) -> np.ndarray | Tensor:
+    """The rows of ``x`` (an array, or a tensor on any device) where the bool array ``mask`` is True."""
+    if isinstance(x, Tensor):
+        return x[torch.from_numpy(np.flatnonzero(mask)).to(x.device)]
+    return x[mask]
+
+
+def _times(x: np.ndarray | Tensor, a: np.ndarray) -> np.ndarray | Tensor:
+    """``x @ a``, on ``x``'s device when it is a tensor."""
+    return x @ _like(a, x) if isinstance(x, Tensor) else x @ a
+
+
 def _lbfgs(x: np.ndarray, onehot: np.ndarray, weight_decay: float, max_iter: int, tol: float = 1e-4,
            start: np.ndarray | None = None) -> tuple[np.ndarray, int]:
     """The probe's objective minimised by SciPy's L-BFGS-B with scikit-learn's settings for its `lbfgs` solver
@@ -147,14 +188,19 @@ def _lbfgs(x: np.ndarray, onehot: np.ndarray, weight_decay: float, max_iter: int
     rows, 100-800 features: scikit-learn's per-iteration dispatch costs as much as the arithmetic; measured with
     benchmarks/probes.py). -> (parameters, iterations)."""
     d, c = x.shape[1], onehot.shape[1]
+    if isinstance(x, Tensor):
+        onehot = _like(onehot, x)
     p0 = np.zeros(d * c + c) if start is None else start
     r = minimize(_softmax_loss_grad, p0, args=(x, onehot, weight_decay), jac=True, method="L-BFGS-B",
                  options={"maxiter": max_iter, "gtol": tol, "maxls": 50, "ftol": 64 * np.finfo(float).eps})
     return r.x, int(r.nit)
 
 
-def _logits(p: np.ndarray, x: np.ndarray, c: int) -> np.ndarray:
+def _logits(p: np.ndarray, x: np.ndarray | Tensor, c: int) -> np.ndarray:
+    """(n, C) logits of rows ``x`` (a tensor: computed on its device, returned on the host)."""
     d = x.shape[1]
+    if isinstance(x, Tensor):
+        return (x @ _like(p[:d * c].reshape(d, c), x) + _like(p[d * c:], x)).cpu().numpy()
     return x @ p[:d * c].reshape(d, c) + p[d * c:]
 
 
@@ -165,6 +211,12 @@ def principal_axes(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     outside the rows' span change no logit and are 0 at the optimum), its weights uncorrelated to first order,
     so a per-axis scale preconditions it."""
     n, d = x.shape
+    if isinstance(x, Tensor):  # on its device; the axes and their variances come back as arrays
+        if n >= d:
+            s, axes = torch.linalg.eigh(x.T @ x)
+            return axes.cpu().numpy(), np.maximum(s.cpu().numpy(), 0.0) / n
+        _, sv, vt = torch.linalg.svd(x, full_matrices=False)
+        return vt.T.cpu().numpy(), sv.cpu().numpy() ** 2 / n
     if n >= d:
         s, axes = np.linalg.eigh(x.T @ x)
         return axes, np.maximum(s, 0.0) / n
@@ -185,6 +237,8 @@ def _lbfgs_axes(x: np.ndarray, onehot: np.ndarray, weight_decay: float, max_iter
     features a tuned probe takes about half the time it took with `_lbfgs` (benchmarks/probe_tuning.py).
     -> (parameters in the axes' coordinates, iterations, converged)."""
     r, c = x.shape[1], onehot.shape[1]
+    if isinstance(x, Tensor):
+        onehot = _like(onehot, x)
     if start is None:  # equal class probabilities
         h = (c - 1) / c ** 2
         hw, hb = np.repeat(h * variances, c), np.full(c, h)
@@ -193,7 +247,8 @@ def _lbfgs_axes(x: np.ndarray, onehot: np.ndarray, weight_decay: float, max_iter
         pr = np.exp(z - z.max(1, keepdims=True))
         pr /= pr.sum(1, keepdims=True)
         pq = pr * (1 - pr)
-        hw, hb = ((x * x).T @ pq).ravel() / len(x), pq.mean(0)
+        xx = ((x * x).T @ _like(pq, x)).cpu().numpy() if isinstance(x, Tensor) else (x * x).T @ pq
+        hw, hb = xx.ravel() / len(x), pq.mean(0)
     scale = np.concatenate([1 / np.sqrt(hw + 2 * weight_decay), 1 / np.sqrt(np.maximum(hb, 1e-4))])
     p = np.zeros(r * c + c) if start is None else start
     loss, g = _softmax_loss_grad(p, x, onehot, weight_decay)
@@ -239,7 +294,7 @@ def choose_weight_decay(x: np.ndarray, y: np.ndarray, grid: Sequence[float], fol
         return grid[0], {}, None
     if axes is None:
         rot, var = principal_axes(x)
-        best, acc, start = choose_weight_decay(x @ rot, y, grid, folds, max_iter, tol, patience,
+        best, acc, start = choose_weight_decay(_times(x, rot), y, grid, folds, max_iter, tol, patience,
                                                (rot, var))
         return best, acc, None if start is None else _rotate(start, rot, int(y.max()) + 1)
     c = int(y.max()) + 1
@@ -251,8 +306,8 @@ def choose_weight_decay(x: np.ndarray, y: np.ndarray, grid: Sequence[float], fol
     for lam in grid:
         hits = 0
         for i, (tr, va) in enumerate(parts):
-            params[i], _, _ = _lbfgs_axes(x[tr], onehot[tr], lam, max_iter, axes[1], axes[0], tol, params[i])
-            hits += int((_logits(params[i], x[va], c).argmax(1) == y[va]).sum())
+            params[i], _, _ = _lbfgs_axes(_rows(x, tr), onehot[tr], lam, max_iter, axes[1], axes[0], tol, params[i])
+            hits += int((_logits(params[i], _rows(x, va), c).argmax(1) == y[va]).sum())
         acc[lam] = hits / sum(int(va.sum()) for _, va in parts)
         at[lam] = np.mean(params, 0)
         if acc[lam] > acc[best]:
@@ -270,10 +325,15 @@ def _rotate(p: np.ndarray, axes: np.ndarray, c: int) -> np.ndarray:
     return np.concatenate([(axes @ p[:r * c].reshape(r, c)).ravel(), p[r * c:]])
 
 
+#: device types where `fit_probe` keeps the features (and the products with them) on the device; elsewhere (the
+#: CPU) it works in NumPy. Tests add "cpu" to run the device path on the CPU.
+ACCELERATED = ("cuda",)
+
+
 def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Tensor, *, standardize: bool = True,
               weight_decay: float = 1e-4, max_iter: int = 100, num_classes: int | None = None, warn: bool = True,
-              tune: bool = False, grid: Sequence[float] = PROBE_GRID, folds: int = 2, where: str = "linear probe"
-              ) -> ProbeFit:
+              tune: bool = False, grid: Sequence[float] = PROBE_GRID, folds: int = 2, where: str = "linear probe",
+              device: torch.device | str | None = None) -> ProbeFit:
     """Multinomial logistic regression (L-BFGS, `_lbfgs`), loss = mean cross-entropy + ``weight_decay`` x
     |W|^2 (bias not penalised). ``standardize``: features normalised with the training mean and std first (what
     a BatchNorm without affine parameters does at convergence). ``tune``: the weight decay is chosen from
@@ -281,13 +341,24 @@ def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Te
     (both in the rows' `principal_axes`, preconditioned: `_lbfgs_axes`), to a gradient of at most 1e-4.
     At most ``max_iter`` iterations; a tuned fit that does not converge warns (`ResultWarning`, prefixed by
     ``where``). Classes absent from the training labels get a score below every other; a training set of
-    fewer than two classes warns: the probe then predicts its one class everywhere."""
+    fewer than two classes warns: the probe then predicts its one class everywhere.
+
+    ``device`` (a GPU, see `ACCELERATED`): the features are standardised, rotated and multiplied there, in
+    float64 (L-BFGS itself, on the parameters, stays on the host); the same problem, so the same optimum up to
+    the rounding of the products. Otherwise (default, the CPU) in NumPy, as always."""
+    on = torch.device(device) if device is not None else None
     with few_threads(train.numel() + test.numel()):  # a few hundred rows: a second thread only spins
         c = int(num_classes) if num_classes is not None else int(max(train_labels.max(), test_labels.max())) + 1
-        x, xt = train.double().numpy(), test.double().numpy()
-        if standardize:
-            mu, sd = x.mean(0), np.maximum(x.std(0, ddof=1), 1e-6)
-            x, xt = (x - mu) / sd, (xt - mu) / sd
+        if on is not None and on.type in ACCELERATED:
+            x, xt = train.to(on).double(), test.to(on).double()
+            if standardize:
+                mu, sd = x.mean(0), x.std(0, correction=1).clamp_min(1e-6)
+                x, xt = (x - mu) / sd, (xt - mu) / sd
+        else:
+            x, xt = train.double().numpy(), test.double().numpy()
+            if standardize:
+                mu, sd = x.mean(0), np.maximum(x.std(0, ddof=1), 1e-6)
+                x, xt = (x - mu) / sd, (xt - mu) / sd
         y = train_labels.numpy()
         scores = torch.full((len(xt), c), float("nan"), dtype=torch.float64)
         classes = np.unique(y)
@@ -300,7 +371,7 @@ def fit_probe(train: Tensor, train_labels: Tensor, test: Tensor, test_labels: Te
             pos = np.searchsorted(classes, y)  # the training classes as positions 0..C'-1
             if tune:  # in the training rows' principal axes (the same problem, preconditioned)
                 rot, var = principal_axes(x)
-                x, xt = x @ rot, xt @ rot
+                x, xt = _times(x, rot), _times(xt, rot)
                 lam, cv, start = choose_weight_decay(x, pos, grid, folds, max_iter, axes=(rot, var))
                 params, iters, converged = _lbfgs_axes(x, np.eye(len(classes))[pos], lam, max_iter, var, rot,
                                                        start=start)
@@ -368,12 +439,76 @@ def purity(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:
     return float(m.max(axis=0).sum() / m.sum())
 
 
-def kmeans_scores(feats: np.ndarray, labels: np.ndarray, k: int, seed: int = 0, n_init: int = 1) -> dict[str, float]:
+def kmeans_scores(feats: np.ndarray | Tensor, labels: np.ndarray, k: int, seed: int = 0, n_init: int = 1,
+                  device: torch.device | str | None = None) -> dict[str, float]:
     """k-means (scikit-learn, k-means++ seeding, fixed seed; ``n_init`` restarts, 1 = scikit-learn's default for
-    k-means++) on the features in float32; purity, NMI and ARI against labels."""
-    pred = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(np.asarray(feats, dtype=np.float32))
+    k-means++) on the features in float32; purity, NMI and ARI against labels. ``device`` a GPU (`ACCELERATED`):
+    the same algorithm in torch there (`kmeans_torch`: its own random draws, so its clusters are not
+    scikit-learn's on the same seed)."""
+    on = torch.device(device) if device is not None else None
+    if on is not None and on.type in ACCELERATED:
+        pred = kmeans_torch(torch.as_tensor(feats).to(on), k, seed=seed, n_init=n_init).cpu().numpy()
+    else:
+        x = feats.float().cpu().numpy() if isinstance(feats, Tensor) else np.asarray(feats, dtype=np.float32)
+        pred = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(x)
     return {"purity": purity(labels, pred), "nmi": float(normalized_mutual_info_score(labels, pred)),
             "ari": float(adjusted_rand_score(labels, pred))}
+
+
+def kmeans_torch(x: Tensor, k: int, seed: int = 0, n_init: int = 1, max_iter: int = 300, tol: float = 1e-4
+                 ) -> Tensor:
+    """k-means of the rows of ``x`` on their device, as scikit-learn's `KMeans` (Lloyd): greedy k-means++
+    seeding (2 + log k candidates per centre, drawn in proportion to the squared distance to the nearest centre
+    so far), at most ``max_iter`` iterations, stopped when the centres move by at most ``tol`` times the mean
+    feature variance (squared, summed), the best of ``n_init`` runs by inertia; an emptied cluster keeps its
+    centre. Random draws from a torch generator seeded with ``seed``. -> (n,) cluster of each row."""
+    x = x.float()
+    n = len(x)
+    gen = torch.Generator(device=x.device).manual_seed(int(seed))
+    threshold = tol * x.var(0, correction=0).mean()
+    sq = x.square().sum(1)
+    best, best_inertia = None, None
+    for _ in range(max(int(n_init), 1)):
+        centres = _kmeans_pp(x, sq, k, gen)
+        for _ in range(max_iter):
+            assign = _nearest(x, sq, centres)[1]
+            sums = torch.zeros_like(centres).index_add_(0, assign, x)
+            counts = torch.zeros(k, device=x.device).index_add_(0, assign, torch.ones(n, device=x.device))
+            moved = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centres)
+            shift = (moved - centres).square().sum()
+            centres = moved
+            if bool(shift <= threshold):
+                break
+        dist, assign = _nearest(x, sq, centres)
+        inertia = float(dist.sum())
+        if best_inertia is None or inertia < best_inertia:
+            best, best_inertia = assign, inertia
+    return best
+
+
+def _nearest(x: Tensor, sq: Tensor, centres: Tensor) -> tuple[Tensor, Tensor]:
+    """(squared distance of each row to its nearest centre, that centre's index)."""
+    d = (sq[:, None] - 2 * x @ centres.T + centres.square().sum(1)[None]).clamp_min(0)
+    return d.min(1)
+
+
+def _kmeans_pp(x: Tensor, sq: Tensor, k: int, gen: torch.Generator) -> Tensor:
+    """scikit-learn's greedy k-means++ seeding, on ``x``'s device."""
+    n = len(x)
+    trials = 2 + int(np.log(k))
+    first = torch.randint(n, (1,), generator=gen, device=x.device)
+    centres = [x[first]]
+    closest = _nearest(x, sq, centres[0])[0]
+    for _ in range(1, k):
+        total = closest.sum()
+        weights = closest / total if bool(total > 0) else torch.full_like(closest, 1.0 / n)
+        cand = torch.multinomial(weights, trials, replacement=True, generator=gen)
+        d = (sq[:, None] - 2 * x @ x[cand].T + sq[cand][None]).clamp_min(0)  # (n, trials)
+        pot = torch.minimum(closest[:, None], d)
+        pick = pot.sum(0).argmin()
+        closest = pot[:, pick]
+        centres.append(x[cand[pick]][None])
+    return torch.cat(centres)
 
 
 def kendall_tau_b_rows(a: Tensor, b: Tensor, chunk: int = 256) -> Tensor:
