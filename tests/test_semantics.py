@@ -488,7 +488,6 @@ def test_finalize_steps_take_a_device_and_compute_identically_on_the_cpu():
         b = S.fit_probe(x[tr], y[tr], x[te], y[te], tune=tune)
         assert (a.accuracy, a.weight_decay, a.iterations) == (b.accuracy, b.weight_decay, b.iterations)
         assert torch.equal(a.scores, b.scores)
-    assert S.kmeans_scores(x, y.numpy(), k=4, device="cpu") == S.kmeans_scores(x.numpy(), y.numpy(), k=4)
 
 
 @pytest.mark.parametrize("tune", [False, True])
@@ -502,15 +501,3 @@ def test_the_probes_device_path_solves_the_same_problem(monkeypatch, tune):
     assert got.accuracy == want.accuracy and got.weight_decay == want.weight_decay
     assert abs(got.iterations - want.iterations) <= 2
     assert torch.allclose(got.scores, want.scores, rtol=1e-4, atol=1e-4)
-
-
-def test_torch_kmeans_finds_what_scikit_learn_finds_on_separated_blobs(monkeypatch):
-    rng = np.random.default_rng(0)
-    centres = rng.normal(0, 10, (5, 6))
-    labels = np.repeat(np.arange(5), 30)
-    blobs = torch.from_numpy(centres[labels] + rng.normal(0, 0.3, (150, 6))).float()
-    pred = S.kmeans_torch(blobs, 5, seed=2, n_init=2)
-    assert pred.shape == (150,) and S.purity(labels, pred.numpy()) == 1.0
-    monkeypatch.setattr(S, "ACCELERATED", ("cuda", "cpu"))
-    assert S.kmeans_scores(blobs, labels, k=5, device="cpu") == S.kmeans_scores(blobs.numpy(), labels, k=5) == \
-        {"purity": 1.0, "nmi": pytest.approx(1.0), "ari": pytest.approx(1.0)}

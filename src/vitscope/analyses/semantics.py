@@ -242,8 +242,7 @@ class Semantics(Analysis):
                                      "probe_weight_decay": probe.weight_decay, "probe_iterations": probe.iterations}
         k = n_classes
         if kmeans and len(x) > k > 1:
-            scores = S.kmeans_scores(x.float(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init,
-                                     device=x.device)
+            scores = S.kmeans_scores(x.float(), y.numpy(), k=k, seed=self.seed, n_init=self.kmeans_n_init)
             for m, v in scores.items():
                 out[f"kmeans_{m}"] = scored(v, len(x)) if m == "purity" else {"value": v}
         return out

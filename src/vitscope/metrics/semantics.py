@@ -439,76 +439,17 @@ def purity(labels_true: np.ndarray, labels_pred: np.ndarray) -> float:
     return float(m.max(axis=0).sum() / m.sum())
 
 
-def kmeans_scores(feats: np.ndarray | Tensor, labels: np.ndarray, k: int, seed: int = 0, n_init: int = 1,
-                  device: torch.device | str | None = None) -> dict[str, float]:
+def kmeans_scores(feats: np.ndarray | Tensor, labels: np.ndarray, k: int, seed: int = 0, n_init: int = 1
+                  ) -> dict[str, float]:
     """k-means (scikit-learn, k-means++ seeding, fixed seed; ``n_init`` restarts, 1 = scikit-learn's default for
-    k-means++) on the features in float32; purity, NMI and ARI against labels. ``device`` a GPU (`ACCELERATED`):
-    the same algorithm in torch there (`kmeans_torch`: its own random draws, so its clusters are not
-    scikit-learn's on the same seed)."""
-    on = torch.device(device) if device is not None else None
-    if on is not None and on.type in ACCELERATED:
-        pred = kmeans_torch(torch.as_tensor(feats).to(on), k, seed=seed, n_init=n_init).cpu().numpy()
-    else:
-        x = feats.float().cpu().numpy() if isinstance(feats, Tensor) else np.asarray(feats, dtype=np.float32)
-        pred = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(x)
+    k-means++) on the features in float32; purity, NMI and ARI against labels. On the host whatever the model's
+    device: a k-means of another library (or on a GPU, with other random draws) gives other clusters on the same
+    seed, so a study's k-means scores would depend on where it ran; at the rows the analyses keep (``max_images``)
+    this is seconds per layer."""
+    x = feats.float().cpu().numpy() if isinstance(feats, Tensor) else np.asarray(feats, dtype=np.float32)
+    pred = KMeans(n_clusters=k, n_init=n_init, random_state=seed).fit_predict(x)
     return {"purity": purity(labels, pred), "nmi": float(normalized_mutual_info_score(labels, pred)),
             "ari": float(adjusted_rand_score(labels, pred))}
-
-
-def kmeans_torch(x: Tensor, k: int, seed: int = 0, n_init: int = 1, max_iter: int = 300, tol: float = 1e-4
-                 ) -> Tensor:
-    """k-means of the rows of ``x`` on their device, as scikit-learn's `KMeans` (Lloyd): greedy k-means++
-    seeding (2 + log k candidates per centre, drawn in proportion to the squared distance to the nearest centre
-    so far), at most ``max_iter`` iterations, stopped when the centres move by at most ``tol`` times the mean
-    feature variance (squared, summed), the best of ``n_init`` runs by inertia; an emptied cluster keeps its
-    centre. Random draws from a torch generator seeded with ``seed``. -> (n,) cluster of each row."""
-    x = x.float()
-    n = len(x)
-    gen = torch.Generator(device=x.device).manual_seed(int(seed))
-    threshold = tol * x.var(0, correction=0).mean()
-    sq = x.square().sum(1)
-    best, best_inertia = None, None
-    for _ in range(max(int(n_init), 1)):
-        centres = _kmeans_pp(x, sq, k, gen)
-        for _ in range(max_iter):
-            assign = _nearest(x, sq, centres)[1]
-            sums = torch.zeros_like(centres).index_add_(0, assign, x)
-            counts = torch.zeros(k, device=x.device).index_add_(0, assign, torch.ones(n, device=x.device))
-            moved = torch.where(counts[:, None] > 0, sums / counts.clamp_min(1)[:, None], centres)
-            shift = (moved - centres).square().sum()
-            centres = moved
-            if bool(shift <= threshold):
-                break
-        dist, assign = _nearest(x, sq, centres)
-        inertia = float(dist.sum())
-        if best_inertia is None or inertia < best_inertia:
-            best, best_inertia = assign, inertia
-    return best
-
-
-def _nearest(x: Tensor, sq: Tensor, centres: Tensor) -> tuple[Tensor, Tensor]:
-    """(squared distance of each row to its nearest centre, that centre's index)."""
-    d = (sq[:, None] - 2 * x @ centres.T + centres.square().sum(1)[None]).clamp_min(0)
-    return d.min(1)
-
-
-def _kmeans_pp(x: Tensor, sq: Tensor, k: int, gen: torch.Generator) -> Tensor:
-    """scikit-learn's greedy k-means++ seeding, on ``x``'s device."""
-    n = len(x)
-    trials = 2 + int(np.log(k))
-    first = torch.randint(n, (1,), generator=gen, device=x.device)
-    centres = [x[first]]
-    closest = _nearest(x, sq, centres[0])[0]
-    for _ in range(1, k):
-        total = closest.sum()
-        weights = closest / total if bool(total > 0) else torch.full_like(closest, 1.0 / n)
-        cand = torch.multinomial(weights, trials, replacement=True, generator=gen)
-        d = (sq[:, None] - 2 * x @ x[cand].T + sq[cand][None]).clamp_min(0)  # (n, trials)
-        pot = torch.minimum(closest[:, None], d)
-        pick = pot.sum(0).argmin()
-        closest = pot[:, pick]
-        centres.append(x[cand[pick]][None])
-    return torch.cat(centres)
 
 
 def kendall_tau_b_rows(a: Tensor, b: Tensor, chunk: int = 256) -> Tensor:
