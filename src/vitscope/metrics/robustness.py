@@ -11,6 +11,7 @@ ICLR 2019): accuracy per perturbation, its drop from clean, the mean corruption 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,7 +66,14 @@ def imagenet_to_16(logits: Tensor, categories: Sequence[str] = CATEGORIES_16) ->
     if logits.shape[-1] != 1000:
         raise ValueError(f"expected ImageNet-1k logits (N, 1000); got {tuple(logits.shape)}")
     p = logits.double().softmax(-1)
-    return torch.stack([p[:, list(IMAGENET_16_INDICES[c])].mean(1) for c in categories], dim=1)
+    return torch.stack([p.index_select(1, _category_index(c, p.device)).mean(1) for c in categories], dim=1)
+
+
+@functools.cache
+def _category_index(category: str, device: torch.device) -> Tensor:
+    """The ImageNet class indices of ``category`` as a long tensor on ``device``, made once per device: a Python
+    list as an index is copied to the logits' device at every call, which waits for the device's queue."""
+    return torch.tensor(IMAGENET_16_INDICES[category], dtype=torch.long, device=device)
 
 
 # ---------------------------------------------------------------- decisions
