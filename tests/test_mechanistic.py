@@ -1027,3 +1027,26 @@ def test_norm_histogram_counts_each_norm_in_its_bin_of_its_block():
             b = 0 if math.isnan(v) else min(max(math.floor((math.log10(v) + 3) * 100), 0), nb - 1)
             want[layer, b] += 1
     assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_a_state_is_made_of_cpu_copies_that_later_batches_leave_as_they_were():
+    """The sums live on the features' device between batches; ``state_dict`` hands out CPU copies (the cache is
+    device-independent), not the live tensors the next batch adds to."""
+    vm = tiny("vit", num_classes=10)
+    batches = _batches(vm, n=12, bs=6)
+
+    def tensors(state):
+        if isinstance(state, torch.Tensor):
+            return [state]
+        items = state.values() if isinstance(state, dict) else state if isinstance(state, list | tuple) else []
+        return [t for v in items for t in tensors(v)]
+
+    for name, params in (("attention_rollout", {}), ("gradient_rollout", {}), ("logit_lens", {"test_every": 2}),
+                         ("head_ablation", {}), ("high_norm_tokens", {"k": 1.0, "test_every": 2})):
+        a = get_analysis(name)(vm, **params)
+        stream(vm, batches[:1], [a], progress=False)
+        state = a.state_dict()
+        kept = [t.clone() for t in tensors(state)]
+        stream(vm, batches[1:], [a], progress=False)
+        assert all(t.device.type == "cpu" for t in tensors(state)), name
+        assert all(torch.equal(t, k) for t, k in zip(tensors(state), kept, strict=True)), name
