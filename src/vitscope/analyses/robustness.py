@@ -288,8 +288,8 @@ class _Robustness(Analysis):
         return scores.argmax(1), scores.shape[1]
 
     def _add_tally(self, key: str, tally: torch.Tensor) -> None:
-        """Add a batch's tally of head decisions to ``key``'s (moved to the batch's device: a loaded or merged
-        state sits on the CPU until then)."""
+        """Add a tally of head decisions to ``key``'s, on the tally's device (a batch's: a loaded state sits on the
+        CPU until then)."""
         mine = self.heads.get(key)
         if mine is not None and mine.shape != tally.shape:
             raise VitscopeError(f"{self.name}: view {key!r} was tallied over {len(mine) - 2} classes, this batch over "
@@ -309,8 +309,9 @@ class _Robustness(Analysis):
         assert isinstance(other, type(self)) and other.layers == self.layers
         for k, t in other.tables.items():
             self.tables.setdefault(k, PooledTable(len(self.layers))).extend(t)
-        for k, tally in other.heads.items():
-            self._add_tally(k, tally if k not in self.heads else on_device(tally, self.heads[k].device))
+        for k, tally in other.heads.items():  # added on this part's device
+            mine = self.heads.get(k)
+            self._add_tally(k, tally.clone() if mine is None else on_device(tally, mine.device))
         for k, n in other.seen.items():
             self.seen[k] = self.seen.get(k, 0) + n
         self.n_images += other.n_images
@@ -546,10 +547,11 @@ class _ViewAccuracy(_Robustness):
         out: list[dict[str, Any]] = []
         views = [v for v in self._view_order() if v in self.heads or v in self.tables]
         for v in views:
-            acc, n, chance = R.accuracy_of_tally(self.heads[v]) if v in self.heads else (0.0, 0, 0.0)
-            if n:
-                out.append({"readout": "head", "layer": None, "view": v, "value": acc, "n_images": n,
-                            "chance": chance})
+            if v in self.heads:
+                acc, n, chance = R.accuracy_of_tally(self.heads[v])
+                if n:  # none: a severity of a pre-corrupted name that no image had
+                    out.append({"readout": "head", "layer": None, "view": v, "value": acc, "n_images": n,
+                                "chance": chance})
         clean = self.tables.get("clean")
         if self.use_probe and clean is not None and len(clean) > 1:
             y, test = clean.column("labels"), self._split(clean)
