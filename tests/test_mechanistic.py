@@ -4,6 +4,8 @@ derived by hand, and the accumulator protocol (merge, resume)."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -1008,3 +1010,43 @@ progress: false
     out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
     assert fed == [0, 1, 2]  # the resumed run fed only the chunk left (3 chunks of 3 images)
     pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "head_ablation.parquet"), table)
+
+
+def test_norm_histogram_counts_each_norm_in_its_bin_of_its_block():
+    """`HighNormTokens._hist` (index_add_ on the device) against the bins counted one norm at a time."""
+    from vitscope.analyses.mechanistic import NORM_BINS, HighNormTokens
+
+    g = torch.Generator().manual_seed(0)
+    norms = (10 ** (torch.rand(3, 4, 9, generator=g, dtype=torch.float64) * 11 - 4))  # beyond both ends too
+    norms[0, 0, 0] = float("nan")
+    got = HighNormTokens._hist(norms)
+    nb = len(NORM_BINS) - 1
+    want = torch.zeros(3, nb, dtype=torch.float64)
+    for layer in range(3):
+        for v in norms[layer].flatten().tolist():
+            b = 0 if math.isnan(v) else min(max(math.floor((math.log10(v) + 3) * 100), 0), nb - 1)
+            want[layer, b] += 1
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+
+
+def test_a_state_is_made_of_cpu_copies_that_later_batches_leave_as_they_were():
+    """The sums live on the features' device between batches; ``state_dict`` hands out CPU copies (the cache is
+    device-independent), not the live tensors the next batch adds to."""
+    vm = tiny("vit", num_classes=10)
+    batches = _batches(vm, n=12, bs=6)
+
+    def tensors(state):
+        if isinstance(state, torch.Tensor):
+            return [state]
+        items = state.values() if isinstance(state, dict) else state if isinstance(state, list | tuple) else []
+        return [t for v in items for t in tensors(v)]
+
+    for name, params in (("attention_rollout", {}), ("gradient_rollout", {}), ("logit_lens", {"test_every": 2}),
+                         ("head_ablation", {}), ("high_norm_tokens", {"k": 1.0, "test_every": 2})):
+        a = get_analysis(name)(vm, **params)
+        stream(vm, batches[:1], [a], progress=False)
+        state = a.state_dict()
+        kept = [t.clone() for t in tensors(state)]
+        stream(vm, batches[1:], [a], progress=False)
+        assert all(t.device.type == "cpu" for t in tensors(state)), name
+        assert all(torch.equal(t, k) for t, k in zip(tensors(state), kept, strict=True)), name

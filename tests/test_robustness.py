@@ -13,6 +13,7 @@ from vitscope.data.base import Batch
 from vitscope.data.synthetic import SyntheticShapes
 from vitscope.errors import ConfigError, InputError, VitscopeError
 from vitscope.metrics import robustness as R
+from vitscope.metrics.semantics import majority_rate
 from vitscope.models.adapter import ModelInfo
 
 
@@ -748,3 +749,56 @@ def test_band_noise_of_a_float64_batch_is_the_float32_noise_up_to_rounding():
     b = P.band_noise(x.double(), index, 0, band=3)
     assert b.dtype == torch.float64
     torch.testing.assert_close(b.float(), a, rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- tallies the head's decisions leave on the device
+def _tally_reference(d, y, c):
+    """Accuracy, count and majority-class rate written out image by image (the slow way)."""
+    d, y = d.tolist(), y.tolist()
+    n = len(y)
+    if not n:
+        return float("nan"), 0, float("nan")
+    per = [sum(1 for v in y if v == k) for k in range(c)]
+    return sum(a == b for a, b in zip(d, y, strict=True)) / n, n, max(per) / n
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_accuracy_tallies_of_batches_add_up_to_the_accuracy_and_chance_of_all_images(seed):
+    g = torch.Generator().manual_seed(seed)
+    c, n = 7, int(torch.randint(0, 60, (1,), generator=g))
+    d, y = torch.randint(0, c, (n,), generator=g), torch.randint(0, c, (n,), generator=g)
+    keep = torch.rand(n, generator=g) > 0.3
+    cuts = sorted(torch.randint(0, n + 1, (3,), generator=g).tolist())
+    parts = list(zip(d.tensor_split(cuts), y.tensor_split(cuts), keep.tensor_split(cuts), strict=True))
+    total = sum(R.accuracy_tally(a, b, c) for a, b, _ in parts)
+    acc, m, chance = R.accuracy_of_tally(total)
+    want = _tally_reference(d, y, c)
+    assert m == want[1] and (acc, chance) == pytest.approx(want[::2], nan_ok=True)
+    if n:  # the numbers the per-image code gave, bit for bit
+        assert acc == R.accuracy(d, y) and chance == majority_rate(y, y)
+    kept = R.accuracy_of_tally(sum(R.accuracy_tally(a, b, c, k) for a, b, k in parts))
+    want = _tally_reference(d[keep], y[keep], c)
+    assert kept[1] == want[1] and (kept[0], kept[2]) == pytest.approx(want[::2], nan_ok=True)
+
+
+@pytest.mark.parametrize("denominator", ["all", "kept"])
+def test_shape_bias_tallies_of_batches_add_up_to_the_counts_of_all_images(denominator):
+    g = torch.Generator().manual_seed(1)
+    n = 50
+    d, s, t = (torch.randint(0, 4, (n,), generator=g) for _ in range(3))
+    tally = R.shape_bias_tally(d[:17], s[:17], t[:17]) + R.shape_bias_tally(d[17:], s[17:], t[17:])
+    got = R.shape_bias_of_tally(tally, denominator)
+    kept = [(a, b, c) for a, b, c in zip(d.tolist(), s.tolist(), t.tolist(), strict=True) if b != c]
+    n_shape, n_texture = sum(a == b for a, b, _ in kept), sum(a == c for a, _, c in kept)
+    den = n if denominator == "all" else len(kept)
+    assert got == pytest.approx({"shape_bias": n_shape / (n_shape + n_texture), "n_shape": n_shape,
+                                 "n_texture": n_texture, "n_other": len(kept) - n_shape - n_texture,
+                                 "n_images": len(kept), "n_excluded": n - len(kept), "shape_match": n_shape / den,
+                                 "texture_match": n_texture / den})
+
+
+def test_imagenet_to_16_averages_each_categorys_classes_as_a_list_index_does():
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    p = logits.double().softmax(-1)
+    want = torch.stack([p[:, list(R.IMAGENET_16_INDICES[c])].mean(1) for c in R.CATEGORIES_16], 1)
+    assert torch.equal(R.imagenet_to_16(logits), want)

@@ -44,35 +44,62 @@ from vitscope.analyses.splits import TestEvery
 from vitscope.bounds import Count, Iterations, Positive, Range
 from vitscope.capture.engine import taps_paused
 from vitscope.errors import VitscopeError
+from vitscope.host import to_host
 from vitscope.metrics import attention as A
 from vitscope.metrics import mechanistic as M
 from vitscope.metrics.semantics import binomial_interval
 
 
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``; a no-op when it is there already. From the host (a batch's labels or masks, a state
+    read from the cache) without waiting for the device's queue: a copy from the host is staged at once, so
+    ``non_blocking`` is safe in that direction (not in the other: a copy to the host waits for its data)."""
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """A batch's metadata (ids, labels, split flags) on the host, where the loader leaves it: no copy then."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a state tensor on the CPU (the cache is device-independent: a state saved on a GPU loads on a
+    CPU machine); a copy also when it is on the CPU already, so the state handed out is not the live one."""
+    return t.detach().to("cpu", copy=True)
+
+
 class _Means:
-    """Streamed means over images of a ``shape``-d statistic: float64 sums, sums of squares and counts."""
+    """Streamed means over images of a ``shape``-d statistic: float64 sums, sums of squares and counts, kept on
+    the device of the values they are given (moved there at the first `add` after a load or a merge)."""
 
     def __init__(self, *shape: int):
         self.sum = torch.zeros(shape, dtype=torch.float64)
         self.sumsq = torch.zeros(shape, dtype=torch.float64)
         self.count = torch.zeros(shape, dtype=torch.float64)
 
+    def to(self, device: torch.device) -> None:
+        """Move the sums to ``device`` (where the next values are)."""
+        self.sum, self.sumsq, self.count = (on_device(t, device) for t in (self.sum, self.sumsq, self.count))
+
     def add(self, values: torch.Tensor, ok: torch.Tensor | None = None) -> None:
         """Values ``(B, *shape)``; ``ok`` (same shape, bool) selects those that count (NaN never does)."""
-        v = values.double().cpu()
-        ok = ~torch.isnan(v) if ok is None else ok.cpu() & ~torch.isnan(v)
+        v = values.double()
+        self.to(v.device)
+        ok = ~torch.isnan(v) if ok is None else on_device(ok, v.device) & ~torch.isnan(v)
         v = torch.where(ok, v, 0.0)
         self.sum += v.sum(0)
         self.sumsq += v.square().sum(0)
         self.count += ok.sum(0)
 
     def merge(self, other: _Means) -> None:
-        self.sum += other.sum
-        self.sumsq += other.sumsq
-        self.count += other.count
+        """Add ``other``'s sums (moved to this one's device)."""
+        dev = self.sum.device
+        self.sum += on_device(other.sum, dev)
+        self.sumsq += on_device(other.sumsq, dev)
+        self.count += on_device(other.count, dev)
 
     def state(self) -> dict[str, torch.Tensor]:
-        return {"sum": self.sum.clone(), "sumsq": self.sumsq.clone(), "count": self.count.clone()}
+        return {"sum": host_copy(self.sum), "sumsq": host_copy(self.sumsq), "count": host_copy(self.count)}
 
     @classmethod
     def of_values(cls, values: torch.Tensor) -> _Means:
@@ -96,12 +123,15 @@ class _Means:
 
 
 class _Mechanistic(Analysis):
-    """Shared plumbing: settings that must agree to merge, and the tensors of the state."""
+    """Shared plumbing: settings that must agree to merge, and the tensors of the state. The sums (``_MEANS``,
+    ``_TENSORS``, and ``_ON_DEVICE``: state a batch reads, not summed) live on the features' device between
+    batches (`_to_device` at each update); ``state_dict`` hands out CPU copies."""
 
     in_default_study = False
 
     _MEANS: tuple[str, ...] = ()
     _TENSORS: tuple[str, ...] = ()
+    _ON_DEVICE: tuple[str, ...] = ()
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers)}
@@ -113,20 +143,32 @@ class _Mechanistic(Analysis):
         if mine != theirs:
             raise VitscopeError(f"{self.name}: cannot merge parts computed with different settings: {mine} vs {theirs}")
 
+    def _to_device(self, device: torch.device) -> None:
+        """Move the state's sums to ``device`` (the incoming features'): a no-op after the first batch."""
+        for k in self._MEANS:
+            getattr(self, k).to(device)
+        for k in (*self._TENSORS, *self._ON_DEVICE):
+            setattr(self, k, on_device(getattr(self, k), device))
+
+    def _add_tensors(self, other: _Mechanistic, names: Sequence[str]) -> None:
+        """Add ``other``'s tensors ``names`` to this one's (moved to this one's device)."""
+        for k in names:
+            mine = getattr(self, k)
+            mine.add_(on_device(getattr(other, k), mine.device))
+
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         self._check_grid_merge(other)
         for k in self._MEANS:
             getattr(self, k).merge(getattr(other, k))
-        for k in self._TENSORS:
-            getattr(self, k).add_(getattr(other, k))
+        self._add_tensors(cast(_Mechanistic, other), self._TENSORS)
         self.n_images += other.n_images
         self.n_masked += other.n_masked
 
     def state_dict(self) -> dict[str, Any]:
         return {"settings": self._settings(), "grid": list(self.grid_size), "n_images": self.n_images,
                 "n_masked": self.n_masked, **{k: getattr(self, k).state() for k in self._MEANS},
-                **{k: getattr(self, k).clone() for k in self._TENSORS}}
+                **{k: host_copy(getattr(self, k)) for k in self._TENSORS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for k, v in state["settings"].items():
@@ -203,15 +245,16 @@ class AttentionRollout(_Mechanistic):
             return
         g, p = self.pass_grid(batch), self.num_prefix_tokens
         rows = self._rows(feats, batch)  # (B, L, T)
+        self._to_device(rows.device)
         maps = rows[..., p:]
         maps = maps / maps.sum(-1, keepdim=True).clamp_min(A.EPS)
-        self.map_sum += maps.sum(0, dtype=torch.float64).reshape(len(self.layers), *g).cpu()
+        self.map_sum += maps.sum(0, dtype=torch.float64).reshape(len(self.layers), *g)
         self.n_images += len(batch)
         if batch.masks is None:
             return
         cls = torch.stack([feats[f"block{i}.attn"][:, :, 0, p:].mean(1) for i in self.layers], 1)
-        iou = _saliency_iou_of(torch.cat([maps, cls.to(maps.dtype)], 1), batch.masks.to(maps.device), g, self.mass)
-        iou = iou.double().cpu()
+        masks = on_device(batch.masks, maps.device)
+        iou = _saliency_iou_of(torch.cat([maps, cls.to(maps.dtype)], 1), masks, g, self.mass).double()
         L = len(self.layers)
         self.iou_rollout.add(iou[:, :L])
         self.iou_cls.add(iou[:, L:])
@@ -227,14 +270,15 @@ class AttentionRollout(_Mechanistic):
         return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
 
     def mean_maps(self) -> torch.Tensor:
-        """``(layers, h, w)`` float64 mean rollout map over the images seen."""
-        return self.map_sum / max(self.n_images, 1)
+        """``(layers, h, w)`` float64 mean rollout map over the images seen (on the CPU)."""
+        return self.map_sum.cpu() / max(self.n_images, 1)
 
     def finalize(self) -> pd.DataFrame:
         if not self.has_cls_token:
             warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS row to roll "
                           "out; the table is empty", UserWarning, stacklevel=2)
             return self.tidy([])
+        self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows: list[dict[str, Any]] = []
         if self.n_images:
             m = self.mean_maps()
@@ -425,18 +469,20 @@ class LogitLens(_Mechanistic):
         from vitscope.analyses.robustness import head_scores
 
         final = feats["logits"].double()
+        self._to_device(final.device)
         top_final = final.argmax(-1)
         classes = self._covered_classes() if batch.labels is not None else None
+        labels = on_device(batch.labels, final.device) if classes is not None else None
         kls, agree, correct = [], [], []
         for i in self.layers:
             lg = self._read(feats[f"block{i}.out"], pre_logits=False).double()
             kls.append(M.kl_to_final(lg, final))
             agree.append((lg.argmax(-1) == top_final).double().sum())
             if classes is not None:
-                scores = head_scores(cast(str, self.head_space), classes, lg.cpu())
-                correct.append((scores.argmax(-1) == batch.labels.cpu()).double().sum())
+                scores = head_scores(cast(str, self.head_space), classes, lg)
+                correct.append((scores.argmax(-1) == labels).double().sum())
         self.kl.add(torch.stack(kls, 1))
-        self.agree += torch.stack(agree).cpu()
+        self.agree += torch.stack(agree)
         if classes is not None:
             self.correct += torch.stack(correct)
             self.scored += B
@@ -447,12 +493,12 @@ class LogitLens(_Mechanistic):
         if batch.labels is None:
             return
         x = torch.stack([self._read(feats[f"block{i}.out"], pre_logits=True) for i in self.layers], 1)
-        x = x.detach().float().cpu()
+        x = x.detach().float().cpu()  # the batch's one copy: the kept rows live on the host
         if not len(self.ids):
             self.pooled = torch.zeros(0, *x.shape[1:])
-        test = batch.is_test.cpu().bool() if batch.is_test is not None else torch.zeros(len(batch), dtype=torch.bool)
+        test = on_host(batch.is_test).bool() if batch.is_test is not None else torch.zeros(len(batch), dtype=torch.bool)
         self.own_split = self.own_split or batch.is_test is not None
-        self._keep(batch.index.cpu().long(), batch.labels.cpu().long(), test, x)
+        self._keep(on_host(batch.index).long(), on_host(batch.labels).long(), test, x)
         self.n_masked += len(batch)
 
     def _keep(self, ids: torch.Tensor, labels: torch.Tensor, test: torch.Tensor, x: torch.Tensor) -> None:
@@ -468,8 +514,7 @@ class LogitLens(_Mechanistic):
         self._check_mergeable(other)
         o = cast(LogitLens, other)
         self.kl.merge(o.kl)
-        for k in self._TENSORS:
-            getattr(self, k).add_(getattr(o, k))
+        self._add_tensors(o, self._TENSORS)
         if len(o.ids):
             if not len(self.ids):
                 self.pooled = torch.zeros(0, *o.pooled.shape[1:])
@@ -489,6 +534,7 @@ class LogitLens(_Mechanistic):
         self.own_split = bool(state["own_split"])
 
     def finalize(self) -> pd.DataFrame:
+        self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows = self._probe_rows() if self.readout == "probe" else self._head_rows()
         df = self.tidy(rows)
         df["n_images"] = self.n_images
@@ -620,6 +666,7 @@ class HighNormTokens(_Mechanistic):
     description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
     _TENSORS = ("hist", "reg_hist", "lo_hi", "positions", "with_outliers")
+    _ON_DEVICE = ("thresholds",)
 
     def __init__(self, vm: Any, layers: Any = None, k: Positive = 6.0, knn: bool = True, knn_k: Count = 20,
                  max_images: Count = 1000, test_every: TestEvery = 5, rule: Literal["mad", "bimodal"] = "mad",
@@ -697,11 +744,14 @@ class HighNormTokens(_Mechanistic):
 
     @staticmethod
     def _hist(norms: torch.Tensor) -> torch.Tensor:
-        """``(L, ...)`` norms -> ``(L, bins)`` counts on `NORM_BINS` (one bincount for every block)."""
-        nb = len(NORM_BINS) - 1
+        """``(L, ...)`` norms -> ``(L, bins)`` float64 counts on `NORM_BINS`, on the norms' device: one
+        ``index_add_`` for every block (its output has a fixed size, unlike ``bincount``'s, so the host never
+        waits for it; counts of ones in float64 are exact)."""
+        nb, dev = len(NORM_BINS) - 1, norms.device
         idx = ((torch.log10(norms.flatten(1)) + 3) * 100).floor_().nan_to_num_(0).clamp_(0, nb - 1).long()
-        idx += nb * torch.arange(len(norms), device=norms.device)[:, None]
-        return torch.bincount(idx.reshape(-1), minlength=nb * len(norms)).reshape(len(norms), nb).double().cpu()
+        idx = (idx + nb * torch.arange(len(norms), device=dev)[:, None]).reshape(-1)
+        counts = torch.zeros(len(norms) * nb, dtype=torch.float64, device=dev)
+        return counts.index_add_(0, idx, torch.ones(len(idx), dtype=torch.float64, device=dev)).reshape(len(norms), nb)
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         g, p = self.pass_grid(batch), self.num_prefix_tokens
@@ -709,11 +759,13 @@ class HighNormTokens(_Mechanistic):
         # (L, B, S) patch norms (float32 norms of float32 tokens, then float64) and outlier flags, every block
         xs = [feats[f"block{i}.out"] for i in self.layers]
         norms = torch.stack([torch.linalg.vector_norm(t[:, p:], dim=-1) for t in xs]).double()
+        dev = norms.device
+        self._to_device(dev)
         if self.rule == "bimodal":
             if not self.threshold_n:
                 raise VitscopeError(f"{self.name}: rule 'bimodal' needs its thresholds from the statistics pass: "
                                     "call prepare(vm, first_images) before the first batch (a study does)")
-            out = torch.log10(norms) > self.thresholds[0].to(norms.device)[:, None, None]
+            out = torch.log10(norms) > self.thresholds[0][:, None, None]
         else:
             out = M.robust_outliers(norms, self.k)
         self.hist += self._hist(norms)
@@ -724,47 +776,63 @@ class HighNormTokens(_Mechanistic):
             lo_hi += [rn.amin((1, 2)), -rn.amax((1, 2))]
         else:
             lo_hi += [torch.full_like(lo_hi[0], float("inf"))] * 2
-        self.lo_hi = torch.minimum(self.lo_hi, torch.stack(lo_hi, 1).cpu())
-        out_c = out.cpu()
-        n_out = out_c.sum(-1).double()  # (L, B)
+        self.lo_hi = torch.minimum(self.lo_hi, torch.stack(lo_hi, 1))
+        outf = out.double()  # (L, B, S) 0 / 1
+        n_out = outf.sum(-1)  # (L, B)
         self.count.add(n_out.T)
         self.with_outliers += (n_out > 0).sum(1).double()
-        self.positions += out_c.double().sum(1).reshape(L, *g)  # images with an outlier at each patch
+        self.positions += outf.sum(1).reshape(L, *g)  # images with an outlier at each patch
         # pixel variance of each patch of the model's input, (B, S), in grid order
-        img = batch.images.float()[..., :g[0] * ps, :g[1] * ps].reshape(B, -1, g[0], ps, g[1], ps)
-        var = img.var(dim=(1, 3, 5), unbiased=False).reshape(B, S).double().cpu()
-        ok_out = out_c.permute(1, 2, 0).reshape(B * S, L)
+        img = on_device(batch.images, dev).float()[..., :g[0] * ps, :g[1] * ps].reshape(B, -1, g[0], ps, g[1], ps)
+        var = img.var(dim=(1, 3, 5), unbiased=False).reshape(B, S).double()
+        ok_out = out.permute(1, 2, 0).reshape(B * S, L)
         self.var_out.add(var.reshape(-1, 1).expand(-1, L), ok_out)
         self.var_all.add(var.reshape(-1, 1).expand(-1, L))
         if batch.masks is not None:
-            fg = A._masks_to_grid(batch.masks, g, B).cpu().double().reshape(-1, 1).expand(-1, L)
+            fg = on_device(A._masks_to_grid(batch.masks, g, B), dev).double().reshape(-1, 1).expand(-1, L)
             self.fg_out.add(fg, ok_out)
             self.fg_all.add(fg)
             self.n_masked += B
-        nxt = [j for j, i in enumerate(self.layers) if self.has_cls_token and i + 1 < self.depth]
-        if nxt:
-            cls = torch.stack([feats[f"block{self.layers[j] + 1}.attn"][:, :, 0].mean(1) for j in nxt]).double().cpu()
-            nan = torch.full((B, L), float("nan"), dtype=torch.float64)
-            some = n_out[nxt] > 0
-            absorbed, uniform, registers = nan.clone(), nan.clone(), nan.clone()
-            absorbed[:, nxt] = torch.where(some, (cls[..., p:] * out_c[nxt]).sum(-1), float("nan")).T
-            uniform[:, nxt] = torch.where(some, n_out[nxt] / cls.shape[-1], float("nan")).T
-            if p > 1:
-                registers[:, nxt] = cls[..., 1:p].sum(-1).T
-            self.absorbed.add(absorbed)
-            self.uniform.add(uniform)
-            self.registers.add(registers)
+        if self.has_cls_token:
+            self._add_cls_attention(feats, outf, n_out)
         if self.knn and batch.labels is not None:
-            ids = batch.index.cpu().long()
-            mean_out, rand = [], []
-            for j, i in enumerate(self.layers):
-                tok = xs[j][:, p:]
-                w = out[j].to(tok.dtype)
-                mean_out.append(torch.bmm(w[:, None], tok)[:, 0] / w.sum(-1, keepdim=True).clamp_min(1))
-                rand.append(tok[torch.arange(B, device=tok.device), _random_token(ids, i, S).to(tok.device)])
-            self._keep(ids, batch.labels.cpu().long(), (n_out > 0).T, torch.stack(mean_out, 1).half().cpu(),
-                       torch.stack(rand, 1).half().cpu())
+            self._keep_tokens(xs, out, n_out, batch, S)
         self.n_images += B
+
+    def _add_cls_attention(self, feats: Mapping[str, torch.Tensor], outf: torch.Tensor, n_out: torch.Tensor) -> None:
+        """Per image and block, the CLS attention mass the next block puts on the outliers, what uniform attention
+        would give that many tokens (NaN for an image without outliers) and the mass on the registers; NaN at a
+        block without a next one. ``outf``: (L, B, S) 0 / 1 outlier flags, ``n_out``: (L, B) their counts."""
+        p, (L, B) = self.num_prefix_tokens, n_out.shape
+        cls = {j: feats[f"block{i + 1}.attn"][:, :, 0].mean(1).double()  # (B, T), head-averaged CLS row
+               for j, i in enumerate(self.layers) if i + 1 < self.depth}
+        if not cls:
+            return
+        nan = torch.full((B,), float("nan"), dtype=torch.float64, device=n_out.device)
+
+        def per_block(value: Any) -> torch.Tensor:
+            return torch.stack([value(j) if j in cls else nan for j in range(L)], 1)  # (B, L)
+
+        some = n_out > 0
+        self.absorbed.add(per_block(lambda j: torch.where(some[j], (cls[j][:, p:] * outf[j]).sum(-1), nan)))
+        self.uniform.add(per_block(lambda j: torch.where(some[j], n_out[j] / cls[j].shape[-1], nan)))
+        self.registers.add(per_block(lambda j: cls[j][:, 1:p].sum(-1) if p > 1 else nan))
+
+    def _keep_tokens(self, xs: list[torch.Tensor], out: torch.Tensor, n_out: torch.Tensor, batch: Any, S: int
+                     ) -> None:
+        """For the k-NN: per image and block the mean outlier token and a random patch token, with whether it
+        has outliers, brought to the host in the batch's one copy (`to_host`) and kept (`_keep`)."""
+        p, B = self.num_prefix_tokens, len(batch)
+        ids = on_host(batch.index).long()
+        dev_ids = on_device(ids, out.device)
+        mean_out, rand = [], []
+        for j, i in enumerate(self.layers):
+            tok = xs[j][:, p:]
+            w = out[j].to(tok.dtype)
+            mean_out.append(torch.bmm(w[:, None], tok)[:, 0] / w.sum(-1, keepdim=True).clamp_min(1))
+            rand.append(tok[torch.arange(B, device=tok.device), _random_token(dev_ids, i, S)])
+        has, mean_out_h, rand_h = to_host((n_out > 0).T, torch.stack(mean_out, 1).half(), torch.stack(rand, 1).half())
+        self._keep(ids, on_host(batch.labels).long(), has, mean_out_h, rand_h)
 
     def _keep(self, ids: torch.Tensor, labels: torch.Tensor, has: torch.Tensor, out: torch.Tensor,
               rand: torch.Tensor) -> None:
@@ -786,17 +854,17 @@ class HighNormTokens(_Mechanistic):
         o = cast(HighNormTokens, other)
         self._check_mergeable(o)
         self._check_grid_merge(o)
-        if self.threshold_n and o.threshold_n and not (self.threshold_n == o.threshold_n
-                                                       and torch.allclose(self.thresholds, o.thresholds, rtol=1e-4)):
+        if self.threshold_n and o.threshold_n and not (
+                self.threshold_n == o.threshold_n and torch.allclose(on_host(self.thresholds), on_host(o.thresholds),
+                                                                     rtol=1e-4)):
             raise VitscopeError(f"{self.name}: cannot merge parts that used different bimodal thresholds (other "
                                 "images in their statistics passes)")
         if o.threshold_n and not self.threshold_n:
             self.thresholds, self.threshold_n = o.thresholds.clone(), o.threshold_n
         for k in self._MEANS:
             getattr(self, k).merge(getattr(o, k))
-        for k in ("hist", "reg_hist", "positions", "with_outliers"):
-            getattr(self, k).add_(getattr(o, k))
-        self.lo_hi = torch.minimum(self.lo_hi, o.lo_hi)
+        self._add_tensors(o, ("hist", "reg_hist", "positions", "with_outliers"))
+        self.lo_hi = torch.minimum(self.lo_hi, on_device(o.lo_hi, self.lo_hi.device))
         if len(o.ids):
             self._keep(o.ids, o.labels, o.has_out, o.out_feats, o.rand_feats)
         self.n_images += o.n_images
@@ -804,7 +872,7 @@ class HighNormTokens(_Mechanistic):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), **{k: getattr(self, k).clone() for k in self._KEPT},
-                "thresholds": self.thresholds.clone(), "threshold_n": self.threshold_n}
+                "thresholds": host_copy(self.thresholds), "threshold_n": self.threshold_n}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
@@ -813,6 +881,7 @@ class HighNormTokens(_Mechanistic):
         self.thresholds, self.threshold_n = state["thresholds"].clone(), int(state["threshold_n"])
 
     def finalize(self) -> pd.DataFrame:
+        self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows: list[dict[str, Any]] = []
         views = [("spatial", self.hist, 0)] + ([("register", self.reg_hist, 2)] if self.num_prefix_tokens > 1 else [])
         h, w = self.grid_size
@@ -925,6 +994,7 @@ class HeadAblation(_Mechanistic):
     description = "attention heads zeroed or mean-ablated (each, or all of a block): KL to the clean prediction, flips"
     _MEANS = ("kl", "change", "drop")
     _TENSORS = ("flips",)
+    _ON_DEVICE = ("head_mean",)
 
     def __init__(self, vm: Any, layers: Any = None, head_classes: str | None = None,
                  mode: Literal["zero", "mean"] = "zero", heads: Literal["each", "all"] = "each",
@@ -1019,11 +1089,12 @@ class HeadAblation(_Mechanistic):
 
         B = len(batch)
         clean = feats["logits"].double()
+        self._to_device(clean.device)
         classes = self._covered_classes() if (self.has_head and batch.labels is not None) else None
-        labels = batch.labels.cpu() if classes is not None else None
+        labels = on_device(batch.labels, clean.device) if classes is not None else None
 
         def hits(logits: torch.Tensor) -> torch.Tensor:
-            scores = head_scores(cast(str, self.head_space), cast(list, classes), logits.cpu())
+            scores = head_scores(cast(str, self.head_space), cast(list, classes), logits)
             return (scores.argmax(-1) == labels).double()
 
         kls, changes, flips, correct = [], [], [], []
@@ -1032,7 +1103,7 @@ class HeadAblation(_Mechanistic):
             abl = self._ablated(x, i).double()  # (G, B, C): G ablation sets
             if self.has_head:
                 kls.append(torch.stack([M.kl_to_final(a, clean) for a in abl], 1))  # (B, G)
-                flips.append((abl.argmax(-1) != clean.argmax(-1)).double().sum(1).cpu())
+                flips.append((abl.argmax(-1) != clean.argmax(-1)).double().sum(1))
                 if classes is not None:
                     correct.append(hits(clean).unsqueeze(1) - torch.stack([hits(a) for a in abl], 1))  # (B, G)
             else:
@@ -1052,26 +1123,27 @@ class HeadAblation(_Mechanistic):
         self._check_mergeable(other)
         o = cast(HeadAblation, other)
         if self.mean_n and o.mean_n and (self.mean_n != o.mean_n or self.head_mean.shape != o.head_mean.shape
-                                         or not torch.allclose(self.head_mean, o.head_mean, rtol=1e-4, atol=1e-6)):
+                                         or not torch.allclose(self.head_mean.cpu(), o.head_mean.cpu(), rtol=1e-4,
+                                                               atol=1e-6)):
             raise VitscopeError(f"{self.name}: cannot merge parts ablated with different means of the heads (other "
                                 "images in their statistics passes)")
         if o.mean_n and not self.mean_n:
             self.head_mean, self.mean_n = o.head_mean.clone(), o.mean_n
         for k in self._MEANS:
             getattr(self, k).merge(getattr(o, k))
-        for k in self._TENSORS:
-            getattr(self, k).add_(getattr(o, k))
+        self._add_tensors(o, self._TENSORS)
         self.n_images += o.n_images
         self.n_masked += o.n_masked
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "head_mean": self.head_mean.clone(), "mean_n": self.mean_n}
+        return {**super().state_dict(), "head_mean": host_copy(self.head_mean), "mean_n": self.mean_n}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.head_mean, self.mean_n = state["head_mean"].clone(), int(state["mean_n"])
 
     def finalize(self) -> pd.DataFrame:
+        self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows: list[dict[str, Any]] = []
         n = self.n_images
         for j, i in enumerate(self.layers):

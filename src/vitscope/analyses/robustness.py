@@ -41,12 +41,13 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.mechanistic import host_copy, on_device, on_host
 from vitscope.analyses.pooled import PooledTable
 from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
 from vitscope.bounds import Count, Iterations, NonNegative, Positive, Range
 from vitscope.capture.views import token_view
 from vitscope.data import perturb as P
-from vitscope.errors import ConfigError
+from vitscope.errors import ConfigError, VitscopeError
 from vitscope.metrics import robustness as R
 from vitscope.metrics import semantics as S
 
@@ -161,8 +162,9 @@ class _Robustness(Analysis):
 
     needs: ClassVar[frozenset[str]] = frozenset({"labels"})
     inputs: ClassVar[dict[str, frozenset[str]]] = {}
+    # 3: the head's decisions kept as tallies on the device (heads: {view: tensor}), not per image;
     # 2: stratified split decided in finalize (perturbed views keep every image), tuned probe, n_train / n_test
-    state_version: ClassVar[int] = 2
+    state_version: ClassVar[int] = 3
 
     def __init__(self, vm: Any, layers: Any = None, readout: str = "auto", head_classes: str | None = None,
                  classes: Sequence[str] | None = None, token_view: str | None = None, max_images: Count = 5000,
@@ -185,7 +187,9 @@ class _Robustness(Analysis):
         self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
         self.use_probe: bool | None = None
         self.tables: dict[str, PooledTable] = {}
-        self.heads: dict[str, dict[str, list[torch.Tensor]]] = {}
+        # per view, a tally of the head's decisions on the features' device (`R.accuracy_tally`; shape_bias's
+        # 'cue': `R.shape_bias_tally`): sums, so the decisions never wait for the host
+        self.heads: dict[str, torch.Tensor] = {}
         self.seen: dict[str, int] = {}
 
     @classmethod
@@ -243,7 +247,7 @@ class _Robustness(Analysis):
         """The dataset's own split of the batch's rows; all False when it has none (decided in finalize)."""
         if batch.is_test is not None:
             self.own_split = True
-            return batch.is_test[:take].cpu().bool()
+            return on_host(batch.is_test)[:take].bool()
         return torch.zeros(take, dtype=torch.bool)
 
     def _split(self, table: PooledTable) -> torch.Tensor:
@@ -266,29 +270,31 @@ class _Robustness(Analysis):
                 "probe_iterations": fit.iterations if fit else float("nan")}
         return decs, cols
 
-    def _pool(self, feats: Mapping[str, torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
-        return [token_view(feats[f"block{i}.out"][rows], self.token_view, self.num_prefix_tokens, self.has_cls_token)
+    def _pool(self, feats: Mapping[str, torch.Tensor], take: int) -> list[torch.Tensor]:
+        return [token_view(feats[f"block{i}.out"][:take], self.token_view, self.num_prefix_tokens, self.has_cls_token)
                 for i in self.layers]
 
-    def _add_pooled(self, key: str, feats: Mapping[str, torch.Tensor], batch: Any, rows: torch.Tensor,
-                    labels: torch.Tensor, is_test: torch.Tensor) -> None:
-        """Pooled features of ``rows`` of the batch at every layer (what the probes read) under ``key``."""
-        if len(rows):
-            self.tables.setdefault(key, PooledTable(len(self.layers))).append(
-                self._pool(feats, rows), batch.index.cpu().long()[rows], labels, is_test)
+    def _add_pooled(self, key: str, feats: Mapping[str, torch.Tensor], batch: Any, take: int, labels: torch.Tensor,
+                    is_test: torch.Tensor) -> None:
+        """Pooled features of the batch's first ``take`` rows at every layer (what the probes read) under ``key``:
+        the batch's one copy to the host (`PooledTable.append`)."""
+        self.tables.setdefault(key, PooledTable(len(self.layers))).append(
+            self._pool(feats, take), on_host(batch.index)[:take].long(), labels, is_test)
 
-    def _add_head(self, key: str, feats: Mapping[str, torch.Tensor], batch: Any, rows: torch.Tensor,
-                  labels: torch.Tensor, extra: Mapping[str, torch.Tensor] | None = None) -> None:
-        """The head's decisions among the dataset's classes for ``rows`` of the batch under ``key``."""
-        if not len(rows):
-            return
-        scores = head_scores(self.head_space, self.classes_of("data"), feats["logits"][rows].detach().cpu())
-        h = self.heads.setdefault(key, {"ids": [], "labels": [], "decisions": []})
-        h["ids"].append(batch.index.cpu().long()[rows])
-        h["labels"].append(labels)
-        h["decisions"].append(scores.argmax(1))
-        for k, v in (extra or {}).items():
-            h.setdefault(k, []).append(v)
+    def _head_decisions(self, feats: Mapping[str, torch.Tensor], take: int) -> tuple[torch.Tensor, int]:
+        """The head's decisions for the batch's first ``take`` rows, on the device, and how many classes they are
+        among (the dataset's)."""
+        scores = head_scores(self.head_space, self.classes_of("data"), feats["logits"][:take].detach())
+        return scores.argmax(1), scores.shape[1]
+
+    def _add_tally(self, key: str, tally: torch.Tensor) -> None:
+        """Add a tally of head decisions to ``key``'s, on the tally's device (a batch's: a loaded state sits on the
+        CPU until then)."""
+        mine = self.heads.get(key)
+        if mine is not None and mine.shape != tally.shape:
+            raise VitscopeError(f"{self.name}: view {key!r} was tallied over {len(mine) - 2} classes, this batch over "
+                                f"{len(tally) - 2}")
+        self.heads[key] = tally if mine is None else on_device(mine, tally.device) + tally
 
     def _ensure_configured(self, batch: Any) -> None:
         """Decide the readouts at the first batch when no one called `configure` (the study runner does not yet):
@@ -303,10 +309,9 @@ class _Robustness(Analysis):
         assert isinstance(other, type(self)) and other.layers == self.layers
         for k, t in other.tables.items():
             self.tables.setdefault(k, PooledTable(len(self.layers))).extend(t)
-        for k, h in other.heads.items():
-            mine = self.heads.setdefault(k, {c: [] for c in h})
-            for c, v in h.items():
-                mine.setdefault(c, []).extend(v)
+        for k, tally in other.heads.items():  # added on this part's device
+            mine = self.heads.get(k)
+            self._add_tally(k, tally.clone() if mine is None else on_device(tally, mine.device))
         for k, n in other.seen.items():
             self.seen[k] = self.seen.get(k, 0) + n
         self.n_images += other.n_images
@@ -319,8 +324,7 @@ class _Robustness(Analysis):
                 "use_head": self.use_head, "use_probe": self.use_probe, "datasets": dict(self.datasets),
                 "dataset_classes": self.dataset_classes,
                 "tables": {k: t.state_dict() for k, t in self.tables.items()},
-                "heads": {k: {c: torch.cat(v) if v else torch.empty(0, dtype=torch.long) for c, v in h.items()}
-                          for k, h in self.heads.items()},
+                "heads": {k: host_copy(t) for k, t in self.heads.items()},
                 "seen": dict(self.seen), "n_images": self.n_images, "own_split": self.own_split}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -329,14 +333,9 @@ class _Robustness(Analysis):
         self.datasets = dict(state.get("datasets") or self.datasets)
         self.dataset_classes = dict(state.get("dataset_classes") or {})
         self.tables = {k: PooledTable.from_state(t) for k, t in state["tables"].items()}
-        self.heads = {k: {c: [v] for c, v in h.items()} for k, h in state["heads"].items()}
+        self.heads = {k: t.clone() for k, t in state["heads"].items()}
         self.seen, self.n_images = dict(state["seen"]), int(state["n_images"])
         self.own_split = bool(state.get("own_split", False))
-
-    def _head_column(self, key: str, col: str) -> torch.Tensor:
-        h = self.heads.get(key, {})
-        parts = h.get(col, [])
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
 
     def _num_classes(self, *labels: torch.Tensor) -> int:
         classes = self.classes_of("data")
@@ -364,7 +363,8 @@ class ShapeBias(_Robustness):
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
-    state_version = 4  # 4: no shape bias from a probe at chance (reason); 3: stratified split, tuned probe;
+    state_version = 5  # 5: the head's decisions as a tally (`R.shape_bias_tally`); 4: no shape bias from a probe at
+    # chance (reason); 3: stratified split, tuned probe;
     # 2: match_denominator (every image by default)
 
     def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
@@ -430,18 +430,18 @@ class ShapeBias(_Robustness):
         take = min(self.max_images - self.seen.get(key, 0), len(batch))
         if take <= 0:
             return
-        rows = torch.arange(take)
-        labels = batch.labels[:take].cpu().long()
+        labels = on_host(batch.labels)[:take].long()
         if key == "cue":
-            tex = torch.as_tensor(texture)[:take].cpu().long()
+            tex = on_host(torch.as_tensor(texture))[:take].long()
+            if self.use_head:  # before the probe's copy to the host: a tally on the device
+                d, _ = self._head_decisions(feats, take)
+                self._add_tally("cue", R.shape_bias_tally(d, on_device(labels, d.device), on_device(tex, d.device)))
             if self.use_probe:
-                self._add_pooled("cue", feats, batch, rows, labels, torch.ones(take, dtype=torch.bool))
+                self._add_pooled("cue", feats, batch, take, labels, torch.ones(take, dtype=torch.bool))
                 self.cue_texture.append(tex)
-            if self.use_head:
-                self._add_head("cue", feats, batch, rows, labels, extra={"texture": tex})
             self.n_images += take
         elif self.use_probe:
-            self._add_pooled("train", feats, batch, rows, labels, self._is_test(batch, take))
+            self._add_pooled("train", feats, batch, take, labels, self._is_test(batch, take))
         self.seen[key] = self.seen.get(key, 0) + take
 
     @staticmethod
@@ -465,8 +465,7 @@ class ShapeBias(_Robustness):
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
         if "cue" in self.heads:
-            c = R.shape_bias_counts(self._head_column("cue", "decisions"), self._head_column("cue", "labels"),
-                                    self._head_column("cue", "texture"), self.match_denominator)
+            c = R.shape_bias_of_tally(self.heads["cue"], self.match_denominator)
             rows += [{"metric": k, "readout": "head", "value": float(v)} for k, v in c.items()]
         cue, train = self.tables.get("cue"), self.tables.get("train")
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
@@ -508,18 +507,18 @@ class _ViewAccuracy(_Robustness):
         take = min(self.max_images - self.seen.get(view, 0), len(batch))
         if take <= 0:
             return
-        labels = batch.labels[:take].cpu().long()
+        labels = on_host(batch.labels)[:take].long()
         if view == "clean" and batch.extra.get("corruption") is not None:  # pre-corrupted images (CorruptedFolder)
             self._add_precorrupted(feats, batch, take, labels)
             return
         is_test = self._is_test(batch, take)
-        rows = torch.arange(take)
         if view == "clean":
             self.n_images += take
+        if self.use_head:  # before the probe's copy to the host: a tally on the device
+            d, c = self._head_decisions(feats, take)
+            self._add_tally(view, R.accuracy_tally(d, on_device(labels, d.device), c))
         if self.use_probe:  # every image: the split is decided in finalize, and only test images are scored
-            self._add_pooled(view, feats, batch, rows, labels, is_test)
-        if self.use_head:
-            self._add_head(view, feats, batch, rows, labels)
+            self._add_pooled(view, feats, batch, take, labels, is_test)
         self.seen[view] = self.seen.get(view, 0) + take
 
     def _add_precorrupted(self, feats: Mapping[str, torch.Tensor], batch: Any, take: int, labels: torch.Tensor
@@ -531,10 +530,15 @@ class _ViewAccuracy(_Robustness):
                               f"which only a classifier head covering its classes can score; {self.model_name} has "
                               f"{'no such head' if self.head_space is None else 'a ' + self.head_space + ' head'}"
                               " (or the dataset's classes are unknown)")
-        names, sev = batch.extra["corruption"][:take], torch.as_tensor(batch.extra["severity"])[:take]
-        for c, s in dict.fromkeys(zip(names, sev.tolist(), strict=True)):
-            rows = torch.tensor([i for i in range(take) if names[i] == c and int(sev[i]) == s])
-            self._add_head(P.corruption_key(c, s), feats, batch, rows, labels[rows])
+        names = list(batch.extra["corruption"][:take])
+        d, c = self._head_decisions(feats, take)
+        sev = on_device(torch.as_tensor(batch.extra["severity"])[:take], d.device)
+        kinds = list(dict.fromkeys(names))
+        kind = on_device(torch.tensor([kinds.index(n) for n in names]), d.device)
+        y = on_device(labels, d.device)
+        for k, name in enumerate(kinds):  # every severity of the names seen: views without images are left out
+            for s in P.SEVERITIES:
+                self._add_tally(P.corruption_key(name, s), R.accuracy_tally(d, y, c, (kind == k) & (sev == s)))
         self.seen["clean"] = self.seen.get("clean", 0) + take
         self.n_images += take
 
@@ -544,9 +548,10 @@ class _ViewAccuracy(_Robustness):
         views = [v for v in self._view_order() if v in self.heads or v in self.tables]
         for v in views:
             if v in self.heads:
-                d, y = self._head_column(v, "decisions"), self._head_column(v, "labels")
-                out.append({"readout": "head", "layer": None, "view": v, "value": R.accuracy(d, y),
-                            "n_images": len(y), "chance": S.majority_rate(y, y)})
+                acc, n, chance = R.accuracy_of_tally(self.heads[v])
+                if n:  # none: a severity of a pre-corrupted name that no image had
+                    out.append({"readout": "head", "layer": None, "view": v, "value": acc, "n_images": n,
+                                "chance": chance})
         clean = self.tables.get("clean")
         if self.use_probe and clean is not None and len(clean) > 1:
             y, test = clean.column("labels"), self._split(clean)
@@ -619,7 +624,8 @@ class BandNoise(_ViewAccuracy):
 
     name = "band_noise"
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
-    state_version = 4  # 4: no drop from a readout at chance (reason); 3: stratified split, tuned probe;
+    state_version = 5  # 5: the head's decisions as tallies (`R.accuracy_tally`); 4: no drop from a readout at chance
+    # (reason); 3: stratified split, tuned probe;
     # 2: band_definition (circular_rms | square_sign)
 
     def __init__(self, vm: Any, n_bands: Bands = P.N_BANDS, bands: Sequence[NonNegative] | None = None,
@@ -712,7 +718,8 @@ class Corruptions(_ViewAccuracy):
 
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
-    state_version = 3  # 3: no relative drop from a readout at chance (reason)
+    state_version = 4  # 4: the head's decisions as tallies (`R.accuracy_tally`); 3: no relative drop from a readout
+    # at chance (reason)
 
     def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[Severity] = P.SEVERITIES,
                  backend: str = "auto", table: str = "imagenet", **kw: Any):

@@ -11,6 +11,7 @@ ICLR 2019): accuracy per perturbation, its drop from clean, the mean corruption 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -65,7 +66,14 @@ def imagenet_to_16(logits: Tensor, categories: Sequence[str] = CATEGORIES_16) ->
     if logits.shape[-1] != 1000:
         raise ValueError(f"expected ImageNet-1k logits (N, 1000); got {tuple(logits.shape)}")
     p = logits.double().softmax(-1)
-    return torch.stack([p[:, list(IMAGENET_16_INDICES[c])].mean(1) for c in categories], dim=1)
+    return torch.stack([p.index_select(1, _category_index(c, p.device)).mean(1) for c in categories], dim=1)
+
+
+@functools.cache
+def _category_index(category: str, device: torch.device) -> Tensor:
+    """The ImageNet class indices of ``category`` as a long tensor on ``device``, made once per device: a Python
+    list as an index is copied to the logits' device at every call, which waits for the device's queue."""
+    return torch.tensor(IMAGENET_16_INDICES[category], dtype=torch.long, device=device)
 
 
 # ---------------------------------------------------------------- decisions
@@ -109,16 +117,26 @@ def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: T
     as model-vs-human's ``ShapeBias.analysis``: ``len(df2[...]) / len(df)``, df2 the images left in) or of the
     images left in (``'kept'``); the shape bias is the same either way."""
     check_match_denominator(match_denominator)
+    return shape_bias_of_tally(shape_bias_tally(decisions, shape_labels, texture_labels), match_denominator)
+
+
+def shape_bias_tally(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor) -> Tensor:
+    """``(4,)`` int64 on the decisions' device: images, images whose shape and texture classes differ (kept),
+    and among those the shape and the texture decisions. Tallies of batches add up (`shape_bias_of_tally`), so
+    the decisions need not leave the device."""
     d, s, t = decisions.long(), shape_labels.long(), texture_labels.long()
     keep = s != t
-    n_all = len(d)
-    d, s, t = d[keep], s[keep], t[keep]
-    n_shape, n_texture = int((d == s).sum()), int((d == t).sum())
-    n = len(d)
+    return torch.stack([torch.full((), len(d), dtype=torch.long, device=d.device), keep.sum(),
+                        ((d == s) & keep).sum(), ((d == t) & keep).sum()])
+
+
+def shape_bias_of_tally(tally: Tensor, match_denominator: str = "all") -> dict[str, float]:
+    """`shape_bias_counts` from a (summed) `shape_bias_tally`."""
+    n_all, n, n_shape, n_texture = (int(v) for v in tally.tolist())
     cue = n_shape + n_texture
     den = n_all if match_denominator == "all" else n
     return {"shape_bias": n_shape / cue if cue else float("nan"), "n_shape": n_shape, "n_texture": n_texture,
-            "n_other": n - cue, "n_images": n, "n_excluded": int((~keep).sum()),
+            "n_other": n - cue, "n_images": n, "n_excluded": n_all - n,
             "shape_match": n_shape / den if den else float("nan"),
             "texture_match": n_texture / den if den else float("nan")}
 
@@ -126,6 +144,30 @@ def shape_bias_counts(decisions: Tensor, shape_labels: Tensor, texture_labels: T
 # ---------------------------------------------------------------- accuracy under perturbation
 def accuracy(decisions: Tensor, labels: Tensor) -> float:
     return float((decisions.long() == labels.long()).double().mean()) if len(labels) else float("nan")
+
+
+def accuracy_tally(decisions: Tensor, labels: Tensor, num_classes: int, keep: Tensor | None = None) -> Tensor:
+    """``(2 + num_classes,)`` int64 on the decisions' device: images, correct decisions, images per class (labels
+    in ``0 .. num_classes - 1``), of the images ``keep`` selects (a bool mask; None: all). Tallies of batches add
+    up (`accuracy_of_tally`), so the decisions need not leave the device."""
+    d, y = decisions.long(), labels.long()
+    w = torch.ones_like(y) if keep is None else keep.long()
+    out = torch.zeros(2 + num_classes, dtype=torch.long, device=d.device)
+    out[0] = w.sum()
+    out[1] = ((d == y).long() * w).sum()
+    out[2:].index_add_(0, y, w)
+    return out
+
+
+def accuracy_of_tally(tally: Tensor) -> tuple[float, int, float]:
+    """``(accuracy, images, chance)`` of a (summed) `accuracy_tally`: `accuracy` of its decisions and the
+    majority-class rate of its labels (`vitscope.metrics.semantics.majority_rate` of the labels against
+    themselves); NaN without images."""
+    t = tally.cpu()
+    n = int(t[0])
+    if not n:
+        return float("nan"), 0, float("nan")
+    return int(t[1]) / n, n, int(t[2:].max()) / n
 
 
 def drop(clean: float, perturbed: float) -> float:
