@@ -78,16 +78,22 @@ def test_the_counter_sees_what_would_stall_a_gpu():
 
 
 def test_to_host_moves_many_tensors_in_one_copy_exactly():
-    from vitscope.host import to_host
+    """The packing a device's tensors go through (`_packed_to_host`, run here on CPU tensors): one copy, exact,
+    each result its own storage; `to_host` copies host tensors on the host (no synchronisation) and keeps None."""
+    from vitscope.host import _packed_to_host, to_host
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 7, generator=g)
     tensors = [x, x.t(), x[:, 1:4], torch.randint(-9, 9, (3,), generator=g), torch.rand(4, generator=g) > 0.5,
                x.half(), x.double()[:1], torch.empty(0, 3), torch.tensor(2.5), torch.randint(0, 255, (3,)).byte()]
     with HostSyncs() as s:
-        got = to_host(*tensors)
+        got = _packed_to_host(tensors)
     assert s.count == 1, dict(s.where)
     for want, have in zip(tensors, got, strict=True):
         assert have.dtype == want.dtype and have.shape == want.shape and have.device.type == "cpu"
         assert torch.equal(have, want)
     torch.save(list(got), io.BytesIO())  # each has its own storage: saved together, as a state is
+    with HostSyncs() as s:
+        kept = to_host(x, None, tensors[3])
+    assert s.count == 0 and kept[1] is None and torch.equal(kept[0], x) and torch.equal(kept[2], tensors[3])
+    assert kept[0].data_ptr() != x.data_ptr()  # a copy: the caller may change x

@@ -1,34 +1,70 @@
-"""One copy to the host for everything a batch hands back.
+"""Where an analysis's tensors live, and one copy to the host for everything a batch hands back.
 
-Analyses keep their sums on the features' device (a GPU: the pass never waits for it); what must reach the host
-per batch (pooled vectors for a store, a few counts for a Python decision) is gathered into one transfer:
-`to_host` packs the tensors' bytes into one buffer on their device, copies it with one ``.cpu()`` and unpacks
-views of it (exact: bytes, not values, are moved), so a batch costs one synchronisation however many tensors
-it returns. On the CPU the packing is one small extra copy, and the same code runs as on a GPU.
+Analyses keep their sums on the features' device (a GPU: the pass never waits for it) and hand out CPU copies
+in ``state_dict`` (the cache is device-independent). What must reach the host per batch (pooled vectors for a
+store, a few numbers for a Python decision) is gathered into one transfer: `to_host` packs the device tensors'
+bytes into one buffer there, copies it with one ``.cpu()`` and unpacks it (exact: bytes, not values, are
+moved), so a batch costs one synchronisation however many tensors it returns; tensors already on the host
+(a batch's ids and labels, where the loader leaves them) are copied on the host and wait for nothing.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+_ALIGN = 8  # each packed part starts on an 8-byte boundary, so any dtype can view it
 
-def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors, copied to the host in one transfer (same dtypes, shapes and values; detached, contiguous,
-    each with its own storage)."""
-    if not tensors:
-        return ()
+
+def to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors on the host, those on a device in one transfer (same dtypes, shapes and values; detached,
+    contiguous, each with its own storage); None stays None."""
+    away = [t for t in tensors if t is not None and t.device.type != "cpu"]
+    back = iter(_packed_to_host(away) if away else ())
+    return tuple(None if t is None else next(back) if t.device.type != "cpu" else t.detach().contiguous().clone()
+                 for t in tensors)
+
+
+def _packed_to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors of one device, copied to the host with one ``.cpu()`` of their bytes packed together."""
     dev = tensors[0].device
     parts, spans, at = [], [], 0
     for t in tensors:
         raw = t.detach().to(dev).contiguous().reshape(-1).view(torch.uint8)  # a bool or int tensor's bytes too
-        pad = -len(raw) % _ALIGN  # each part starts on an 8-byte boundary, so any dtype can view it
+        pad = -len(raw) % _ALIGN
         parts += [raw, torch.zeros(pad, dtype=torch.uint8, device=dev)] if pad else [raw]
         spans.append((at, len(raw)))
         at += len(raw) + pad
     packed = torch.cat(parts).cpu()
     # each its own storage (a copy on the host): views of one buffer as several dtypes could not be saved together
-    return tuple(packed[a:a + n].view(t.dtype).reshape(t.shape).clone()
-                 for t, (a, n) in zip(tensors, spans, strict=True))
+    return [packed[a:a + n].view(t.dtype).reshape(t.shape).clone() for t, (a, n) in zip(tensors, spans, strict=True)]
 
 
-_ALIGN = 8
+def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a no-op when it is there already. From the host (a batch's labels or masks, a state
+    read from the cache) without waiting for the device's queue: a copy from the host is staged at once, so
+    ``non_blocking`` is safe in that direction (not in the other: a copy to the host waits for its data)."""
+    return t.to(device, non_blocking=t.device.type == "cpu")
+
+
+def moved(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) `on_device`."""
+    if torch.is_tensor(obj):
+        return on_device(obj, device)
+    if isinstance(obj, dict):
+        return {k: moved(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(moved(v, device) for v in obj)
+    return obj
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """A batch's metadata (ids, labels, split flags) on the host, where the loader leaves it: no copy then."""
+    return t if t.device.type == "cpu" else t.cpu()
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a state tensor on the CPU (the cache is device-independent: a state saved on a GPU loads on a
+    CPU machine); a copy also when it is on the CPU already, so the state handed out is not the live one."""
+    return t.detach().to("cpu", copy=True)

@@ -57,6 +57,7 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import NonNegative, Range
 from vitscope.errors import VitscopeError
+from vitscope.host import host_copy, on_device
 from vitscope.metrics import attention as A
 
 HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
@@ -66,12 +67,7 @@ HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "
 def _on(device: torch.device, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """State tensors on ``device``, the incoming features' (sums live where the batches are computed: a state
     loaded from the cache or just created sits on the CPU and moves at its first batch; free once there)."""
-    return tuple(t.to(device) for t in state)
-
-
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a state tensor on the CPU, for ``state_dict`` (a cached state loads on any machine)."""
-    return t.detach().to("cpu", copy=True)
+    return tuple(on_device(t, device) for t in state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -338,7 +334,7 @@ class _PerHeadMean(_LayerAttention):
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "sums": _cpu(self.sums), "sumsq": _cpu(self.sumsq),
+        return {"layers": list(self.layers), "sums": host_copy(self.sums), "sumsq": host_copy(self.sumsq),
                 "n_images": self.n_images, "grid": list(self.grid_size)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -550,7 +546,7 @@ class CLSAttentionMaps(_LayerAttention):
     def state_dict(self) -> dict[str, Any]:
         index, maps, pixels = self._kept()
         return {"layers": list(self.layers), "keep_images": self.keep_images, "n_images": self.n_images,
-                "sums": _cpu(self.sums), "kept_index": index, "kept_maps": maps, "kept_pixels": pixels}
+                "sums": host_copy(self.sums), "kept_index": index, "kept_maps": maps, "kept_pixels": pixels}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.keep_images = list(state["layers"]), int(state["keep_images"])
@@ -656,8 +652,8 @@ class AlignedAttentionMaps(_LayerAttention):
         self.n_images += other.n_images
 
     def state_dict(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "thresholds": dict(self.thresholds), "canvas": _cpu(self.canvas),
-                "distance": _cpu(self.distance), "n_maps": self.n_maps, "n_images": self.n_images}
+        return {"layers": list(self.layers), "thresholds": dict(self.thresholds), "canvas": host_copy(self.canvas),
+                "distance": host_copy(self.distance), "n_maps": self.n_maps, "n_images": self.n_images}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.thresholds = list(state["layers"]), dict(state["thresholds"])
@@ -804,7 +800,7 @@ class SaliencyIoU(_LayerAttention):
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "queries": list(self.queries), "mass": self.mass,
                 "requested_queries": list(self.requested_queries), "n_images": self.n_images,
-                "n_skipped": self.n_skipped, **{k: _cpu(getattr(self, k)) for k in self._TENSORS}}
+                "n_skipped": self.n_skipped, **{k: host_copy(getattr(self, k)) for k in self._TENSORS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.queries = list(state["layers"]), list(state["queries"])

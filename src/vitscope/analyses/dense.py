@@ -46,6 +46,7 @@ from vitscope.bounds import Count, NonNegative, Positive
 from vitscope.capture.views import token_view
 from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
+from vitscope.host import moved
 from vitscope.metrics import dense as D
 
 
@@ -205,17 +206,6 @@ def _nan(v: Any) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
-def _moved(obj: Any, device: torch.device | str) -> Any:
-    """``obj`` with every tensor in it (through dicts, lists and tuples) on ``device``."""
-    if torch.is_tensor(obj):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: _moved(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_moved(v, device) for v in obj)
-    return obj
-
-
 # ================================================================================================ propagation
 
 
@@ -276,7 +266,7 @@ class Propagation(_Dense):
         if not items:
             return
         if self.cur is not None:
-            self.cur = _moved(self.cur, items[0]["x"].device)  # a loaded state's video goes on with the features
+            self.cur = moved(self.cur, items[0]["x"].device)  # a loaded state's video goes on with the features
         starts = self._may_start(items)
         index, frames, ids = self._read(index, frames, [items[b]["objects"] for b in starts])
         first_ids = dict(zip(starts, ids, strict=True))
@@ -471,7 +461,7 @@ class Propagation(_Dense):
             cur = {k: v for k, v in self.cur.items() if k != "labels"}
             if "labels" in self.cur:
                 cur["labels"] = [None if q is None else list(q) for q in self.cur["labels"]]
-        return {"layers": self.layers, "videos": _moved(self.videos, "cpu"), "cur": _moved(cur, "cpu"),
+        return {"layers": self.layers, "videos": moved(self.videos, "cpu"), "cur": moved(cur, "cpu"),
                 "skipped": dict(self.skipped),
                 "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
                 "scored_at": list(self.scored_at)}
@@ -492,7 +482,7 @@ class Propagation(_Dense):
         self._close()
         rows: list[dict[str, Any]] = []
         if self.videos:
-            self.videos = _moved(self.videos, "cpu")
+            self.videos = moved(self.videos, "cpu")
             j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
             f = torch.cat([v["F"] for v in self.videos], 1)
             for k, layer in enumerate([*self.layers, None]):

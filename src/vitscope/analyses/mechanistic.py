@@ -44,28 +44,10 @@ from vitscope.analyses.splits import TestEvery
 from vitscope.bounds import Count, Iterations, Positive, Range
 from vitscope.capture.engine import taps_paused
 from vitscope.errors import VitscopeError
-from vitscope.host import to_host
+from vitscope.host import host_copy, on_device, on_host, to_host
 from vitscope.metrics import attention as A
 from vitscope.metrics import mechanistic as M
 from vitscope.metrics.semantics import binomial_interval
-
-
-def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` on ``device``; a no-op when it is there already. From the host (a batch's labels or masks, a state
-    read from the cache) without waiting for the device's queue: a copy from the host is staged at once, so
-    ``non_blocking`` is safe in that direction (not in the other: a copy to the host waits for its data)."""
-    return t.to(device, non_blocking=t.device.type == "cpu")
-
-
-def on_host(t: torch.Tensor) -> torch.Tensor:
-    """A batch's metadata (ids, labels, split flags) on the host, where the loader leaves it: no copy then."""
-    return t if t.device.type == "cpu" else t.cpu()
-
-
-def host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of a state tensor on the CPU (the cache is device-independent: a state saved on a GPU loads on a
-    CPU machine); a copy also when it is on the CPU already, so the state handed out is not the live one."""
-    return t.detach().to("cpu", copy=True)
 
 
 class _Means:

@@ -79,18 +79,6 @@ class _Matrix:
         return torch.from_numpy(self.mm[:self.n]) if self.n else torch.empty(0, self.dim, dtype=torch.float16)
 
 
-def gather_to_host(tensors: list[torch.Tensor], riders: list[torch.Tensor | None]
-                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """(``tensors``, ``riders``) on the host after one transfer (`vitscope.host.to_host`): ``tensors`` (the
-    features, on their device) always go through it; ``riders`` (a batch's ids, labels, flags: usually on the
-    host already) join it only where they are not on the host, and None stays None. So a batch costs one copy
-    from the device, and the same one on a CPU."""
-    moving = [r for r in riders if r is not None and r.device.type != "cpu"]
-    host = to_host(*tensors, *moving)
-    feats, moved = list(host[:len(tensors)]), iter(host[len(tensors):])
-    return feats, [r if r is None or r.device.type == "cpu" else next(moved) for r in riders]
-
-
 class PooledTable:
     """Rows of pooled features for ``num_layers`` layers, with their image ids, labels and split flags."""
 
@@ -110,12 +98,12 @@ class PooledTable:
             raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
         if not len(ids):
             return
-        host, cols = gather_to_host([f.to(torch.float16) for f in feats], [ids, labels, is_test])
-        self.append_host(host, *cols)
+        host = to_host(*(f.to(torch.float16) for f in feats), ids, labels, is_test)
+        self.append_host(list(host[:len(feats)]), *host[len(feats):])
 
     def append_host(self, feats: list[torch.Tensor], ids: torch.Tensor, labels: torch.Tensor,
                     is_test: torch.Tensor) -> None:
-        """`append` of rows already on the host (e.g. several tables' rows moved in one `gather_to_host`): no
+        """`append` of rows already on the host (e.g. several tables' rows moved in one `vitscope.host.to_host`): no
         copy from a device, nothing that waits for one."""
         if len(feats) != self.num_layers:
             raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")

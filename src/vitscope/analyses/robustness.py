@@ -41,13 +41,13 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.analyses.mechanistic import host_copy, on_device, on_host
 from vitscope.analyses.pooled import PooledTable
 from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
 from vitscope.bounds import Count, Iterations, NonNegative, Positive, Range
 from vitscope.capture.views import token_view
 from vitscope.data import perturb as P
 from vitscope.errors import ConfigError, VitscopeError
+from vitscope.host import host_copy, on_device, on_host
 from vitscope.metrics import robustness as R
 from vitscope.metrics import semantics as S
 

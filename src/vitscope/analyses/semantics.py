@@ -14,11 +14,12 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.analyses.pooled import PooledTable, gather_to_host
+from vitscope.analyses.pooled import PooledTable
 from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
 from vitscope.bounds import Count, Fraction, Iterations, Positive, Restarts
 from vitscope.capture.views import region_weights, token_view
 from vitscope.errors import ConfigError, ResultWarning, VitscopeError
+from vitscope.host import to_host
 from vitscope.metrics import semantics as S
 from vitscope.threads import few_threads, single_threaded
 
@@ -125,7 +126,7 @@ class Semantics(Analysis):
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         """Pool every view of every layer on the features' device, then move all of it (and whatever of the
-        batch's ids, labels and split flags is not on the host yet) in one transfer (`gather_to_host`)."""
+        batch's ids, labels and split flags is not on the host yet) in one transfer (`vitscope.host.to_host`)."""
         take = min(self.max_images - self.n_images, len(batch))
         if take <= 0:
             return
@@ -154,8 +155,7 @@ class Semantics(Analysis):
                 pooled[v] = [token_view(f, v, self.num_prefix_tokens, self.has_cls_token).to(torch.float16)
                              for f in x]
         if pooled:
-            flat, (ids, labels, is_test) = gather_to_host([f for v in pooled for f in pooled[v]],
-                                                          [ids, labels, is_test])
+            *flat, ids, labels, is_test = to_host(*(f for v in pooled for f in pooled[v]), ids, labels, is_test)
             L = len(self.layers)
             for n, v in enumerate(pooled):
                 rows = flat[n * L:(n + 1) * L]
@@ -288,7 +288,7 @@ class Semantics(Analysis):
                     where, y, test, self.class_names if v != "part" else None)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
             # float16 views of the store + noise (on a GPU: copied there in float32, a chunk of rows at a time)
-            feats = [on_device(f, self._device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
+            feats = [store_on_device(f, self._device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
             probes = self._probes(feats, y, test, v, where) if scorable else [None] * len(feats)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
@@ -316,7 +316,7 @@ class Semantics(Analysis):
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
         y, ids, test = t.column("labels"), t.column("ids"), self._splits()[view]
-        x = on_device(t.layer(self.layers.index(layer)), self._device).float()
+        x = store_on_device(t.layer(self.layers.index(layer)), self._device).float()
         fit = S.fit_probe(_take(x, ~test), y[~test], _take(x, test), y[test], num_classes=int(y.max()) + 1,
                           warn=False, device=x.device, **self.probe_kw)
         return fit.scores, y[test], ids[test]
@@ -367,7 +367,7 @@ def _region_rows(x: list[torch.Tensor], weights: torch.Tensor, prefix: int) -> l
     return out
 
 
-def on_device(x: torch.Tensor, device: torch.device, chunk: int = 4096) -> torch.Tensor:
+def store_on_device(x: torch.Tensor, device: torch.device, chunk: int = 4096) -> torch.Tensor:
     """Rows of a host store for the finalize steps: on the CPU ``x`` itself (nothing copied); on another device a
     float32 copy there (a float16 store widened exactly), moved ``chunk`` rows at a time so no full-size float32
     copy is made on the host."""

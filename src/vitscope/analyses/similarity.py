@@ -29,7 +29,6 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.analyses.pooled import gather_to_host
 from vitscope.bounds import Count, Fraction, NonNegative, Positive, Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
@@ -782,7 +781,7 @@ class Similarity(Analysis):
         rows = {t: token_view(feats[t], self.view, self.num_prefix_tokens, self.has_cls_token)
                 if feats[t].ndim == 3 else feats[t] for t in self.taps}
         ids = batch.index.long()
-        host, (ids,) = gather_to_host([rows[t].detach().to(torch.float16) for t in self.taps], [ids])
+        *host, ids = to_host(*(rows[t].detach().to(torch.float16) for t in self.taps), ids)
         self._keep(ids, subset_keys(ids, self.seed), dict(zip(self.taps, host, strict=True)))
         self.n_images += len(ids)
 
