@@ -89,3 +89,20 @@ def test_torchrun_equals_one_process_with_an_unreadable_image_in_each_ranks_shar
     assert (ma["world_size"], mb["world_size"]) == (2, 1)
     assert ma["skipped_images"] == mb["skipped_images"]
     assert sorted(p for p, _ in next(iter(ma["skipped_images"].values()))) == sorted(map(str, broken))
+
+
+@pytest.mark.parametrize(("device", "local", "gpus", "want"), [
+    ("cuda", 0, 4, "cuda:0"), ("cuda", 3, 4, "cuda:3"), ("cuda", 5, 4, "cuda:1"),  # each rank its own GPU
+    ("cuda:1", 3, 4, "cuda:1"), ("cpu", 3, 4, "cpu"), ("cuda", None, 4, "cuda"), ("cuda", 2, 0, "cuda")])
+def test_a_bare_cuda_is_each_torchrun_ranks_own_gpu(device, local, gpus, want):
+    from vitscope.study.distributed import rank_device
+
+    assert rank_device(device, local, gpus) == want
+
+
+def test_ranks_on_one_machine_never_share_a_gpu_while_there_are_enough():
+    from vitscope.study.distributed import rank_device
+
+    for gpus in range(1, 9):
+        for ranks in range(1, gpus + 1):
+            assert len({rank_device("cuda", r, gpus) for r in range(ranks)}) == ranks

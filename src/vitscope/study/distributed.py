@@ -14,6 +14,21 @@ from typing import Any
 import torch.distributed as tdist
 
 
+def local_rank() -> int | None:
+    """This process's rank on its machine under torchrun (``LOCAL_RANK``), None outside it."""
+    v = os.environ.get("LOCAL_RANK", "")
+    return int(v) if v.isdigit() else None
+
+
+def rank_device(device: str, local: int | None, n_gpus: int) -> str:
+    """The device a torchrun rank computes on: a bare ``cuda`` is the rank's own GPU on its machine (its
+    ``local`` rank modulo the ``n_gpus`` there), so N ranks on one machine use N GPUs; an explicit index
+    (``cuda:1``), any other device, or a process outside torchrun, as given."""
+    if device == "cuda" and local is not None and n_gpus > 0:
+        return f"cuda:{local % n_gpus}"
+    return device
+
+
 @dataclass
 class Dist:
     rank: int = 0
@@ -29,8 +44,18 @@ class Dist:
 
             backend = "nccl" if torch.cuda.is_available() and os.environ.get("VITSCOPE_DEVICE", "") != "cpu" \
                 else "gloo"
+            if backend == "nccl":  # NCCL needs each rank on its own GPU before the group forms
+                torch.cuda.set_device(torch.device(rank_device("cuda", local_rank(), torch.cuda.device_count())))
             tdist.init_process_group(backend=backend)
         return cls(tdist.get_rank(), tdist.get_world_size())
+
+    def device(self, device: str) -> str:
+        """`rank_device` of this process (torchrun with several processes), else ``device`` as given."""
+        if self.world <= 1:
+            return device
+        import torch
+
+        return rank_device(device, local_rank(), torch.cuda.device_count() if torch.cuda.is_available() else 0)
 
     @property
     def is_main(self) -> bool:

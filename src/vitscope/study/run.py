@@ -150,6 +150,7 @@ def _locked_run(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, o
                 progress: dict[str, Any]) -> Path:
     preflight(cfg)  # one-sentence errors about the config, device, files and directories before any model loads
     dist = Dist.from_env()
+    cfg.device = dist.device(cfg.device)  # torchrun on several GPUs: a bare `cuda` is each rank's own
     out = Path(cfg.output_dir)
     lock = rundir.hold(out) if dist.is_main else None  # one writer per run directory, for the whole run
     try:
@@ -169,6 +170,7 @@ def _run_slice(cfg: StudyConfig, models: tuple[int, int], on_batch: Callable[[st
     k, n = models
     mine = {label_of(m) for m in slice_models(cfg.models, k, n)}
     dist = Dist.from_env()
+    cfg.device = dist.device(cfg.device)
     out = Path(cfg.output_dir)
     plan = make_plan(cfg)
     cache = Cache(Path(cfg.cache_dir or default_cache_dir(out)))
