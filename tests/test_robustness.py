@@ -802,3 +802,29 @@ def test_imagenet_to_16_averages_each_categorys_classes_as_a_list_index_does():
     p = logits.double().softmax(-1)
     want = torch.stack([p[:, list(R.IMAGENET_16_INDICES[c])].mean(1) for c in R.CATEGORIES_16], 1)
     assert torch.equal(R.imagenet_to_16(logits), want)
+
+
+def test_the_probes_are_fitted_on_the_device_the_features_came_from(monkeypatch):
+    """A GPU's features are probed there (`fit_probe(device=...)`; the CPU path otherwise): the analysis hands the
+    fit the device its batches were computed on."""
+    import vitscope.metrics.robustness as MR
+
+    seen = []
+    real = MR.fit_probe
+
+    def record(*args, **kw):
+        seen.append(kw.get("device"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(MR, "fit_probe", record)
+    train = SyntheticShapes(n=60, seed=1, variant="texture-bound")
+    cue = SyntheticShapes(n=20, seed=2, variant="cue-conflict")
+    xtr, ytr, _ = _colour_histograms(train, 60)
+    xcue, ycue, tcue = _colour_histograms(cue, 20)
+    an = ShapeBias(_info(), test_every=5)
+    an.datasets = {"data": "cue", "train": "train"}
+    an.configure({"data": list(range(12)), "train": list(range(12))})
+    _feed_vectors(an, xtr, ytr, None, "train")
+    _feed_vectors(an, xcue, ycue, tcue, "cue")
+    an.finalize()
+    assert seen and all(d == xtr.device for d in seen), seen
