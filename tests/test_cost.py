@@ -116,3 +116,14 @@ def test_a_run_whose_batch_of_taps_does_not_fit_is_refused_before_any_model_load
 def test_free_memory_on_the_cpu_is_a_positive_number():
     free = cost.free_memory("cpu")
     assert free is None or free > 0
+
+
+def test_the_scale_example_in_the_cluster_docs_is_a_valid_study_of_its_stated_size():
+    """docs/CLUSTER.md's table quotes docs/scale-003.yaml: 20 ViT-B/16 and 69,227 images per model."""
+    from pathlib import Path
+
+    from vitscope.study import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "docs" / "scale-003.yaml")
+    assert len(cfg.models) == 20 and {m.name for m in cfg.models} == {"vit_base_patch16_224"}
+    assert cfg.datasets["images"].n_images == 50_000
