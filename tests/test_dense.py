@@ -218,11 +218,16 @@ def _dino_propagate(t, ctx, lab, grid, radius, topk=5, temperature=0.1):
 
 @pytest.mark.parametrize("grid,radius,n", [((6, 8), 2, 4), ((9, 5), 3, 2), ((7, 11), 1, 1), ((4, 4), 0, 3),
                                            ((12, 7), 12, 2)])
-def test_banded_propagation_equals_dinos_full_product_then_mask(grid, radius, n, monkeypatch):
+@pytest.mark.parametrize("cpu_reads", [True, False])
+def test_banded_propagation_equals_dinos_full_product_then_mask(grid, radius, n, cpu_reads, monkeypatch):
     """Only the neighbourhood is computed (bands of query rows against the key rows they can reach); the
     result equals the full product masked afterwards, also at a corner where fewer than k keys are inside
     (radius 1, one context frame), with keys tied at the k-th value (two identical context frames: every
-    tied key kept, as DINO's threshold keeps them), with no restriction (radius 0) and with bands of one row."""
+    tied key kept, as DINO's threshold keeps them), with no restriction (radius 0) and with bands of one row;
+    on the CPU's path (only the tied rows recomputed) and a GPU's (every row, the tied ones selected)."""
+    import vitscope.host
+
+    monkeypatch.setattr(vitscope.host, "CPU_READS", cpu_reads)
     g = torch.Generator().manual_seed(sum(grid) + radius)
     S = grid[0] * grid[1]
     t = torch.nn.functional.normalize(torch.randn(3, S, 8, generator=g), dim=-1)

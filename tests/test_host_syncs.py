@@ -2,8 +2,9 @@
 per batch (`host_syncs.HostSyncs` counts the calls that would stall a GPU), run over the embedded default study's
 analyses plus the lenses it leaves out, on the untrained zoo model, two batches per pass.
 
-The pair stage (``stir``) is left out: its update is not an accumulator but an optimisation (inversions by
-gradient steps) that reads its stopping rule back every step."""
+Code that takes a cheaper path where reading values back costs nothing (`vitscope.host.reads_are_free`: the
+CPU) is counted on the path a GPU takes. The pair stage (``stir``) is left out: its update is not an
+accumulator but an optimisation (inversions by gradient steps) that reads its stopping rule back every step."""
 
 from __future__ import annotations
 
@@ -25,10 +26,12 @@ def _subclasses(c: type) -> list[type]:
 
 @pytest.fixture(scope="module")
 def syncs(tmp_path_factory) -> dict[str, list[collections.Counter]]:
+    import vitscope.host
     from vitscope.study import load_config, run_study
 
     seen: dict[str, list[collections.Counter]] = collections.defaultdict(list)
     mp = pytest.MonkeyPatch()
+    mp.setattr(vitscope.host, "CPU_READS", False)  # count the path a GPU takes, not the CPU's shortcuts
     for cls in set(_subclasses(Analysis)):
         if "update" in cls.__dict__:
             def update(self, feats, batch, _orig=cls.__dict__["update"]):

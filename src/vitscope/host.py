@@ -16,6 +16,15 @@ import torch
 
 _ALIGN = 8  # each packed part starts on an 8-byte boundary, so any dtype can view it
 
+#: whether code may take a cheaper path where reading a value back costs nothing (the CPU: e.g. recomputing only
+#: the rows a test selects, found with ``nonzero``); tests/test_host_syncs.py turns it off to count a GPU's path
+CPU_READS = True
+
+
+def reads_are_free(device: torch.device | str) -> bool:
+    """Reading a tensor's values on ``device`` waits for nothing (the CPU), so a data-dependent path is cheapest."""
+    return CPU_READS and torch.device(device).type == "cpu"
+
 
 def to_host(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The tensors on the host, those on a device in one transfer (same dtypes, shapes and values; detached,

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from vitscope.host import reads_are_free
+
 #: DAVIS boundary tolerance: a fraction of the image diagonal (davis2017-evaluation ``bound_th=0.008``)
 BOUND_TH = 0.008
 #: DINO's propagation protocol (``eval_video_segmentation.py`` defaults)
@@ -156,6 +158,12 @@ def _object_index(labels: torch.Tensor, object_ids: Sequence[int]) -> torch.Tens
     return out
 
 
+def _count(maps: torch.Tensor) -> torch.Tensor:
+    """True pixels of each (..., H, W) bool map, int64 (an int32 sum of the bytes: half the time of
+    ``count_nonzero`` on the CPU; exact below 2^31 pixels)."""
+    return maps.flatten(-2).view(torch.uint8).sum(-1, dtype=torch.int32).long()
+
+
 def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: Sequence[int],
                bound_th: float = BOUND_TH, pred_index: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """J and F of each object for N predicted label maps of one frame, as the DAVIS semi-supervised evaluation
@@ -185,9 +193,9 @@ def jf_objects(gt_labels: torch.Tensor, pred_labels: torch.Tensor, object_ids: S
     ks = torch.arange(1, K + 1, device=pi.device)
     bg = boundary_map(gi[None] == ks[:, None, None])                                     # (K, H, W)
     bp = boundary_map(pi[:, None] == ks[None, :, None, None])                            # (N, K, H, W)
-    fg_match = (bp & _dilate(bg, r)[None]).flatten(2).count_nonzero(2)
-    gt_match = (bg[None] & _dilate(bp, r)).flatten(2).count_nonzero(2)
-    f = _f_score(bp.flatten(2).count_nonzero(2), bg.flatten(1).count_nonzero(1)[None].expand(N, -1), fg_match,
+    fg_match = _count(bp & _dilate(bg, r)[None])
+    gt_match = _count(bg[None] & _dilate(bp, r))
+    f = _f_score(_count(bp), _count(bg)[None].expand(N, -1), fg_match,
                  gt_match)
     return j, f
 
@@ -289,14 +297,29 @@ def propagate(target: torch.Tensor, context: torch.Tensor, context_labels: torch
         got = torch.gather(lab, 1, idx[..., :k].reshape(L, q * k, 1).expand(-1, -1, lab.shape[-1]))
         res = (wts[..., None] * got.view(L, q, k, -1)).sum(2) / wts.sum(-1, keepdim=True)   # (L, q, C)
         if vals.shape[-1] > k:
-            # a key tied with the k-th (or fewer than k keys inside, -inf): DINO keeps every key >= the k-th; its
-            # labels are computed for every query and kept where a tie is (a select, not a read of which rows)
-            tie = vals[..., k] == vals[..., k - 1]                                      # (L, q)
-            aff = torch.where(sim >= vals[..., k - 1:k], torch.exp((sim - vals[..., :1]) / temperature),
-                              torch.zeros((), dtype=sim.dtype, device=sim.device))
-            res = torch.where(tie[..., None], torch.bmm(aff / aff.sum(-1, keepdim=True), lab), res)
+            # a key tied with the k-th (or fewer than k keys inside, -inf): DINO keeps every key >= the k-th
+            res = _with_ties(res, vals, sim, lab, k, temperature)
         out.append(res)
     return torch.cat(out, 1).transpose(1, 2)                                      # (L, C, S)
+
+
+def _with_ties(res: torch.Tensor, vals: torch.Tensor, sim: torch.Tensor, lab: torch.Tensor, k: int,
+               temperature: float) -> torch.Tensor:
+    """``res`` (L, q, C) with the queries whose k-th and (k+1)-th similarities tie averaged over every key >= the
+    k-th (``vals``: the top k + 1 of ``sim`` (L, q, K); ``lab`` (L, K, C)). Where reading which queries tie is
+    free (the CPU) only those rows are computed; on a GPU every row is, and the tied ones selected (a read
+    would stall its queue): the same rows either way."""
+    tie = vals[..., k] == vals[..., k - 1]                                          # (L, q)
+    zero = torch.zeros((), dtype=sim.dtype, device=sim.device)
+    if reads_are_free(sim.device):
+        li, qi = torch.nonzero(tie, as_tuple=True)
+        if len(li):
+            s = sim[li, qi]                                                         # (t, K)
+            aff = torch.where(s >= vals[li, qi, k - 1:k], torch.exp((s - vals[li, qi, :1]) / temperature), zero)
+            res[li, qi] = torch.bmm((aff / aff.sum(-1, keepdim=True))[:, None], lab[li])[:, 0]
+        return res
+    aff = torch.where(sim >= vals[..., k - 1:k], torch.exp((sim - vals[..., :1]) / temperature), zero)
+    return torch.where(tie[..., None], torch.bmm(aff / aff.sum(-1, keepdim=True), lab), res)
 
 
 def neighbourhood_mean(context_labels: torch.Tensor, near: torch.Tensor) -> torch.Tensor:
