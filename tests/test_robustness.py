@@ -781,6 +781,15 @@ def test_accuracy_tallies_of_batches_add_up_to_the_accuracy_and_chance_of_all_im
     assert kept[1] == want[1] and (kept[0], kept[2]) == pytest.approx(want[::2], nan_ok=True)
 
 
+def test_an_image_labelled_outside_the_classes_counts_but_is_never_correct_nor_in_a_class():
+    """No label indexes outside the tally (on a GPU a device-side assert): such an image is one more image."""
+    g = torch.Generator().manual_seed(3)
+    c, n = 5, 80
+    d, y = torch.randint(0, c, (n,), generator=g), torch.randint(-2, c + 2, (n,), generator=g)
+    acc, m, chance = R.accuracy_of_tally(R.accuracy_tally(d, y, c))
+    assert (acc, m, chance) == pytest.approx(_tally_reference(d, y, c))
+
+
 @pytest.mark.parametrize("denominator", ["all", "kept"])
 def test_shape_bias_tallies_of_batches_add_up_to_the_counts_of_all_images(denominator):
     g = torch.Generator().manual_seed(1)
@@ -804,9 +813,9 @@ def test_imagenet_to_16_averages_each_categorys_classes_as_a_list_index_does():
     assert torch.equal(R.imagenet_to_16(logits), want)
 
 
-def test_the_probes_are_fitted_on_the_device_the_features_came_from(monkeypatch):
-    """A GPU's features are probed there (`fit_probe(device=...)`; the CPU path otherwise): the analysis hands the
-    fit the device its batches were computed on."""
+def test_the_probes_are_fitted_on_the_analysis_device(monkeypatch):
+    """A GPU study's probes are fitted there (`fit_probe(device=...)`; the CPU path otherwise): the analysis hands
+    the fit its ``device`` (the study's model device, whatever device a resumed part's features were on)."""
     import vitscope.metrics.robustness as MR
 
     seen = []
@@ -826,5 +835,6 @@ def test_the_probes_are_fitted_on_the_device_the_features_came_from(monkeypatch)
     an.configure({"data": list(range(12)), "train": list(range(12))})
     _feed_vectors(an, xtr, ytr, None, "train")
     _feed_vectors(an, xcue, ycue, tcue, "cue")
+    an.device = torch.device("meta")  # no GPU here: a device the CPU path ignores, to see it handed over
     an.finalize()
-    assert seen and all(d == xtr.device for d in seen), seen
+    assert seen and all(d == torch.device("meta") for d in seen), seen

@@ -68,6 +68,17 @@ def moved(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
+def host_copies(obj: Any) -> Any:
+    """``obj`` with every tensor in it (through dicts, lists and tuples) a `host_copy`: a state to hand out."""
+    if torch.is_tensor(obj):
+        return host_copy(obj)
+    if isinstance(obj, dict):
+        return {k: host_copies(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copies(v) for v in obj)
+    return obj
+
+
 def on_host(t: torch.Tensor) -> torch.Tensor:
     """A batch's metadata (ids, labels, split flags) on the host, where the loader leaves it: no copy then."""
     return t if t.device.type == "cpu" else t.cpu()

@@ -20,6 +20,9 @@ def run_passes(analysis: Any, vm: Any, datasets: Mapping[str, Any], batch_size: 
                views: list[str] | None = None, n_images: int | None = None) -> dict[str, float]:
     """Run every pass ``analysis`` subscribes to; returns seconds spent in perturbation, forward and update."""
     analysis.datasets = {slot: ds.name for slot, ds in datasets.items()}
+    model = getattr(vm, "model", None)
+    if model is not None:  # where finalize computes, as in a study
+        analysis.device = next(model.parameters()).device
     if hasattr(analysis, "configure"):
         analysis.configure({slot: getattr(ds, "classes", None) for slot, ds in datasets.items()})
     views = views if views is not None else type(analysis).views(getattr(analysis, "params", {}))

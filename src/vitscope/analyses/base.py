@@ -102,6 +102,9 @@ class Analysis(_Lifecycle):
         self.datasets: dict[str, str] = {}
         self.finetuned_from: str | None = None
         self.epoch: int | None = None
+        #: where the large finalize steps compute (k-NN, probes): the model's device, set by the study (and
+        #: `run_passes`), so a part resumed or read from the cache finalizes where an uninterrupted run does
+        self.device = torch.device("cpu")
 
     def grid_of(self, batch: Any) -> tuple[int, int]:
         """The token grid of a batch's images (one size per batch; a tiled batch's: the tile's), which may

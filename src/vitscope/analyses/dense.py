@@ -46,7 +46,7 @@ from vitscope.bounds import Count, NonNegative, Positive
 from vitscope.capture.views import token_view
 from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
-from vitscope.host import moved
+from vitscope.host import host_copies, moved
 from vitscope.metrics import dense as D
 
 
@@ -461,7 +461,7 @@ class Propagation(_Dense):
             cur = {k: v for k, v in self.cur.items() if k != "labels"}
             if "labels" in self.cur:
                 cur["labels"] = [None if q is None else list(q) for q in self.cur["labels"]]
-        return {"layers": self.layers, "videos": moved(self.videos, "cpu"), "cur": moved(cur, "cpu"),
+        return {"layers": self.layers, "videos": host_copies(self.videos), "cur": host_copies(cur),
                 "skipped": dict(self.skipped),
                 "n_images": self.n_images, "unscored_frames": self.unscored_frames, "protocol": self._protocol_state(),
                 "scored_at": list(self.scored_at)}
@@ -734,16 +734,15 @@ class Correspondence(_Dense):
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": self.layers, "alphas": list(self.alphas), "cat_names": list(self.cat_names),
-                "sums": {k: v.cpu() for k, v in self.sums.items()},
-                "last": None if self.last is None else {k: v.cpu() for k, v in self.last.items()},
+                "sums": host_copies(self.sums), "last": host_copies(self.last),
                 "skipped": dict(self.skipped), "n_images": self.n_images, "protocol": self._protocol_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.alphas = list(state["layers"]), tuple(state["alphas"])
         self._load_protocol(state)
         self.cat_names = list(state["cat_names"])
-        self.sums = dict(state["sums"])
-        self.last = None if state["last"] is None else dict(state["last"])
+        self.sums = host_copies(state["sums"])  # copies: the sums grow in place, the caller's state stays as it was
+        self.last = host_copies(state["last"])
         self.skipped = Counter(state["skipped"])
         self.n_images = int(state["n_images"])
 

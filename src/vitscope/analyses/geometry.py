@@ -151,7 +151,8 @@ class SVDVolume(_PerTap):
         return float(tok[: self.k].mean()), float(img[: self.k].mean())
 
     def finalize(self) -> pd.DataFrame:
-        rows = []
+        self._on_device(torch.device("cpu"))  # the spectra on the host, wherever the sums were: the same digits
+        rows = []                             # for an uninterrupted run and a part read back from the cache
         n_tokens = self.grid_size[0] * self.grid_size[1]
         chance = None
         for t in self.taps:
@@ -215,6 +216,7 @@ class Fourier(_PerTap):
         self.n_images += len(batch)
 
     def finalize(self) -> pd.DataFrame:
+        self._on_device(torch.device("cpu"))  # as svd_volume's: on the host whatever device the sums were on
         rows = []
         for t in self.taps:
             layer = parse_tap(t)[0]

@@ -187,7 +187,6 @@ class _Robustness(Analysis):
         self.use_head: bool | None = None  # decided by `configure` (or at the first batch)
         self.use_probe: bool | None = None
         self.tables: dict[str, PooledTable] = {}
-        self._device = torch.device("cpu")  # where the features came from (the probes are fitted there); not saved
         # per view, a tally of the head's decisions on the features' device (`R.accuracy_tally`; shape_bias's
         # 'cue': `R.shape_bias_tally`): sums, so the decisions never wait for the host
         self.heads: dict[str, torch.Tensor] = {}
@@ -266,7 +265,7 @@ class _Robustness(Analysis):
                ) -> tuple[list[torch.Tensor], dict[str, Any]]:
         """Decisions of one tuned probe on each of ``tests``, and the columns that record it."""
         decs, fit = R.probe_fit_decisions(train, y, tests, c, where=f"{self.name}: model {self.model_name!r}",
-                                          device=self._device, **self.probe_kw)
+                                          device=self.device, **self.probe_kw)
         cols = {"probe_weight_decay": fit.weight_decay if fit else float("nan"),
                 "probe_iterations": fit.iterations if fit else float("nan")}
         return decs, cols
@@ -279,7 +278,6 @@ class _Robustness(Analysis):
                     is_test: torch.Tensor) -> None:
         """Pooled features of the batch's first ``take`` rows at every layer (what the probes read) under ``key``:
         the batch's one copy to the host (`PooledTable.append`)."""
-        self._device = feats[f"block{self.layers[0]}.out"].device
         self.tables.setdefault(key, PooledTable(len(self.layers))).append(
             self._pool(feats, take), on_host(batch.index)[:take].long(), labels, is_test)
 
@@ -294,8 +292,8 @@ class _Robustness(Analysis):
         CPU until then)."""
         mine = self.heads.get(key)
         if mine is not None and mine.shape != tally.shape:
-            raise VitscopeError(f"{self.name}: view {key!r} was tallied over {len(mine) - 2} classes, this batch over "
-                                f"{len(tally) - 2}")
+            raise VitscopeError(f"{self.name}: view {key!r} was tallied with {len(mine)} counts, this batch with "
+                                f"{len(tally)} (a different number of classes)")
         self.heads[key] = tally if mine is None else on_device(mine, tally.device) + tally
 
     def _ensure_configured(self, batch: Any) -> None:

@@ -105,7 +105,6 @@ class Semantics(Analysis):
         self.unlabelled = 0
         self.own_split = False  # the dataset has its own split (batch.is_test), stored in the tables' is_test
         self.class_names: list[str] | None = None
-        self._device = torch.device("cpu")  # where the features came from (finalize computes there); not saved
 
     def state_bytes(self, n_images: int) -> int:
         """The pooled features: one float16 vector per image (at least; objects and parts add rows), layer and
@@ -141,7 +140,6 @@ class Semantics(Analysis):
         if labels is None:
             self.unlabelled += take
         x = [feats[f"block{i}.out"][:take] for i in self.layers]
-        self._device = x[0].device
         pooled: dict[str, list[torch.Tensor]] = {}  # view -> per layer (rows, D) float16, on the device
         regions: dict[str, torch.Tensor] = {}  # region view -> (B, K) region ids on the host, 0 = padding
         for v in self.views:
@@ -288,7 +286,7 @@ class Semantics(Analysis):
                     where, y, test, self.class_names if v != "part" else None)
             noise = torch.randn(t.layer(0).shape, generator=gen)  # same shape as one layer's features
             # float16 views of the store + noise (on a GPU: copied there in float32, a chunk of rows at a time)
-            feats = [store_on_device(f, self._device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
+            feats = [store_on_device(f, self.device) for f in [*(t.layer(j) for j in range(len(self.layers))), noise]]
             probes = self._probes(feats, y, test, v, where) if scorable else [None] * len(feats)
             for layer, x, probe in zip([*self.layers, None], feats, probes, strict=True):
                 suffix = "" if layer is not None else "_chance"
@@ -316,7 +314,7 @@ class Semantics(Analysis):
         """(test scores of the probe: log-probabilities, test labels, test ids) at one layer and image-level view."""
         t = self.tables[view]
         y, ids, test = t.column("labels"), t.column("ids"), self._splits()[view]
-        x = store_on_device(t.layer(self.layers.index(layer)), self._device).float()
+        x = store_on_device(t.layer(self.layers.index(layer)), self.device).float()
         fit = S.fit_probe(_take(x, ~test), y[~test], _take(x, test), y[test], num_classes=int(y.max()) + 1,
                           warn=False, device=x.device, **self.probe_kw)
         return fit.scores, y[test], ids[test]

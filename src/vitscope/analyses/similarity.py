@@ -171,13 +171,15 @@ class GramGroups:
 
 def _host_lists(ids: torch.Tensor, positions: torch.Tensor | None,
                 flags: Sequence[torch.Tensor]) -> tuple[list[int], list[int], list[bool]]:
-    """(ids, positions (empty without), flags) as Python values, read in one transfer: one tensor of longs,
-    copied with one ``tolist``."""
+    """(ids, positions (empty without), flags) as Python values: the flags (0-d, on the features' device) in one
+    transfer (`to_host`), joined on the host with the ids and positions (there already) and read with one
+    ``tolist``."""
     parts = [ids.reshape(-1).long()]
     if positions is not None:
-        parts.append(positions.reshape(-1).long().to(ids.device))
-    parts += [f.reshape(1).long().to(ids.device) for f in flags]
-    values = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()
+        parts.append(positions.reshape(-1).long())
+    if flags:
+        parts.append(torch.stack([f.reshape(()).long() for f in flags]))
+    values = torch.cat(to_host(*parts)).tolist()
     n = len(ids)
     pos = values[n:2 * n] if positions is not None else []
     return values[:n], pos, [bool(v) for v in values[len(values) - len(flags):]]

@@ -39,9 +39,11 @@ from vitscope.models.registry import Preprocessing
 
 _MODES = {"bicubic": "bicubic", "bilinear": "bilinear", "nearest": "nearest-exact", "area": "area"}
 
-#: the resize's numerics (see the module's docstring): 2 = 8-bit images resized in uint8 (PIL's algorithm);
-#: 1 (before) = every image converted to float32 and resized there. Part of a study's cache keys.
-PIXELS_VERSION = 2
+#: the pixels' numerics (see the module's docstring): 3 = as 2, with the views (band noise, corruptions)
+#: computed on one thread wherever the chunk is read (`vitscope.data.pipeline`: the last bits of some view
+#: kernels depend on the thread count); 2 = 8-bit images resized in uint8 (PIL's algorithm); 1 (before) = every
+#: image converted to float32 and resized there. Part of a study's cache keys.
+PIXELS_VERSION = 3
 
 
 @dataclass(frozen=True)

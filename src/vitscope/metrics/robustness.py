@@ -148,14 +148,17 @@ def accuracy(decisions: Tensor, labels: Tensor) -> float:
 
 def accuracy_tally(decisions: Tensor, labels: Tensor, num_classes: int, keep: Tensor | None = None) -> Tensor:
     """``(2 + num_classes,)`` int64 on the decisions' device: images, correct decisions, images per class (labels
-    in ``0 .. num_classes - 1``), of the images ``keep`` selects (a bool mask; None: all). Tallies of batches add
-    up (`accuracy_of_tally`), so the decisions need not leave the device."""
+    in ``0 .. num_classes - 1``; an image labelled outside them counts, never as correct nor in a class), of the
+    images ``keep`` selects (a bool mask; None: all). Tallies of batches add up (`accuracy_of_tally`), so the
+    decisions need not leave the device (and no label can index outside the tally: on a GPU that would be a
+    device-side assert, not an error)."""
     d, y = decisions.long(), labels.long()
     w = torch.ones_like(y) if keep is None else keep.long()
+    inside = (y >= 0) & (y < num_classes)
     out = torch.zeros(2 + num_classes, dtype=torch.long, device=d.device)
     out[0] = w.sum()
-    out[1] = ((d == y).long() * w).sum()
-    out[2:].index_add_(0, y, w)
+    out[1] = ((d == y) & inside).long().mul(w).sum()
+    out[2:].index_add_(0, y.clamp(0, max(num_classes - 1, 0)), w * inside.long())
     return out
 
 

@@ -696,10 +696,11 @@ def _dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig
             for slot, name in ap.slots.items()}
 
 
-def _relate(analysis: Any, ap: AnalysisPlan, mc: Any) -> None:
+def _relate(analysis: Any, ap: AnalysisPlan, mc: Any, device: str) -> None:
     analysis.datasets = dict(ap.slots)
     if not isinstance(analysis, PairAnalysis):
         analysis.finetuned_from = mc.finetuned_from
+        analysis.device = torch.device(device)
     analysis.epoch = mc.epoch
 
 
@@ -737,7 +738,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                 continue
             info, job.analysis, job.frame = info_c, analysis, frame
             job.analysis.model_name = label
-            _relate(job.analysis, job.plan, mc)
+            _relate(job.analysis, job.plan, mc, cfg.device)
             job.finished, job.meta = True, {"from_cache": True}
             mmeta.update(meta)
             _restore_skipped(entry, sources, job.plan)
@@ -755,7 +756,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
             mmeta["ablation"] = vm.ablation.meta
         for job in todo:
             job.analysis = job.plan.cls(vm, **job.plan.params)
-            _relate(job.analysis, job.plan, mc)
+            _relate(job.analysis, job.plan, mc, cfg.device)
             job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
                                     for slot, d in job.plan.slots.items()})
             part = cache.load(job.part)
@@ -766,7 +767,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                 except Exception as e:  # noqa: BLE001 - started again from the first chunk
                     _unusable(job.part, e)
                     job.analysis, job.done = job.plan.cls(vm, **job.plan.params), {}
-                    _relate(job.analysis, job.plan, mc)
+                    _relate(job.analysis, job.plan, mc, cfg.device)
                     job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
                                             for slot, d in job.plan.slots.items()})
                     continue
