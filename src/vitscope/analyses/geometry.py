@@ -15,6 +15,7 @@ from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
+from vitscope.host import host_copy
 from vitscope.metrics import geometry as G
 from vitscope.threads import few_threads
 
@@ -65,7 +66,7 @@ class _PerTap(Analysis):
 
     def state_dict(self) -> dict[str, Any]:
         return {"taps": list(self.taps), "n_images": self.n_images, "grid": list(self.grid_size),
-                **{k: {t: v.detach().to("cpu", copy=True) for t, v in getattr(self, k).items()} for k in self._sums}}
+                **{k: {t: host_copy(v) for t, v in getattr(self, k).items()} for k in self._sums}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.taps, self.n_images = list(state["taps"]), int(state["n_images"])

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from vitscope.host import host_copy
+
 NO_ID = torch.iinfo(torch.long).max
 """The id of a buffer row that holds no image (sorts after every dataset id)."""
 
@@ -44,4 +46,4 @@ def keep_smallest(k: int, ids: torch.Tensor, rows: list[torch.Tensor], new_ids: 
 def valid_rows(ids: torch.Tensor, rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The buffers without their `NO_ID` rows (which sort last), copied to the CPU: what a state saves."""
     n = int((ids != NO_ID).sum())
-    return ids[:n].to("cpu", copy=True), [r[:n].to("cpu", copy=True) for r in rows]
+    return host_copy(ids[:n]), [host_copy(r[:n]) for r in rows]
