@@ -10,6 +10,7 @@ moved), so a batch costs one synchronisation however many tensors it returns; te
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,23 +60,22 @@ def on_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def moved(obj: Any, device: torch.device | str) -> Any:
     """``obj`` with every tensor in it (through dicts, lists and tuples) `on_device`."""
-    if torch.is_tensor(obj):
-        return on_device(obj, device)
-    if isinstance(obj, dict):
-        return {k: moved(v, device) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(moved(v, device) for v in obj)
-    return obj
+    return _each_tensor(obj, lambda t: on_device(t, device))
 
 
 def host_copies(obj: Any) -> Any:
     """``obj`` with every tensor in it (through dicts, lists and tuples) a `host_copy`: a state to hand out."""
+    return _each_tensor(obj, host_copy)
+
+
+def _each_tensor(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` rebuilt with ``fn`` of every tensor in it, through dicts, lists and tuples."""
     if torch.is_tensor(obj):
-        return host_copy(obj)
+        return fn(obj)
     if isinstance(obj, dict):
-        return {k: host_copies(v) for k, v in obj.items()}
+        return {k: _each_tensor(v, fn) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(host_copies(v) for v in obj)
+        return type(obj)(_each_tensor(v, fn) for v in obj)
     return obj
 
 

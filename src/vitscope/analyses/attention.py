@@ -57,17 +57,11 @@ from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import NonNegative, Range
 from vitscope.errors import VitscopeError
-from vitscope.host import host_copy, on_device
+from vitscope.host import host_copy, moved, on_device
 from vitscope.metrics import attention as A
 
 HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
 """Every type :func:`vitscope.metrics.attention.head_types` can return, in the order figures list them."""
-
-
-def _on(device: torch.device, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """State tensors on ``device``, the incoming features' (sums live where the batches are computed: a state
-    loaded from the cache or just created sits on the CPU and moves at its first batch; free once there)."""
-    return tuple(on_device(t, device) for t in state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,7 +314,7 @@ class _PerHeadMean(_LayerAttention):
         self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
         v = self.batch_values(sps).double()
-        self.sums, self.sumsq = _on(v.device, self.sums, self.sumsq)
+        self.sums, self.sumsq = moved((self.sums, self.sumsq), v.device)
         self.sums += v.sum(1)
         self.sumsq += v.square().sum(1)
         self.n_images += len(batch)
@@ -498,7 +492,7 @@ class CLSAttentionMaps(_LayerAttention):
             return
         maps = torch.stack([A.cls_attention_maps(feats[f"block{i}.attn"], self.grid_size, self.num_prefix_tokens)
                             for i in self.layers], dim=1)  # (B, L, H, h, w)
-        (self.sums,) = _on(maps.device, self.sums)
+        self.sums = on_device(self.sums, maps.device)
         self.sums += maps.sum(0, dtype=torch.float64)
         if self.keep_images:
             index = batch.index.to(maps.device, torch.long)
@@ -636,7 +630,7 @@ class AlignedAttentionMaps(_LayerAttention):
         self.pass_grid(batch)
         sps = [_Spatial(feats[f"block{i}.attn"], self.num_prefix_tokens) for i in self.layers]
         canvas, dist = _canvas_and_distance(sps, self.grid_size)
-        self.canvas, self.distance = _on(dist.device, self.canvas, self.distance)
+        self.canvas, self.distance = moved((self.canvas, self.distance), dist.device)
         self.canvas += cast(torch.Tensor, canvas)
         self.distance += dist
         self.n_maps += len(batch) * self.grid_size[0] * self.grid_size[1]

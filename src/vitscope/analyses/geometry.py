@@ -15,7 +15,7 @@ from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
 from vitscope.bounds import Count, Iterations, Positive
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
-from vitscope.host import host_copy
+from vitscope.host import host_copy, moved
 from vitscope.metrics import geometry as G
 from vitscope.threads import few_threads
 
@@ -55,7 +55,7 @@ class _PerTap(Analysis):
     def _on_device(self, device: torch.device) -> None:
         """Move the sums to ``device`` (free for those already there)."""
         for k in self._sums:
-            setattr(self, k, {t: v.to(device) for t, v in getattr(self, k).items()})
+            setattr(self, k, moved(getattr(self, k), device))
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, type(self)) and other.taps == self.taps

@@ -61,17 +61,14 @@ class _Matrix:
         m.mm = rows.detach().to(torch.float16).contiguous().numpy()
         return m
 
-    def append(self, rows: torch.Tensor | np.ndarray) -> None:
-        """Rows on the host (a tensor is written into the file by torch, without a NumPy round trip)."""
+    def append(self, rows: torch.Tensor) -> None:
+        """Rows on the host, written into the file by torch (no NumPy round trip)."""
         need = self.n + len(rows)
         if need > len(self.mm):
             bigger = self._alloc(max(need, 2 * len(self.mm)))
             bigger[:self.n] = self.mm[:self.n]
             self.mm = bigger
-        if isinstance(rows, torch.Tensor):
-            torch.from_numpy(self.mm[self.n:need]).copy_(rows.detach())
-        else:
-            self.mm[self.n:need] = rows
+        torch.from_numpy(self.mm[self.n:need]).copy_(rows.detach())
         self.n = need
 
     def tensor(self) -> torch.Tensor:
@@ -94,10 +91,6 @@ class PooledTable:
                is_test: torch.Tensor) -> None:
         """``feats``: one (rows, D) tensor per layer; the columns: (rows,) each; on any one device (one copy to
         the host, `vitscope.host.to_host`)."""
-        if len(feats) != self.num_layers:
-            raise ValueError(f"expected features of {self.num_layers} layers, got {len(feats)}")
-        if not len(ids):
-            return
         host = to_host(*(f.to(torch.float16) for f in feats), ids, labels, is_test)
         self.append_host(list(host[:len(feats)]), *host[len(feats):])
 

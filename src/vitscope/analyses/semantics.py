@@ -379,7 +379,7 @@ def store_on_device(x: torch.Tensor, device: torch.device, chunk: int = 4096) ->
 
 def _take(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The rows of ``x`` where the host bool ``mask`` is True, wherever ``x`` lives."""
-    return x[mask] if x.device.type == "cpu" else x[mask.to(x.device)]
+    return x[mask.to(x.device)]
 
 
 def _view_subset(which: Any, views: list[str]) -> list[str]:

@@ -33,7 +33,7 @@ from vitscope.bounds import Count, Fraction, NonNegative, Positive, Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.errors import ConfigError, VitscopeError, unknown_name
-from vitscope.host import to_host
+from vitscope.host import on_device, to_host
 from vitscope.metrics import cka as C
 from vitscope.metrics import similarity as M
 from vitscope.threads import few_threads
@@ -531,7 +531,7 @@ class Diversity(Analysis):
     def _on_device(self, device: torch.device) -> None:
         """Move the sums to the features' device (once: at the first batch, or after a load or merge)."""
         for name in self._TENSORS:
-            setattr(self, name, getattr(self, name).to(device))
+            setattr(self, name, on_device(getattr(self, name), device))
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         self.pass_grid(batch)
@@ -614,9 +614,7 @@ class Diversity(Analysis):
 
     def state_dict(self) -> dict[str, Any]:
         """CPU tensors (copies: the sums keep growing), whatever device the pass ran on."""
-        sums = [getattr(self, k) for k in self._TENSORS]
-        on_host = all(t.device.type == "cpu" for t in sums)
-        s = dict(zip(self._TENSORS, [t.clone() for t in sums] if on_host else to_host(*sums), strict=True))
+        s = dict(zip(self._TENSORS, to_host(*(getattr(self, k) for k in self._TENSORS)), strict=True))
         return {**s, "layers": list(self.layers), "batch_size": self.batch_size, "n_images": self.n_images,
                 "grid": list(self.grid_size),
                 "n_groups": self.n_groups, "groups": self.groups.state_dict()}
