@@ -217,9 +217,10 @@ def _canvas_and_distance(sps: Sequence[_Spatial], grid: tuple[int, int], with_ca
     Both metrics are linear in the spatial attention, so they are evaluated on its sum over the ``B`` images
     (`_Spatial.image_sum`, one read of the attention), all layers at once (their ``L x H`` sums as heads).
     When every row of a layer was renormalised to sum 1 (`_Spatial.full_rows`), that sum's rows sum to ``B``
-    and it is renormalised and scaled by ``B`` as in :func:`~vitscope.metrics.attention.aligned_maps` and
-    :func:`~vitscope.metrics.attention.attention_distance` (the same arithmetic as those functions); a layer
-    with a row without spatial mass (which counts as zeros) is summed as it is. The choice is a
+    and it is renormalised and scaled by ``B`` as :func:`~vitscope.metrics.attention.aligned_maps` and
+    :func:`~vitscope.metrics.attention.attention_distance` do (their cores, `distance_of_spatial` and
+    `canvas_of_spatial`, do the rest); a layer with a row without spatial mass (which counts as zeros) is
+    summed as it is. The choice is a
     ``torch.where`` on the device, so the pass never waits for it."""
     L, (B, H) = len(sps), sps[0].attn.shape[:2]
     h, w = grid
@@ -227,17 +228,13 @@ def _canvas_and_distance(sps: Sequence[_Spatial], grid: tuple[int, int], with_ca
     full = torch.stack([sp.full_rows for sp in sps]).unsqueeze(1).expand(L, H).reshape(L * H)
     X = torch.where(full[:, None, None], A._renormalise(M), M)
     scale = torch.where(full, float(B), 1.0).double()  # (L * H,)
-    D = _distance_matrix(grid, M.dtype, M.device)
-    per_query = (X * D).sum(dim=-1, dtype=torch.float64).mean(dim=-1)  # (L * H,)
+    per_query = A.distance_of_spatial(X, grid, _distance_matrix(grid, M.dtype, M.device))  # (L * H,)
     # a renormalised layer's distance is rounded to the attention's dtype, as attention_distance returns it
     dist = torch.where(full, per_query.to(M.dtype).double() * scale, per_query).reshape(L, H)
     if not with_canvas:
         return None, dist
-    S = h * w
-    index = A._canvas_index(h, w, device=M.device).expand(L * H, -1)
-    canvas = torch.zeros(L * H, (2 * h - 1) * (2 * w - 1), dtype=torch.float64, device=M.device)
-    canvas.scatter_add_(1, index, X.reshape(L * H, S * S).double())
-    return (canvas * scale[:, None]).reshape(L, H, 2 * h - 1, 2 * w - 1), dist
+    canvas = A.canvas_of_spatial(X, grid) * scale[:, None, None]
+    return canvas.reshape(L, H, 2 * h - 1, 2 * w - 1), dist
 
 
 def _nmi(sps: Sequence[_Spatial]) -> torch.Tensor:

@@ -180,12 +180,19 @@ def attention_distance(attn: Tensor, grid_size: tuple[int, int], num_prefix_toke
     Returns:
         ``(B, H)`` in the dtype of ``attn`` (products in the input dtype, sums in float64).
     """
-    h, w = _check_grid(attn, grid_size, num_prefix_tokens)
-    A = spatial_attention(attn, num_prefix_tokens)
-    pos = _grid_positions(h, w, device=attn.device)
-    D = torch.cdist(pos, pos).to(A.dtype)  # (S, S)
-    per_query = (A * D).sum(dim=-1, dtype=torch.float64)  # (B, H, S)
-    return per_query.mean(dim=-1).to(attn.dtype)
+    _check_grid(attn, grid_size, num_prefix_tokens)
+    return distance_of_spatial(spatial_attention(attn, num_prefix_tokens), grid_size).to(attn.dtype)
+
+
+def distance_of_spatial(spatial: Tensor, grid_size: tuple[int, int], distances: Tensor | None = None) -> Tensor:
+    """:func:`attention_distance` of spatial attention as given (``(..., S, S)``, rows not renormalised here),
+    float64: the expected key distance of each query (products in the input dtype, sums in float64), averaged
+    over the queries. ``distances``: the ``(S, S)`` position distances in the input dtype, when the caller
+    keeps them."""
+    if distances is None:
+        pos = _grid_positions(*grid_size, device=spatial.device)
+        distances = torch.cdist(pos, pos).to(spatial.dtype)
+    return (spatial * distances).sum(dim=-1, dtype=torch.float64).mean(dim=-1)
 
 
 def distance_in_pixels(
@@ -249,18 +256,25 @@ def aligned_maps(
     if reduce not in ("mean", "sum"):
         raise ValueError(f"reduce must be 'mean' or 'sum', got {reduce!r}")
     h, w = _check_grid(attn, grid_size, num_prefix_tokens)
-    B, H = attn.shape[:2]
-    S = h * w
+    B = attn.shape[0]
     A = spatial_attention(attn, num_prefix_tokens)
-    per_head = A.sum(dim=0, dtype=torch.float64).reshape(H, S * S)  # summed over images: (H, q*k)
-    index = _canvas_index(h, w, device=attn.device).expand(H, -1)
-    canvas = torch.zeros(H, (2 * h - 1) * (2 * w - 1), dtype=torch.float64, device=attn.device)
-    canvas.scatter_add_(1, index, per_head)
-    canvas = canvas.reshape(H, 2 * h - 1, 2 * w - 1)
-    n_maps = B * S
+    canvas = canvas_of_spatial(A.sum(dim=0, dtype=torch.float64), grid_size)  # summed over images
+    n_maps = B * h * w
     if reduce == "sum":
         return canvas, n_maps
     return (canvas / n_maps).to(attn.dtype)
+
+
+def canvas_of_spatial(spatial: Tensor, grid_size: tuple[int, int]) -> Tensor:
+    """The :func:`aligned_maps` canvas sum ``(H, 2h - 1, 2w - 1)`` float64 of spatial attention as given
+    (``(H, S, S)``, e.g. a sum over images; rows not renormalised here): each query's row added into the canvas
+    with the query at its centre."""
+    h, w = grid_size
+    H, S = spatial.shape[0], h * w
+    index = _canvas_index(h, w, device=spatial.device).expand(H, -1)
+    canvas = torch.zeros(H, (2 * h - 1) * (2 * w - 1), dtype=torch.float64, device=spatial.device)
+    canvas.scatter_add_(1, index, spatial.reshape(H, S * S).double())
+    return canvas.reshape(H, 2 * h - 1, 2 * w - 1)
 
 
 def _canvas_geometry(aaam: Tensor) -> tuple[Tensor, int, int]:
