@@ -284,11 +284,12 @@ def whole_frame(s: Sample, size: int, patch: int, side: str = "short", interpola
     return out
 
 
-def normalize(images: torch.Tensor, pre: Preprocessing) -> torch.Tensor:
-    """(B, 3, H, W) in [0, 1] -> normalised with the model's mean and std (no resizing)."""
+def normalize(images: torch.Tensor, pre: Preprocessing, inplace: bool = False) -> torch.Tensor:
+    """(B, 3, H, W) in [0, 1] -> normalised with the model's mean and std (no resizing); ``inplace``: in
+    ``images``' own buffer (the same numbers, no second batch-sized one)."""
     mean = torch.tensor(pre.mean, dtype=images.dtype).view(1, 3, 1, 1)
     std = torch.tensor(pre.std, dtype=images.dtype).view(1, 3, 1, 1)
-    return (images - mean) / std
+    return images.sub_(mean).div_(std) if inplace else (images - mean) / std
 
 
 def _stack_maps(maps: Sequence[np.ndarray | None], dtype: torch.dtype) -> torch.Tensor | None:
@@ -317,9 +318,7 @@ def collate(samples: Sequence[Sample], pre: Preprocessing) -> Batch:
     x.copy_(torch.from_numpy(stacked).permute(0, 3, 1, 2))  # uint8 -> float32 exactly
     if stacked.dtype == np.uint8:
         x.div_(255.0)
-    mean = torch.tensor(pre.mean, dtype=x.dtype).view(1, 3, 1, 1)
-    std = torch.tensor(pre.std, dtype=x.dtype).view(1, 3, 1, 1)
-    x.sub_(mean).div_(std)  # `normalize` in place: the same numbers, no second batch-sized buffer
+    normalize(x, pre, inplace=True)  # in the worker's shared-memory buffer
     labels = None
     if samples and all(s.label is not None for s in samples):
         labels = torch.tensor([int(s.label) for s in samples], dtype=torch.long)
