@@ -79,10 +79,11 @@ def decode_jpeg(path: str | Path) -> np.ndarray | None:
     0.29 deprecates its image decoders (for TorchCodec); where they are gone, every file goes to PIL."""
     try:
         with open(path, "rb") as f:
+            if f.read(3) != b"\xff\xd8\xff":  # not a JPEG: PIL reads it, the file read once
+                return None
+            f.seek(0)
             data = f.read()
     except OSError:
-        return None
-    if data[:3] != b"\xff\xd8\xff":
         return None
     try:
         from PIL import Image
