@@ -106,3 +106,17 @@ def test_ranks_on_one_machine_never_share_a_gpu_while_there_are_enough():
     for gpus in range(1, 9):
         for ranks in range(1, gpus + 1):
             assert len({rank_device("cuda", r, gpus) for r in range(ranks)}) == ranks
+
+
+@pytest.mark.parametrize("cuda, env, local_world, gpus, want", [
+    (False, "", 2, 0, "gloo"),   # no GPU: gloo
+    (True, "cpu", 2, 2, "gloo"),  # a CPU study on a GPU machine
+    (True, "", 2, 2, "nccl"),    # one GPU per rank
+    (True, "", 8, 8, "nccl"),
+    (True, "", 2, 1, "gloo"),    # two ranks on one GPU: NCCL would refuse (duplicate GPU), gloo lets them share
+    (True, "", 16, 8, "gloo"),
+])
+def test_nccl_only_where_every_rank_on_the_machine_has_its_own_gpu(cuda, env, local_world, gpus, want):
+    from vitscope.study.distributed import backend_for
+
+    assert backend_for(cuda, env, local_world, gpus) == want

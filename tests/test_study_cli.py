@@ -39,8 +39,8 @@ def test_run_writes_tidy_tables_manifest_and_report(config, tmp_path, capsys):
     assert {("tiny-vit", "tiny-beit")} <= set(zip(cka.model, cka.model_b, strict=True))
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["models"]["tiny-vit"]["analyses_from_cache"] == []
-    timings = manifest["models"]["tiny-vit"]["timings"]  # where the pass went: the forward and each update
-    assert set(timings["pass_parts"]) == {"forward", "attention_distance", "cka"}
+    timings = manifest["models"]["tiny-vit"]["timings"]  # where the pass went: data, the forward, each update
+    assert set(timings["pass_parts"]) == {"data", "forward", "attention_distance", "cka"}
     assert timings["pass_parts"]["forward"] > 0 and sum(timings["pass_parts"].values()) <= timings["pass"] + 0.02
     html = (out / "report.html").read_text()
     assert html.count("<img") >= 2 and "data:image/png;base64," in html and "src='http" not in html

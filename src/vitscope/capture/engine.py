@@ -267,8 +267,10 @@ def stream(
         seen[k] <= b. The list is updated in place right after each update, so a caller that catches an
         exception knows exactly which batches each analysis has seen (the study saves that for resume).
     on_batch(b) is called after batch b has been fed to every analysis. total: the number of images, for the
-    progress bar (in images/s, with ETA). timings: if given, seconds are added under 'forward' (the capture
-    pass) and under each analysis's name (its updates). Returns the number of batches processed.
+    progress bar (in images/s, with ETA). timings: if given, seconds are added under 'data' (waiting for the next
+    batch), 'forward' (the capture pass) and under each analysis's name (its updates). On a GPU, 'forward' and the
+    updates count the time to queue the work; the time the GPU takes shows where the host waits for it (at most
+    once per batch, in an update). Returns the number of batches processed.
     """
     wanted: list[str] = []
     for a in analyses:
@@ -282,6 +284,8 @@ def stream(
 
         bar = tqdm(total=total, unit="img", desc=desc or vm.name, leave=False, dynamic_ncols=True)
     n = 0
+    if timings is not None:
+        batches = _timed(batches, timings)
     try:
         with Capture(vm, wanted, dtype=dtype) as cap:
             for b, batch in enumerate(batches, start=first):
@@ -316,6 +320,20 @@ def stream(
         if bar is not None:
             bar.close()
     return n
+
+
+def _timed(batches: Iterable[Any], timings: dict[str, float]) -> Iterator[Any]:
+    """``batches``, adding the seconds spent waiting for each one to ``timings['data']``."""
+    it = iter(batches)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        finally:
+            timings["data"] = timings.get("data", 0.0) + time.perf_counter() - t0
+        yield batch
 
 
 class _Subset(Mapping[str, torch.Tensor]):

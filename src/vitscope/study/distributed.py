@@ -29,6 +29,16 @@ def rank_device(device: str, local: int | None, n_gpus: int) -> str:
     return device
 
 
+def backend_for(cuda: bool, device_env: str, local_world: int, n_gpus: int) -> str:
+    """The process group's backend: NCCL where every rank on this machine can have a GPU of its own (NCCL
+    refuses two ranks on one GPU), else gloo: on the CPU, and when torchrun starts more processes on a machine
+    (``local_world``, torchrun's LOCAL_WORLD_SIZE) than it has GPUs, which then share them. vitscope's gathers
+    are pickled CPU states (`Dist.gather`), which gloo carries as well."""
+    if not cuda or device_env == "cpu" or n_gpus < 1 or local_world > n_gpus:
+        return "gloo"
+    return "nccl"
+
+
 @dataclass
 class Dist:
     rank: int = 0
@@ -42,10 +52,18 @@ class Dist:
         if not tdist.is_initialized():
             import torch
 
-            backend = "nccl" if torch.cuda.is_available() and os.environ.get("VITSCOPE_DEVICE", "") != "cpu" \
-                else "gloo"
-            if backend == "nccl":  # NCCL needs each rank on its own GPU before the group forms
-                torch.cuda.set_device(torch.device(rank_device("cuda", local_rank(), torch.cuda.device_count())))
+            cuda = torch.cuda.is_available()
+            n_gpus = torch.cuda.device_count() if cuda else 0
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+            backend = backend_for(cuda, os.environ.get("VITSCOPE_DEVICE", ""), local_world, n_gpus)
+            if cuda and n_gpus and os.environ.get("VITSCOPE_DEVICE", "") != "cpu":  # before the group forms
+                torch.cuda.set_device(torch.device(rank_device("cuda", local_rank(), n_gpus)))
+            if backend == "gloo" and cuda and n_gpus and local_world > n_gpus and local_rank() == 0:
+                import sys
+
+                print(f"vitscope: torchrun started {local_world} processes on this machine, which has {n_gpus} "
+                      f"GPU(s): ranks share them (gloo gathers the states; NCCL needs one GPU per process)",
+                      file=sys.stderr)
             tdist.init_process_group(backend=backend)
         return cls(tdist.get_rank(), tdist.get_world_size())
 

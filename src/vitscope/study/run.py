@@ -785,7 +785,7 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         for p in passes:
             _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch, updates)
         timings["pass"] = round(time.perf_counter() - t0, 2)
-        timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # forward, and each update
+        timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # data wait, forward, each update
         _gather_skipped(sources, dist)
         merged = dist.gather_states(todo)
         if dist.is_main:
