@@ -584,17 +584,14 @@ def section_e(ctx: Context) -> dict[str, Any]:
 
 
 def _long_steps(zt: Any, objective: str, factor: int) -> int | None:
-    """The long budget's steps of one objective, from the zoo's own plan (None where this vitscope cannot say)."""
-    fn = getattr(zt, "long_budget_steps", None)
-    if fn is not None:
-        return int(fn(objective))
+    """The long budget's steps of one objective (the zoo's `budget_views`, else ``factor`` x the default budget),
+    None where this vitscope cannot say."""
     with contextlib.suppress(Exception):
         from vitscope.zoo.objectives import OBJECTIVES
 
-        if objective == "finetune":
-            return None
-        vpi = OBJECTIVES[objective]().views.views_per_image()
-        return math.ceil(factor * zt.ZOO_BUDGET_VIEWS / (zt.ZOO_BATCH_SIZE * vpi))
+        views = zt.budget_views("long", objective) if hasattr(zt, "budget_views") else factor * zt.ZOO_BUDGET_VIEWS
+        vpi = 1.0 if objective == "finetune" else OBJECTIVES[objective]().views.views_per_image()
+        return math.ceil(views / (zt.ZOO_BATCH_SIZE * vpi))
     return None
 
 
@@ -686,6 +683,7 @@ def _write(out: Path, res: dict[str, Any]) -> None:
 
 def run(out: Path, sections: list[str], device: str, smoke: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
+    vs.capture.engine.tune_allocator()  # as a study does: the bare forwards run under the same allocator
     t_start = time.perf_counter()
     res: dict[str, Any] = {"version": VERSION, "smoke": smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "environment": environment(device), "sections": {}}
