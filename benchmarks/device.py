@@ -683,7 +683,9 @@ def _write(out: Path, res: dict[str, Any]) -> None:
 
 def run(out: Path, sections: list[str], device: str, smoke: bool) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
-    vs.capture.engine.tune_allocator()  # as a study does: the bare forwards run under the same allocator
+    from vitscope.capture.engine import tune_allocator
+
+    tune_allocator()  # as a study does: the bare forwards run under the same allocator
     t_start = time.perf_counter()
     res: dict[str, Any] = {"version": VERSION, "smoke": smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "environment": environment(device), "sections": {}}
