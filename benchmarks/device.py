@@ -252,6 +252,7 @@ class Context:
     results: dict[str, Any]
     jpegs: Path | None = None
     forward_rates: dict[str, float] | None = None  # b: bare forward images/s per dtype (c reads bf16's)
+    reference: Path | None = None  # a: the CPU run's results/ folder, when computed elsewhere
 
 
 def _cuda(device: str) -> bool:
@@ -403,9 +404,13 @@ def section_a(ctx: Context) -> dict[str, Any]:
     if ctx.device == "cpu" and not ctx.smoke:
         raise Skip("the device is the CPU: nothing to compare the CPU with (the smoke test compares two CPU runs)")
     study = None if ctx.sizes.default_study else SMOKE_STUDY
-    cpu, cpu_s, _ = _study(study, ctx.tmp, "a-cpu", ["device=cpu"])
-    dev, dev_s, manifest = _study(study, ctx.tmp, "a-device", [f"device={ctx.device}"])
-    cmp = compare_runs(cpu / "results", dev / "results")
+    dev, dev_s, manifest = _study(study, ctx.tmp, "a-device", [f"device={ctx.device}"])  # first: its errors first
+    if ctx.reference is not None:  # the CPU's tables of the same study, computed on another machine
+        cpu, cpu_s = ctx.reference, None
+    else:
+        cpu_run, cpu_s, _ = _study(study, ctx.tmp, "a-cpu", ["device=cpu"])
+        cpu = cpu_run / "results"
+    cmp = compare_runs(cpu, dev / "results")
     per_table = {}
     for name, t in cmp["tables"].items():
         if "problem" in t:
@@ -415,7 +420,9 @@ def section_a(ctx: Context) -> dict[str, Any]:
         per_table[name] = {"ok": t["ok"], "worst_metric": worst[0], "worst_ratio": round(worst[1]["ratio"], 4),
                            "metrics": t["metrics"]}
     return {"study": "the embedded default study" if study is None else "the smoke study", "cpu_seconds":
-            round(cpu_s, 1), "device_seconds": round(dev_s, 1), "models": len(manifest["models"]),
+            None if cpu_s is None else round(cpu_s, 1), "device_seconds": round(dev_s, 1),
+            "reference": "computed here" if ctx.reference is None else f"{ctx.reference} (carried)",
+            "models": len(manifest["models"]),
             "passed": cmp["ok"], "failures": cmp["failures"], "tables": per_table,
             "tolerances": {f"{a} {m}": {"atol": t.atol, "rtol": t.rtol, "kind": t.kind, "why": t.why}
                            for a, m, t in TOLERANCES}}
@@ -637,7 +644,8 @@ def to_markdown(res: dict[str, Any]) -> str:
 
 def _section_lines(key: str, s: dict[str, Any]) -> list[str]:
     if key == "a_correctness":
-        out = [f"{s['study']} ({s['models']} models): CPU {s['cpu_seconds']} s, device {s['device_seconds']} s; "
+        out = [f"{s['study']} ({s['models']} models): CPU {s['cpu_seconds']} s ({s['reference']}), device "
+               f"{s['device_seconds']} s; "
                f"**{'every table within its tolerance' if s['passed'] else 'FAILED'}**", "",
                "| table | worst metric | worst diff / tolerance | ok |", "|---|---|---|---|"]
         for name, t in s["tables"].items():
@@ -681,7 +689,7 @@ def _write(out: Path, res: dict[str, Any]) -> None:
         os.replace(tmp, out / name)
 
 
-def run(out: Path, sections: list[str], device: str, smoke: bool) -> dict[str, Any]:
+def run(out: Path, sections: list[str], device: str, smoke: bool, reference: Path | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     from vitscope.capture.engine import tune_allocator
 
@@ -690,7 +698,7 @@ def run(out: Path, sections: list[str], device: str, smoke: bool) -> dict[str, A
     res: dict[str, Any] = {"version": VERSION, "smoke": smoke, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                            "environment": environment(device), "sections": {}}
     with tempfile.TemporaryDirectory(prefix="vitscope-device-") as tmp:
-        ctx = Context(out, Path(tmp), device, SMOKE if smoke else FULL, smoke, res)
+        ctx = Context(out, Path(tmp), device, SMOKE if smoke else FULL, smoke, res, reference=reference)
         for s in sections:
             key = SECTIONS[s]
             print(f"[device check] {key} ...", flush=True)
@@ -725,13 +733,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections", default=",".join(SECTIONS), help="which sections, e.g. a,c (default: all)")
     ap.add_argument("--device", default=None, help="the device under test (default: cuda; cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="every section on the CPU at tiny sizes (the tests)")
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="a: the results/ folder of the same study run on a CPU elsewhere, instead of running it here")
     args = ap.parse_args(argv)
     sections = _sections(args.sections)
     device = args.device or ("cpu" if args.smoke else "cuda")
     if _cuda(device) and not torch.cuda.is_available():
         raise SystemExit(f"device.py: {device} was asked for but this machine has no usable CUDA GPU; "
                          "run with --smoke (CPU, tiny sizes) or --device cpu")
-    res = run(args.out, sections, device, args.smoke)
+    if args.reference is not None and not args.reference.is_dir():
+        raise SystemExit(f"device.py: --reference {args.reference} is not a folder (a run's results/)")
+    res = run(args.out, sections, device, args.smoke, args.reference)
     print(f"[device check] {args.out / 'device.md'}, {args.out / 'device.json'} in {res['seconds']} s")
     return 0 if all(s["status"] != "failed" for s in res["sections"].values()) else 1
 

@@ -31,6 +31,7 @@ import torch
 from vitscope.capture.taps import check_taps, parse_tap
 from vitscope.capture.views import VIEWS, token_view
 from vitscope.errors import InputError, VitscopeError
+from vitscope.host import to_host
 from vitscope.metrics import invariance as M
 from vitscope.metrics.invariance import (  # noqa: F401  (re-exported: the public API of the lens)
     cka_divergence,
@@ -391,6 +392,14 @@ def same_weights(vm_a: ViTModel, vm_b: ViTModel, taps: Sequence[str] = ()) -> bo
     return encoder_digest(vm_a) == encoder_digest(vm_b)
 
 
+def terms_on_host(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`vitscope.metrics.invariance.hsic_terms_both` of every (x, y) pair, wherever the features live, as two
+    (len(pairs), 3) float64 host tensors (unbiased, biased): one copy for all of them."""
+    terms = [M.hsic_terms_both(x, y) for x, y in pairs]
+    unbiased, biased = to_host(torch.stack([u for u, _ in terms]), torch.stack([b for _, b in terms]))
+    return unbiased, biased
+
+
 class StirSums:
     """Summed HSIC_1 terms for STIR(m2[i] | m1[j]) over minibatches: ``sums`` (R repeats, J inverted taps, I
     measured taps, 3) float64 (cross, self clean, self inverted), and ``batches`` / ``images`` / ``diverged``
@@ -422,11 +431,11 @@ class StirSums:
         if n_keep < 4:
             return
         newest = int(key) > int(self.last_key[r, j])
-        for i, (c, v) in enumerate(zip(clean, inverted, strict=True)):
-            unbiased, biased = M.hsic_terms_both(c[keep], v[keep])
-            self.sums[r, j, i] += unbiased
-            if newest:
-                self.last[r, j, i] = biased
+        pairs = [(c[keep.to(c.device)], v[keep.to(v.device)]) for c, v in zip(clean, inverted, strict=True)]
+        unbiased, biased = terms_on_host(pairs)
+        self.sums[r, j] += unbiased
+        if newest:
+            self.last[r, j] = biased
         if newest:
             self.last_key[r, j] = int(key)
         self.batches[r, j] += 1

@@ -243,12 +243,12 @@ class Stir(PairAnalysis):
         fb = INV.measure(vm_b, x, self.taps, self.view)
         key = int(ids.max())
         newest = key > self.cka_last_key
-        for i in range(len(self.taps)):
-            for j in range(len(self.taps)):
-                unbiased, biased = M.hsic_terms_both(fa[i], fb[j])
-                self.cka[i, j] += unbiased
-                if newest:
-                    self.cka_last[i, j] = biased
+        n = len(self.taps)
+        # the features live on the models' device, the sums on the host: every pair's terms in one copy
+        unbiased, biased = INV.terms_on_host([(fa[i], fb[j]) for i in range(n) for j in range(n)])
+        self.cka += unbiased.view(n, n, 3)
+        if newest:
+            self.cka_last.copy_(biased.view(n, n, 3))
         if newest:
             self.cka_last_key = key
         with torch.enable_grad():
