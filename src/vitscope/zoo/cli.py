@@ -17,7 +17,12 @@ ZOO_EPILOG = """examples:
   vitscope zoo train --objective hybrid --lam 0.5 --out zoo/hybrid
   vitscope zoo train --objective finetune --init zoo/mae/encoder.safetensors --task reconstruction \\
       --epochs 10 --out zoo/mae-ft-rec                                saves the encoder at every epoch
+  vitscope zoo train --all --device cuda --budget long --out zoo-long  the six objectives and zoo-random's
+                                                                      fine-tune, 20x the budget; rerun to resume
 """
+
+# options of one run's objective: refused with --all (each run of the zoo has its shipped settings)
+_PER_OBJECTIVE = ("lam", "init", "task", "n_local", "mask_ratio")
 
 
 def _arch_overrides(items: list[str]) -> dict[str, Any]:
@@ -48,10 +53,15 @@ def _need_file(run_dir: str, name: str, what: str) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     import torch
 
-    from vitscope.zoo.train import TrainConfig, train
+    from vitscope.zoo.train import TrainConfig, budget_views, resolve_device, train
 
+    if (args.objective is None) == (not args.all):
+        raise VitscopeError("give exactly one of --objective OBJ (one run) and --all (the whole zoo)")
+    resolve_device(args.device)  # one sentence now when the machine lacks the device, before any work
     if args.threads:
         torch.set_num_threads(args.threads)  # the user's explicit choice for this process
+    if args.all:
+        return _train_all(args)
     okw: dict[str, Any] = {}
     for key, objectives in (("lam", ("hybrid",)), ("init", ("finetune",)), ("task", ("finetune",)),
                             ("n_local", ("dino",)), ("mask_ratio", ("mae", "simmim", "hybrid"))):
@@ -71,13 +81,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
             okw[key.replace("-", "_")] = raw
     if args.objective == "finetune" and "init" not in okw:
         raise VitscopeError("finetune needs --init: a zoo checkpoint (encoder.safetensors) or a model name")
+    views = budget_views(args.budget, args.objective) if args.budget else args.budget_views
     cfg = TrainConfig(
-        objective=args.objective, out=args.out, data=args.data, budget_views=args.budget_views, epochs=args.epochs,
-        epoch_views=args.epoch_views, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-        arch=_arch_overrides(args.arch), objective_kwargs=okw, knn_every=args.knn_every, knn_train=args.knn_train,
-        knn_test=args.knn_test, ckpt_minutes=args.ckpt_minutes, save_epochs=args.save_epochs,
-        synthetic_n=tuple(args.synthetic_n), progress=not args.no_progress, precision=args.precision,
-        adamw=args.adamw)
+        objective=args.objective, out=args.out, budget_views=views, epochs=args.epochs,
+        epoch_views=args.epoch_views, objective_kwargs=okw,
+        knn_every=1 if args.knn_every is None else args.knn_every,
+        knn_train=5000 if args.knn_train is None else args.knn_train,
+        knn_test=2000 if args.knn_test is None else args.knn_test, **_common(args))
     try:
         card = train(cfg, resume=args.resume, stop_after_steps=args.stop_after_steps)
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -87,6 +97,46 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     print(f"{card['name']}: {card['image_views']} image-views in {card['wall_time_s'] / 60:.1f} min, "
           f"20-NN (CLS) {card['final_knn']['cls']:.3f}\nweights: {card['weights']}\nlog:     {card['log']}")
+    return 0
+
+
+def _common(args: argparse.Namespace) -> dict[str, Any]:
+    """`TrainConfig` fields that one run and every run of --all take from the command line alike."""
+    return dict(data=args.data, batch_size=args.batch_size, lr=args.lr, seed=args.seed, arch=_arch_overrides(args.arch),
+                ckpt_minutes=args.ckpt_minutes, save_epochs=args.save_epochs, synthetic_n=tuple(args.synthetic_n),
+                progress=not args.no_progress, precision=args.precision, adamw=args.adamw, device=args.device)
+
+
+def _train_all(args: argparse.Namespace) -> int:
+    """``zoo train --all``: the six objectives, then zoo-random fine-tuned for classification, one after another
+    into OUT/<objective> and OUT/finetune-cls, each with its shipped model's settings (`zoo_recipes`) at the
+    chosen budget; always resuming: a finished run is skipped, a stopped one continued, a new one started."""
+    from vitscope.zoo.train import TrainConfig, train, zoo_recipes
+
+    given = [f"--{k.replace('_', '-')}" for k in _PER_OBJECTIVE if getattr(args, k) is not None]
+    given += ["--set"] if args.set else []
+    given += ["--epochs"] if args.epochs is not None else []
+    if given:
+        raise VitscopeError(f"{', '.join(given)} cannot be given with --all, which trains every run with its shipped "
+                            "settings (use --budget or --budget-views for the budget, --objective for one run)")
+    runs = zoo_recipes(args.out, args.budget or "default", args.budget_views)
+    for i, (label, fields) in enumerate(runs, 1):
+        for key in ("epoch_views", "knn_every", "knn_train", "knn_test"):  # given: for every run
+            if getattr(args, key) is not None:
+                fields[key] = getattr(args, key)
+        cfg = TrainConfig(**{**_common(args), **fields})
+        head = f"[{i}/{len(runs)}] {label} -> {cfg.out}:"
+        try:
+            result = train(cfg, resume=True, stop_after_steps=args.stop_after_steps,
+                           announce=lambda what, head=head: print(f"{head} {what}", flush=True))
+        except (ValueError, FileNotFoundError, TypeError, VitscopeError) as e:
+            raise VitscopeError(f"{label}: {e}") from e
+        if result.get("status") == "stopped":
+            print(f"{head} stopped at step {result['step']:,} of {result['total_steps']:,} (state written; run the "
+                  "same command again to continue)", flush=True)
+        else:
+            print(f"{head} finished: {result['budget']['steps']:,} steps, {result['image_views']:,} image-views in "
+                  f"{result['wall_time_s'] / 60:.1f} min, 20-NN (CLS) {result['final_knn']['cls']:.3f}", flush=True)
     return 0
 
 
@@ -227,24 +277,39 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
 
     t = zsub.add_parser("train", help="train (or resume) one zoo model", epilog=ZOO_EPILOG,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--objective", required=True, choices=OBJECTIVE_NAMES)
-    t.add_argument("--out", required=True, help="output directory (weights, card.json, log.csv, training state)")
+    t.add_argument("--objective", default=None, choices=OBJECTIVE_NAMES, help="the objective of one run")
+    t.add_argument("--all", action="store_true",
+                   help="instead of --objective: the six objectives, then zoo-random fine-tuned for classification, "
+                        "into OUT/<objective> and OUT/finetune-cls, each with its shipped model's settings at the "
+                        "chosen budget; always resumes (a finished run is skipped), so rerun the same command after "
+                        "an interruption")
+    t.add_argument("--out", required=True, help="output directory (weights, card.json, log.csv, training state); "
+                                                "with --all the folder of the runs' folders")
+    t.add_argument("--device", default="cpu",
+                   help="where the objective, the views and the k-NN monitor run: cpu (default), cuda, cuda:N")
     t.add_argument("--data", default=None,
                    help="CIFAR-10 ImageFolder root with train/ and test/ (default: ../shared/data/cifar10 or "
                         "/work/shared/data/cifar10 if present, else generated shapes); 'synthetic' forces shapes")
     budget = t.add_mutually_exclusive_group()
+    budget.add_argument("--budget", choices=["default", "long"], default=None,
+                        help="a named budget: default = the shipped models' (250,000 image-views for the six "
+                             "objectives, 80,000 for a fine-tune: 8 epochs of 10,000), long = 20x that. Without "
+                             "--budget, --budget-views or --epochs one run trains on 250,000 image-views (a "
+                             "fine-tune too) and --all on the default budget")
     budget.add_argument("--budget-views", type=int, default=None,
-                        help="image-views to train on (default: the zoo budget, `vitscope zoo list`)")
+                        help="image-views to train on (default: the zoo budget, `vitscope zoo list`); with --all, "
+                             "for every run")
     budget.add_argument("--epochs", type=float, default=None, help="budget in epochs of --epoch-views image-views")
     t.add_argument("--epoch-views", type=int, default=None,
-                   help="image-views per logged epoch (default: the number of training images)")
+                   help="image-views per logged epoch (default: the number of training images; with --all the "
+                        "run's budget over its shipped number of epochs, 10, or 8 for the fine-tune)")
     t.add_argument("--batch-size", type=int, default=128)
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt (--all always does)")
     t.add_argument("--stop-after-steps", type=int, default=None, metavar="N",
                    help="stop after N steps in all (the budget's schedule; state written, no export): a short "
-                        "probe of the full run that `--resume` continues")
+                        "probe of the full run that `--resume` continues; with --all, of every run")
     t.add_argument("--lam", type=float, default=None, help="hybrid: weight of the contrastive loss (default 0.5)")
     t.add_argument("--init", default=None, help="finetune: checkpoint or model name to start from")
     t.add_argument("--task", choices=["classification", "reconstruction"], default=None,
@@ -260,9 +325,14 @@ def add_zoo_parser(subparsers: Any) -> argparse.ArgumentParser:
     t.add_argument("--save-epochs", default="auto",
                    help="epochs whose encoder is kept under OUT/checkpoints: 'all', 'none', or e.g. 0,1,2,5 "
                         "(default: all for finetune, none otherwise)")
-    t.add_argument("--knn-every", type=int, default=1, help="20-NN evaluation every K epochs (and at the end)")
-    t.add_argument("--knn-train", type=int, default=5000, help="train images of the 20-NN monitor")
-    t.add_argument("--knn-test", type=int, default=2000, help="test images of the 20-NN monitor")
+    t.add_argument("--knn-every", type=int, default=None,
+                   help="20-NN evaluation every K epochs (and at the end); default 1, with --all the shipped runs' "
+                        "(2, the fine-tune 4)")
+    t.add_argument("--knn-train", type=int, default=None,
+                   help="train images of the 20-NN monitor (default 5000; with --all the shipped runs': 5000, the "
+                        "fine-tune 2000)")
+    t.add_argument("--knn-test", type=int, default=None,
+                   help="test images of the 20-NN monitor (default 2000; with --all 2000, the fine-tune 1000)")
     t.add_argument("--ckpt-minutes", type=float, default=10.0, help="also save the training state every N minutes")
     t.add_argument("--threads", type=int, default=None, help="torch CPU threads for this run (default: torch's)")
     t.add_argument("--arch", nargs="*", default=[], metavar="KEY=VALUE",

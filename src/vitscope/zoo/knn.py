@@ -3,7 +3,8 @@
 Caron et al. 2021 (``dino/eval_knn.py``): L2-normalised features, cosine similarity to every train
 feature, the k nearest vote with weights exp(sim / 0.07), the class with the largest vote wins. Run on a
 fixed class-balanced subset (the first n/C images of each class of each split, the same for every
-objective and seed), so it costs a few seconds per evaluation.
+objective and seed), so it costs a few seconds per evaluation. The network's forward and the vote run on the
+device of the network's parameters (the images are prepared on the CPU and moved there).
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ from vitscope.zoo.data import Augment, DataSource
 def knn_accuracy(train_f: torch.Tensor, train_y: torch.Tensor, test_f: torch.Tensor, test_y: torch.Tensor,
                  k: int = 20, temperature: float = 0.07, num_classes: int | None = None,
                  chunk: int = 1024) -> float:
-    """Fraction of test features whose weighted k-NN vote among the train features is their label."""
+    """Fraction of test features whose weighted k-NN vote among the train features is their label (computed on
+    the device of ``train_f``)."""
     c = int(num_classes if num_classes is not None else int(max(train_y.max(), test_y.max())) + 1)
+    dev = train_f.device
     train_f = F.normalize(train_f.float(), dim=1)
-    test_f = F.normalize(test_f.float(), dim=1)
+    test_f = F.normalize(test_f.to(dev).float(), dim=1)
+    train_y, test_y = train_y.to(dev), test_y.to(dev)
     k = min(k, train_f.shape[0])
     correct = 0
     for i in range(0, test_f.shape[0], chunk):
         sim = test_f[i:i + chunk] @ train_f.t()
         top, idx = sim.topk(k, dim=1)
-        votes = torch.zeros(sim.shape[0], c).scatter_add_(1, train_y[idx], (top / temperature).exp())
+        votes = torch.zeros(sim.shape[0], c, device=dev).scatter_add_(1, train_y[idx], (top / temperature).exp())
         correct += int((votes.argmax(1) == test_y[i:i + chunk]).sum())
     return correct / test_f.shape[0]
 
@@ -45,12 +49,18 @@ class KNNMonitor:
         self.k, self.temperature, self.batch_size = k, temperature, batch_size
         self.num_classes = len(data.train.classes)
 
+    def _inputs(self, net: nn.Module, images: torch.Tensor) -> torch.Tensor:
+        """Normalised images (prepared on the CPU) on the device of ``net``."""
+        x = self.augment.plain(images)
+        p = next(net.parameters(), None)
+        return x if p is None or p.device == x.device else x.to(p.device)
+
     @torch.no_grad()
     def features(self, net: nn.Module, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cls, gap = [], []
         npt = int(getattr(net, "num_prefix_tokens", 1))
         for i in range(0, images.shape[0], self.batch_size):
-            t = encode(net, self.augment.plain(images[i:i + self.batch_size]))
+            t = encode(net, self._inputs(net, images[i:i + self.batch_size]))
             cls.append(t[:, 0])
             gap.append(t[:, npt:].mean(1))
         return torch.cat(cls), torch.cat(gap)
@@ -89,7 +99,7 @@ class KNNMonitor:
         try:
             for i in range(0, images.shape[0], self.batch_size):
                 want_attn[0] = max(0, min(attn_images - i, self.batch_size))
-                encode(net, self.augment.plain(images[i:i + self.batch_size]))
+                encode(net, self._inputs(net, images[i:i + self.batch_size]))
         finally:
             for h in handles:
                 h.remove()

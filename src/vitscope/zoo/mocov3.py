@@ -24,10 +24,10 @@ from vitscope.zoo.data import ViewBatch, ViewSpec
 
 def info_nce(q: torch.Tensor, k: torch.Tensor, temperature: float) -> torch.Tensor:
     """MoCo v3's ``contrastive_loss``: the positives are on the diagonal of the (B, B) logits."""
-    with torch.autocast("cpu", enabled=False):  # the logits in fp32 under bf16 autocast
+    with torch.autocast(q.device.type, enabled=False):  # the logits in fp32 under bf16 autocast, on any device
         q, k = F.normalize(q.float(), dim=1), F.normalize(k.float(), dim=1)
         logits = q @ k.t() / temperature
-    labels = torch.arange(q.shape[0])
+    labels = torch.arange(q.shape[0], device=q.device)
     return F.cross_entropy(logits, labels) * (2 * temperature)
 
 

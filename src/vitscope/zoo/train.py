@@ -17,17 +17,26 @@
     objective metrics, lr, views/s, and weighted 20-NN accuracy (`vitscope.zoo.knn`) on CLS and GAP;
   * export: ``encoder.safetensors`` via `vitscope.models.save_checkpoint(half=True)` (so
     ``vitscope.load_model(path)`` rebuilds it) and ``card.json``; optionally the encoder at chosen
-    epochs under ``checkpoints/`` (fine-tuning dynamics).
+    epochs under ``checkpoints/`` (fine-tuning dynamics);
+  * device: ``TrainConfig.device`` (cpu, cuda, cuda:N) holds the objective (encoder, heads, teachers, momentum
+    encoders), the views of each step and the k-NN monitor; the views and the masks are still drawn on the CPU
+    from the step's generator, so every device sees the same images, crops and masks. The training state is
+    written with CPU tensors and resumes onto any device (not bit for bit across devices: their arithmetic
+    differs); ``device`` is not a setting that determines the weights (`_IDENTITY`).
+  * the zoo's recipes (`zoo_recipes`): the six objectives and the fine-tune of zoo-random for classification
+    with the shipped models' settings, at the ``default`` or the ``long`` budget (`ZOO_LONG_FACTOR` times it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +60,14 @@ ZOO_BATCH_SIZE = 128
 # objectives fit one session; idle, one thread runs a supervised step of 128 images in 0.73 s
 # (benchmarks/zoo_throughput.py --threads 1), 24 CPU-minutes for this budget.
 ZOO_BUDGET_VIEWS = 250_000
+# The shipped fine-tunes (zoo-*-ft-*, docs/ZOO.md and docs/INVARIANCE.md): 8 epochs of 10,000 image-views.
+FINETUNE_BUDGET_VIEWS = 80_000
+FINETUNE_EPOCHS = 8
+ZOO_EPOCHS = 10  # the six objectives' shipped runs log 10 epochs (of 25,000 image-views)
+# The named long budget (`--budget long`): this many times the shipped budget of each run.
+ZOO_LONG_FACTOR = 20
+BUDGETS = ("default", "long")
+ZOO_OBJECTIVES = ("supervised", "dino", "mocov3", "mae", "simmim", "hybrid")
 
 STATE_FILE = "train_state.pt"
 WEIGHTS_FILE = "encoder.safetensors"
@@ -58,7 +75,9 @@ CARD_FILE = "card.json"
 LOG_FILE = "log.csv"
 DECODER_FILE = "decoder.safetensors"  # a masked-modelling objective's decoder, for its held-out loss (zoo/evaluate.py)
 
-# Settings that determine the weights: a resumed run must match them.
+# Settings that determine the weights: a resumed run must match them. Not ``device``: a run stopped on one device
+# may be continued on another (the arithmetic differs, so the result is not bit for bit that of one device; the
+# card lists the devices in ``devices``).
 _IDENTITY = ("objective", "objective_kwargs", "arch", "budget_views", "epochs", "epoch_views", "batch_size", "lr",
              "min_lr", "weight_decay", "betas", "warmup_frac", "clip_grad", "seed", "synthetic_n", "precision",
              "adamw")
@@ -98,6 +117,7 @@ class TrainConfig:
     save_epochs: str | list[int] = "auto"
     synthetic_n: tuple[int, int] = (5000, 1000)
     progress: bool = True
+    device: str = "cpu"  # cpu, cuda, cuda:N (`resolve_device`)
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
@@ -118,6 +138,57 @@ class Plan:
     @property
     def n_epochs(self) -> int:
         return max(self.epoch_end.values())
+
+
+def budget_views(budget: str, objective: str) -> int:
+    """Image-views of a named budget: ``default`` is the shipped models' (`ZOO_BUDGET_VIEWS` for the six
+    objectives, `FINETUNE_BUDGET_VIEWS` for a fine-tune), ``long`` `ZOO_LONG_FACTOR` times it."""
+    if budget not in BUDGETS:
+        raise VitscopeError(f"the budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
+    base = FINETUNE_BUDGET_VIEWS if objective == "finetune" else ZOO_BUDGET_VIEWS
+    return base * (ZOO_LONG_FACTOR if budget == "long" else 1)
+
+
+def zoo_recipes(out: str | Path, budget: str = "default", views: int | None = None
+                ) -> list[tuple[str, dict[str, Any]]]:
+    """The runs of the zoo, in training order, as (label, `TrainConfig` fields): the six objectives into
+    ``out/<objective>`` and the fine-tune of zoo-random for classification into ``out/finetune-cls``, each with
+    its shipped model's settings (10 logged epochs and the 20-NN monitor every 2 of them on 5,000 /
+    2,000 images for the six; 8 epochs, every epoch's encoder kept, the monitor every 4 on 2,000 / 1,000 images
+    for the fine-tune) at the named ``budget`` (`budget_views`), or at ``views`` image-views each when given.
+    An epoch is the budget over the run's number of epochs, so at the default budget it is the shipped one
+    (25,000 and 10,000 image-views) and the logs and per-epoch encoders of a longer run fall at the same
+    fractions of its schedule."""
+    runs: list[tuple[str, dict[str, Any]]] = []
+    for name in (*ZOO_OBJECTIVES, "finetune"):
+        ft = name == "finetune"
+        b = int(views) if views is not None else budget_views(budget, name)
+        n_epochs = FINETUNE_EPOCHS if ft else ZOO_EPOCHS
+        label = "finetune-cls" if ft else name
+        fields: dict[str, Any] = {
+            "objective": name, "out": Path(out) / label, "budget_views": b,
+            "epoch_views": max(1, int(math.ceil(b / n_epochs))),
+            "knn_every": 4 if ft else 2, "knn_train": 2000 if ft else 5000, "knn_test": 1000 if ft else 2000,
+            "objective_kwargs": {"init": "zoo-random", "task": "classification"} if ft else {}}
+        runs.append((label, fields))
+    return runs
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device a run is asked to train on; one sentence when this machine does not have it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise VitscopeError(f"device {str(device)!r} is not a device torch knows; use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise VitscopeError(f"device {str(device)!r}: the zoo trains on cpu or cuda (cuda:N), not {dev.type}")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0 or (dev.index is not None and dev.index >= n):
+        raise VitscopeError(f"device {str(device)!r} was asked for but this machine has {n} usable CUDA GPU(s); "
+                            "use --device cpu" + (f" or cuda:0 to cuda:{n - 1}" if n else ""))
+    return dev
 
 
 def make_plan(cfg: TrainConfig, views_per_image: float, n_train: int) -> Plan:
@@ -172,18 +243,56 @@ def make_optimizer(obj: Objective, cfg: TrainConfig, total_steps: int
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, warmup, floor))
 
 
+class _MadeOn(torch.overrides.TorchFunctionMode):
+    """Tensors an objective creates inside its forward without naming a device land on ``device``: a mask drawn
+    from the step's (CPU) generator is drawn on the CPU, as on every device, and then moved (so masks are the same
+    on every device); ``torch.arange``, ``torch.ones`` ... get ``device``. Used for accelerators only (on the CPU
+    the forward runs as it always did)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        from torch.utils._device import _device_constructors
+
+        kwargs = dict(kwargs or {})
+        if func in _device_constructors() and kwargs.get("device") is None:
+            g = kwargs.get("generator")
+            if g is not None and g.device != self.device:
+                return func(*args, **kwargs).to(self.device)
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def batch_to(batch: ViewBatch, device: torch.device) -> ViewBatch:
+    """The views and labels of a step on ``device`` (the batch itself on the CPU); the generator stays on the CPU
+    (`_MadeOn` moves what it draws)."""
+    if device.type == "cpu":
+        return batch
+
+    def to(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device, non_blocking=t.is_pinned())
+
+    return ViewBatch([to(v) for v in batch.global_views], [to(v) for v in batch.local_views], to(batch.labels),
+                     batch.index, batch.generator, batch.image_views)
+
+
 def train_step(obj: Objective, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler,
                batch: ViewBatch, step: int, total: int, clip_grad: float | None, precision: str = "fp32"
                ) -> tuple[torch.Tensor, dict[str, float]]:
     """One optimisation step of any objective: forward, backward, clip, AdamW, schedule, EMA.
 
-    precision "bf16": the forward runs under CPU autocast to bfloat16 (matmuls and convolutions; the
-    objectives compute their losses in fp32); parameters, gradients and AdamW's state stay fp32.
+    The forward runs on the device of the batch's views (`batch_to`; the objective must be there too).
+    precision "bf16": the forward runs under autocast to bfloat16 on that device (matmuls and convolutions;
+    the objectives compute their losses in fp32); parameters, gradients and AdamW's state stay fp32.
     """
     if precision not in PRECISIONS:
         raise VitscopeError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    device = batch.global_views[0].device
     obj.set_progress(step, total)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+    made_on = contextlib.nullcontext() if device.type == "cpu" else _MadeOn(device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"), made_on:
         loss, metrics = obj(batch)
     if not torch.isfinite(loss):
         raise VitscopeError(f"{obj.name}: the loss is {loss.item()} at step {step}; lower the learning rate")
@@ -253,6 +362,28 @@ def _saved_identity(st: dict[str, Any]) -> dict[str, Any]:
     return conf
 
 
+def _to_cpu(tree: Any) -> Any:
+    """A state (dicts, lists, tuples of tensors and numbers) with every tensor on the CPU (CPU tensors are kept as
+    they are), so a training state loads on any machine; a module state's ``_metadata`` (versions) is kept."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        out = type(tree)((k, _to_cpu(v)) for k, v in tree.items())
+        if hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(tree, list | tuple):
+        return type(tree)(_to_cpu(v) for v in tree)
+    return tree
+
+
+def _device_name(dev: torch.device) -> str:
+    if dev.type == "cuda":
+        return f"{dev.type}:{dev.index if dev.index is not None else torch.cuda.current_device()} " \
+               f"({torch.cuda.get_device_name(dev)})"
+    return str(dev)
+
+
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
@@ -281,13 +412,21 @@ def export_spec(obj: Objective, cfg: TrainConfig, data: DataSource, views: float
               f"seed {cfg.seed}")
 
 
-def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None = None) -> dict[str, Any]:
+def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None = None,
+          announce: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Train (or continue) one zoo model; returns the card (also written to ``out/card.json``).
 
     stop_after_steps: stop after that many steps in all (writing the training state, no export), as an
         interruption would; used to test resuming.
+    announce: called once with what happens to the run before any training: "done" (finished already),
+        "resumed at step k of n" or "started (n steps)".
     """
+    def say(what: str) -> None:
+        if announce is not None:
+            announce(what)
+
     t0 = time.monotonic()  # wall time counts everything: data decoding, evaluations, checkpoints
+    dev = resolve_device(cfg.device)  # one sentence before any work when the machine lacks it
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     state_path = out / STATE_FILE
@@ -302,11 +441,13 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
         card = json.loads((out / CARD_FILE).read_text())
         st = load_state(state_path)
         if _saved_identity(st) == cfg.identity() and st["step"] >= card["budget"]["steps"]:
+            say("done")
             return card
     arch = ZooArch(**cfg.arch)
     data = load_data(cfg.data, size=arch.img_size, synthetic_n=tuple(cfg.synthetic_n), seed=cfg.seed)
     obj = build_objective(cfg.objective, arch, num_classes=len(data.train.classes), seed=cfg.seed,
-                          **cfg.objective_kwargs)
+                          **cfg.objective_kwargs)  # initialised on the CPU: the same network on every device
+    obj.to(dev)
     pre = obj.preprocessing
     augment = Augment(obj.views, obj.img_size, pre.mean, pre.std, obj.patch_size)
     stream = ViewStream(data.train, obj.views, cfg.batch_size, cfg.seed, augment)
@@ -317,6 +458,7 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     opt, sched = make_optimizer(obj, cfg, plan.total_steps)
 
     step, elapsed, rows = 0, 0.0, []
+    devices = [_device_name(dev)]
     sums: dict[str, float] = {}
     count = 0
     if resume and state_path.exists():
@@ -327,14 +469,21 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
         same_data = ("name", "n_train", "n_test")
         if any(st["data"].get(k) != data.description.get(k) for k in same_data):
             raise VitscopeError(f"cannot resume {out}: it was trained on {st['data']}, not {data.description}")
-        obj.load_state_dict(st["objective"])
-        opt.load_state_dict(st["optimizer"])
+        obj.load_state_dict(st["objective"])  # copied into the parameters, on their device
+        opt.load_state_dict(st["optimizer"])  # torch moves AdamW's moments to their parameters' device
         sched.load_state_dict(st["scheduler"])
         _set_rng_state(st["rng"])
         step, elapsed, rows, sums, count = st["step"], st["elapsed"], st["rows"], st["sums"], st["count"]
+        devices = list(st.get("devices", ["cpu"]))
+        if devices[-1] != _device_name(dev):
+            devices.append(_device_name(dev))
         log.info("resuming %s at step %d of %d", out, step, plan.total_steps)
         if step >= plan.total_steps and (out / CARD_FILE).exists():
+            say("done")
             return json.loads((out / CARD_FILE).read_text())
+        say(f"resumed at step {step:,} of {plan.total_steps:,}")
+    else:
+        say(f"started ({plan.total_steps:,} steps)")
 
     last_ckpt = time.monotonic()
 
@@ -344,9 +493,10 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     def save_state() -> None:
         nonlocal last_ckpt
         _atomic_torch_save({
-            "config": cfg.identity(), "data": data.description, "objective": obj.state_dict(),
-            "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": _rng_state(), "step": step,
-            "elapsed": wall(), "rows": rows, "sums": sums, "count": count}, state_path)
+            "config": cfg.identity(), "data": data.description, "objective": _to_cpu(obj.state_dict()),
+            "optimizer": _to_cpu(opt.state_dict()), "scheduler": sched.state_dict(), "rng": _rng_state(),
+            "step": step, "total_steps": plan.total_steps, "elapsed": wall(), "rows": rows, "sums": sums,
+            "count": count, "devices": devices}, state_path)
         last_ckpt = time.monotonic()
 
     def export_epoch(e: int) -> None:
@@ -375,8 +525,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     while step < plan.total_steps:
         if stop_after_steps is not None and step >= stop_after_steps:
             break
-        loss, metrics = train_step(obj, opt, sched, stream.batch(step), step, plan.total_steps, cfg.clip_grad,
-                                   cfg.precision)
+        loss, metrics = train_step(obj, opt, sched, batch_to(stream.batch(step), dev), step, plan.total_steps,
+                                   cfg.clip_grad, cfg.precision)
         step += 1
         count += 1
         for k, v in {"loss": loss.item(), **metrics}.items():
@@ -413,11 +563,12 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     if step < plan.total_steps:
         save_state()
         return {"status": "stopped", "step": step, "total_steps": plan.total_steps, "out": str(out)}
-    return _finish(obj, cfg, data, plan, monitor, rows, wall(), out)
+    return _finish(obj, cfg, data, plan, monitor, rows, wall(), out, devices)
 
 
 def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, monitor: KNNMonitor,
-            rows: list[dict[str, Any]], wall_s: float, out: Path) -> dict[str, Any]:
+            rows: list[dict[str, Any]], wall_s: float, out: Path, devices: list[str] | None = None
+            ) -> dict[str, Any]:
     from vitscope.models import save_checkpoint
 
     views = plan.total_steps * plan.views_per_step
@@ -436,6 +587,7 @@ def _finish(obj: Objective, cfg: TrainConfig, data: DataSource, plan: Plan, moni
                    "epoch_views": plan.epoch_views},
         "image_views": int(round(views)),
         "precision": cfg.precision,
+        "devices": devices or ["cpu"],  # where it was trained (more than one: resumed on another device)
         "optimizer": {"name": "AdamW", "implementation": cfg.adamw, "lr": cfg.lr, "min_lr": cfg.min_lr,
                       "betas": list(cfg.betas),
                       "weight_decay": cfg.weight_decay, "warmup_frac": cfg.warmup_frac, "clip_grad": cfg.clip_grad,
@@ -460,7 +612,7 @@ def save_parts(obj: Objective, out: Path) -> Path | None:
     if parts is None:
         return None
     tmp = out / (DECODER_FILE + ".tmp")
-    save_file({k: v.detach().float().contiguous() for k, v in parts.state_dict().items()}, str(tmp))
+    save_file({k: v.detach().float().cpu().contiguous() for k, v in parts.state_dict().items()}, str(tmp))
     os.replace(tmp, out / DECODER_FILE)
     return out / DECODER_FILE
 
