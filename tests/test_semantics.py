@@ -26,7 +26,7 @@ def _knn_reference(train, ytr, test, yte, k, T=0.07, c=None):
         score = [0.0] * c
         for j in order:
             score[int(ytr[j])] += math.exp(sims[j] / T)
-        ranked = sorted(range(c), key=lambda q: -score[q])
+        ranked = [q for q in sorted(range(c), key=lambda q: -score[q]) if score[q] > 0]  # only voted classes
         top1 += ranked[0] == int(yte[i])
         top5 += int(yte[i]) in ranked[:5]
     return top1 / len(test), top5 / len(test)
@@ -53,8 +53,18 @@ def test_knn_matches_a_brute_force_reference(k):
     got = S.knn_classify(train, ytr, test, yte, ks=(k,))[k]
     ref = _knn_reference(train, ytr, test, yte, min(k, 40))
     assert got[0] == pytest.approx(ref[0])
-    if k >= 5:  # with fewer voters than 5 classes, top-5 is decided among zero-score ties
-        assert got[1] == pytest.approx(ref[1])
+    assert got[1] == pytest.approx(ref[1])  # a class nobody voted for is never predicted, also with k < 5
+
+
+def test_knn_top5_never_fills_up_with_classes_nobody_voted_for():
+    """Two voting classes out of 10: the top 5 holds those two only, whatever order the zero-score classes
+    come in (the kernel's tie order made the same study differ between a GPU and a CPU)."""
+    train = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.0, 1.0]])
+    ytr = torch.tensor([2, 2, 7])
+    test = torch.tensor([[1.0, 0.05], [1.0, 0.05], [0.1, 1.0]])
+    yte = torch.tensor([2, 0, 3])  # a hit, a class nobody voted for (index 0: first in any tie order), another
+    top1, top5 = S.knn_classify(train, ytr, test, yte, ks=(3,), num_classes=10)[3]
+    assert top1 == pytest.approx(1 / 3) and top5 == pytest.approx(1 / 3)
 
 
 def test_clustering_scores_on_hand_made_cases():

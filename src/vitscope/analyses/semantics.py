@@ -75,7 +75,7 @@ class Semantics(Analysis):
     needs = frozenset({"labels"})
     # 2: probes and k-means on the sources' views by default (1: on every view); 3: intervals, chance, no top-5
     # with 5 classes or fewer; 4: stratified split decided in finalize (own split flagged), tuned probe, n_train
-    state_version = 4
+    state_version = 5  # 5: a k-NN top-5 counts only classes that got votes
     description = "k-NN, linear probe and k-means per layer and view (image, object, part), with chance baselines"
 
     def __init__(self, vm: Any, layers: Any = None,
