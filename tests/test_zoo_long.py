@@ -215,16 +215,14 @@ class _Probe(Objective):
         self.seen: dict[str, object] = {}
 
     def forward(self, batch):
-        self.seen["arange"] = torch.arange(3).device
-        self.seen["drawn"] = torch.rand(4, generator=batch.generator).device
         self.seen["view"] = batch.global_views[0].device
         return (self.w ** 2).sum(), {}
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_train_step_runs_the_forward_on_the_batchs_device(monkeypatch, device):
-    """A meta batch stands in for a GPU's: autocast must be asked for its device type, and tensors the objective
-    makes in its forward (label ranges, masks from the step's CPU generator) must land on it."""
+    """A meta batch stands in for a GPU's: autocast must be asked for its device type, and the forward sees the
+    batch where it is."""
     asked = []
 
     class Autocast:
@@ -246,7 +244,7 @@ def test_train_step_runs_the_forward_on_the_batchs_device(monkeypatch, device):
                       torch.Generator().manual_seed(0), 2.0)
     train_step(obj, opt, sched, batch, 0, 10, 3.0, "bf16")
     assert asked == [(device, True)]
-    assert obj.seen == {"arange": torch.device(device), "drawn": torch.device(device), "view": torch.device(device)}
+    assert obj.seen == {"view": torch.device(device)}
     assert not torch.equal(obj.w.detach(), torch.ones(3))  # the step was taken
 
 
@@ -320,3 +318,18 @@ def test_cuda_run_writes_a_cpu_state_and_resumes_on_the_cpu(tmp_path):
     card = train(_tiny_cfg(tmp_path / "g"), resume=True)  # continued on the CPU
     assert card["devices"][0].startswith("cuda:0 (") and card["devices"][1:] == ["cpu"]
     assert card["final_knn"]["cls"] is not None
+
+
+def test_masks_come_from_the_steps_cpu_generator_and_land_on_the_views_device():
+    """The masked objectives draw from the step's CPU generator (the same masks on every device) and hand the
+    masks to their views' device (a meta device stands in for a GPU)."""
+    from vitscope.zoo.base import block_mask, random_keep
+
+    keep, mask = random_keep(4, 16, 0.75, torch.Generator().manual_seed(3))
+    k_cpu, m_cpu = random_keep(4, 16, 0.75, torch.Generator().manual_seed(3), "cpu")
+    k_meta, m_meta = random_keep(4, 16, 0.75, torch.Generator().manual_seed(3), "meta")
+    assert torch.equal(keep, k_cpu) and torch.equal(mask, m_cpu)
+    assert k_meta.device.type == m_meta.device.type == "meta" and k_meta.shape == keep.shape
+    b = block_mask(4, 8, 0.6, 2, torch.Generator().manual_seed(3))
+    assert torch.equal(b, block_mask(4, 8, 0.6, 2, torch.Generator().manual_seed(3), "cpu"))
+    assert block_mask(4, 8, 0.6, 2, torch.Generator().manual_seed(3), "meta").device.type == "meta"

@@ -124,21 +124,25 @@ def build_mlp(in_dim: int, hidden: int, out_dim: int, layers: int, last_bn: bool
     return nn.Sequential(*mods)
 
 
-def random_keep(batch: int, n: int, ratio: float, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def random_keep(batch: int, n: int, ratio: float, g: torch.Generator, device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """MAE's per-sample random masking: (keep indices (B, K) in shuffled order, mask (B, N) bool, True =
-    hidden). K = round(n * (1 - ratio)); from argsort of uniform noise (He et al. 2022)."""
+    hidden). K = round(n * (1 - ratio)); from argsort of uniform noise (He et al. 2022). Drawn on the generator's
+    device (the step's CPU generator: the same masks on every device), then moved to ``device``."""
     n_keep = max(1, int(round(n * (1 - ratio))))
     noise = torch.rand(batch, n, generator=g)
     shuffle = torch.argsort(noise, dim=1)
     keep = shuffle[:, :n_keep]
     mask = torch.ones(batch, n, dtype=torch.bool)
     mask.scatter_(1, keep, False)
-    return keep, mask
+    return (keep, mask) if device is None else (keep.to(device), mask.to(device))
 
 
-def block_mask(batch: int, grid: int, ratio: float, block: int, g: torch.Generator) -> torch.Tensor:
+def block_mask(batch: int, grid: int, ratio: float, block: int, g: torch.Generator,
+               device: torch.device | str | None = None) -> torch.Tensor:
     """SimMIM's random masking at a coarser resolution: (B, grid*grid) bool, True = masked; masks
-    ``ceil(ratio * blocks)`` random ``block`` x ``block`` squares of patches (Xie et al. 2022, Sec. 3.1)."""
+    ``ceil(ratio * blocks)`` random ``block`` x ``block`` squares of patches (Xie et al. 2022, Sec. 3.1). Drawn
+    on the generator's device, then moved to ``device``."""
     if grid % block:
         block = 1
     cg = grid // block
@@ -146,5 +150,5 @@ def block_mask(batch: int, grid: int, ratio: float, block: int, g: torch.Generat
     order = torch.argsort(torch.rand(batch, cg * cg, generator=g), dim=1)
     coarse = torch.zeros(batch, cg * cg, dtype=torch.bool)
     coarse.scatter_(1, order[:, :n_mask], True)
-    fine = coarse.view(batch, cg, 1, cg, 1).expand(batch, cg, block, cg, block)
-    return fine.reshape(batch, grid * grid)
+    fine = coarse.view(batch, cg, 1, cg, 1).expand(batch, cg, block, cg, block).reshape(batch, grid * grid)
+    return fine if device is None else fine.to(device)

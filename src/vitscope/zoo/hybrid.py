@@ -43,7 +43,7 @@ class Hybrid(Objective):
 
     def forward(self, batch: ViewBatch) -> tuple[torch.Tensor, dict[str, float]]:
         x = torch.cat(batch.global_views)
-        mask = self.mim.mask(x.shape[0], batch.generator)
+        mask = self.mim.mask(x.shape[0], batch.generator, x.device)
         tokens = encode(self.encoder, x, mask=mask, mask_token=self.mim.mask_token)
         l_mim = self.mim.loss(tokens, x, mask)
         l_cl = self.moco.loss(self.moco.queries(tokens[:, 0]), self.moco.keys(x))

@@ -81,7 +81,7 @@ class MAE(Objective):
     def forward(self, batch: ViewBatch) -> tuple[torch.Tensor, dict[str, float]]:
         x = batch.global_views[0]
         n = self.arch.num_patches
-        keep, mask = random_keep(x.shape[0], n, self.mask_ratio, batch.generator)
+        keep, mask = random_keep(x.shape[0], n, self.mask_ratio, batch.generator, x.device)
         tokens = encode(self.encoder, x, keep=keep)
         pred = self.decoder(tokens, keep, n).float()  # loss in fp32 under bf16 autocast
         err = ((pred - self.target(x)) ** 2).mean(-1)

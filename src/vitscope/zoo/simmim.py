@@ -33,8 +33,8 @@ class SimMIMParts(nn.Module):
         nn.init.trunc_normal_(self.mask_token, std=0.02)
         self.head = nn.Linear(arch.embed_dim, arch.patch_size**2 * 3)
 
-    def mask(self, batch: int, g: torch.Generator) -> torch.Tensor:
-        return block_mask(batch, self.arch.grid, self.mask_ratio, self.mask_block, g)
+    def mask(self, batch: int, g: torch.Generator, device: torch.device | None = None) -> torch.Tensor:
+        return block_mask(batch, self.arch.grid, self.mask_ratio, self.mask_block, g, device)
 
     def loss(self, tokens: torch.Tensor, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens (B, 1 + N, D) of the masked images, x (B, 3, H, W) the normalised images."""
@@ -60,7 +60,7 @@ class SimMIM(Objective):
 
     def forward(self, batch: ViewBatch) -> tuple[torch.Tensor, dict[str, float]]:
         x = batch.global_views[0]
-        mask = self.mim.mask(x.shape[0], batch.generator)
+        mask = self.mim.mask(x.shape[0], batch.generator, x.device)
         tokens = encode(self.encoder, x, mask=mask, mask_token=self.mim.mask_token)
         return self.mim.loss(tokens, x, mask), {}
 

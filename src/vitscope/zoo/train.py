@@ -29,7 +29,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -243,31 +242,9 @@ def make_optimizer(obj: Objective, cfg: TrainConfig, total_steps: int
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, warmup, floor))
 
 
-class _MadeOn(torch.overrides.TorchFunctionMode):
-    """Tensors an objective creates inside its forward without naming a device land on ``device``: a mask drawn
-    from the step's (CPU) generator is drawn on the CPU, as on every device, and then moved (so masks are the same
-    on every device); ``torch.arange``, ``torch.ones`` ... get ``device``. Used for accelerators only (on the CPU
-    the forward runs as it always did)."""
-
-    def __init__(self, device: torch.device):
-        super().__init__()
-        self.device = device
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
-        from torch.utils._device import _device_constructors
-
-        kwargs = dict(kwargs or {})
-        if func in _device_constructors() and kwargs.get("device") is None:
-            g = kwargs.get("generator")
-            if g is not None and g.device != self.device:
-                return func(*args, **kwargs).to(self.device)
-            kwargs["device"] = self.device
-        return func(*args, **kwargs)
-
-
 def batch_to(batch: ViewBatch, device: torch.device) -> ViewBatch:
     """The views and labels of a step on ``device`` (the batch itself on the CPU); the generator stays on the CPU
-    (`_MadeOn` moves what it draws)."""
+    (the objectives draw their masks from it and move them to their views' device)."""
     if device.type == "cpu":
         return batch
 
@@ -291,8 +268,7 @@ def train_step(obj: Objective, opt: torch.optim.Optimizer, sched: torch.optim.lr
         raise VitscopeError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     device = batch.global_views[0].device
     obj.set_progress(step, total)
-    made_on = contextlib.nullcontext() if device.type == "cpu" else _MadeOn(device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"), made_on:
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
         loss, metrics = obj(batch)
     if not torch.isfinite(loss):
         raise VitscopeError(f"{obj.name}: the loss is {loss.item()} at step {step}; lower the learning rate")
