@@ -30,6 +30,16 @@ def any_tiny(request):
     return tiny(request.param)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors: one torch thread is faster, and steadier on a shared machine (a module's tests ask for it
+    with ``pytestmark = pytest.mark.usefixtures("one_thread")``)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def images():
     g = torch.Generator().manual_seed(0)

@@ -130,14 +130,19 @@ def test_two_cpu_runs_compare_equal(two_runs):
         assert all(m["max_abs_diff"] == 0 for m in t["metrics"].values())
 
 
+def _distance_row(path: Path, k: int):
+    """The table at ``path``, the index of its k-th attention-distance row and that metric's tolerance."""
+    t = pd.read_parquet(path)
+    return t, int(np.flatnonzero((t.metric == "distance").to_numpy())[k]), dc.tolerance("attention_distance",
+                                                                                          "distance")
+
+
 @pytest.mark.parametrize("how", ["over", "nan", "label", "row", "table"])
 def test_a_perturbed_table_fails_the_comparison(two_runs, tmp_path, how):
     ref, other = two_runs
     other = _copy(other, tmp_path / "other")
     path = other / "attention_distance.parquet"
-    t = pd.read_parquet(path)
-    i = int(np.flatnonzero((t.metric == "distance").to_numpy())[3])
-    tol = dc.tolerance("attention_distance", "distance")
+    t, i, tol = _distance_row(path, 3)
     if how == "over":  # just over the stated tolerance
         _edit(path, lambda t: t.__setitem__("value", t.value.where(t.index != i, t.value + 1.5 * (
             tol.atol + tol.rtol * abs(t.value[i])))))
@@ -159,9 +164,7 @@ def test_a_difference_within_the_tolerance_passes_and_is_reported(two_runs, tmp_
     ref, other = two_runs
     other = _copy(other, tmp_path / "other")
     path = other / "attention_distance.parquet"
-    t = pd.read_parquet(path)
-    i = int(np.flatnonzero((t.metric == "distance").to_numpy())[0])
-    tol = dc.tolerance("attention_distance", "distance")
+    t, i, tol = _distance_row(path, 0)
     step = 0.5 * (tol.atol + tol.rtol * abs(t.value[i]))
     _edit(path, lambda t: t.__setitem__("value", t.value.where(t.index != i, t.value + step)))
     res = dc.compare_runs(ref, other)

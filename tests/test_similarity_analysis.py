@@ -61,6 +61,7 @@ def test_within_model_grid_equals_the_measures_on_extracted_features():
         pytest.approx(M.angular_shape_metric(f0, f2, 0.5))
     assert _value(df, "block0.out", "block2.out", "mutual_knn") == pytest.approx(M.mutual_knn(f0, f2, k=4))
     assert _value(df, "block0.out", "block2.out", "cknna") == pytest.approx(M.cknna(f0, f2, k=4))
+    assert _value(df, "block2.out", "block0.out", "cknna") == pytest.approx(M.cknna(f2, f0, k=4))  # not a copy
     # RSA over the images in key order: the same images, so the same RDM comparison up to their order
     assert _value(df, "block0.out", "block2.out", "rsa_kendall") == pytest.approx(M.rsa(f0, f2)["rsa_kendall"])
     diag = df[(df.tap == df.tap_b) & (df.metric == "mean_cca")].value
@@ -306,7 +307,7 @@ def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
     row = type(a).cross([a, b]).set_index("metric")
     fa, fb = a.feats["block0.out"], b.feats["block0.out"]
     pa, pb = (M.prepare(f, k=5, rsa_images=m_rsa) for f in (fa, fb))
-    rev = ["ridge_r2", "pwcca"]
+    rev = ["ridge_r2", "pwcca", "cknna"]  # cknna: the nulls only (the bootstrap takes the linear measures)
     null: dict = {}
     for p in range(7):
         g = np.random.default_rng([4, 1, 0, 0, p])
@@ -321,7 +322,7 @@ def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
         rows = torch.from_numpy(np.random.default_rng([4, 2, 0, 0, r]).integers(0, n, n))
         xa, xb = M.prepare(fa[rows], linear), M.prepare(fb[rows], linear)
         got = compare_before(xa, xb, linear)
-        got.update({f"{m}_reverse": v for m, v in compare_before(xb, xa, rev).items()})
+        got.update({f"{m}_reverse": v for m, v in compare_before(xb, xa, [m for m in rev if m in linear]).items()})
         for metric, v in got.items():
             boot.setdefault(metric, []).append(v)
     assert set(null) == set(row.index)
@@ -358,3 +359,21 @@ def test_subset_keys_are_the_uint64_splitmix_bits_without_a_host_copy(seed):
     assert s.count == 0, dict(s.where)
     assert keys.dtype == torch.long and bool((keys >= 0).all())
     assert torch.equal(keys, _splitmix64_reference(ids, seed))
+
+
+def test_every_measure_is_symmetric_or_listed_as_asymmetric_and_then_given_both_ways():
+    """On random features, each measure with x and y swapped: the ones that change are exactly `ASYMMETRIC`
+    (both the metrics' and the findings' list), and `compare_grid`'s ``*_reverse`` is the function with the
+    arguments swapped."""
+    import vitscope.measures as measures
+
+    g = np.random.default_rng(0)
+    x = g.normal(size=(40, 12))
+    y = x @ g.normal(size=(12, 9)) + 0.7 * g.normal(size=(40, 9))
+    px, py = M.prepare(x, k=5), M.prepare(y, k=5)
+    xy, yx = M.compare(px, py), M.compare(py, px)
+    changed = {measures.base(m) for m in xy if not np.isclose(xy[m], yx[m], rtol=1e-9, atol=1e-12)}
+    assert changed == set(M.ASYMMETRIC) == set(measures.ASYMMETRIC)
+    got = M.compare_grid([px], [py], [(0, 0)], reverse=M.ASYMMETRIC)[0, 0]
+    for m in M.ASYMMETRIC:
+        assert got[m] == pytest.approx(xy[m]) and got[f"{m}_reverse"] == pytest.approx(yx[m])

@@ -44,12 +44,7 @@ SHIPPED = {"supervised": "supervised", "dino": "dino", "mocov3": "mocov3", "mae"
 NO_CUDA = not torch.cuda.is_available()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _views_per_image(name: str) -> float:

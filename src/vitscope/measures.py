@@ -28,7 +28,7 @@ DIRECTION: dict[str, str] = {
 }
 
 #: measures with two directions of a pair (X predicts / weights Y): a table's ``*_reverse`` rows hold the other
-ASYMMETRIC = ("pwcca", "ridge_r2")
+ASYMMETRIC = ("pwcca", "ridge_r2", "cknna")  # = vitscope.metrics.similarity.ASYMMETRIC (tested)
 
 
 def base(metric: str) -> str:

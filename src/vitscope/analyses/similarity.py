@@ -713,7 +713,9 @@ class Similarity(Analysis):
     (Raghu et al. 2017), PWCCA (Morcos et al. 2018; weights from ``layer``), RSA of correlation-distance RDMs
     by Spearman and Kendall's tau_a (Kriegeskorte et al. 2008), mutual k-NN and CKNNA (Huh et al. 2024) and
     leave-one-out ridge R² (``layer`` predicts ``layer_b``; across models also the reverse, ``*_reverse``).
-    ``measures`` picks them; distances (procrustes, angular_shape) are small for similar representations.
+    PWCCA, ridge R² and CKNNA change with the order of the pair (`ASYMMETRIC`): within a model every ordered
+    pair of layers has its own row, the others are copied to (j, i). ``measures`` picks them; distances
+    (procrustes, angular_shape) are small for similar representations.
 
     One pooled ``view`` ('cls', 'gap' or 'gap_spatial') of each tap. The measures need whole feature
     matrices, so the analysis keeps a seeded random subset of ``n_subset`` images in float16: the images whose
@@ -739,6 +741,8 @@ class Similarity(Analysis):
     cores under a load of about 3): 136 s against CKA's 2.6 s on the same features, of which 81 s are the nulls and
     bootstrap of the 13 matched pairs and 23 s the two within-model grids; without nulls and bootstrap 55 s (about
     20x CKA). The 384 x 384 eigendecompositions (10 to 30 ms each) dominate."""
+
+    state_version = 2  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models
 
     name = "similarity"
     in_default_study = False  # its measures and nulls cost many times CKA (benchmarks/similarity.py)

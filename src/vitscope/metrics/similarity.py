@@ -232,8 +232,9 @@ def compare(px: Prepared, py: Prepared, measures: Iterable[str] = MEASURES, alph
     return compare_grid([px], [py], [(0, 0)], measures, alphas, ridge)[0, 0]
 
 
-#: measures whose value changes when x and y swap: `compare_grid` gives them as ``<name>_reverse`` too
-ASYMMETRIC = ("pwcca", "ridge_r2")
+#: measures whose value changes when x and y swap: `compare_grid` gives them as ``<name>_reverse`` too (CKNNA:
+#: its masked kernels are not symmetric matrices, so the unbiased HSIC's 1ᵀK̃L̃1 term changes with the order)
+ASYMMETRIC = ("pwcca", "ridge_r2", "cknna")
 GRID_COLUMNS = 2048  # columns of the stacked targets in one product (n x 2048 float64: 32 MB at n = 2000)
 
 
@@ -241,7 +242,7 @@ def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable
                  measures: Iterable[str] = MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3,
                  reverse: Iterable[str] = ()) -> dict[tuple[int, int], dict[str, float]]:
     """``compare(pa[i], pb[j], measures)`` for each ``(i, j)`` of ``pairs``, and for the asymmetric measures in
-    ``reverse`` (pwcca, ridge_r2) also ``<name>_reverse`` = ``compare(pb[j], pa[i], [name])``: the same numbers
+    ``reverse`` (pwcca, ridge_r2, cknna) also ``<name>_reverse`` = ``compare(pb[j], pa[i], [name])``: the same numbers
     as those calls (up to float rounding), in less time. The cross products ``U_iᵀ U_j`` of each ``pa[i]``
     with all the ``pb[j]`` it meets come from one matrix product; one eigendecomposition of each of
     ``M Mᵀ`` and ``Mᵀ M`` gives the canonical correlations and PWCCA's directions both ways; ridge's residuals
@@ -272,7 +273,7 @@ def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable
                 for (j, i), v in _ridge_grid(pb, pa, back, float(ridge)).items():
                     out[i, j]["ridge_r2_reverse"] = v
     for i, j in pairs:
-        out[i, j].update(_nonlinear(pa[i], pb[j], measures))
+        out[i, j].update(_nonlinear(pa[i], pb[j], measures, "cknna" in reverse))
         out[i, j] = _ordered(out[i, j], measures, [float(a) for a in alphas], reverse)
     return out
 
@@ -391,7 +392,7 @@ def _ridge_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], cross: Mapping[t
     return out
 
 
-def _nonlinear(px: Prepared, py: Prepared, measures: list[str]) -> dict[str, float]:
+def _nonlinear(px: Prepared, py: Prepared, measures: list[str], cknna_reverse: bool = False) -> dict[str, float]:
     out: dict[str, float] = {}
     if "rsa" in measures:
         if px.rdm is None or py.rdm is None or px.rdm_n != py.rdm_n:
@@ -406,6 +407,8 @@ def _nonlinear(px: Prepared, py: Prepared, measures: list[str]) -> dict[str, flo
             out["mutual_knn"] = float(same.sum() / px.knn.size)
         if "cknna" in measures:
             out["cknna"] = _cknna(px, py, same)
+            if cknna_reverse:  # the neighbour matches seen from y: the same mask, the kernels' roles swapped
+                out["cknna_reverse"] = _cknna(py, px, same.transpose(0, 2, 1))
     return out
 
 
