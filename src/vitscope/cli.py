@@ -6,6 +6,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+from typing import Any
 
 from vitscope.errors import VitscopeError
 from vitscope.zoo.cli import add_zoo_parser
@@ -70,6 +72,37 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
     return 0
 
 
+# signals that stop a study as Ctrl-C does (`_stop_as_ctrl_c`), and the one that did (for the exit code)
+_STOP_SIGNALS = ("SIGTERM", "SIGHUP")
+_stopped_by: list[int] = []
+
+
+def _stop_as_ctrl_c() -> dict[int, Any]:
+    """SIGTERM (a cluster's time limit or preemption, `kill`) and SIGHUP (a closed terminal) stop a study as
+    Ctrl-C does: the pass saves its partial states and the run ends in one line, with exit code 128 + the
+    signal's number, and the same command resumes. A signal its caller set to be ignored stays ignored (a
+    `nohup` run goes on). Returns the handlers it replaced (`_restore`)."""
+    import signal
+
+    def stop(signum: int, _frame: Any) -> None:
+        _stopped_by.append(signum)
+        raise KeyboardInterrupt
+
+    replaced = {}
+    for name in _STOP_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) is signal.SIG_DFL:
+            replaced[sig] = signal.signal(sig, stop)
+    return replaced
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    import signal
+
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -84,9 +117,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from vitscope.study.helper import prespawn
 
         prespawn(config)
+    handlers = _stop_as_ctrl_c() if threading.current_thread() is threading.main_thread() else {}
     try:
         return _run(args, config, overrides, models)
     finally:
+        _restore(handlers)
         from vitscope.study.helper import dismiss
 
         dismiss()  # one started early and given no models
@@ -332,14 +367,21 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
     logging.basicConfig(level=level, format="%(message)s")
     _one_line_result_warnings()
+    _stopped_by.clear()
     try:
         return int(args.func(args) or 0)
     except VitscopeError as e:
         print(f"vitscope: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C: one line (a study says what is saved and that rerunning resumes)
-        print(f"vitscope: {e}" if str(e) else "vitscope: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: one line (a study says what is saved and that
+        # rerunning resumes); the exit code of a process that signal ended, 128 + its number
+        import signal
+
+        said = str(e) or "interrupted"
+        if _stopped_by:
+            said = said.replace("interrupted", f"interrupted by {signal.Signals(_stopped_by[-1]).name}", 1)
+        print(f"vitscope: {said}", file=sys.stderr)
+        return 128 + (_stopped_by[-1] if _stopped_by else signal.SIGINT)
     except BrokenPipeError:  # `vitscope datasets | head`: the reader left; say nothing, as `cat` does
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # Python's flush at exit would raise again
