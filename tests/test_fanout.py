@@ -43,7 +43,8 @@ def test_slices_are_round_robin_and_cover_every_model_once():
 
 
 @pytest.mark.parametrize("text, words", [("3/2", "between 1 and 2"), ("0/2", "between 1 and 2"),
-                                         ("1/0", "between 1 and 1"), ("a/b", "is not K/N"), ("2", "is not K/N")])
+                                         ("1/0", "N is the number of slices .* at least 1"), ("a/b", "is not K/N"),
+                                         ("2", "is not K/N"), ("-1/2", "is not K/N")])
 def test_a_bad_slice_is_one_sentence(text, words):
     with pytest.raises(ConfigError, match=words):
         parse_models_slice(text)
@@ -55,7 +56,8 @@ def test_bad_slices_on_the_command_line_are_refused_before_any_model_loads(tmp_p
     monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = tmp_path / "study.yaml"
     cfg.write_text(STUDY.split("analyses:")[0] + "analyses: {cka: {}}\n")
-    for arg, words in (("3/2", "between 1 and 2"), ("0/2", "between 1 and 2"), ("4/4", "holds none")):
+    for arg, words in (("3/2", "between 1 and 2"), ("0/2", "between 1 and 2"), ("4/4", "holds none"),
+                       ("-1/2", "'-1/2' is not K/N"), ("1/0", "N is the number of slices")):
         assert main(["run", str(cfg), "--models", arg, f"output_dir={tmp_path / 'run'}"]) == 2
         err = capsys.readouterr().err.strip()
         assert words in err and err.count("\n") == 0, err

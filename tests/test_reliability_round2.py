@@ -959,3 +959,11 @@ def test_the_run_directory_lock_is_held_from_the_first_batch_to_the_report(confi
     assert len(seen) == 2
     with FileLock(str(out / rundir.LOCK), timeout=0):
         pass
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "cpu:0x"])
+def test_a_device_a_study_cannot_run_on_is_one_sentence_before_any_model_loads(config, tmp_path, capsys, no_model,
+                                                                               device):
+    """Issue 42: `device: meta` / `xla` passed validation and failed after the model loaded, with a traceback."""
+    err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", f"device={device}"])
+    assert f"device {device!r}" in err and ("cpu, cuda, mps" in err or "is not a device name" in err), err

@@ -357,6 +357,11 @@ def _one_line_result_warnings() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for i in range(len(argv) - 1):  # `--models -1/2`: argparse would take -1/2 for an option and say nothing useful
+        if argv[i] == "--models" and argv[i + 1].startswith("-"):
+            argv[i:i + 2] = [f"--models={argv[i + 1]}"]
+            break
     args, extra = parser.parse_known_args(argv)
     # `vitscope run STUDY -q key=value`: overrides after a flag are overrides too (argparse ends a positional
     # list at the first flag); anything else left over is an error, as argparse would say

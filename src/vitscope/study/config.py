@@ -16,6 +16,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from vitscope.errors import ConfigError, VitscopeError, close_matches
 
+DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a study can run its models (torch knows more: meta, xla, ...)
+
 
 @dataclass
 class ModelConfig:
@@ -254,9 +256,12 @@ def validate(cfg: StudyConfig) -> None:
     try:
         import torch
 
-        torch.device(cfg.device)
+        kind = torch.device(cfg.device).type
     except (RuntimeError, ValueError) as e:
         raise ConfigError(f"device {cfg.device!r} is not a device name (cpu, cuda, cuda:1, mps, ...): {e}") from None
+    if kind not in DEVICE_TYPES:
+        raise ConfigError(f"device {cfg.device!r}: vitscope runs studies on {', '.join(DEVICE_TYPES)} (cuda:1 picks a "
+                          f"GPU), not on {kind}")
     from vitscope.analyses import ANALYSES, get_analysis
     from vitscope.analyses.base import validate_params
 
@@ -392,8 +397,10 @@ def parse_models_slice(text: str) -> tuple[int, int]:
     if m is None:
         raise ConfigError(f"--models {text!r} is not K/N (the K-th of N slices of the study's models, e.g. 1/4)")
     k, n = int(m.group(1)), int(m.group(2))
-    if n < 1 or not 1 <= k <= n:
-        raise ConfigError(f"--models {k}/{n}: K counts the slices from 1 to N, so it must be between 1 and {max(n, 1)}")
+    if n < 1:
+        raise ConfigError(f"--models {k}/{n}: N is the number of slices the models are cut into, so at least 1")
+    if not 1 <= k <= n:
+        raise ConfigError(f"--models {k}/{n}: K counts the slices from 1 to N, so it must be between 1 and {n}")
     return k, n
 
 
