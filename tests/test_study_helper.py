@@ -2,6 +2,8 @@
 
 import json
 import logging
+import os
+import time
 
 import pandas as pd
 import pytest
@@ -80,6 +82,25 @@ def test_a_failing_helper_is_reported_and_leaves_the_model_to_the_study(tmp_path
     finally:
         helper.close()
     assert "KeyError" in caplog.text and "computes no-such-model itself" in caplog.text
+
+
+def test_a_stopped_helper_is_given_up_and_leaves_the_model_to_the_study(tmp_path, caplog):
+    """Issue 42: a SIGSTOPped helper made the study wait forever, silently. Stopped for the given time, it is
+    ended and the study computes the model itself (said in one warning)."""
+    import signal
+
+    helper = H.Helper()
+    try:
+        assert helper.wait_ready(120)
+        os.kill(helper._proc.pid, signal.SIGSTOP)
+        helper.assign(_config(tmp_path, "x"), ["m0"])
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="vitscope.study.helper"):
+            assert helper.wait_for("m0", stopped_for=2.0) is None
+        assert time.monotonic() - t0 < 30 and not helper._proc.is_alive()
+    finally:
+        helper.close()
+    assert "has been stopped for 2 s" in caplog.text and "computes m0 itself" in caplog.text
 
 
 @pytest.mark.parametrize("value,want", [("1", 1), ("2", 2), ("3", 3), ("x", 1), ("0", 1)])

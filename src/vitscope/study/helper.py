@@ -57,6 +57,9 @@ def delegated(plan: Any, sources: dict[str, Any], pending: list[str]) -> list[st
     return free if len(free) >= 2 else list(pending)
 
 
+STOPPED_SECONDS = 60.0  # a helper stopped this long is given up (its models computed by the study)
+
+
 class Helper:
     """The helper process: imports the study's modules, waits for its models (`assign`), computes them in order
     and reports each as it is cached."""
@@ -131,15 +134,27 @@ class Helper:
             upto = self._next.value
         return [lab for lab in self.labels[:upto] if lab not in own]
 
-    def wait_for(self, label: str) -> dict[str, Any] | None:
-        """Block until the helper has cached ``label`` (its timings), or None when it cannot: it failed or
-        died (the study then computes the model itself)."""
+    def wait_for(self, label: str, stopped_for: float = STOPPED_SECONDS) -> dict[str, Any] | None:
+        """Block until the helper has cached ``label`` (its timings), or None when it cannot: it failed, died,
+        or has been stopped (SIGSTOP, a suspended job) for ``stopped_for`` seconds; the study then computes the
+        model itself (a stopped helper is ended, so it cannot take more models when it continues)."""
+        import time
+
+        stopped_since = None
         while label not in self._done and self._failed is None:
             try:
                 self._note(*self._queue.get(timeout=1.0))
             except queue.Empty:
                 if not self._proc.is_alive():
                     self._failed = f"the helper process ended (exit code {self._proc.exitcode})"
+                elif _is_stopped(self._proc.pid):
+                    stopped_since = stopped_since or time.monotonic()
+                    if time.monotonic() - stopped_since >= stopped_for:
+                        self._failed = f"the helper process has been stopped for {stopped_for:.0f} s"
+                        self._proc.kill()
+                        self._proc.join(timeout=10)
+                else:
+                    stopped_since = None
         if label in self._done:
             return self._done[label]
         log.warning("helper process: %s; the study computes %s itself", self._failed, label)
@@ -154,6 +169,15 @@ class Helper:
 
 
 _WAITING: Helper | None = None  # started by `prespawn`, not yet given its models
+
+
+def _is_stopped(pid: int | None) -> bool:
+    """The process is stopped (SIGSTOP, SIGTSTP; state T in /proc on Linux); False where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def models_listed(config: str | Path | None) -> int:
