@@ -64,6 +64,25 @@ def test_listing_names_models_and_analyses_and_imports_no_torch(tmp_path):
     assert total > 0 and f"{len(units(tmp_path / 'cache'))} entries of 2 models" in lines[-2]
 
 
+def test_the_variable_and_the_config_key_name_the_same_cache_for_vitscope_cache(tmp_path, capsys, monkeypatch):
+    """Issue 42: `cache_dir: X` fills X itself, $VITSCOPE_CACHE_DIR=X names vitscope's folder (states in X/states):
+    `VITSCOPE_CACHE_DIR=X vitscope cache` listed an empty X/states after a study with `cache_dir: X`."""
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))  # cache_dir = tmp_path / "cache"
+    listed = []
+    for how in ("variable", "argument"):
+        if how == "variable":
+            monkeypatch.setenv("VITSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+            assert main(["cache"]) == 0
+        else:
+            monkeypatch.delenv("VITSCOPE_CACHE_DIR")
+            assert main(["cache", str(tmp_path / "cache")]) == 0
+        out = capsys.readouterr().out
+        assert "empty" not in out and f"cache {tmp_path / 'cache'}:" in out, out
+        listed.append(out)
+    assert listed[0] == listed[1]
+
+
 def test_prune_older_than_removes_only_old_entries_and_a_rerun_recomputes_only_them(tmp_path, capsys):
     cfg, over = study(tmp_path)
     run_study(load_config(cfg, over))

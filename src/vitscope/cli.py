@@ -177,15 +177,20 @@ def _cmd_cache(args: argparse.Namespace) -> int:
         raise VitscopeError("--older-than and --max-size are options of `vitscope cache prune`")
     if pruning and older is None and size is None:
         raise VitscopeError("vitscope cache prune needs --older-than AGE (e.g. 30d) or --max-size SIZE (e.g. 2GB)")
+    def states(folder: Path) -> Path:
+        """A study's `cache_dir` is the states folder itself; $VITSCOPE_CACHE_DIR is vitscope's folder, which
+        holds `states/`: either names the same cache here (the one of the two that holds entries)."""
+        if (folder / "states").is_dir() and not units(folder):
+            return folder / "states"
+        return folder
+
     if words:
-        root = Path(words[0])
-        if (root / "states").is_dir() and not units(root):  # $VITSCOPE_CACHE_DIR given: its states
-            root = root / "states"
+        root = states(Path(words[0]))
     else:
         user = user_cache_root()
         if user is None:
             raise VitscopeError("this user has no cache directory (no home directory): pass the cache_dir to list")
-        root = user / "states"
+        root = user / "states" if units(user / "states") or not units(user) else user
     if root.exists() and not root.is_dir():
         raise VitscopeError(f"{str(root)!r} is a file, not a cache directory")
     if not pruning:
