@@ -180,3 +180,44 @@ def test_a_read_only_cache_is_one_sentence_for_prune_and_for_a_run_before_any_mo
     monkeypatch.setattr(Path, "write_bytes", read_only)
     with pytest.raises(ConfigError, match="the cache directory .* cannot be written to .Read-only file system"):
         run_study(load_config(cfg, [f"output_dir={tmp_path / 'run2'}", f"cache_dir={tmp_path / 'ro-cache'}"]))
+
+
+def test_prune_and_the_listing_know_vitscope_s_files_by_its_record_never_by_their_names(tmp_path, capsys):
+    """Issue 42: prune removed anything under <model key>/store/ and any *-<16 hex>.pt in a 16-hex folder, and
+    `--max-size 0` left a .lock in a folder it had not made. Now only what vitscope recorded writing goes."""
+    from vitscope.study.cache import Cache
+
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    root = tmp_path / "cache"
+    ours = units(root)
+    mkey = ours[0].model_dir.name
+    stored = Cache(root).store_dir(mkey, "inversions")  # an analysis's product folder: vitscope's
+    (stored / "x.safetensors").write_bytes(b"0" * 10)
+    theirs = [root / mkey / "store" / "my_file.txt", root / mkey / "store" / "my_results" / "keep.txt",
+              root / mkey / "notes-0123456789abcdef.pt", root / "0123456789abcdef" / "mine-fedcba9876543210.pt"]
+    for p in theirs:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text("mine")
+    assert main(["cache", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "notes" not in out and "mine" not in out and "my_" not in out
+    assert "1 file(s) named like entries in folders with no record" in out  # the foreign 16-hex folder's file
+    removed, left = prune(root, max_size=0)
+    assert {u.path for u in removed} == {u.path for u in ours} | {stored} and left == 0
+    assert all(p.read_text() == "mine" for p in theirs)
+    assert sorted(p.name for p in (root / "0123456789abcdef").iterdir()) == ["mine-fedcba9876543210.pt"]  # no .lock
+
+
+def test_entries_of_a_cache_from_before_the_record_are_kept_until_a_study_reads_them(tmp_path, capsys):
+    cfg, over = study(tmp_path)
+    run_study(load_config(cfg, over))
+    root = tmp_path / "cache"
+    n = len(units(root))
+    for d in root.iterdir():
+        (d / ".written").unlink()  # as an older vitscope left them
+    assert units(root) == [] and prune(root, max_size=0) == ([], 0)
+    assert main(["cache", str(root)]) == 0
+    assert f"{n} file(s) named like entries in folders with no record" in capsys.readouterr().out
+    run_study(load_config(cfg, over))  # reads every entry back: each is checked as vitscope's and recorded
+    assert len(units(root)) == n

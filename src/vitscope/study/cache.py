@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 FORMAT = 2
 #: what a model folder belongs to (written by the study, read by `listing`)
 ABOUT = "about.json"
+#: the entries and store folders vitscope wrote in a model folder, one name per line (appended as each is
+#: written): `units` and `prune` know vitscope's own files by this record, never by their names' pattern
+WRITTEN = ".written"
 
 
 def digest(*parts: Any) -> str:
@@ -162,6 +165,7 @@ class Cache:
         """A directory for an analysis's reusable products under a model's key (e.g. inversions)."""
         d = self._dir(mkey) / "store" / digest(*parts)
         d.mkdir(parents=True, exist_ok=True)
+        _record(d.parent.parent, f"store/{d.name}")
         return d
 
     def load(self, path: Path) -> dict[str, Any] | None:
@@ -187,7 +191,8 @@ class Cache:
             return None
         try:
             os.utime(path)  # its last use, for `prune` (a read-only cache stays as it is)
-        except OSError:
+            _record(path.parent, path.name)  # read as vitscope's own: an entry of a cache from before the record
+        except (OSError, VitscopeError):
             pass
         return entry
 
@@ -214,7 +219,30 @@ class Cache:
             buf = io.BytesIO()
             frame.to_parquet(buf, index=False)
             entry["frame"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+        _record(path.parent, path.name)  # before the entry: a kill in between leaves a name with no file
         write_atomic(path, lambda f: torch.save(entry, f))
+
+
+def _record(model_dir: Path, name: str) -> None:
+    """Add ``name`` to the model folder's record of what vitscope wrote there (`WRITTEN`), once."""
+    if name in (_written(model_dir) or ()):
+        return
+    try:
+        with open(model_dir / WRITTEN, "a") as f:  # one short line: appended whole
+            f.write(name + "\n")
+    except OSError as e:
+        raise disk_error(e, model_dir) from e
+
+
+def _written(model_dir: Path) -> set[str] | None:
+    """The names vitscope recorded writing in ``model_dir``; None for a folder without a record (written
+    before vitscope kept one, or not vitscope's)."""
+    try:
+        return {ln for ln in (model_dir / WRITTEN).read_text().splitlines() if ln}
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError):
+        return set()
 
 
 def _sweep_temporaries(d: Path, older_than: float = 3600.0) -> None:
@@ -280,21 +308,23 @@ def _about(d: Path) -> str:
 
 
 def units(root: str | Path) -> list[Unit]:
-    """Every entry and stored product folder under ``root`` (folders that are not model keys are skipped)."""
+    """Every entry and stored product folder vitscope recorded writing under ``root`` (`WRITTEN`); files and
+    folders it has no record of are not its own, whatever their names, and are neither listed nor removed."""
     root = Path(root)
     found: list[Unit] = []
     if not root.is_dir():
         return found
     for d in sorted(p for p in root.iterdir() if p.is_dir() and re.fullmatch(r"[0-9a-f]{16}", p.name)):
+        written = _written(d) or set()
         for f in sorted(d.iterdir()):
             m = _ENTRY.match(f.name)
             try:
-                if m and f.is_file():
+                if m and f.is_file() and f.name in written:
                     st = f.stat()
                     name = m.group("name") + (" (partial)" if m.group("part") else "")
                     found.append(Unit(d, f, name, st.st_size, st.st_mtime))
                 elif f.name == "store" and f.is_dir():
-                    for s in sorted(f.iterdir()):
+                    for s in sorted(x for x in f.iterdir() if f"store/{x.name}" in written and x.is_dir()):
                         files = [x.stat() for x in s.rglob("*") if x.is_file()]
                         found.append(Unit(d, s, "store", sum(x.st_size for x in files),
                                           max([x.st_mtime for x in files], default=s.stat().st_mtime)))
@@ -311,12 +341,25 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _unrecorded(root: Path) -> int:
+    """Files named like entries in model folders vitscope kept no record in (written before it kept one, or not
+    its own): neither listed nor pruned; a study that reads one records it."""
+    if not root.is_dir():
+        return 0
+    return sum(1 for d in root.iterdir() if d.is_dir() and re.fullmatch(r"[0-9a-f]{16}", d.name)
+               and _written(d) is None for f in d.iterdir() if _ENTRY.match(f.name))
+
+
 def listing(root: str | Path) -> str:
     """The cache by model and analysis: entries, size and last use, and the total."""
     root = Path(root)
     found = units(root)
+    old = _unrecorded(root)
+    note = (f"\n{old} file(s) named like entries in folders with no record of vitscope's writing them are not "
+            "listed and never pruned (written before vitscope kept records, or not its own): a study that reads "
+            "one records it; remove them by hand if they are not needed\n") if old else ""
     if not found:
-        return f"cache {root}: empty\n"
+        return f"cache {root}: empty\n" + note
     rows: dict[tuple[str, str, str], list[Unit]] = {}
     for u in found:
         rows.setdefault((_about(u.model_dir), u.model_dir.name, u.analysis), []).append(u)
@@ -335,14 +378,15 @@ def listing(root: str | Path) -> str:
     lines.append(f"\ncache {root}: {human(sum(u.size for u in found))} in {len(found)} entries of {n_models} "
                  "models; `vitscope cache prune --older-than 30d` or `--max-size 2GB` removes the least recently "
                  "used")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + note
 
 
 def _remove_if_only_ours(d: Path) -> None:
     """Remove a model folder whose entries are gone when all it still holds is vitscope's own (its lock,
     about.json, a stale temporary of `write_atomic`); a file anyone else put there keeps the folder and itself."""
     left = list(d.iterdir())
-    ours = [f for f in left if f.is_file() and (f.name in (".lock", ABOUT) or re.fullmatch(r"\..+\.\d+\.tmp", f.name))]
+    ours = [f for f in left if f.is_file() and (f.name in (".lock", ABOUT, WRITTEN)
+                                                or re.fullmatch(r"\..+\.\d+\.tmp", f.name))]
     if len(ours) < len(left):
         return
     for f in ours:
