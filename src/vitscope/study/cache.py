@@ -136,6 +136,7 @@ class Cache:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self._swept: set[str] = set()
+        self._recorded: dict[Path, set[str]] = {}  # per model folder, the names known to be in its `WRITTEN`
 
     def _dir(self, mkey: str) -> Path:
         d = self.root / mkey
@@ -165,7 +166,7 @@ class Cache:
         """A directory for an analysis's reusable products under a model's key (e.g. inversions)."""
         d = self._dir(mkey) / "store" / digest(*parts)
         d.mkdir(parents=True, exist_ok=True)
-        _record(d.parent.parent, f"store/{d.name}")
+        self._record(d.parent.parent, f"store/{d.name}")
         return d
 
     def load(self, path: Path) -> dict[str, Any] | None:
@@ -191,7 +192,7 @@ class Cache:
             return None
         try:
             os.utime(path)  # its last use, for `prune` (a read-only cache stays as it is)
-            _record(path.parent, path.name)  # read as vitscope's own: an entry of a cache from before the record
+            self._record(path.parent, path.name)  # read as vitscope's own: an entry of a cache from before the record
         except (OSError, VitscopeError):
             pass
         return entry
@@ -219,19 +220,23 @@ class Cache:
             buf = io.BytesIO()
             frame.to_parquet(buf, index=False)
             entry["frame"] = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-        _record(path.parent, path.name)  # before the entry: a kill in between leaves a name with no file
+        self._record(path.parent, path.name)  # before the entry: a kill in between leaves a name with no file
         write_atomic(path, lambda f: torch.save(entry, f))
 
-
-def _record(model_dir: Path, name: str) -> None:
-    """Add ``name`` to the model folder's record of what vitscope wrote there (`WRITTEN`), once."""
-    if name in (_written(model_dir) or ()):
-        return
-    try:
-        with open(model_dir / WRITTEN, "a") as f:  # one short line: appended whole
-            f.write(name + "\n")
-    except OSError as e:
-        raise disk_error(e, model_dir) from e
+    def _record(self, model_dir: Path, name: str) -> None:
+        """Add ``name`` to the model folder's record of what vitscope wrote there (`WRITTEN`), once (the record
+        is read once per folder; another process appending the same name meanwhile only repeats a line)."""
+        known = self._recorded.get(model_dir)
+        if known is None:
+            known = self._recorded[model_dir] = _written(model_dir) or set()
+        if name in known:
+            return
+        try:
+            with open(model_dir / WRITTEN, "a") as f:  # one short line: appended whole
+                f.write(name + "\n")
+        except OSError as e:
+            raise disk_error(e, model_dir) from e
+        known.add(name)
 
 
 def _written(model_dir: Path) -> set[str] | None:
