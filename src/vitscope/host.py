@@ -10,6 +10,7 @@ moved), so a batch costs one synchronisation however many tensors it returns; te
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -69,11 +70,16 @@ def host_copies(obj: Any) -> Any:
 
 
 def _each_tensor(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` rebuilt with ``fn`` of every tensor in it, through dicts, lists and tuples."""
+    """``obj`` rebuilt with ``fn`` of every tensor in it, through dicts, lists and tuples; a module's state dict
+    keeps its ``_metadata`` (the modules' versions `load_state_dict` reads)."""
     if torch.is_tensor(obj):
         return fn(obj)
     if isinstance(obj, dict):
-        return {k: _each_tensor(v, fn) for k, v in obj.items()}
+        out = {k: _each_tensor(v, fn) for k, v in obj.items()}
+        if hasattr(obj, "_metadata"):
+            out = OrderedDict(out)
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
     if isinstance(obj, (list, tuple)):
         return type(obj)(_each_tensor(v, fn) for v in obj)
     return obj

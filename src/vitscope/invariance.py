@@ -431,7 +431,8 @@ class StirSums:
         if n_keep < 4:
             return
         newest = int(key) > int(self.last_key[r, j])
-        pairs = [(c[keep.to(c.device)], v[keep.to(v.device)]) for c, v in zip(clean, inverted, strict=True)]
+        rows = keep.to(clean[0].device)  # the inversion's flags are on the host, the features on their device
+        pairs = [(c[rows], v[rows]) for c, v in zip(clean, inverted, strict=True)]
         unbiased, biased = terms_on_host(pairs)
         self.sums[r, j] += unbiased
         if newest:

@@ -55,8 +55,9 @@ class Dist:
             cuda = torch.cuda.is_available()
             n_gpus = torch.cuda.device_count() if cuda else 0
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-            backend = backend_for(cuda, os.environ.get("VITSCOPE_DEVICE", ""), local_world, n_gpus)
-            if cuda and n_gpus and os.environ.get("VITSCOPE_DEVICE", "") != "cpu":  # before the group forms
+            device_env = os.environ.get("VITSCOPE_DEVICE", "")
+            backend = backend_for(cuda, device_env, local_world, n_gpus)
+            if cuda and n_gpus and device_env != "cpu":  # before the group forms
                 torch.cuda.set_device(torch.device(rank_device("cuda", local_rank(), n_gpus)))
             if backend == "gloo" and cuda and n_gpus and local_world > n_gpus and local_rank() == 0:
                 import sys

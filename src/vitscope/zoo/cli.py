@@ -82,12 +82,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.objective == "finetune" and "init" not in okw:
         raise VitscopeError("finetune needs --init: a zoo checkpoint (encoder.safetensors) or a model name")
     views = budget_views(args.budget, args.objective) if args.budget else args.budget_views
-    cfg = TrainConfig(
-        objective=args.objective, out=args.out, budget_views=views, epochs=args.epochs,
-        epoch_views=args.epoch_views, objective_kwargs=okw,
-        knn_every=1 if args.knn_every is None else args.knn_every,
-        knn_train=5000 if args.knn_train is None else args.knn_train,
-        knn_test=2000 if args.knn_test is None else args.knn_test, **_common(args))
+    cfg = TrainConfig(objective=args.objective, out=args.out, budget_views=views, epochs=args.epochs,
+                      objective_kwargs=okw, **_given(args), **_common(args))
     try:
         card = train(cfg, resume=args.resume, stop_after_steps=args.stop_after_steps)
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -107,6 +103,13 @@ def _common(args: argparse.Namespace) -> dict[str, Any]:
                 progress=not args.no_progress, precision=args.precision, adamw=args.adamw, device=args.device)
 
 
+def _given(args: argparse.Namespace) -> dict[str, Any]:
+    """The monitor's and the epoch's options the command line gave (the rest: `TrainConfig`'s defaults for one
+    run, the shipped runs' settings for --all)."""
+    return {k: getattr(args, k) for k in ("epoch_views", "knn_every", "knn_train", "knn_test")
+            if getattr(args, k) is not None}
+
+
 def _train_all(args: argparse.Namespace) -> int:
     """``zoo train --all``: the six objectives, then zoo-random fine-tuned for classification, one after another
     into OUT/<objective> and OUT/finetune-cls, each with its shipped model's settings (`zoo_recipes`) at the
@@ -121,10 +124,7 @@ def _train_all(args: argparse.Namespace) -> int:
                             "settings (use --budget or --budget-views for the budget, --objective for one run)")
     runs = zoo_recipes(args.out, args.budget or "default", args.budget_views)
     for i, (label, fields) in enumerate(runs, 1):
-        for key in ("epoch_views", "knn_every", "knn_train", "knn_test"):  # given: for every run
-            if getattr(args, key) is not None:
-                fields[key] = getattr(args, key)
-        cfg = TrainConfig(**{**_common(args), **fields})
+        cfg = TrainConfig(**{**_common(args), **fields, **_given(args)})  # what the command line gave: every run
         head = f"[{i}/{len(runs)}] {label} -> {cfg.out}:"
         try:
             result = train(cfg, resume=True, stop_after_steps=args.stop_after_steps,

@@ -44,11 +44,12 @@ import numpy as np
 import torch
 
 from vitscope.errors import VitscopeError, first_line
+from vitscope.host import moved
 from vitscope.zoo.arch import ZOO_ARCH, ZooArch
 from vitscope.zoo.base import Objective
 from vitscope.zoo.data import Augment, DataSource, ViewBatch, ViewStream, load_data
 from vitscope.zoo.knn import KNNMonitor
-from vitscope.zoo.objectives import build_objective
+from vitscope.zoo.objectives import OBJECTIVES, build_objective
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ ZOO_EPOCHS = 10  # the six objectives' shipped runs log 10 epochs (of 25,000 ima
 # The named long budget (`--budget long`): this many times the shipped budget of each run.
 ZOO_LONG_FACTOR = 20
 BUDGETS = ("default", "long")
-ZOO_OBJECTIVES = ("supervised", "dino", "mocov3", "mae", "simmim", "hybrid")
+ZOO_OBJECTIVES = tuple(n for n in OBJECTIVES if n != "finetune")  # the six the zoo trains from scratch
 
 STATE_FILE = "train_state.pt"
 WEIGHTS_FILE = "encoder.safetensors"
@@ -338,21 +339,6 @@ def _saved_identity(st: dict[str, Any]) -> dict[str, Any]:
     return conf
 
 
-def _to_cpu(tree: Any) -> Any:
-    """A state (dicts, lists, tuples of tensors and numbers) with every tensor on the CPU (CPU tensors are kept as
-    they are), so a training state loads on any machine; a module state's ``_metadata`` (versions) is kept."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().cpu()
-    if isinstance(tree, dict):
-        out = type(tree)((k, _to_cpu(v)) for k, v in tree.items())
-        if hasattr(tree, "_metadata"):
-            out._metadata = tree._metadata  # type: ignore[attr-defined]
-        return out
-    if isinstance(tree, list | tuple):
-        return type(tree)(_to_cpu(v) for v in tree)
-    return tree
-
-
 def _device_name(dev: torch.device) -> str:
     if dev.type == "cuda":
         return f"{dev.type}:{dev.index if dev.index is not None else torch.cuda.current_device()} " \
@@ -469,8 +455,8 @@ def train(cfg: TrainConfig, resume: bool = False, stop_after_steps: int | None =
     def save_state() -> None:
         nonlocal last_ckpt
         _atomic_torch_save({
-            "config": cfg.identity(), "data": data.description, "objective": _to_cpu(obj.state_dict()),
-            "optimizer": _to_cpu(opt.state_dict()), "scheduler": sched.state_dict(), "rng": _rng_state(),
+            "config": cfg.identity(), "data": data.description, "objective": moved(obj.state_dict(), "cpu"),
+            "optimizer": moved(opt.state_dict(), "cpu"), "scheduler": sched.state_dict(), "rng": _rng_state(),
             "step": step, "total_steps": plan.total_steps, "elapsed": wall(), "rows": rows, "sums": sums,
             "count": count, "devices": devices}, state_path)
         last_ckpt = time.monotonic()
