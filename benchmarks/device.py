@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import subprocess
@@ -46,6 +45,9 @@ import vitscope as vs  # first, as the `vitscope` command does: torch's OpenMP t
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pipeline import write_jpegs  # noqa: E402 - the JPEGs of the pipeline benchmark, written by every core
 
 VERSION = 1
 SECTIONS = {"a": "a_correctness", "b": "b_throughput", "c": "c_pipeline", "d": "d_torchrun", "e": "e_zoo_training"}
@@ -332,41 +334,10 @@ class UtilSampler:
         return round(float(np.mean(xs)), 1) if xs else None
 
 
-def _jpeg(args: tuple[Path, int]) -> None:
-    """One photograph-like JPEG (smooth colour fields with fine texture, quality 90), seeded by its index."""
-    from PIL import Image
-
-    path, i = args
-    rng = np.random.default_rng(i)
-    w, h = JPEG_SIZE
-    coarse = Image.fromarray(rng.integers(0, 255, (h // 32 + 1, w // 32 + 1, 3), dtype=np.uint8)).resize(
-        (w, h), Image.BICUBIC)
-    img = np.asarray(coarse, dtype=np.int16) + rng.integers(-20, 21, (h, w, 3), dtype=np.int16)
-    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(path, quality=90)
-
-
-def write_jpegs(root: Path, n: int) -> float:
-    """``n`` JPEGs at 500x375 in two class folders (an ImageFolder), written by every core; returns seconds."""
-    t0 = time.perf_counter()
-    jobs = []
-    for i in range(n):
-        folder = root / ("a" if i % 2 == 0 else "b")
-        folder.mkdir(parents=True, exist_ok=True)
-        jobs.append((folder / f"{i:05d}.jpg", i))
-    procs = max(1, min(os.cpu_count() or 1, 32))
-    if procs == 1 or n < 64:
-        for job in jobs:
-            _jpeg(job)
-    else:
-        with mp.get_context("fork").Pool(procs) as pool:
-            pool.map(_jpeg, jobs, chunksize=max(1, n // (4 * procs)))
-    return time.perf_counter() - t0
-
-
 def _jpegs(ctx: Context) -> Path:
     if ctx.jpegs is None:
         root = ctx.tmp / "jpegs"
-        seconds = write_jpegs(root, ctx.sizes.images)
+        seconds = write_jpegs(root, ctx.sizes.images, sizes=(JPEG_SIZE,))
         ctx.results.setdefault("jpegs", {"n": ctx.sizes.images, "size": list(JPEG_SIZE), "seconds": round(seconds, 1)})
         ctx.jpegs = root
     return ctx.jpegs

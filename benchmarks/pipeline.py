@@ -22,6 +22,7 @@ import argparse
 import functools
 import json
 import resource
+import os
 import sys
 import tempfile
 import time
@@ -46,19 +47,38 @@ VIEW = "band_noise:band=3"
 MODEL = ("vit_small_patch16_224", "vit-s16", {})
 
 
-def write_jpegs(root: Path, n: int, seed: int = 0) -> None:
-    """``n`` photograph-like JPEGs (smooth colour fields with fine texture, quality 90) in two classes."""
+def _jpeg(job: tuple[Path, int, int, tuple[int, int]]) -> None:
+    """One photograph-like JPEG (smooth colour fields with fine texture, quality 90), drawn from (seed, its index)."""
     from PIL import Image
 
-    rng = np.random.default_rng(seed)
+    path, seed, i, (w, h) = job
+    rng = np.random.default_rng([seed, i])
+    coarse = Image.fromarray(rng.integers(0, 255, (h // 32 + 1, w // 32 + 1, 3), dtype=np.uint8)).resize(
+        (w, h), Image.BICUBIC)
+    img = np.asarray(coarse, dtype=np.int16) + rng.integers(-20, 21, (h, w, 3), dtype=np.int16)
+    Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(path, quality=90)
+
+
+def write_jpegs(root: Path, n: int, seed: int = 0, sizes: tuple[tuple[int, int], ...] = SIZES) -> float:
+    """``n`` JPEGs in two classes (an ImageFolder), image i of size ``sizes[i % len(sizes)]`` drawn from
+    (``seed``, i), so any number of processes writes the same files: every core writes them (benchmarks/device.py
+    writes 10,000). Returns the seconds it took."""
+    import multiprocessing as mp
+
+    t0 = time.perf_counter()
+    jobs = []
     for i in range(n):
-        w, h = SIZES[i % 2]
-        coarse = Image.fromarray(rng.integers(0, 255, (h // 32 + 1, w // 32 + 1, 3), dtype=np.uint8)).resize(
-            (w, h), Image.BICUBIC)
-        img = np.asarray(coarse, dtype=np.int16) + rng.integers(-20, 21, (h, w, 3), dtype=np.int16)
         folder = root / ("a" if i % 4 < 2 else "b")
         folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(img.clip(0, 255).astype(np.uint8)).save(folder / f"{i:05d}.jpg", quality=90)
+        jobs.append((folder / f"{i:05d}.jpg", seed, i, sizes[i % len(sizes)]))
+    procs = max(1, min(os.cpu_count() or 1, 32))
+    if procs == 1 or n < 64:
+        for job in jobs:
+            _jpeg(job)
+    else:
+        with mp.get_context("fork").Pool(procs) as pool:
+            pool.map(_jpeg, jobs, chunksize=max(1, n // (4 * procs)))
+    return time.perf_counter() - t0
 
 
 def _cpu_seconds() -> float:
