@@ -175,3 +175,25 @@ def test_a_reader_that_leaves_early_ends_a_listing_quietly(argv):
     err = p.stderr.read().decode()
     assert p.wait(timeout=60) == 141, err
     assert err == ""
+
+
+def test_a_stop_signal_whose_interrupt_was_lost_still_ends_the_pass_after_its_batch():
+    """The handler's KeyboardInterrupt is printed and ignored when it lands in a weakref callback or a __del__
+    (seen: SIGTERM in attention's cache-forget callback, and the study finished with exit 0); the pass checks
+    the recorded signal after each batch."""
+    from conftest import tiny
+    from vitscope.analyses import get_analysis
+    from vitscope.capture import stream
+    from vitscope.data import SyntheticShapes
+    from vitscope.errors import STOPPED_BY
+
+    vm = tiny("vit")
+    batches = list(SyntheticShapes(n=12, seed=0).batches(4, vm.preprocessing))
+    seen = []
+    STOPPED_BY.append(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stream(vm, batches, [get_analysis("attention_distance")(vm)], progress=False, on_batch=seen.append)
+    finally:
+        STOPPED_BY.clear()
+    assert seen == [0]  # the first batch was finished (and saved by a study), then the pass stopped

@@ -9,7 +9,7 @@ import sys
 import threading
 from typing import Any
 
-from vitscope.errors import VitscopeError
+from vitscope.errors import STOPPED_BY, VitscopeError
 from vitscope.zoo.cli import add_zoo_parser
 
 EPILOG = """examples:
@@ -74,7 +74,7 @@ def _cmd_analyses(args: argparse.Namespace) -> int:
 
 # signals that stop a study as Ctrl-C does (`_stop_as_ctrl_c`), and the one that did (for the exit code)
 _STOP_SIGNALS = ("SIGTERM", "SIGHUP")
-_stopped_by: list[int] = []
+_stopped_by = STOPPED_BY
 
 
 def _stop_as_ctrl_c() -> dict[int, Any]:

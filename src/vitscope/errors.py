@@ -38,6 +38,12 @@ class ConfigError(VitscopeError, ValueError):
     """A study config that does not validate."""
 
 
+#: the stop signals (SIGTERM, SIGHUP) received by `vitscope run`, newest last (`cli._stop_as_ctrl_c`): a pass checks
+#: it after each batch, since the KeyboardInterrupt the handler raises is lost when it lands in a weakref callback
+#: or a __del__ (Python prints and ignores exceptions there)
+STOPPED_BY: list[int] = []
+
+
 class StudyInterrupted(KeyboardInterrupt):
     """Ctrl-C during a study, with what the cache holds by then (``str(e)``: one sentence for the command line,
     which rerunning the same command resumes from)."""

@@ -29,7 +29,7 @@ import torch
 from vitscope.capture.taps import check_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.data.base import batch_parts
-from vitscope.errors import VitscopeError
+from vitscope.errors import STOPPED_BY, VitscopeError
 
 if TYPE_CHECKING:
     from vitscope.analyses.base import Analysis
@@ -316,6 +316,8 @@ def stream(
                 if on_batch is not None:
                     on_batch(b)
                 n += 1
+                if STOPPED_BY:  # a stop signal whose KeyboardInterrupt was lost (see `errors.STOPPED_BY`)
+                    raise KeyboardInterrupt
     finally:
         if bar is not None:
             bar.close()
