@@ -6,10 +6,11 @@ N images at 224 px. The forward passes are the same for both analyses and are le
 the same synthetic (B, 197, 384) features per tap (Gaussian, a decaying spectrum over channels and a shared
 mean, so the SVDs see a realistic spread), and the seconds of its updates, finalize (within-model grids) and
 cross stage (the pair, with nulls and intervals) are timed. Then the similarity measures one at a time on the
-same subset (prepare + compare over the three grids, no nulls) and the nulls / bootstrap alone, to say which
+same subset (prepare + compare over the three grids, no nulls), the nulls and the jackknife alone, and the
+floor (mean CCA alone: a cross product and one decomposition per pair), to say which
 part dominates.
 
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/similarity.py [--images 2048] [--batch 64]
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/similarity.py [--images 2048] [--null-pairs last]
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def main() -> None:
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--subset", type=int, default=2000)
-    p.add_argument("--permutations", type=int, default=20)
-    p.add_argument("--bootstrap", type=int, default=20)
+    p.add_argument("--permutations", type=int, default=99)
+    p.add_argument("--groups", type=int, default=20)
+    p.add_argument("--null-pairs", default="last")
     args = p.parse_args()
     torch.set_num_threads(1)
     vms = [vs.load_model("vit_small_patch16_224", pretrained=False, seed=i) for i in range(2)]
@@ -75,7 +77,8 @@ def main() -> None:
         vm.name = f"vit_s_{i}"
     cka = [get_analysis("cka")(vm, taps=TAPS, views=["gap"]) for vm in vms]
     sim = [get_analysis("similarity")(vm, taps=TAPS, view="gap", n_subset=args.subset,
-                                      n_permutations=args.permutations, n_bootstrap=args.bootstrap) for vm in vms]
+                                      n_permutations=args.permutations, n_groups=args.groups,
+                                      null_pairs=args.null_pairs) for vm in vms]
     upd = {"cka": 0.0, "similarity": 0.0}
     for i in range(2):
         upd["cka"] += feed([cka[i]], args.images, args.batch, i)
@@ -94,13 +97,30 @@ def main() -> None:
     for a in sim:
         a.null_pairs = "none"
     _, bare = timed(lambda: type(sim[0]).cross(sim))
-    print(f"  similarity cross without nulls and bootstrap: {bare:.2f} s (nulls and bootstrap: "
-          f"{times['similarity']['cross'] - bare:.2f} s)")
+    for a in sim:
+        a.null_pairs, a.n_groups = args.null_pairs, 0
+    _, nulls = timed(lambda: type(sim[0]).cross(sim))
+    for a in sim:
+        a.n_groups, a.n_permutations = args.groups, 0
+    _, jack = timed(lambda: type(sim[0]).cross(sim))
+    print(f"  similarity cross stage: the 13 x 13 grid alone {bare:.2f} s; {args.permutations} permutations of the "
+          f"'{args.null_pairs}' pairs {nulls - bare:.2f} s; the jackknife over {args.groups} groups "
+          f"{jack - bare:.2f} s")
     ratio = times["similarity"]["total"] / times["cka"]["total"]
     print(f"  similarity / cka: {ratio:.2f}x; beyond cka: {times['similarity']['total'] - times['cka']['total']:.1f} s")
 
-    # per measure: prepare every tap of both models once, compare over the three grids (no nulls)
+    # the floor: per pair of the three grids, its cross product and one decomposition (mean CCA alone)
     x = [[a.feats[t] for t in TAPS] for a in sim]
+
+    def floor():
+        prep = [[M.prepare(f, ["mean_cca"]) for f in fs] for fs in x]
+        for pa, pb, tri in ((prep[0], prep[0], True), (prep[1], prep[1], True), (prep[0], prep[1], False)):
+            M.compare_grid(pa, pb, [(i, j) for i in range(13) for j in range(i if tri else 0, 13)], ["mean_cca"])
+    _, fl = timed(floor)
+    print(f"  floor (mean CCA alone over the three grids: one SVD per tap, one cross product and one "
+          f"decomposition per pair): {fl:.2f} s = {fl / times['cka']['total']:.1f}x cka")
+
+    # per measure: prepare every tap of both models once, compare over the three grids (no nulls)
     print("  per measure (prepare + 3 grids of 13 x 13, no nulls):")
     per = {}
     for m in M.MEASURES:

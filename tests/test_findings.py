@@ -33,7 +33,7 @@ def _sim_row(a, b, metric, value, half=None, layer=1, view="gap"):
 def _run_dir(root: Path, similarity: bool = True) -> Path:
     """A run of five models (depth 2: the last block is 1) whose tables make the CL~CL vs CL~MIM finding hold
     under mean CCA, fail under Procrustes, be inconclusive under the shape metric (overlapping intervals) and
-    under mutual k-NN (no interval); ridge R² in both directions of each pair."""
+    under mutual k-NN (no standard error given); ridge R² in both directions of each pair."""
     (root / "results").mkdir(parents=True)
     (root / "manifest.json").write_text(json.dumps(
         {"models": {m: {"objective_family": f, "depth": 2} for m, f in FAM.items()}}))
@@ -44,7 +44,7 @@ def _run_dir(root: Path, similarity: bool = True) -> Path:
             # a distance, CL~CL larger = less alike: fails (it would hold if read as a similarity)
             _sim_row(a, b, "procrustes", 0.9 if alike else 0.5, half=0.02),
             _sim_row(a, b, "angular_shape_alpha=0.5", 0.50 if alike else 0.52, half=0.2),  # overlapping: inconclusive
-            _sim_row(a, b, "mutual_knn", 0.9 if alike else 0.1),  # no bootstrap interval: inconclusive
+            _sim_row(a, b, "mutual_knn", 0.9 if alike else 0.1),  # no standard error given: inconclusive
             _sim_row(a, b, "ridge_r2", 0.8 if alike else 0.3, half=0.01),  # a predicts b
             _sim_row(a, b, "ridge_r2_reverse", 0.6 if alike else 0.1, half=0.01),  # b predicts a
             # an earlier block saying the opposite, and the pair's other taps: not the finding's
@@ -70,7 +70,7 @@ def test_a_finding_holds_fails_or_is_inconclusive_per_measure_in_each_measures_d
     assert (t.n_alike.tolist(), t.n_than.tolist()) == ([1] * 6, [4] * 6)  # the model r (none) is in no pair
     cca = t.loc["mean_cca"]
     assert (cca.verdict, cca.alike, cca.than, cca.interval) == ("holds", pytest.approx(0.9), pytest.approx(0.5),
-                                                                "bootstrap")
+                                                                "jackknife")
     # the difference's interval: se 0.02 / 1.96 per pair, the four CL~MIM pairs averaged (independent)
     se = 0.02 / 1.959964 * np.sqrt(1 + 1 / 4)
     assert cca.difference_hi - cca.difference_lo == pytest.approx(2 * 1.959964 * se)
@@ -145,7 +145,7 @@ models:
 analyses:
   cka: {{batch_size: 8, views: [gap]}}
   similarity: {{measures: [procrustes, mean_cca, mutual_knn], alphas: [0.5], n_subset: 16, k: 3, rsa_images: 8,
-                n_permutations: 0, n_bootstrap: 3}}
+                n_permutations: 0, n_groups: 3}}
 batch_size: 8
 progress: false
 output_dir: {tmp_path / 'run'}
@@ -161,7 +161,8 @@ output_dir: {tmp_path / 'run'}
     t = pd.read_parquet(tmp_path / "run" / SUMMARY)
     assert set(t.measure) == {"cka_minibatch", "procrustes", "mean_cca", "mutual_knn"}
     assert set(t.verdict) <= {"holds", "fails", "inconclusive"}
-    assert t.set_index("measure").loc["procrustes", "interval"] == "bootstrap"  # the matched last blocks
+    assert t.set_index("measure").loc["procrustes", "interval"] == "jackknife"  # the last blocks
+    assert t.set_index("measure").loc["mutual_knn", "interval"] == "jackknife"  # the neighbour measures too
     assert t.set_index("measure").loc["mutual_knn", "verdict"] == "inconclusive"
     for m, _ in t.groupby("measure"):
         assert f"| {m} | gap |" in out

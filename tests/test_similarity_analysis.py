@@ -116,7 +116,7 @@ def test_cross_model_rows_nulls_and_intervals():
     related = (x @ np.linalg.qr(rng.standard_normal((d, d)))[0] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
     independent = rng.standard_normal((n, d)).astype(np.float32)
     ids = torch.arange(n)
-    params = dict(k=10, rsa_images=60, n_permutations=30, n_bootstrap=30)
+    params = dict(k=10, rsa_images=60, n_permutations=99, n_groups=8, null_pairs="matched")
     a = _fed(vm_a, {"block0.out": x, "block1.out": x}, ids, **params)
     b = _fed(vm_b, {"block0.out": related, "block1.out": independent}, ids, **params)
     cross = type(a).cross([a, b])
@@ -125,11 +125,12 @@ def test_cross_model_rows_nulls_and_intervals():
     row = cross[(cross.tap == "block0.out") & (cross.tap_b == "block0.out")].set_index("metric")
     assert row.loc["svcca", "value"] == pytest.approx(M.svcca(xa, xb))
     assert row.loc["ridge_r2_reverse", "value"] == pytest.approx(M.ridge_r2(xb, xa))
-    # the related pair beats every shuffle; its bootstrap interval holds its value
-    assert np.allclose(row.p_value, 1 / 31)
-    linear = row.loc[[m for m in row.index if not m.startswith(("rsa", "mutual", "cknna"))]]
-    assert (linear.value_lo <= linear.value).all() and (linear.value <= linear.value_hi).all()
-    assert row.loc[["rsa_spearman", "mutual_knn", "cknna"], "value_lo"].isna().all()
+    # the related pair beats every shuffle: p reaches 1 / (1 + 99)
+    assert np.allclose(row.p_value, 1 / 100) and (row.n_permutations == 99).all()
+    # every measure, the neighbour and RDM ones too, has a jackknife interval around its value
+    assert row.value_lo.notna().all() and (row.n_groups == 8).all()
+    assert (row.value_lo <= row.value).all() and (row.value <= row.value_hi).all()
+    assert (row.stderr > 0).all()
     # matched pairs only: block0 with block0, block1 with block1
     assert cross.null_mean.notna().groupby([cross.tap, cross.tap_b]).any().to_dict() == {
         ("block0.out", "block0.out"): True, ("block0.out", "block1.out"): False,
@@ -140,6 +141,66 @@ def test_cross_model_rows_nulls_and_intervals():
     assert abs(ind.loc["rsa_spearman", "null_mean"]) < 0.02
     assert abs(ind.loc["rsa_kendall", "null_mean"]) < 0.02
     assert (ind.null_q05 <= ind.null_mean).all() and (ind.null_mean <= ind.null_q95).all()
+
+
+def test_jackknife_interval_equals_a_by_hand_jackknife():
+    """The table's stderr and interval against the measures recomputed without each group, by hand: the
+    group of the r-th kept image is r mod G, the kept images ordered by their subset key."""
+    from scipy.stats import t
+
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(3)
+    n, d, g_count = 90, 6, 5
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    y = (x[:, ::-1] + 0.7 * rng.standard_normal((n, d))).astype(np.float32)
+    params = dict(k=4, rsa_images=30, n_permutations=0, n_groups=g_count,
+                  measures=["mean_cca", "ridge_r2", "rsa", "mutual_knn", "procrustes"])
+    a = _fed(vm_a, {"block0.out": x}, torch.arange(n), **params)
+    b = _fed(vm_b, {"block0.out": y}, torch.arange(n), **params)
+    row = type(a).cross([a, b]).set_index("metric")
+    assert list(row.index) == list(row.index.unique())  # one pair, one row per metric
+    xs, ys = a.feats["block0.out"].double().numpy(), b.feats["block0.out"].double().numpy()
+    reps: dict[str, list[float]] = {}
+    for g in range(g_count):
+        keep = [r for r in range(n) if r % g_count != g]
+        m_rsa = sum(1 for r in keep if r < 30)
+        xk, yk = xs[keep], ys[keep]
+        reps.setdefault("mean_cca", []).append(M.mean_cca(xk, yk))
+        reps.setdefault("ridge_r2", []).append(M.ridge_r2(xk, yk))
+        reps.setdefault("ridge_r2_reverse", []).append(M.ridge_r2(yk, xk))
+        reps.setdefault("procrustes", []).append(M.procrustes_distance(xk, yk))
+        reps.setdefault("mutual_knn", []).append(M.mutual_knn(xk, yk, k=4))
+        reps.setdefault("rsa_spearman", []).append(M.rsa(xk[:m_rsa], yk[:m_rsa])["rsa_spearman"])
+    for metric, v in reps.items():
+        v = np.array(v)
+        se = np.sqrt((g_count - 1) / g_count * ((v - v.mean()) ** 2).sum())
+        assert row.loc[metric, "stderr"] == pytest.approx(se, rel=1e-6), metric
+        half = t.ppf(0.975, g_count - 1) * se
+        lo, hi = M.range_of(metric)
+        assert row.loc[metric, "value_lo"] == pytest.approx(max(row.loc[metric, "value"] - half, lo), rel=1e-6)
+        assert row.loc[metric, "value_hi"] == pytest.approx(min(row.loc[metric, "value"] + half, hi), rel=1e-6)
+
+
+def test_default_tests_only_the_last_pair_and_old_parameters_say_what_replaced_them():
+    from vitscope.analyses.base import validate_params
+
+    cls = get_analysis("similarity")
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(4)
+    f = {f"block{i}.out": rng.standard_normal((60, 6)).astype(np.float32) for i in range(3)}
+    a = _fed(vm_a, f, torch.arange(60), k=3, rsa_images=20, measures=["mean_cca"], n_groups=4)
+    b = _fed(vm_b, f, torch.arange(60), k=3, rsa_images=20, measures=["mean_cca"], n_groups=4)
+    cross = cls.cross([a, b])
+    tested = cross[cross.p_value.notna()]
+    assert list(zip(tested.tap, tested.tap_b, strict=True)) == [("block2.out", "block2.out")]
+    assert tested.n_permutations.item() == 99 and tested.value_lo.notna().all()
+    with pytest.raises(VitscopeError, match="no longer takes 'n_bootstrap'.*jackknife"):
+        validate_params(cls, {"n_bootstrap": 20})
+    with pytest.raises(VitscopeError, match="0 or at least 99"):
+        validate_params(cls, {"n_permutations": 20})
+    validate_params(cls, {"n_permutations": 0, "n_groups": 0})
 
 
 def test_cross_model_refuses_different_images():
@@ -176,7 +237,7 @@ def test_figures_show_the_table_reverse_scores_in_the_other_block_and_a_map_per_
     x = rng.standard_normal((60, 8)).astype(np.float32)
     feats = [{f"block{i}.out": x * (i + 1) + rng.standard_normal((60, 8)).astype(np.float32) for i in range(3)}
              for _ in vms]
-    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_bootstrap=0,
+    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_groups=0,
                measures=["ridge_r2", "angular_shape", "mutual_knn"]) for vm, f in zip(vms, feats, strict=True)]
     df = pd.concat([a.finalize() for a in an] + [type(an[0]).cross(an)], ignore_index=True)
     figs = FIGURES["similarity"](df)
@@ -215,7 +276,7 @@ models:
   - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
 dataset: {{name: synthetic-shapes, n_images: 30}}
 analyses:
-  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 3, n_bootstrap: 3}}
+  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 99, n_groups: 3}}
 batch_size: 4
 progress: false
 """)
@@ -258,7 +319,7 @@ models:
   - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
 dataset: {{name: synthetic-shapes, n_images: 40}}
 analyses:
-  similarity: {{n_subset: 17, k: 3, rsa_images: 9, n_permutations: 2, n_bootstrap: 2}}
+  similarity: {{n_subset: 17, k: 3, rsa_images: 9, n_permutations: 99, n_groups: 2}}
 batch_size: 4
 progress: false
 """)
@@ -282,7 +343,7 @@ def test_three_models_give_each_pair_what_the_pair_alone_gives():
         vm = tiny("vit")
         vm.name = name
         an.append(_fed(vm, {"block0.out": rng.standard_normal((40, 6)).astype(np.float32)}, torch.arange(40),
-                       k=3, n_permutations=2, n_bootstrap=2))
+                       k=3, n_groups=4))
     cls = type(an[0])
     every = cls.cross(an)
     for a, b in ((0, 1), (0, 2), (1, 2)):
@@ -292,7 +353,7 @@ def test_three_models_give_each_pair_what_the_pair_alone_gives():
 
 
 def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
-    """The same seeded shuffles and resamples as the loop of commit b73785d, one `compare` per shuffle."""
+    """The same seeded shuffles as the loop of commit b73785d, one `compare` per shuffle."""
     from similarity_before import compare_before
 
     vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
@@ -301,39 +362,27 @@ def test_nulls_and_intervals_equal_the_pair_by_pair_loop_they_replaced():
     n, d, m_rsa = 70, 9, 25
     x = rng.standard_normal((n, d)).astype(np.float32)
     y = (x @ rng.standard_normal((d, d)) + rng.standard_normal((n, d))).astype(np.float32)
-    params = dict(k=5, rsa_images=m_rsa, n_permutations=7, n_bootstrap=6, seed=4)
+    params = dict(k=5, rsa_images=m_rsa, n_permutations=99, n_groups=0, seed=4)
     a, b = _fed(vm_a, {"block0.out": x}, torch.arange(n), **params), _fed(vm_b, {"block0.out": y}, torch.arange(n),
                                                                           **params)
     row = type(a).cross([a, b]).set_index("metric")
     fa, fb = a.feats["block0.out"], b.feats["block0.out"]
     pa, pb = (M.prepare(f, k=5, rsa_images=m_rsa) for f in (fa, fb))
-    rev = ["ridge_r2", "pwcca", "cknna"]  # cknna: the nulls only (the bootstrap takes the linear measures)
+    rev = ["ridge_r2", "pwcca", "cknna"]
     null: dict = {}
-    for p in range(7):
+    for p in range(99):
         g = np.random.default_rng([4, 1, 0, 0, p])
         shuffled = pb.permuted(np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)]))
         got = compare_before(pa, shuffled)
         got.update({f"{m}_reverse": v for m, v in compare_before(shuffled, pa, rev).items()})
         for metric, v in got.items():
             null.setdefault(metric, []).append(v)
-    boot: dict = {}
-    linear = list(M.LINEAR_MEASURES)
-    for r in range(6):
-        rows = torch.from_numpy(np.random.default_rng([4, 2, 0, 0, r]).integers(0, n, n))
-        xa, xb = M.prepare(fa[rows], linear), M.prepare(fb[rows], linear)
-        got = compare_before(xa, xb, linear)
-        got.update({f"{m}_reverse": v for m, v in compare_before(xb, xa, [m for m in rev if m in linear]).items()})
-        for metric, v in got.items():
-            boot.setdefault(metric, []).append(v)
     assert set(null) == set(row.index)
     for metric, v in null.items():
         v = np.asarray(v)
         assert row.loc[metric, "null_mean"] == pytest.approx(v.mean(), rel=1e-9, abs=1e-7), metric
         assert row.loc[metric, "null_q95"] == pytest.approx(np.quantile(v, 0.95), rel=1e-9, abs=1e-7), metric
-        assert row.loc[metric, "n_permutations"] == 7
-    for metric, v in boot.items():
-        assert row.loc[metric, "value_lo"] == pytest.approx(np.quantile(v, 0.025), rel=1e-9, abs=1e-7), metric
-        assert row.loc[metric, "value_hi"] == pytest.approx(np.quantile(v, 0.975), rel=1e-9, abs=1e-7), metric
+        assert row.loc[metric, "n_permutations"] == 99
 
 
 def _splitmix64_reference(ids: torch.Tensor, seed: int) -> torch.Tensor:

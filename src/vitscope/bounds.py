@@ -28,10 +28,13 @@ class Range:
     hi: float | None = None
     open_lo: bool = False
     why: str = ""
+    or_zero: bool = False  # 0 is accepted too (a count where 0 turns something off)
 
     def holds(self, value: float) -> bool:
         if not math.isfinite(value):  # nan, inf: no parameter means anything at infinity
             return False
+        if self.or_zero and value == 0:
+            return True
         if self.lo is not None and (value <= self.lo if self.open_lo else value < self.lo):
             return False
         return self.hi is None or value <= self.hi
@@ -40,6 +43,8 @@ class Range:
         def num(x: float) -> str:
             return f"{x:g}" if isinstance(x, float) else str(x)
 
+        if self.or_zero:
+            return f"0 or {Range(self.lo, self.hi, self.open_lo).describe()}"
         if self.lo is not None and self.hi is not None and not self.open_lo:
             return f"between {num(self.lo)} and {num(self.hi)}"
         parts = []
@@ -54,6 +59,8 @@ class Range:
         def num(x: float) -> str:
             return f"{x:g}" if isinstance(x, float) else str(x)
 
+        if self.or_zero:
+            return f"0 or {Range(self.lo, self.hi, self.open_lo).short()}"
         if self.lo is not None and self.hi is not None and not self.open_lo:
             return f"{num(self.lo)}..{num(self.hi)}"
         parts = [f"{'>' if self.open_lo else '>='} {num(self.lo)}"] if self.lo is not None else []

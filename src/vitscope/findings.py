@@ -5,19 +5,18 @@ CKNNA and ridge R² from ``results/similarity.parquet``), per token view, with t
 inconclusive per measure. ``vitscope findings RUN_DIR`` prints it; ``vitscope zoo findings`` adds it to the zoo's.
 
 How a measure is judged. Each pair of models is compared at the last block of each (block outputs when the table
-has them): the pair's value, and its standard error, taken from the table's ``stderr`` (CKA: batch means) or
-else from its 95 % bootstrap interval (``(value_hi - value_lo) / 3.92``; the similarity analysis' percentile
-bootstrap over images; the normal is centred on the value, which a percentile interval of a resampled
-distance can miss). An asymmetric measure (ridge R², PWCCA) is the mean of its two directions (their errors
-taken as fully correlated: the mean of the two). The finding compares the mean over the pairs it expects more
-alike (CL~CL) with the mean over the others (CL~MIM); the difference gets the 95 % interval of a normal with the
-pairs' errors taken as independent (as `vitscope.zoo.findings` draws them). "More alike" reads each measure's
-declared direction (`vitscope.measures`): larger for a similarity, smaller for a distance. The finding **holds**
-under a measure when the interval lies on the "more alike" side of zero, **fails** when it lies on the other
-side, and is **inconclusive** when it contains zero. A measure without intervals (mutual k-NN, CKNNA and RSA get
-none: a bootstrap resample's duplicated images are each other's nearest neighbours; or a run with
-``n_bootstrap: 0``) is **inconclusive** whatever its point values say, which the table shows beside it
-(``interval`` = "none"). Only the images' sampling is counted, not the choice of models.
+has them): the pair's value and its standard error, the table's ``stderr`` (CKA: batch means; the similarity
+analysis: a jackknife over groups of images, computed for the pairs its ``null_pairs`` names, the last blocks by
+default), else from its 95 % interval (``(value_hi - value_lo) / 3.92``). An asymmetric measure (ridge R², PWCCA,
+CKNNA) is the mean of its two directions (their errors taken as fully correlated: the mean of the two). The
+finding compares the mean over the pairs it expects more alike (CL~CL) with the mean over the others (CL~MIM);
+the difference gets the 95 % interval of a normal with the pairs' errors taken as independent (as
+`vitscope.zoo.findings` draws them). "More alike" reads each measure's declared direction (`vitscope.measures`):
+larger for a similarity, smaller for a distance. The finding **holds** under a measure when the interval lies on
+the "more alike" side of zero, **fails** when it lies on the other side, and is **inconclusive** when it contains
+zero. A measure without errors at the last blocks (a run with ``n_groups: 0`` or ``null_pairs: none``) is
+**inconclusive** whatever its point values say, which the table shows beside it (``interval`` = "none"). Only
+the images' sampling is counted, not the choice of models.
 
 Models are grouped by objective family: the manifest's ``objective_family`` (a registry entry's family; "none"
 for untrained models and for names the registry does not know), or ``families`` given by the caller
@@ -247,7 +246,7 @@ def check_measures(run_dir: str | Path, families: Mapping[str, str] | None = Non
             if not va or not vt:  # the table lacks the pairs (e.g. a pair left out for other images)
                 continue
             word, diff, lo, hi = judge(list(va.values()), list(vt.values()), measure)
-            interval = "none" if np.isnan(lo) else "stderr" if table == "cka" else "bootstrap"
+            interval = "none" if np.isnan(lo) else "stderr" if table == "cka" else "jackknife"
             rows.append({"finding": f.claim, "source": f.source, "expected": f.expected, "table": table,
                          "measure": measure, "token_view": view, "direction": DIRECTION[base(measure)],
                          "alike": float(np.mean([v for v, _ in va.values()])),
@@ -289,10 +288,10 @@ def to_markdown(table: pd.DataFrame) -> str:
             lines.append(f"| {name} | {r.token_view or '-'} | {sense} | {r.alike:.3g} | {r.than:.3g} "
                          f"| {r.difference:+.3g}{interval} | {word[r.verdict]} |")
         lines.append("")
-    lines.append("holds = the 95 % interval of the difference (from the pairs' standard errors or bootstrap "
-                 "intervals over images) lies on the side the measure calls more alike (distances: smaller); "
-                 "fails = on the other side; inconclusive = it contains 0, or the measure has no interval "
-                 "(mutual k-NN, CKNNA, RSA). `vitscope.findings` says how.")
+    lines.append("holds = the 95 % interval of the difference (from the pairs' standard errors: CKA's batch means, "
+                 "the similarity analysis' jackknife over groups of images) lies on the side the measure calls "
+                 "more alike (distances: smaller); fails = on the other side; inconclusive = it contains 0, or "
+                 "the pairs have no standard error (similarity with n_groups 0). `vitscope.findings` says how.")
     return "\n".join(lines)
 
 

@@ -63,6 +63,8 @@ class _Lifecycle(ABC):
     inputs: ClassVar[dict[str, frozenset[str]]] = {}
     #: listed in the embedded default study (configs/default.yaml); False for lenses a study names itself
     in_default_study: ClassVar[bool] = True
+    #: parameters an earlier version took: name -> the sentence saying what replaced it and why
+    replaced: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def views(cls, params: Mapping[str, Any]) -> list[str]:
@@ -322,6 +324,8 @@ def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> No
     for key, value in (params or {}).items():
         if _planner_key(str(key)):
             continue
+        if key in cls.replaced and key not in accepted:
+            raise ConfigError(f"analysis {cls.name!r} no longer takes {key!r}: {cls.replaced[key]}")
         if key not in accepted:
             if open_ended:
                 continue

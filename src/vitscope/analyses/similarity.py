@@ -13,7 +13,7 @@ Analyses here:
                  CKA and by cosine similarity (Park et al. 2023; Wang 2023)
   similarity     measures beyond CKA (Procrustes, shape metric, CCA family, RSA, mutual k-NN, CKNNA, ridge
                  R²) on a seeded subset of images kept in float16, within and across models, with permutation
-                 nulls and bootstrap intervals (`vitscope.metrics.similarity`)
+                 nulls and jackknife intervals (`vitscope.metrics.similarity`)
 """
 
 from __future__ import annotations
@@ -29,14 +29,21 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.bounds import Count, Fraction, NonNegative, Positive, Range
+from vitscope.bounds import Count, Fraction, Positive, Range
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
-from vitscope.errors import ConfigError, VitscopeError, unknown_name
+from vitscope.errors import ConfigError, ResultWarning, VitscopeError, unknown_name
 from vitscope.host import on_device, to_host
 from vitscope.metrics import cka as C
 from vitscope.metrics import similarity as M
 from vitscope.threads import few_threads
+
+#: permutations of a null: 0 for none, else enough for a p-value of 0.01
+Permutations = Annotated[int, Range(99, or_zero=True, why="a p-value needs 99 permutations to reach 0.01")]
+#: groups of images of the jackknife: 0 for no intervals
+Groups = Annotated[int, Range(2, 1000, or_zero=True, why="a jackknife needs 2 groups; beyond 1000 it takes hours")]
+#: which layer pairs across models get nulls and intervals
+NULL_PAIRS = ("last", "matched", "all", "none")
 
 #: images per CKA batch: the unbiased HSIC estimator needs at least C.MIN_HSIC1_EXAMPLES
 CkaBatch = Annotated[int, Range(C.MIN_HSIC1_EXAMPLES,
@@ -724,36 +731,53 @@ class Similarity(Analysis):
     grow with the square of the images). Rows record ``n_images`` (the images a value was computed on) and
     ``images_seen``.
 
-    Across models every score gets, for the pairs ``null_pairs`` names ('matched': each layer of A with B's
-    layer at the same relative depth; 'all'; 'none'), a permutation null (B's images shuffled,
-    ``n_permutations`` times: ``null_mean``, ``null_q05``, ``null_q95`` and ``p_value`` in the direction the
-    measure improves) and, for the linear measures, a percentile bootstrap interval over images
-    (``n_bootstrap`` resamples: ``value_lo``, ``value_hi``). The neighbour and RDM measures get no bootstrap
-    interval: a resample's duplicated images are each other's nearest neighbours and zero distances.
+    Across models, for the pairs ``null_pairs`` names ('last': the two models' last taps, the pair the findings
+    read, the default; 'matched': each layer of A with B's layer at the same relative depth; 'all'; 'none'),
+    every score gets:
+
+    * a permutation null: B's images shuffled ``n_permutations`` times (0, or at least 99 so that a p-value can
+      reach 0.01): ``null_mean``, ``null_q05``, ``null_q95``, ``n_permutations`` and ``p_value`` = (1 + the
+      shuffles scoring at least as well) / (1 + n_permutations), in the direction the measure improves;
+    * a 95 % interval from a delete-a-group jackknife over images: the kept images are dealt into ``n_groups``
+      groups G (0 for none; by their rank in the seeded subset, so the groups are random and the same for both
+      models), the measure is computed again without each group, and ``stderr`` = sqrt((G - 1) / G · sum_g
+      (v_g - mean v)²); ``value_lo``, ``value_hi`` = value ± t(G - 1) · stderr, clipped to the measure's range
+      (`metrics.similarity.RANGES`); ``n_groups``. Why not a bootstrap: a resample with replacement holds about
+      63 % distinct images, and the CCA family, the shape metric and ridge's leave-one-out depend on the number
+      of distinct images (mean CCA of independent random features is 0.44 at 380 images and 0.34 at 600), so
+      the bootstrap's intervals missed their own estimate; a duplicated image is also its own nearest neighbour
+      and a zero distance, which ruled it out for the neighbour and RDM measures. A jackknife replicate holds
+      distinct images only, so every measure gets an interval. What it covers: the value the measure takes, on
+      average, on this many images drawn from the same distribution. These measures are biased with respect to
+      their infinite-sample value (CCA of unrelated features is far from 0 when n is a few times the width), so
+      compare models at the same ``n_images``, as the analysis does. Coverage: `benchmarks/calibration.py`
+      (docs/CALIBRATION.md).
 
     Cost: each tap is prepared once (an SVD, its k-NN lists and RDM); a grid's cross products come from one matrix
     product per tap (`metrics.similarity.compare_grid`); each pair then takes two eigendecompositions of r x r
     matrices (r = the layer's rank, 384 for ViT-S) with vectors, for CCA and PWCCA both ways, and one more, values
-    only, per shape-metric alpha other than 0 and 1, for Procrustes and for SVCCA. Memory: the subset (``n_subset``
-    x width x 2 bytes per tap); in finalize every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n neighbour
-    similarity at a time (32 MB) and products of n x 2048 (33 MB). Measured (``OMP_NUM_THREADS=1 PYTHONPATH=src
-    python benchmarks/similarity.py``: two ViT-S/16, 13 x 13 taps, 2,048 images, the defaults, one thread, 2 shared
-    cores under a load of about 3): 136 s against CKA's 2.6 s on the same features, of which 81 s are the nulls and
-    bootstrap of the 13 matched pairs and 23 s the two within-model grids; without nulls and bootstrap 55 s (about
-    20x CKA). The 384 x 384 eigendecompositions (10 to 30 ms each) dominate."""
+    only, per shape-metric alpha other than 0 and 1, for Procrustes and for SVCCA. A tested pair adds
+    ``n_permutations`` such comparisons, and ``n_groups`` comparisons of its two taps prepared again without a
+    group. Memory: the subset (``n_subset`` x width x 2 bytes per tap); in finalize every tap's float64 basis
+    (n x r: 6 MB at n = 2000), one n x n neighbour similarity at a time (32 MB) and products of n x 2048 (33 MB).
+    `benchmarks/similarity.py` measures it against CKA's time on the same features."""
 
-    state_version = 2  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models
+    state_version = 3  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
+    # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default
+    replaced = {"n_bootstrap": "its bootstrap intervals missed their own estimates (a resample's duplicated "
+                               "images change the CCA family, the shape metric, ridge and the neighbours); "
+                               "a jackknife over n_groups groups of images gives the intervals now"}
 
     name = "similarity"
     in_default_study = False  # its measures and nulls cost many times CKA (benchmarks/similarity.py)
     description = ("Procrustes, shape metric, CCA / SVCCA / PWCCA, RSA, mutual k-NN, CKNNA and ridge R² between "
-                   "layers, within and across models, with permutation nulls and bootstrap intervals")
+                   "layers, within and across models, with permutation nulls and jackknife intervals")
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", view: str = "gap",
                  measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
                  seed: int = 0, alphas: Sequence[Fraction] = (0.0, 0.5, 1.0), k: Count = 10,
                  rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
-                 n_permutations: NonNegative = 20, n_bootstrap: NonNegative = 20, null_pairs: str = "matched"):
+                 n_permutations: Permutations = 99, n_groups: Groups = 20, null_pairs: str = "last"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         if view not in POOLED_VIEWS:
@@ -767,13 +791,13 @@ class Similarity(Analysis):
             if m not in M.MEASURES:
                 raise unknown_name("similarity measure", m, M.MEASURES)
         self.measures = [m for m in M.MEASURES if m in measures]
-        if null_pairs not in ("matched", "all", "none"):
-            raise ConfigError(f"similarity: null_pairs must be 'matched', 'all' or 'none', got {null_pairs!r}")
+        if null_pairs not in NULL_PAIRS:
+            raise unknown_name("similarity null_pairs", null_pairs, NULL_PAIRS)
         if ("mutual_knn" in self.measures or "cknna" in self.measures) and int(k) >= int(n_subset):
             raise ConfigError(f"similarity: k = {k} neighbours needs n_subset above it, got {n_subset}")
         self.n_subset, self.seed, self.k = int(n_subset), int(seed), int(k)
         self.alphas, self.rsa_images, self.ridge = [float(a) for a in alphas], int(rsa_images), float(ridge)
-        self.n_permutations, self.n_bootstrap, self.null_pairs = int(n_permutations), int(n_bootstrap), null_pairs
+        self.n_permutations, self.n_groups, self.null_pairs = int(n_permutations), int(n_groups), null_pairs
         self.ids = torch.empty(0, dtype=torch.long)
         self.keys = torch.empty(0, dtype=torch.long)
         self.feats: dict[str, torch.Tensor] = {}  # tap -> (rows, D) float16, rows ordered by key
@@ -877,13 +901,16 @@ class Similarity(Analysis):
             prepared.pop(i, None)  # model i has no later pairs
         return pd.concat(frames, ignore_index=True) if frames else None
 
-    def _null_set(self, other: Similarity) -> set[tuple[int, int]]:
+    def _tested_pairs(self, other: Similarity) -> list[tuple[int, int]]:
+        """The layer pairs ``null_pairs`` names, which get nulls and intervals."""
         na, nb = len(self.taps), len(other.taps)
-        if self.null_pairs == "none" or not (self.n_permutations or self.n_bootstrap):
-            return set()
+        if self.null_pairs == "none" or not (self.n_permutations or self.n_groups):
+            return []
         if self.null_pairs == "all":
-            return set(itertools.product(range(na), range(nb)))
-        return {(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)}
+            return list(itertools.product(range(na), range(nb)))
+        if self.null_pairs == "last":
+            return [(na - 1, nb - 1)]
+        return sorted({(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)})
 
     def _cross_rows(self, other: Similarity, pa: list[M.Prepared], pb: list[M.Prepared]) -> pd.DataFrame:
         with few_threads():
@@ -894,10 +921,10 @@ class Similarity(Analysis):
             for (i, j), got in grid.items():
                 for metric, v in got.items():
                     rows[i, j, metric] = self._row(other, i, j, metric, v)
-            n, m_rsa = len(self.ids), min(self.rsa_images, len(self.ids))
-            for i, j in sorted(self._null_set(other)):
-                null = self._null(pa[i], pb[j], rev, n, m_rsa, i, j)
-                boot = self._bootstrap(other, i, j, rev, n)
+            tested = self._tested_pairs(other)
+            jack = self._jackknife(other, tested, rev)
+            for i, j in tested:
+                null = self._null(pa[i], pb[j], rev, i, j)
                 for metric, row in ((m, r) for (a, b, m), r in rows.items() if (a, b) == (i, j)):
                     v = np.asarray(null.get(metric, []), dtype=float)
                     if len(v):
@@ -905,19 +932,19 @@ class Similarity(Analysis):
                         row.update(null_mean=float(v.mean()), null_q05=float(np.quantile(v, 0.05)),
                                    null_q95=float(np.quantile(v, 0.95)), n_permutations=len(v),
                                    p_value=float((1 + as_good.sum()) / (1 + len(v))))
-                    bv = np.asarray(boot.get(metric, []), dtype=float)
-                    if len(bv):
-                        row.update(value_lo=float(np.quantile(bv, 0.025)), value_hi=float(np.quantile(bv, 0.975)),
-                                   n_bootstrap=len(bv))
+                    reps = jack.get((i, j), {}).get(metric)
+                    if reps is not None:
+                        se, lo, hi = M.jackknife_interval(row["value"], reps, M.range_of(metric))
+                        row.update(stderr=se, value_lo=lo, value_hi=hi, n_groups=len(reps))
         return self.tidy(list(rows.values()))
 
     def _rng(self, *stream: int) -> Any:
         return np.random.default_rng([self.seed, *stream])
 
-    def _null(self, pa: M.Prepared, pb: M.Prepared, rev: list[str], n: int, m_rsa: int, i: int,
-              j: int) -> dict[str, list[float]]:
+    def _null(self, pa: M.Prepared, pb: M.Prepared, rev: list[str], i: int, j: int) -> dict[str, list[float]]:
         """Scores with B's images shuffled: the RDM's images among themselves, the rest among themselves. All
         the shuffles of one pair in one `compare_grid` (their cross products in one matrix product)."""
+        n, m_rsa = len(self.ids), min(self.rsa_images, len(self.ids))
         shuffled = []
         for p in range(self.n_permutations):
             g = self._rng(1, i, j, p)
@@ -930,19 +957,35 @@ class Similarity(Analysis):
                 out.setdefault(metric, []).append(v)
         return out
 
-    def _bootstrap(self, other: Similarity, i: int, j: int, rev: list[str], n: int) -> dict[str, list[float]]:
-        """The linear measures on images resampled with replacement (the same draw in both models)."""
-        linear = [m for m in self.measures if m in M.LINEAR_MEASURES]
-        out: dict[str, list[float]] = {}
-        if not linear or not self.n_bootstrap:
-            return out
-        fa, fb = self.feats[self.taps[i]].double().numpy(), other.feats[other.taps[j]].double().numpy()
-        for r in range(self.n_bootstrap):
-            rows = self._rng(2, i, j, r).integers(0, n, n)
-            xa, xb = M.prepare(fa[rows], linear), M.prepare(fb[rows], linear)
-            got = M.compare_grid([xa], [xb], [(0, 0)], linear, alphas=self.alphas, ridge=self.ridge, reverse=rev)
-            for metric, v in got[0, 0].items():
-                out.setdefault(metric, []).append(v)
+    def _jackknife(self, other: Similarity, pairs: list[tuple[int, int]], rev: list[str]
+                   ) -> dict[tuple[int, int], dict[str, list[float]]]:
+        """Per pair, every measure computed again without each of ``n_groups`` groups of images (the kept rows
+        dealt round by their rank in the subset): {pair: {metric: [value without group g, ...]}}. A tap is
+        prepared once per group for all the pairs it is in."""
+        n, g_count = len(self.ids), self.n_groups
+        if not pairs or not g_count:
+            return {}
+        if g_count > n // 2:
+            warnings.warn(f"similarity: {n} kept images are too few for {g_count} jackknife groups of at "
+                          "least 2; the pairs get no interval", ResultWarning, stacklevel=2)
+            return {}
+        out: dict[tuple[int, int], dict[str, list[float]]] = {pair: {} for pair in pairs}
+        m_rsa = min(self.rsa_images, n)
+        for g in range(g_count):
+            keep = np.flatnonzero(np.arange(n) % g_count != g)
+            kw = dict(k=self.k, rsa_images=int((keep < m_rsa).sum()))
+
+            def prep(a: Similarity, t: int, keep: np.ndarray = keep, kw: dict = kw) -> M.Prepared:
+                return M.prepare(a.feats[a.taps[t]][keep], self.measures, name=f"{a.model_name} {a.taps[t]}", **kw)
+
+            xa = {i: prep(self, i) for i in sorted({i for i, _ in pairs})}
+            xb = {j: prep(other, j) for j in sorted({j for _, j in pairs})}
+            got = M.compare_grid([xa[i] for i in xa], [xb[j] for j in xb],
+                                 [(list(xa).index(i), list(xb).index(j)) for i, j in pairs], self.measures,
+                                 alphas=self.alphas, ridge=self.ridge, reverse=rev)
+            for i, j in pairs:
+                for metric, v in got[list(xa).index(i), list(xb).index(j)].items():
+                    out[i, j].setdefault(metric, []).append(v)
         return out
 
 

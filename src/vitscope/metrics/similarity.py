@@ -57,14 +57,17 @@ __all__ = [
     "Prepared",
     "angular_shape_metric",
     "cca_correlations",
+    "RANGES",
     "cknna",
     "compare",
     "compare_grid",
+    "jackknife_interval",
     "kendall_tau_a",
     "mean_cca",
     "mutual_knn",
     "prepare",
     "procrustes_distance",
+    "range_of",
     "pwcca",
     "rsa",
     "ridge_r2",
@@ -230,6 +233,17 @@ def compare(px: Prepared, py: Prepared, measures: Iterable[str] = MEASURES, alph
     ``angular_shape_alpha=<a>`` per alpha, ``mean_cca``, ``svcca``, ``pwcca``, ``ridge_r2`` (X predicts Y),
     ``rsa_spearman``, ``rsa_kendall``, ``mutual_knn``, ``cknna``."""
     return compare_grid([px], [py], [(0, 0)], measures, alphas, ridge)[0, 0]
+
+
+#: the range of each measure's values (the base name: ``angular_shape`` for every alpha); intervals are clipped to it
+RANGES = {"procrustes": (0.0, float(np.sqrt(2.0))), "angular_shape": (0.0, float(np.pi / 2)), "mean_cca": (0.0, 1.0),
+          "svcca": (0.0, 1.0), "pwcca": (0.0, 1.0), "ridge_r2": (-np.inf, 1.0), "rsa_spearman": (-1.0, 1.0),
+          "rsa_kendall": (-1.0, 1.0), "mutual_knn": (0.0, 1.0), "cknna": (-np.inf, np.inf)}
+
+
+def range_of(metric: str) -> tuple[float, float]:
+    """The range of a table's ``metric`` (``angular_shape_alpha=0.5``, ``ridge_r2_reverse``, ...)."""
+    return RANGES[metric.split("_alpha=")[0].removesuffix("_reverse")]
 
 
 #: measures whose value changes when x and y swap: `compare_grid` gives them as ``<name>_reverse`` too (CKNNA:
@@ -529,3 +543,18 @@ def mutual_knn(x: Any, y: Any, k: int = 10) -> float:
 
 def cknna(x: Any, y: Any, k: int = 10) -> float:
     return _pair(x, y, ["cknna"], k=k)["cknna"]
+
+
+def jackknife_interval(value: float, replicates: Sequence[float], bounds: tuple[float, float] = (-np.inf, np.inf),
+                       level: float = 0.95) -> tuple[float, float, float]:
+    """``(stderr, low, high)`` of a delete-a-group jackknife: ``replicates`` are the statistic computed without
+    each of G groups; ``stderr² = (G - 1) / G · Σ (v_g - mean v)²`` (Efron & Stein: it overstates the variance
+    rather than understates it) and ``value ± t(G - 1) · stderr``, clipped to ``bounds``. NaN without two
+    finite replicates."""
+    v = np.asarray(replicates, dtype=np.float64)
+    g = len(v)
+    if g < 2 or not np.isfinite(v).all() or not np.isfinite(value):
+        return (float("nan"),) * 3
+    se = float(np.sqrt((g - 1) / g * ((v - v.mean()) ** 2).sum()))
+    half = float(scipy.stats.t.ppf(0.5 + level / 2, g - 1)) * se
+    return se, float(max(value - half, bounds[0])), float(min(value + half, bounds[1]))
