@@ -25,7 +25,7 @@ def test_entry_builds_with_the_size_its_name_says(name):
     dim, depth = SIZES[size]
     assert model.embed_dim == dim and len(model.blocks) == depth
     assert model.patch_embed.patch_size[0] == int(patch)
-    assert spec.family in {"explicit", "contrastive", "reconstructive", "hybrid"}
+    assert spec.family in {"explicit", "language", "contrastive", "reconstructive", "hybrid"}
     assert spec.citation
 
 
@@ -55,6 +55,9 @@ def test_sources_families_are_all_there():
               "dinov2-b14", "dinov2-b14-reg"]:
         assert n in REGISTRY
     assert REGISTRY["clip-b16"].arch.endswith("quickgelu_224")
+    # language supervision is a family of its own (findings group it apart from explicit labels)
+    assert {REGISTRY[n].family for n in REGISTRY if n.startswith("clip-")} == {"language"}
+    assert REGISTRY["sup-b16"].family == "explicit"
 
 
 def test_beit_entry_is_the_pretrained_not_finetuned_architecture():

@@ -389,7 +389,7 @@ def test_findings_compare_the_groups_means_and_decide_only_beyond_their_uncertai
     rng = torch.Generator().manual_seed(0)
     rows, expected = [], {}
     for m in fam:  # attention distance: layers 0..5, 2 heads; late layers = 4, 5; a small stderr
-        vals = torch.rand(6, 2, generator=rng) * 10
+        vals = torch.rand(6, 2, generator=rng) * 10 + (0 if m == "r" else 20)  # r: far below both groups
         expected[m] = vals[4:].mean().item()
         rows += [{"model": m, "metric": "distance_px", "layer": layer, "head": h, "value": vals[layer, h].item(),
                   "stderr": 0.01} for layer in range(6) for h in range(2)]
@@ -431,6 +431,50 @@ def test_findings_compare_the_groups_means_and_decide_only_beyond_their_uncertai
     assert "| inconclusive |" in out and "seed" not in out
     # the k-NN findings rest on MIM semantics (the zoo's budget caveat); the attention ones do not
     assert last.semantic and peak.semantic and not dist.semantic and not nmi.semantic
+
+
+def _attention_run(root, distance: dict[str, float], se: float = 0.05, untrained: bool = True):
+    fam = {"c1": "contrastive", "c2": "contrastive", "m1": "reconstructive", "m2": "reconstructive"}
+    if untrained:
+        fam["r"] = "none"
+    (root / "results").mkdir(parents=True)
+    (root / "manifest.json").write_text(json.dumps(
+        {"models": {m: {"objective_family": f, "depth": 6, "supervision": "random init" if f == "none" else f}
+                    for m, f in fam.items()}}))
+    pd.DataFrame([{"model": m, "metric": "distance_px", "layer": layer, "head": 0, "value": distance[m],
+                   "stderr": se} for m in fam for layer in range(6)]).to_parquet(
+        root / "results" / "attention_distance.parquet")
+    return root
+
+
+def test_a_finding_holds_only_when_its_group_moved_away_from_the_untrained_network(tmp_path):
+    """The contrastive models attend exactly as globally as the untrained one; MIM made attention local: CL > MIM
+    by far, yet "contrastive models attend more globally" is inconclusive, and the reason says MIM moved."""
+    from vitscope.zoo.findings import check
+
+    t = check(_attention_run(tmp_path / "a", {"c1": 15.0, "c2": 15.0, "m1": 8.0, "m2": 8.0, "r": 15.0}))
+    row = t.set_index("measure").loc["mean attention distance (px), late layers"]
+    assert row.difference_lo > 6.5  # the groups differ far beyond their interval ...
+    assert (row.verdict, row.holds) == ("inconclusive", None)  # ... but the contrastive models did not move
+    assert "contrastive within noise of the untrained network" in row.reason
+    assert "MIM below the untrained network" in row.reason
+    assert row.untrained == pytest.approx(15.0) and row.cl_vs_untrained == pytest.approx(0.0)
+    assert row.mim_vs_untrained_hi < 0 < row.cl_vs_untrained_hi and row.cl_vs_untrained_lo < 0
+    # the contrastive models moved away too (beyond their interval): it holds, and the reason says who moved more
+    t = check(_attention_run(tmp_path / "b", {"c1": 16.0, "c2": 16.0, "m1": 8.0, "m2": 8.0, "r": 15.0}))
+    row = t.set_index("measure").loc["mean attention distance (px), late layers"]
+    assert row.verdict == "holds" and "most of the difference is the departure of MIM" in row.reason
+    # the report's table says why
+    from vitscope.report.html import _findings
+    from vitscope.report.run import load_run
+
+    html = "".join(_findings(load_run(tmp_path / "a")))
+    assert "<th>untrained</th>" in html and "<th>why</th>" in html
+    assert "contrastive within noise of the untrained network" in html
+    # no untrained model in the study: nothing to judge the departure by
+    t = check(_attention_run(tmp_path / "c", {"c1": 16.0, "c2": 16.0, "m1": 8.0, "m2": 8.0}, untrained=False))
+    row = t.set_index("measure").loc["mean attention distance (px), late layers"]
+    assert row.verdict == "inconclusive" and "no untrained model" in row.reason
 
 
 def test_the_budget_caveat_states_the_mim_zoo_models_margins_from_their_cards():

@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="list the model registry", parents=[common])
-    m.add_argument("--family", choices=["explicit", "contrastive", "reconstructive", "hybrid"])
+    m.add_argument("--family", choices=["explicit", "language", "contrastive", "reconstructive", "hybrid"])
     m.set_defaults(func=_cmd_models)
 
     t = sub.add_parser("taps", help="list the tap points of a model, with shapes for one image", parents=[common])
@@ -332,8 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "the manifest records (registry entries); give others with --family.")
     fi.add_argument("run_dir", help="the output_dir of a `vitscope run`")
     fi.add_argument("--family", action="append", default=[], metavar="LABEL=FAMILY",
-                    help="a model's objective family (contrastive, reconstructive, explicit, hybrid, none), for "
-                         "models the registry does not know; repeat for several")
+                    help="a model's objective family (contrastive, reconstructive, explicit, language, hybrid, "
+                         "none), for models the registry does not know; repeat for several")
     fi.set_defaults(func=_cmd_findings)
 
     add_zoo_parser(sub)

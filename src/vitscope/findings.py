@@ -39,8 +39,8 @@ from vitscope.measures import ASYMMETRIC, DIRECTION, DISTANCE, alike_sign, base,
 from vitscope.references import cite
 
 CL, MIM = "contrastive", "reconstructive"
-FAMILIES = ("explicit", "contrastive", "reconstructive", "hybrid", "none")  # vitscope.models.registry.Family
-SHORT = {CL: "CL", MIM: "MIM", "explicit": "SUP", "hybrid": "HYB", "none": "none"}
+FAMILIES = ("explicit", "language", "contrastive", "reconstructive", "hybrid", "none")  # models.registry.Family
+SHORT = {CL: "CL", MIM: "MIM", "explicit": "SUP", "language": "LANG", "hybrid": "HYB", "none": "none"}
 HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
 Z95 = 1.959964
 #: where the similarity tables are, and which of their metrics are measures of a pair of models

@@ -41,7 +41,10 @@ def zoo_pretrained_cfg_overlay(img_size: int = 32, num_classes: int = 0) -> dict
             "crop_mode": "center", "interpolation": interp, "num_classes": num_classes, "url": "", "hf_hub_id": "",
             "tag": "vitscope-zoo", "fixed_input_size": True}
 
-Family = Literal["explicit", "contrastive", "reconstructive", "hybrid", "none"]
+#: objective families: explicit labels (supervised), language supervision (CLIP, SigLIP, PE: image-text
+#: contrastive, a family of its own in findings and figures), self-supervised contrastive / self-distillation,
+#: masked reconstruction, both, or none (an untrained network)
+Family = Literal["explicit", "language", "contrastive", "reconstructive", "hybrid", "none"]
 SourceKind = Literal["timm", "hf", "url", "file", "manual", "none"]
 
 
@@ -180,10 +183,10 @@ for _size, _arch in [("b16", "vit_base_patch16_clip_quickgelu_224"),
                      ("b32", "vit_base_patch32_clip_quickgelu_224"),
                      ("l14", "vit_large_patch14_clip_quickgelu_224")]:
     register(ModelSpec(
-        f"clip-{_size}", _arch, "explicit", "clip",
+        f"clip-{_size}", _arch, "language", "clip",
         WeightSource("timm", "openai"), _CLIP_PRE, {"num_classes": 0}, citation=_CLIP,
-        notes="OpenAI image tower with QuickGELU, as trained. Grouped with explicit supervision "
-              "(language labels), as in Walmer et al. 2023."))
+        notes="OpenAI image tower with QuickGELU, as trained. Language supervision is a family of its own "
+              "(Walmer et al. 2023 group CLIP with explicit supervision; --family clip-b16=explicit does so)."))
 
 for _size, _arch in [("s16", "vit_small_patch16_224"), ("s8", "vit_small_patch8_224"),
                      ("b16", "vit_base_patch16_224"), ("b8", "vit_base_patch8_224")]:

@@ -133,17 +133,21 @@ def _findings(run: Run) -> list[str]:
     caveat = budget_caveat(models)
     if caveat:
         rows.append(f"<p class='caveat'>{_esc(caveat)}</p>")
-    rows.append("<table><tr><th>finding</th><th>measure</th><th>contrastive</th><th>MIM</th>"
-                "<th>CL - MIM (95 % interval)</th><th>verdict</th></tr>")
+    rows.append("<table><tr><th>finding</th><th>measure</th><th>contrastive</th><th>MIM</th><th>untrained</th>"
+                "<th>CL - MIM (95 % interval)</th><th>verdict</th><th>why</th></tr>")
     for r in table.itertuples():
         iv = "" if pd.isna(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
         mark = " †" if r.semantic else ""
+        within = getattr(r, "within_mim", float("nan"))
+        mim = f"{r.mim:.4g}" + ("" if pd.isna(within) else f" (MIM~MIM {within:.4g})")
+        base = "-" if pd.isna(r.untrained) else f"{r.untrained:.4g}"
         rows.append(f"<tr><td>{_esc(r.finding)}{mark} {_esc(r.source)}</td><td>{_esc(r.measure)} "
-                    f"({_esc(r.expected)})</td><td>{r.contrastive:.4g}</td><td>{r.mim:.4g}</td>"
-                    f"<td>{r.difference:+.3g}{iv}</td><td>{_esc(r.verdict)}</td></tr>")
+                    f"({_esc(r.expected)})</td><td>{r.contrastive:.4g}</td><td>{_esc(mim)}</td><td>{base}</td>"
+                    f"<td>{r.difference:+.3g}{iv}</td><td>{_esc(r.verdict)}</td><td>{_esc(r.reason)}</td></tr>")
     rows.append("</table><p class='muted'>A finding holds only when the 95 % interval of the difference excludes 0 "
-                "(<code>vitscope.zoo.findings</code> says how it is computed); inconclusive otherwise. †: rests on "
-                "MIM semantics (k-NN, probes, retrieval).</p>")
+                "and the group it is about has moved away from the untrained network in the claimed direction "
+                "beyond its interval (<code>vitscope.zoo.findings</code> says how); inconclusive otherwise, with "
+                "the reason. †: rests on MIM semantics (k-NN, probes, retrieval).</p>")
     return rows
 
 

@@ -17,6 +17,19 @@ on the expected side of zero, is **contradicted** when it lies on the other side
 when it contains zero. A table without standard errors (written by an older vitscope) gives "no uncertainty"
 and no verdict. Only the images' sampling is counted: with one or two models per group, whether the groups
 differ in general is another question, which the per-model values let the reader judge.
+
+Against the untrained network. A difference between the groups says which objective moved the measure only
+beside the untrained network of the same architecture (the manifest's untrained models: family "none", not
+fine-tuned; zoo-random in the zoo). Each finding names its subject, the group it makes a claim about ("contrastive
+models attend more globally"), and holds only when, besides the group difference, the subject's departure from
+the untrained network (subject - untrained, same draws) lies beyond its interval in the claimed direction. When
+the groups differ but the subject sits within noise of the untrained network (the other group moved), the
+verdict is **inconclusive** and ``reason`` says which group moved and where; without an untrained model in the
+study it is inconclusive too ("no untrained model to compare with"). Both groups' departures are in the table
+(``cl_vs_untrained``, ``mim_vs_untrained`` with their intervals). For the similarity finding the untrained
+comparison is CL~CL against CL~untrained pairs, and the MIM~MIM agreement is shown beside (``within_mim``). For
+the k-NN peak block (a location, meaningless on the untrained network's flat chance curve) the departure is the
+subject's best k-NN against the untrained network's best.
 """
 
 from __future__ import annotations
@@ -52,6 +65,18 @@ class Finding:
     value: Callable[[pd.DataFrame, str, int, np.random.Generator], tuple[float, np.ndarray | None]]
     expect: str  # 'CL > MIM' or 'CL < MIM'
     semantic: bool = False  # rests on MIM semantics (k-NN, probes, retrieval): see `budget_caveat`
+    subject: str = CL  # the group the claim is about: its departure from the untrained network must agree
+    # the number whose departure from the untrained network is judged, when not ``value`` (and its direction:
+    # +1 the subject above the untrained, -1 below; None: the claim's direction for the subject)
+    departure: Callable[[pd.DataFrame, str, int, np.random.Generator], tuple[float, np.ndarray | None]] | None = None
+    departure_sign: int | None = None
+
+    def sign(self) -> int:
+        """+1 when the claim puts the subject above the untrained network, -1 below."""
+        if self.departure_sign is not None:
+            return self.departure_sign
+        s = 1 if self.expect == "CL > MIM" else -1
+        return s if self.subject == CL else -s
 
 
 def _se(d: pd.DataFrame) -> np.ndarray | None:
@@ -92,6 +117,17 @@ def _knn_last(df: pd.DataFrame, model: str, depth: int, rng: np.random.Generator
     return v, None if se is None else v + rng.standard_normal(DRAWS) * se[0]
 
 
+def _knn_best(df: pd.DataFrame, model: str, depth: int, rng: np.random.Generator) -> tuple[float, np.ndarray | None]:
+    """The best block's 20-NN top-1; draws: the maximum of independently drawn layer values."""
+    d = _knn_curve(df, model)
+    if d.empty:
+        return float("nan"), None
+    vals, se = d["value"].to_numpy(dtype=float), _se(d)
+    if se is None:
+        return float(vals.max()), None
+    return float(vals.max()), (vals[None, :] + rng.standard_normal((DRAWS, len(vals))) * se[None, :]).max(axis=1)
+
+
 def _knn_peak(df: pd.DataFrame, model: str, depth: int, rng: np.random.Generator) -> tuple[float, np.ndarray | None]:
     """The block of the best 20-NN top-1; draws: the argmax of independently drawn layer values."""
     d = _knn_curve(df, model)
@@ -118,10 +154,10 @@ FINDINGS = [
             "20-NN top-1 (CLS), last block", "semantics", _knn_last, "CL > MIM",
             semantic=True),
     Finding("MIM models peak earlier in k-NN", f"[{cite(WALMER)}]", "block of the best 20-NN top-1 (CLS)",
-            "semantics", _knn_peak, "CL > MIM", semantic=True),
+            "semantics", _knn_peak, "CL > MIM", semantic=True, subject=MIM, departure=_knn_best, departure_sign=1),
     Finding("MIM features carry more high-frequency amplitude", f"[{cite(PARK)}]",
             "Δ log amplitude at the highest frequency, late layers", "fourier",
-            _late_mean("high_freq_delta_log_amp"), "CL < MIM"),
+            _late_mean("high_freq_delta_log_amp"), "CL < MIM", subject=MIM),
 ]
 
 
@@ -155,53 +191,153 @@ def verdict(diff_draws: np.ndarray | None, expect: str) -> tuple[str, float, flo
     return INCONCLUSIVE, lo, hi
 
 
+def _interval(draws: np.ndarray | None) -> tuple[float, float]:
+    if draws is None or not np.isfinite(draws).all():
+        return float("nan"), float("nan")
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def _group(per_model: dict[str, tuple[float, np.ndarray | None]], keys: list[str]) -> tuple[float, np.ndarray | None]:
+    """The mean over ``keys`` of the values and of the draws (None when a draw is missing or a key is absent)."""
+    if not keys:
+        return float("nan"), None
+    draws = [per_model[k][1] for k in keys]
+    mean = _nanmean([per_model[k][0] for k in keys])
+    return mean, None if any(d is None for d in draws) else np.mean(draws, axis=0)
+
+
+def _moved(name: str, value: float, draws: np.ndarray | None, base: str = "the untrained network") -> str:
+    """'MIM below the untrained network (-7.3 [-7.4, -7.2])' or '... within noise of ... (...)'."""
+    lo, hi = _interval(draws)
+    if np.isnan(lo):
+        return f"{name} {value:+.3g} from {base} (no uncertainty)"
+    where = "above" if lo > 0 else "below" if hi < 0 else "within noise of"
+    return f"{name} {where} {base} ({value:+.3g} [{lo:+.3g}, {hi:+.3g}])"
+
+
+def untrained_models(models: dict[str, dict]) -> list[str]:
+    """The study's untrained networks (manifest family "none", not fine-tuned): the baseline of every finding."""
+    return [m for m, meta in models.items()
+            if meta.get("objective_family") in (None, "none") and not meta.get("finetuned_from")
+            and str(meta.get("supervision", "random init")).startswith("random init")]
+
+
 def check(run_dir: str | Path) -> pd.DataFrame:
-    """One row per finding: each group's mean, the per-model values, the difference with its 95 % interval
-    and the verdict (module docstring: how it is decided). ``holds`` is True / False only for a clear
-    verdict, None when inconclusive or without uncertainty."""
+    """One row per finding: each group's mean, the per-model values, the difference with its 95 % interval, each
+    group's departure from the untrained network with its interval, the verdict and its reason (module docstring:
+    how it is decided). ``holds`` is True / False only for a clear verdict, None when inconclusive or without
+    uncertainty."""
     run_dir = Path(run_dir)
     models = json.loads((run_dir / "manifest.json").read_text())["models"]
     groups = {g: [m for m, meta in models.items() if meta.get("objective_family") == g] for g in (CL, MIM)}
+    base = untrained_models(models)
     depth = {m: int(meta["depth"]) for m, meta in models.items() if "depth" in meta}
     rng = np.random.default_rng(SEED)
     rows = []
 
-    def add(claim: str, source: str, measure: str, per_model: dict[str, tuple[float, np.ndarray | None]],
-            cl: list[str], mim: list[str], expect: str, semantic: bool = False) -> None:
-        mean = {g: _nanmean([per_model[k][0] for k in keys]) for g, keys in ((CL, cl), (MIM, mim))}
-        if np.isnan(mean[CL]) and np.isnan(mean[MIM]):  # the measure is not in the tables (e.g. no 20-NN)
+    def add(f: Finding | SimilarityLike, measure: str, per_model: dict[str, tuple[float, np.ndarray | None]],
+            cl: list[str], mim: list[str], untrained: list[str], dep: dict[str, tuple[float, np.ndarray | None]],
+            extra: dict | None = None) -> None:
+        (m_cl, d_cl), (m_mim, d_mim) = _group(per_model, cl), _group(per_model, mim)
+        if np.isnan(m_cl) and np.isnan(m_mim):  # the measure is not in the tables (e.g. no 20-NN)
             return
-        draws = [per_model[k][1] for k in cl + mim]
-        diff = None
-        if cl and mim and all(d is not None for d in draws):
-            diff = (np.mean([per_model[k][1] for k in cl], axis=0)  # type: ignore[misc]
-                    - np.mean([per_model[k][1] for k in mim], axis=0))  # type: ignore[misc]
-        word, lo, hi = verdict(diff, expect) if not (np.isnan(mean[CL]) or np.isnan(mean[MIM])) else \
+        diff = None if d_cl is None or d_mim is None else d_cl - d_mim
+        word, lo, hi = verdict(diff, f.expect) if not (np.isnan(m_cl) or np.isnan(m_mim)) else \
             (UNKNOWN, float("nan"), float("nan"))
-        rows.append({"finding": claim, "source": source, "measure": measure, "expected": expect,
-                     "contrastive": mean[CL], "mim": mean[MIM], "difference": mean[CL] - mean[MIM],
-                     "difference_lo": lo, "difference_hi": hi, "verdict": word,
-                     "holds": True if word == HOLDS else False if word == CONTRADICTED else None,
-                     "semantic": semantic,
-                     "per_model": ", ".join(f"{m} {v:.3g}" for m, (v, _) in per_model.items())})
+        # each group against the untrained network, on the departure's numbers
+        moved, reason = {}, ""
+        u_mean, u_draws = _group(dep, untrained)
+        shown_base = _group(per_model, untrained)[0] if all(k in per_model for k in untrained) else u_mean
+        for g, keys in ((CL, f.departure_groups[0] if isinstance(f, SimilarityLike) else cl),
+                        (MIM, f.departure_groups[1] if isinstance(f, SimilarityLike) else mim)):
+            g_mean, g_draws = _group(dep, keys)
+            moved[g] = (g_mean - u_mean, None if g_draws is None or u_draws is None else g_draws - u_draws)
+        if word == HOLDS:
+            sub_value, sub_draws = moved[f.subject]
+            sub_lo, sub_hi = _interval(sub_draws)
+            other = MIM if f.subject == CL else CL
+            name = getattr(f, "names", {CL: "contrastive", MIM: "MIM"})
+            said = getattr(f, "base_name", "the untrained network")
+            if not untrained:
+                word, reason = INCONCLUSIVE, "no untrained model in the study to compare with (add zoo-random)"
+            elif np.isnan(sub_lo):
+                word, reason = UNKNOWN, "the untrained comparison has no uncertainty"
+            elif not (f.sign() * sub_lo > 0 and f.sign() * sub_hi > 0):
+                word = INCONCLUSIVE
+                reason = (f"the groups differ, but {_moved(name[f.subject], *moved[f.subject], said)}; "
+                          f"{_moved(name[other], *moved[other], said)}")
+            else:
+                reason = (f"{_moved(name[f.subject], *moved[f.subject], said)}; "
+                          f"{_moved(name[other], *moved[other], said)}")
+                if abs(moved[other][0]) > abs(sub_value):
+                    reason += f"; most of the difference is the departure of {name[other]}"
+        elif word == CONTRADICTED:
+            reason = "the groups differ the other way"
+        elif word == INCONCLUSIVE:
+            reason = "the groups' difference is within noise"
+        row = {"finding": f.claim, "source": f.source, "measure": measure, "expected": f.expect,
+               "contrastive": m_cl, "mim": m_mim, "difference": m_cl - m_mim,
+               "difference_lo": lo, "difference_hi": hi, "verdict": word,
+               "holds": True if word == HOLDS else False if word == CONTRADICTED else None,
+               "semantic": getattr(f, "semantic", False), "subject": f.subject, "untrained": shown_base,
+               "untrained_models": ", ".join(untrained), "reason": reason,
+               "per_model": ", ".join(f"{m} {v:.3g}" for m, (v, _) in per_model.items())}
+        for g, col in ((CL, "cl_vs_untrained"), (MIM, "mim_vs_untrained")):
+            row[col] = moved[g][0]
+            row[f"{col}_lo"], row[f"{col}_hi"] = _interval(moved[g][1])
+        row.update(extra or {})
+        rows.append(row)
 
     for f in FINDINGS:
         path = run_dir / "results" / f"{f.analysis}.parquet"
         if not path.is_file():
             continue
         df = pd.read_parquet(path)
-        vals = {m: f.value(df, m, depth[m], rng) for g in (CL, MIM) for m in groups[g]}
-        add(f.claim, f.source, f.measure, vals, groups[CL], groups[MIM], f.expect, f.semantic)
+        everyone = [m for m in (*groups[CL], *groups[MIM], *base) if m in depth]
+        vals = {m: f.value(df, m, depth[m], rng) for m in everyone}
+        dep = vals if f.departure is None else {m: f.departure(df, m, depth[m], rng) for m in everyone}
+        shown = {m: v for m, v in vals.items() if m not in base}
+        add(f, f.measure, {**shown, **{m: vals[m] for m in base}}, groups[CL], groups[MIM], base, dep)
     path = run_dir / "results" / "cka.parquet"
     if path.is_file() and len(groups[CL]) >= 2:
         cka = pd.read_parquet(path)
         cl = [(a, b) for i, a in enumerate(groups[CL]) for b in groups[CL][i + 1:]]
         mixed = [(a, b) for a in groups[CL] for b in groups[MIM]]
-        vals = {f"{a}~{b}": _pair_cka(cka, a, b, depth[a], depth[b], rng) for a, b in cl + mixed}
-        f = SIMILARITY_FINDINGS[0]  # re-checked under every measure of a similarity table: vitscope.findings
-        add(f.claim, f.source, "CKA of the last blocks (CLS): CL~CL vs CL~MIM pairs", vals, [f"{a}~{b}" for a, b in cl],
-            [f"{a}~{b}" for a, b in mixed], "CL > MIM")
+        within_mim = [(a, b) for i, a in enumerate(groups[MIM]) for b in groups[MIM][i + 1:]]
+        to_base = [(a, b) for a in groups[CL] for b in base]
+        vals = {f"{a}~{b}": _pair_cka(cka, a, b, depth[a], depth[b], rng) for a, b in cl + mixed + within_mim + to_base}
+        key = [f"{a}~{b}" for a, b in cl], [f"{a}~{b}" for a, b in mixed]
+        f0 = SIMILARITY_FINDINGS[0]  # re-checked under every measure of a similarity table: vitscope.findings
+        # the untrained comparison: CL~CL (the subject) against the CL~untrained pairs
+        like = SimilarityLike(f0.claim, f0.source, "CL > MIM", CL, (key[0], key[1]))
+        m_within, _ = _group(vals, [f"{a}~{b}" for a, b in within_mim])
+        base_pairs = [f"{a}~{b}" for a, b in to_base]
+        dep = {**vals, **{k: vals[k] for k in base_pairs}}
+        add(like, "CKA of the last blocks (CLS): CL~CL vs CL~MIM pairs",
+            {k: vals[k] for k in (*key[0], *key[1], *[f"{a}~{b}" for a, b in within_mim])}, key[0], key[1],
+            base_pairs, dep, {"within_mim": m_within, "untrained_models": ", ".join(base)})
     return pd.DataFrame(rows)
+
+
+@dataclass(frozen=True)
+class SimilarityLike:
+    """The similarity finding in `check`'s terms: its departure compares the CL~CL pairs with the CL~untrained ones."""
+
+    claim: str
+    source: str
+    expect: str
+    subject: str
+    departure_groups: tuple[list[str], list[str]]
+    semantic: bool = False
+    names: tuple = ()
+    base_name: str = "the CL~untrained pairs"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "names", {CL: "CL~CL", MIM: "CL~MIM"})
+
+    def sign(self) -> int:
+        return 1
 
 
 def budget_caveat(models: dict[str, dict]) -> str | None:
@@ -231,16 +367,21 @@ def budget_caveat(models: dict[str, dict]) -> str | None:
 
 
 def to_markdown(table: pd.DataFrame) -> str:
-    lines = ["| finding | measure | contrastive | MIM | CL - MIM (95 % interval) | holds? |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| finding | measure | contrastive | MIM | untrained | CL - MIM (95 % interval) | holds? | why |",
+             "|---|---|---|---|---|---|---|---|"]
     word = {HOLDS: "yes", CONTRADICTED: "**no**", INCONCLUSIVE: "inconclusive", UNKNOWN: "n/a (no uncertainty)"}
     for r in table.itertuples():
         interval = "" if np.isnan(r.difference_lo) else f" ({r.difference_lo:+.3g} to {r.difference_hi:+.3g})"
         mark = " †" if getattr(r, "semantic", False) else ""
-        lines.append(f"| {r.finding}{mark} {r.source} | {r.measure} ({r.expected}) | {r.contrastive:.3g} | {r.mim:.3g} "
-                     f"| {r.difference:+.3g}{interval} | {word[r.verdict]} |")
+        within = getattr(r, "within_mim", float("nan"))
+        mim = f"{r.mim:.3g}" + ("" if pd.isna(within) else f" (MIM~MIM {within:.3g})")
+        base = "-" if pd.isna(getattr(r, "untrained", float("nan"))) else f"{r.untrained:.3g}"
+        lines.append(f"| {r.finding}{mark} {r.source} | {r.measure} ({r.expected}) | {r.contrastive:.3g} | {mim} "
+                     f"| {base} | {r.difference:+.3g}{interval} | {word[r.verdict]} | {getattr(r, 'reason', '')} |")
     lines.append("")
     lines.append("holds = the 95 % interval of the difference over images (parametric bootstrap from the tables' "
-                 "standard errors; `vitscope.zoo.findings`) lies on the expected side of 0; inconclusive = it "
-                 "contains 0. †: rests on MIM semantics (k-NN, probes, retrieval).")
+                 "standard errors; `vitscope.zoo.findings`) lies on the expected side of 0, and the group the "
+                 "finding is about has moved from the untrained network in the claimed direction beyond its "
+                 "interval; inconclusive = either is within noise. †: rests on MIM semantics (k-NN, probes, "
+                 "retrieval).")
     return "\n".join(lines)
