@@ -959,9 +959,8 @@ class Similarity(Analysis):
 
     def _jackknife(self, other: Similarity, pairs: list[tuple[int, int]], rev: list[str]
                    ) -> dict[tuple[int, int], dict[str, list[float]]]:
-        """Per pair, every measure computed again without each of ``n_groups`` groups of images (the kept rows
-        dealt round by their rank in the subset): {pair: {metric: [value without group g, ...]}}. A tap is
-        prepared once per group for all the pairs it is in."""
+        """Per pair, every measure computed again without each of ``n_groups`` groups of images
+        (`metrics.similarity.jackknife_replicates`): {pair: {metric: [value without group g, ...]}}."""
         n, g_count = len(self.ids), self.n_groups
         if not pairs or not g_count:
             return {}
@@ -969,24 +968,9 @@ class Similarity(Analysis):
             warnings.warn(f"similarity: {n} kept images are too few for {g_count} jackknife groups of at "
                           "least 2; the pairs get no interval", ResultWarning, stacklevel=2)
             return {}
-        out: dict[tuple[int, int], dict[str, list[float]]] = {pair: {} for pair in pairs}
-        m_rsa = min(self.rsa_images, n)
-        for g in range(g_count):
-            keep = np.flatnonzero(np.arange(n) % g_count != g)
-            kw = dict(k=self.k, rsa_images=int((keep < m_rsa).sum()))
-
-            def prep(a: Similarity, t: int, keep: np.ndarray = keep, kw: dict = kw) -> M.Prepared:
-                return M.prepare(a.feats[a.taps[t]][keep], self.measures, name=f"{a.model_name} {a.taps[t]}", **kw)
-
-            xa = {i: prep(self, i) for i in sorted({i for i, _ in pairs})}
-            xb = {j: prep(other, j) for j in sorted({j for _, j in pairs})}
-            got = M.compare_grid([xa[i] for i in xa], [xb[j] for j in xb],
-                                 [(list(xa).index(i), list(xb).index(j)) for i, j in pairs], self.measures,
-                                 alphas=self.alphas, ridge=self.ridge, reverse=rev)
-            for i, j in pairs:
-                for metric, v in got[list(xa).index(i), list(xb).index(j)].items():
-                    out[i, j].setdefault(metric, []).append(v)
-        return out
+        return M.jackknife_replicates([self.feats[t] for t in self.taps], [other.feats[t] for t in other.taps],
+                                      pairs, g_count, self.measures, k=self.k, rsa_images=self.rsa_images,
+                                      alphas=self.alphas, ridge=self.ridge, reverse=rev)
 
 
 def _is_distance(metric: str) -> bool:

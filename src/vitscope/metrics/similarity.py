@@ -62,6 +62,7 @@ __all__ = [
     "compare",
     "compare_grid",
     "jackknife_interval",
+    "jackknife_replicates",
     "kendall_tau_a",
     "mean_cca",
     "mutual_knn",
@@ -543,6 +544,34 @@ def mutual_knn(x: Any, y: Any, k: int = 10) -> float:
 
 def cknna(x: Any, y: Any, k: int = 10) -> float:
     return _pair(x, y, ["cknna"], k=k)["cknna"]
+
+
+def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[tuple[int, int]], groups: int,
+                         measures: Iterable[str] = MEASURES, k: int = 10, rsa_images: int | None = None,
+                         alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3, reverse: Iterable[str] = ()
+                         ) -> dict[tuple[int, int], dict[str, list[float]]]:
+    """The measures of each ``(i, j)`` of ``pairs`` (``xs[i]`` against ``ys[j]``, matrices of the same n examples)
+    computed again without each of ``groups`` groups of examples: example r is in group ``r % groups`` (deal the
+    rows in a random order beforehand for random groups). The RDM keeps the first ``rsa_images`` examples that are
+    left. A matrix is prepared once per group for all the pairs it is in. Returns {pair: {metric: [the value
+    without group g for g in 0..groups-1]}}, for `jackknife_interval`."""
+    pairs = list(dict.fromkeys((int(i), int(j)) for i, j in pairs))
+    measures, reverse = _check_measures(measures), list(reverse)
+    n = len(xs[pairs[0][0]]) if pairs else 0
+    out: dict[tuple[int, int], dict[str, list[float]]] = {pair: {} for pair in pairs}
+    rows_a, rows_b = sorted({i for i, _ in pairs}), sorted({j for _, j in pairs})
+    m_rsa = n if rsa_images is None else min(int(rsa_images), n)
+    for g in range(groups):
+        keep = np.flatnonzero(np.arange(n) % groups != g)
+        kw = dict(k=k, rsa_images=int((keep < m_rsa).sum()))
+        pa = [prepare(_matrix(xs[i], f"x{i}")[keep], measures, name=f"x{i}", **kw) for i in rows_a]
+        pb = [prepare(_matrix(ys[j], f"y{j}")[keep], measures, name=f"y{j}", **kw) for j in rows_b]
+        got = compare_grid(pa, pb, [(rows_a.index(i), rows_b.index(j)) for i, j in pairs], measures, alphas=alphas,
+                           ridge=ridge, reverse=reverse)
+        for i, j in pairs:
+            for metric, v in got[rows_a.index(i), rows_b.index(j)].items():
+                out[i, j].setdefault(metric, []).append(v)
+    return out
 
 
 def jackknife_interval(value: float, replicates: Sequence[float], bounds: tuple[float, float] = (-np.inf, np.inf),
