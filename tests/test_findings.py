@@ -166,6 +166,11 @@ output_dir: {tmp_path / 'run'}
     assert t.set_index("measure").loc["mutual_knn", "verdict"] == "inconclusive"
     for m, _ in t.groupby("measure"):
         assert f"| {m} | gap |" in out
+    # the table vitscope findings wrote is vitscope's own: the same study runs again into the folder, and with
+    # --overwrite, and the file stays out of the way (issue 41: it was refused as a foreign file)
+    assert main(["-q", "run", str(tmp_path / "study.yaml")]) == 0
+    assert main(["-q", "run", str(tmp_path / "study.yaml"), "--overwrite"]) == 0
+    capsys.readouterr()
     # the manifest knows no family of these random models: one sentence naming --family
     assert "--family LABEL=contrastive" in one_line_error(capsys, ["findings", run])
     said = one_line_error(capsys, ["findings", run, "--family", "c=contrastive"])

@@ -37,6 +37,7 @@ import pandas as pd
 from vitscope.errors import VitscopeError, first_line, unknown_name
 from vitscope.measures import ASYMMETRIC, DIRECTION, DISTANCE, alike_sign, base, direction
 from vitscope.references import cite
+from vitscope.study.rundir import FINDINGS_TABLE
 
 CL, MIM = "contrastive", "reconstructive"
 FAMILIES = ("explicit", "language", "contrastive", "reconstructive", "hybrid", "none")  # models.registry.Family
@@ -45,7 +46,7 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
 Z95 = 1.959964
 #: where the similarity tables are, and which of their metrics are measures of a pair of models
 TABLES = {"cka": ("cka_minibatch",), "similarity": None}  # None: every metric `vitscope.measures` declares
-SUMMARY = Path("results") / "summary" / "findings.parquet"
+SUMMARY = Path("results") / FINDINGS_TABLE  # a derived table the run directory counts as vitscope's own
 HOW_TO_GET_SIMILARITY = ("add `similarity: {}` under `analyses:` in the study's config and run it again (the "
                          "cached models are not run again for the other analyses)")
 

@@ -20,6 +20,7 @@ from vitscope.files import write_atomic
 from vitscope.references import REFERENCES, SHORT
 from vitscope.report.run import BEST_LAYERS, Run, load_run
 from vitscope.report.summary import Study, summarize
+from vitscope.study.rundir import BEST_LAYERS_TABLE
 from vitscope.threads import die_with_parent, single_threaded
 
 log = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
         return []
     run_dir = run.path
     (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
-    summary.to_parquet(run_dir / "results" / "summary" / "best_layers.parquet", index=False)
+    summary.to_parquet(run_dir / "results" / BEST_LAYERS_TABLE, index=False)
     shown = summary[["label", "model", "supervision", "best", "token_view", "score", "last_layer_score",
                      "random_init_score", "chance", "protocol"]].rename(columns={"label": "task", "best": "best layer"})
     out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",

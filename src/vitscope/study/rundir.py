@@ -29,8 +29,10 @@ MANIFEST = "manifest.json"
 LOCK = ".vitscope.lock"
 #: vitscope's own files at the top of a run directory (besides results/)
 OWN_FILES = (MANIFEST, "config.yaml", "report.html", LOCK)
-#: files the report writes under results/ (beside the tables, which the manifest lists)
-REPORT_RESULTS = ("summary/best_layers.parquet",)
+#: derived tables written under results/ after a run (beside the analyses' tables, which the manifest lists): the
+#: report's best layers and `vitscope findings`'s verdicts; vitscope's own, so a rerun replaces them
+BEST_LAYERS_TABLE, FINDINGS_TABLE = "summary/best_layers.parquet", "summary/findings.parquet"
+REPORT_RESULTS = (BEST_LAYERS_TABLE, FINDINGS_TABLE)
 _TMP = re.compile(r"^\.vitscope-|^\.(manifest\.json|config\.yaml|report\.html)\.\d+\.tmp$")
 _FRESH, _OLD = ".vitscope-results-", ".vitscope-old-results-"
 
