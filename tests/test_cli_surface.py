@@ -2,6 +2,7 @@
 with the close match, Ctrl-C in one line; and the shipped listings equal to what the code says."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -146,6 +147,7 @@ def test_a_stop_signal_during_a_study_is_one_line_saying_what_is_saved_and_how_t
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[-3000:]
     assert err.startswith("vitscope: " + said) and "rerun the same command to resume" in err, err[-3000:]
     assert "of 2 models" in err and str(tmp_path / "run-cache") in err and "with partial states of tiny-" in err, err
+    assert re.search(r"\(\d[\d,]* images of its passes kept\)", err), err  # what a rerun does not compute again
     assert "results:" not in out, (out, err)  # it did not finish
 
 

@@ -116,6 +116,32 @@ def test_a_killed_view_pass_resumes_to_identical_tables(fixtures, tmp_path):
         pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
 
 
+def test_a_kill_in_a_later_pass_keeps_the_passes_finished_before_it(fixtures, tmp_path):
+    """Issue 41: a model's earlier passes were lost on a kill (their jobs wait for the model's last pass and were
+    saved only every save_every batches): the rerun started the model at 0. Now a kill saves every started job."""
+    cfg = write(tmp_path, TWO_DATASETS)
+    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
+
+    class Killed(Exception):
+        pass
+
+    fed: list[int] = []
+
+    def kill(model, b):
+        fed.append(b)
+        if len(fed) == 8:  # shapes clean (3 chunks), shapes under the view (3), photos chunks 0 and 1
+            raise Killed
+
+    over = [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'c-run'}"]  # save_every 10: no periodic save
+    with pytest.raises(Killed):
+        run_study(load_config(cfg, over), on_batch=kill)
+    fed.clear()
+    out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
+    assert fed == [2, 3, 4]  # the photos pass from its third chunk; the shapes passes are not run again
+    for name in ("seen_ids", "seen_labelled", "seen_masked"):
+        pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
+
+
 def test_a_dataset_without_what_an_analysis_needs_fails_before_any_model_loads(fixtures, tmp_path, monkeypatch):
     import vitscope.study.run as run
 

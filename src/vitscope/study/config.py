@@ -62,7 +62,7 @@ class StudyConfig:
     seed: int = 0                          # seeds views (perturbations) and random choices of analyses
     output_dir: str = "vitscope-runs/study"  # the run directory: results/, manifest.json, config.yaml, report.html
     cache_dir: str | None = None           # shared across studies and jobs; default: per user (cache.default_cache_dir)
-    save_every: int = 10                   # save partial states every N batches (resume after a kill)
+    save_every: int = 10                   # save partial states every N batches, and every 10 s (resume after a kill)
     num_workers: int | None = None         # image-reading processes; null: usable cores - 1 for files, 0 in memory
     progress: bool = True                  # progress bars
 

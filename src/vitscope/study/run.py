@@ -53,6 +53,12 @@ from vitscope.threads import one_thread
 log = logging.getLogger(__name__)
 
 PassKey = tuple[str, str]  # (dataset name, view key)
+#: partial states are saved at least this often during a pass (seconds) ...
+SAVE_SECONDS = 10.0
+#: ... unless saving takes long: then every SAVE_OVERHEAD times the last save's duration
+SAVE_OVERHEAD = 5.0
+#: per model key, per pass: the images whose batches this process saved (the Ctrl-C message reads it)
+KEPT: dict[str, dict[str, int]] = {}
 
 
 @dataclass
@@ -135,7 +141,8 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
             if all(final.is_file() for final, _ in paths):
                 done.append(label_of(mc))
             elif any(final.is_file() or part.is_file() for final, part in paths):
-                partial.append(label_of(mc))
+                images = sum(KEPT.get(mkey, {}).values())
+                partial.append(label_of(mc) + (f" ({images:,} images of its passes kept)" if images else ""))
     except Exception:  # noqa: BLE001 - the message must not fail: say the general case
         return f"interrupted; what was finished is in the cache ({cache.root}): {resume}"
     said = f"{len(done)} of {len(plan.models)} models' results are in the cache ({cache.root})"
@@ -782,8 +789,14 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
         passes: list[PassKey] = []
         for job in todo:
             passes += [p for p in job.plan.passes if p not in passes]
-        for p in passes:
-            _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch, updates)
+        try:
+            for p in passes:
+                _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch,
+                      updates)
+        except BaseException:
+            # the passes finished before this one are kept too: their jobs wait for the model's last pass
+            _save_parts(todo, cache, mkey, sources)
+            raise
         timings["pass"] = round(time.perf_counter() - t0, 2)
         timings["pass_parts"] = {k: round(v, 4) for k, v in updates.items()}  # data wait, forward, each update
         _gather_skipped(sources, dist)
@@ -886,7 +899,8 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
           mkey: str, dist: Dist, on_batch: Callable[[str, int], None] | None,
           timings: dict[str, float] | None = None) -> None:
     """One (dataset, view) pass: `stream` from the earliest chunk any job still needs, feeding each job only
-    the chunks it has not seen; partial states saved every ``save_every`` chunks (or 2 minutes) and when the
+    the chunks it has not seen; partial states saved every ``save_every`` chunks, at least every
+    ``SAVE_SECONDS`` (less often where a save takes long: at most 1 / SAVE_OVERHEAD of the time) and when the
     pass dies."""
     src = sources[p[0]]
     key = _pk(p)
@@ -895,7 +909,7 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
     if start >= n_chunks:
         return
     seen = [j.done.get(key, 0) for j in jobs]
-    last_save = time.monotonic()
+    last_save, gap = time.monotonic(), SAVE_SECONDS
 
     def save() -> None:
         for job, k in zip(jobs, seen, strict=True):
@@ -903,10 +917,12 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
         _save_parts(jobs, cache, mkey, sources)
 
     def after(b: int) -> None:
-        nonlocal last_save
-        if (b + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
+        nonlocal last_save, gap
+        if (b + 1) % cfg.save_every == 0 or time.monotonic() - last_save > gap:
+            t0 = time.monotonic()
             save()
             last_save = time.monotonic()
+            gap = max(SAVE_SECONDS, SAVE_OVERHEAD * (last_save - t0))  # large states: saved less often
         if on_batch is not None:
             on_batch(vm.name, b)
 
@@ -937,6 +953,16 @@ def _save_parts(jobs: list[Job], cache: Cache, mkey: str, sources: dict[str, Sou
                 cache.save(job.part, {"state": job.analysis.state_dict(), "done": dict(job.done),
                                       "chunks": _chunk_signature(job, sources),
                                       "skipped": _skipped_for(job.plan, sources)})
+    # the images whose batches are saved, per model (the Ctrl-C message says it): per pass, its furthest job
+    furthest: dict[str, int] = {}
+    for job in jobs:
+        for key, k in job.done.items():
+            furthest[key] = max(furthest.get(key, 0), k)
+    kept = KEPT.setdefault(mkey, {})
+    for key, k in furthest.items():
+        name = key.split("|", 1)[0]
+        if name in sources:
+            kept[key] = max(kept.get(key, 0), sum(len(c) for c in sources[name].chunks[:k]))
 
 
 # ---------------------------------------------------------------- pair stages
