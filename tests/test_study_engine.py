@@ -92,7 +92,15 @@ def test_a_view_pass_is_cached_and_a_rerun_runs_nothing(fixtures, tmp_path):
     assert manifest["analyses_read_from_cache"] == [3, 3]
 
 
-def test_a_killed_view_pass_resumes_to_identical_tables(fixtures, tmp_path):
+@pytest.mark.parametrize("kill_after, save_every, resumed", [
+    # passes: shapes clean (3 chunks), shapes under the view (3), photos clean (5)
+    (5, "1", [2, 0, 1, 2, 3, 4]),  # after view chunk 1 was fed and saved: the rest of the view pass, the photos
+    # issue 41: a kill in a later pass lost the passes finished before it (their jobs wait for the model's last
+    # pass and were saved only every save_every batches, 10 here: never); now a kill saves every started job
+    (8, "10", [2, 3, 4]),  # photos chunks 0 and 1 fed: the photos from their third chunk, nothing else again
+])
+def test_a_killed_pass_resumes_where_it_stopped_to_identical_tables(fixtures, tmp_path, kill_after, save_every,
+                                                                    resumed):
     cfg = write(tmp_path, TWO_DATASETS)
     ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
 
@@ -103,41 +111,15 @@ def test_a_killed_view_pass_resumes_to_identical_tables(fixtures, tmp_path):
 
     def kill(model, b):
         fed.append(b)
-        if len(fed) == 5:  # passes: shapes clean (3 chunks), shapes under the view (3), photos clean (5)
-            raise Killed  # after view chunk 1 was fed and saved
-
-    over = [f"output_dir={tmp_path / 'run'}", "save_every=1", f"cache_dir={tmp_path / 'c-run'}"]
-    with pytest.raises(Killed):
-        run_study(load_config(cfg, over), on_batch=kill)
-    fed.clear()
-    out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
-    assert fed == [2, 0, 1, 2, 3, 4]  # the rest of the view pass, then the photos
-    for name in ("seen_ids", "seen_labelled", "seen_masked"):
-        pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
-
-
-def test_a_kill_in_a_later_pass_keeps_the_passes_finished_before_it(fixtures, tmp_path):
-    """Issue 41: a model's earlier passes were lost on a kill (their jobs wait for the model's last pass and were
-    saved only every save_every batches): the rerun started the model at 0. Now a kill saves every started job."""
-    cfg = write(tmp_path, TWO_DATASETS)
-    ref = run_study(load_config(cfg, [f"output_dir={tmp_path / 'ref'}", f"cache_dir={tmp_path / 'c-ref'}"]))
-
-    class Killed(Exception):
-        pass
-
-    fed: list[int] = []
-
-    def kill(model, b):
-        fed.append(b)
-        if len(fed) == 8:  # shapes clean (3 chunks), shapes under the view (3), photos chunks 0 and 1
+        if len(fed) == kill_after:
             raise Killed
 
-    over = [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'c-run'}"]  # save_every 10: no periodic save
+    over = [f"output_dir={tmp_path / 'run'}", f"save_every={save_every}", f"cache_dir={tmp_path / 'c-run'}"]
     with pytest.raises(Killed):
         run_study(load_config(cfg, over), on_batch=kill)
     fed.clear()
     out = run_study(load_config(cfg, over), on_batch=lambda m, b: fed.append(b))
-    assert fed == [2, 3, 4]  # the photos pass from its third chunk; the shapes passes are not run again
+    assert fed == resumed
     for name in ("seen_ids", "seen_labelled", "seen_masked"):
         pd.testing.assert_frame_equal(seen(out, name), seen(ref, name))
 
