@@ -195,6 +195,13 @@ def test_every_derived_metric_carries_its_spread_over_the_repeats():
     want = statistics.stdev(per_r[r, 1, 0] - per_r[r, 1, 1] for r in range(3))
     assert want > 0 and math.isclose(row[("invariance_flow", 2, 0)].spread, want, rel_tol=1e-9)
     assert not df.spread.isna().any()
+    # the repeat interval: mean ± t(2) spread / sqrt(3) (t = 4.303), none on the derived flow summaries
+    for key in [("forgetting", 0, 0), ("invariance_flow", 2, 0), ("stir_b|a", 0, 2)]:
+        r = row[key]
+        assert math.isclose(r.stderr, r.spread / math.sqrt(3), rel_tol=1e-9)
+        assert math.isclose(r.value_hi - r.value, 4.302653 * r.stderr, rel_tol=1e-6)
+        assert math.isclose(r.value - r.value_lo, r.value_hi - r.value, rel_tol=1e-9)
+    assert df[df.metric.str.startswith("flow_")]["value_lo"].isna().all()
 
 
 def test_the_dynamics_use_the_robustness_lens_corruptions_with_cifar10c_constants():

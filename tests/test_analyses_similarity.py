@@ -66,7 +66,8 @@ def test_cross_model_last_layer_and_divergence():
     for metric in ("cka_minibatch", "cka_divergence"):
         row = cross[cross.metric == metric]
         assert row.stderr.item() == pytest.approx(se, rel=1e-4)
-        assert row.value_hi.item() - row.value_lo.item() == pytest.approx(2 * 1.959964 * se, rel=1e-4)
+        # Student's t over the 3 batch means (2 degrees of freedom: 4.303), not the normal's 1.96
+        assert row.value_hi.item() - row.value_lo.item() == pytest.approx(2 * 4.302653 * se, rel=1e-4)
 
 
 def test_residual_cka_pairs_skip_path_with_branches():

@@ -304,7 +304,8 @@ def test_propagation_resumes_mid_video_and_merges_shards_exactly():
     resumed.load_state_dict(first.state_dict())
     for f, b in zip(feats[2:], batches[2:], strict=True):
         resumed.update(f, b)
-    pd_cols = ["metric", "layer", "video", "value"]
+    pd_cols = ["metric", "layer", "video", "value", "stderr", "value_lo", "value_hi"]
+    assert ref[ref.metric == "JF"]["value_lo"].notna().all()  # 3 videos: a t interval clustered by video
     assert resumed.finalize()[pd_cols].equals(ref[pd_cols])
     # shards along video boundaries (5 frames = one unit): items 0-4 | 5-14
     flat = [(f["block0.out"][i:i + 1], f["block1.out"][i:i + 1], b, i) for f, b in zip(feats, batches, strict=True)
@@ -492,9 +493,11 @@ def test_correspondence_state_and_merge_give_the_table_of_one_pass():
     assert all(v.device.type == "cpu" for v in first.state_dict()["sums"].values())
     for f, b in zip(feats[2:], batches[2:], strict=True):
         resumed.update(f, b)
-    cols = ["metric", "layer", "category", "value", "reason"]
+    cols = ["metric", "layer", "category", "value", "reason", "stderr", "value_lo", "value_hi"]
     want = whole.finalize()[cols]
     assert (want.metric == "pck@0.1").sum() > 2
+    assert want[want.metric == "pck@0.1"]["category"].isna().any()  # the overall rows carry the pair-level interval
+    assert want[(want.metric == "pck@0.1") & want.category.isna()]["stderr"].notna().all()
     pd.testing.assert_frame_equal(resumed.finalize()[cols], want)
     a, b = make(), make()  # pairs 0-1 in one shard, 2-4 in the other (batches of 4 items split on a pair)
     four = list(pairs.batches(4, Preprocessing(input_size=32)))

@@ -262,6 +262,13 @@ def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model(
     assert "good 20.00 ± 0.20 px; weak 16.60 ± 0.20 px; random (untrained) 16.500 ± 0.098 px" in d.text  # every model
     assert "Highest good, lowest weak" in d.text and "Within noise of the untrained model: weak." in d.text
     assert d.flags == ["the untrained model"]
+    # the best of 8 layers, each at chance on 100 test images: a best of 0.17 clears chance's 95 % interval on its
+    # own (its Wilson low end 0.109 > 0.1) but not the interval simultaneous over the 8 layers it was chosen from
+    lucky = pd.DataFrame([{"model": "good", "metric": "knn20_top1", "token_view": "cls", "layer": layer,
+                           "value": 0.17 if layer == 5 else 0.1, "chance": 0.1, "n_test": 100,
+                           "value_lo": 0.109 if layer == 5 else 0.05, "value_hi": 0.25} for layer in range(8)])
+    s = next(p for p in summarize({"semantics": lucky}, Study(["good"], [])) if p.analysis == "semantics")
+    assert s.not_above_chance == ["good"] and "within noise of chance: good" in s.text
 
 
 def test_overlay_mosaic_cells_are_the_image_under_the_mean_cls_map(run_dir):

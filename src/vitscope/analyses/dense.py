@@ -8,9 +8,15 @@ and 5): which layer of which model is best for local tasks.
 
 Every one reports, per model, its best layer (``metric = 'best_<headline>'``, ``layer`` = the block) beside
 the task's chance level (``<metric>_chance``): propagation with constant features, a uniformly random target
-token, a uniformly random ranking. The overall per-layer scores carry their ``stderr`` (over objects, keypoints
-or queries), and so does the best-layer row, so a best layer within noise of chance can be told apart
-(`vitscope.report.figures.dense.best_layer_summary`). What each expects of the batches it is fed (the dataset formats in
+token, a uniformly random ranking. The overall per-layer scores carry their ``stderr`` and 95 % interval
+(``value_lo``, ``value_hi``), and so does the best-layer row, so a best layer within noise of chance can be told
+apart (`vitscope.report.figures.dense.best_layer_summary`). The units of those intervals are the independent ones:
+videos (objects of a video share its difficulty), image pairs (keypoints of a pair share it), queries; the
+standard error is cluster-robust over them and the interval uses Student's t with (units - 1) degrees of freedom
+(`vitscope.metrics.intervals`), because value ± 1.96 stderr over the objects of the default study's 2 videos, or
+over the keypoints of its 32 pairs, covers 68-78 % (benchmarks/calibration.py, docs/CALIBRATION.md). The best-layer
+row's interval is simultaneous over the layers it was chosen from (Bonferroni: level 1 - 0.05 / layers), so it
+still holds for the layer that came out best. What each expects of the batches it is fed (the dataset formats in
 `vitscope.data.synthetic_tasks` and `vitscope.data.formats` provide it):
 
   propagation     ``objects`` (B, H, W) label maps at the model input (0 background, 255 void), ``sequences``
@@ -48,6 +54,7 @@ from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
 from vitscope.host import host_copies, moved
 from vitscope.metrics import dense as D
+from vitscope.metrics import intervals as I
 
 
 class _Dense(Analysis):
@@ -145,7 +152,7 @@ class _Dense(Analysis):
     def _table(self, rows: list[dict[str, Any]], *columns: str) -> pd.DataFrame:
         """`tidy` with the columns every table of this analysis has, present even when empty."""
         df = self.tidy(rows)
-        for c in (*columns, "reason", "task", "chance", "last_layer_value"):
+        for c in (*columns, "reason", "task", "chance", "last_layer_value", "value_lo", "value_hi", "interval_units"):
             if c not in df.columns:
                 df[c] = None
         return df
@@ -154,20 +161,22 @@ class _Dense(Analysis):
         return [{"metric": "skipped", "reason": r, "value": float(n)} for r, n in sorted(self.skipped.items())]
 
     def _best_rows(self, rows: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
-        """``best_<metric>``: the best layer (and token view) and its score, with the chance level beside it."""
+        """``best_<metric>``: the best layer (and token view) and its score, with the chance level beside it; its
+        ``stderr`` is the layer's, its interval (`best_interval`) simultaneous over the candidates."""
         cand = [r for r in rows if r["metric"] == metric and r.get("layer") is not None
                 and not _nan(r["value"]) and r.get("video") is None and r.get("category") is None]
         if not cand:
             return []
         best = max(cand, key=lambda r: (r["value"], -r["layer"]))
+        lo, hi = best_interval(best, len(cand))
         chance = [r["value"] for r in rows if r["metric"] == f"{metric}_chance"
                   and r.get("token_view") == best.get("token_view") and r.get("category") is None
                   and r.get("video") is None]
         last = [r["value"] for r in cand
                 if r["layer"] == self.layers[-1] and r.get("token_view") == best.get("token_view")]
         return [{"metric": f"best_{metric}", "layer": best["layer"], "token_view": best.get("token_view"),
-                 "value": best["value"], "stderr": best.get("stderr", float("nan")),
-                 "chance": chance[0] if chance else float("nan"),
+                 "value": best["value"], "stderr": best.get("stderr", float("nan")), "value_lo": lo, "value_hi": hi,
+                 "interval_units": best.get("interval_units"), "chance": chance[0] if chance else float("nan"),
                  "last_layer_value": last[0] if last else float("nan"), "task": self.name}]
 
 
@@ -196,10 +205,29 @@ def _plain_item(batch: Any, b: int) -> dict[str, Any]:
             "pair": at("pair"), "role": at("role"), "category": at("category"), "ref_size": at("ref_size")}
 
 
-def _stderr(x: torch.Tensor) -> float:
-    """Standard error of the mean of the finite values of ``x`` (NaN for fewer than two)."""
-    x = x.double()[torch.isfinite(x.double())]
-    return float(x.std() / math.sqrt(len(x))) if len(x) > 1 else float("nan")
+def best_interval(row: Mapping[str, Any], candidates: int, level: float = 0.95) -> tuple[float, float]:
+    """The interval of a best-layer row: ``value ± t · stderr`` with the t quantile (``interval_units - 1`` degrees
+    of freedom) at level ``1 - (1 - level) / candidates`` (Bonferroni over the layers and views the best was chosen
+    from), so it covers the chosen layer's score with probability ``level`` or more whichever layer came out best (a
+    plain 95 % interval of the maximum of 8 layers at chance lies above chance up to 1 - 0.975^8 = 18 % of the time).
+    NaN without a standard error or with fewer than two units."""
+    se, units = float(row.get("stderr", float("nan"))), row.get("interval_units")
+    if _nan(units) or units < 2 or not math.isfinite(se):
+        return float("nan"), float("nan")
+    half = I.t_quantile(int(units) - 1, 1 - (1 - level) / max(int(candidates), 1)) * se
+    return float(row["value"]) - half, float(row["value"]) + half
+
+
+def _interval(x: torch.Tensor, clusters: torch.Tensor | None = None) -> dict[str, Any]:
+    """``stderr``, ``value_lo``, ``value_hi`` and ``interval_units`` of the mean of the finite values of ``x``
+    (`vitscope.metrics.intervals.cluster_interval`: cluster-robust over ``clusters``, one label per value, else
+    every value its own unit; Student's t); NaN with fewer than two units."""
+    x = x.double().cpu().numpy()
+    c = None if clusters is None else clusters.cpu().numpy()
+    _, se, lo, hi = I.cluster_interval(x, c)
+    keep = np.isfinite(x)
+    units = len(np.unique(c[keep])) if c is not None else int(keep.sum())
+    return {"stderr": se, "value_lo": lo, "value_hi": hi, "interval_units": units}
 
 
 def _nan(v: Any) -> bool:
@@ -233,13 +261,21 @@ class Propagation(_Dense):
     patch size (14); ``crop: center`` (the model's eval crop) remains an option, which loses objects at the
     frame's sides. The table's ``framing``, ``input_size``, ``scored_at`` and ``frames_scored`` columns say
     which protocol a run used. The default study's generated videos are square and drawn at the model's
-    input size, so they are whole frames as they are."""
+    input size, so they are whole frames as they are.
+
+    Uncertainty: the overall J, F and J&F carry a standard error clustered by video (objects of one video share
+    its difficulty; with one object per video it is the plain error over objects) and the 95 % interval
+    ``value_lo``, ``value_hi`` = value ± t · stderr, Student's t with (videos - 1) degrees of freedom
+    (`vitscope.metrics.intervals.cluster_interval`; ``interval_units`` = videos). The value ± 1.96 stderr over
+    objects it replaces covered 68-88 % of the time in simulations of 2-30 videos (benchmarks/calibration.py,
+    docs/CALIBRATION.md)."""
 
     name = "propagation"
+    # 6: stderr clustered by video, t interval (value_lo, value_hi, interval_units);
     # 5: the video in progress on the features' device (a state holds it on the CPU); 4: the context in one buffer,
     # a wide video's transposed; 3: stderr over objects; 2: whole frames scored at the annotation's resolution, void
     # as background, final norm
-    state_version = 5
+    state_version = 6
     needs = frozenset({"videos", "objects"})
     headline = "JF"
     description = "video mask propagation (DINO protocol) per layer: J, F, J&F, with a constant-feature chance"
@@ -485,13 +521,14 @@ class Propagation(_Dense):
             self.videos = moved(self.videos, "cpu")
             j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
             f = torch.cat([v["F"] for v in self.videos], 1)
+            video = torch.cat([torch.full((v["J"].shape[1],), i) for i, v in enumerate(self.videos)])  # per object
             for k, layer in enumerate([*self.layers, None]):
                 sfx = "" if layer is not None else "_chance"
                 jm, fm = float(j[k].mean()), float(f[k].mean())
-                rows += [{"metric": "J" + sfx, "layer": layer, "value": jm, "stderr": _stderr(j[k])},
-                         {"metric": "F" + sfx, "layer": layer, "value": fm, "stderr": _stderr(f[k])},
+                rows += [{"metric": "J" + sfx, "layer": layer, "value": jm, **_interval(j[k], video)},
+                         {"metric": "F" + sfx, "layer": layer, "value": fm, **_interval(f[k], video)},
                          {"metric": "JF" + sfx, "layer": layer, "value": (jm + fm) / 2,
-                          "stderr": _stderr((j[k] + f[k]) / 2)}]
+                          **_interval((j[k] + f[k]) / 2, video)}]
                 for v in self.videos:
                     vj, vf = float(v["J"][k].mean()), float(v["F"][k].mean())
                     rows += [{"metric": "video_J" + sfx, "layer": layer, "value": vj, "video": v["sequence"]},
@@ -516,6 +553,9 @@ class Propagation(_Dense):
 
 # ================================================================================================ correspondence
 
+
+#: the correspondence sums kept per category (a row each), the rest (skips) for all
+_CATEGORY_SUMS = ("correct", "chance", "keypoints", "pairs", "correct_sq", "correct_kp", "keypoints_sq")
 
 #: the reasons a correspondence item is not scored, in the order of its skip counts
 _PAIR_SKIPS = ("source without its target", "target without its source",
@@ -557,12 +597,20 @@ class Correspondence(_Dense):
     The input size is vitscope's choice (a ``size`` option), not a number taken from the source. With
     ``crop: center`` (the model's eval crop) keypoints outside the crop are not counted. The last block's
     output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
-    columns say which protocol a run used."""
+    columns say which protocol a run used.
+
+    Uncertainty: the overall PCK carries a standard error clustered by image pair (the keypoints of one pair share
+    its difficulty, so they are not independent trials) and the 95 % interval ``value_lo``, ``value_hi`` = value ±
+    t · stderr with (pairs - 1) degrees of freedom (`vitscope.metrics.intervals.ratio_interval`, from per-pair
+    sums; ``interval_units`` = pairs). The binomial error over keypoints it replaces covered 68-78 % of the time
+    in simulations where pairs differ in difficulty (intra-pair correlation 0.2-0.33; benchmarks/calibration.py,
+    docs/CALIBRATION.md)."""
 
     name = "correspondence"
+    # 5: per-pair moment sums (correct_sq, correct_kp, keypoints_sq), stderr clustered by pair, t interval;
     # 4: sums per category in tensors on the features' device, the last item kept for a pair across batches;
     # 3: stderr over keypoints; 2: whole images, PCK in the file's pixels, final norm layer
-    state_version = 4
+    state_version = 5
     needs = frozenset({"pairs", "keypoints"})
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
@@ -572,11 +620,14 @@ class Correspondence(_Dense):
         self.alphas = tuple(float(a) for a in alphas)
         self.cat_names: list[str] = []
         L, A = len(self.layers), len(self.alphas)
-        # per category (row c: cat_names[c]): correct counts (L, A), chance sums (A,), keypoints, pairs; and the
-        # skip counts of _PAIR_SKIPS
+        # per category (row c: cat_names[c]): correct counts (L, A), chance sums (A,), keypoints, pairs, and over
+        # its pairs the sums of correct² and correct x keypoints (L, A) and of keypoints² (the pair-level moments of
+        # `vitscope.metrics.intervals.ratio_interval`); and the skip counts of _PAIR_SKIPS
         self.sums: dict[str, torch.Tensor] = {
             "correct": torch.zeros(0, L, A, dtype=torch.long), "chance": torch.zeros(0, A, dtype=torch.float64),
             "keypoints": torch.zeros(0, dtype=torch.long), "pairs": torch.zeros(0, dtype=torch.long),
+            "correct_sq": torch.zeros(0, L, A, dtype=torch.long), "correct_kp": torch.zeros(0, L, A, dtype=torch.long),
+            "keypoints_sq": torch.zeros(0, dtype=torch.long),
             "skips": torch.zeros(len(_PAIR_SKIPS), dtype=torch.long)}
         # the last item seen (a source waits there for its target in the next batch): its features at its
         # keypoints' tokens (L, K, D), keypoints (K, 3), pair () and whether it is a source ()
@@ -654,7 +705,7 @@ class Correspondence(_Dense):
         """The row of a category in the sums, a zero row appended for a new one."""
         if name not in self.cat_names:
             self.cat_names.append(name)
-            for k in ("correct", "chance", "keypoints", "pairs"):
+            for k in _CATEGORY_SUMS:
                 v = self.sums[k]
                 self.sums[k] = torch.cat([v, v.new_zeros(1, *v.shape[1:])])
         return self.cat_names.index(name)
@@ -700,10 +751,14 @@ class Correspondence(_Dense):
         correct, chance = D.pck_counts(prev_x, x, kp[..., :2], self.centres(grid, x.device), a["size"],
                                      a["scale"], a["shift"], common & scored[:, None], self.alphas)
         cat = a["cat"]
+        counted = (common & scored[:, None]).sum(1)  # (B,) keypoints scored per pair (0: not a scored pair)
         self.sums["correct"].index_add_(0, cat, correct)
         self.sums["chance"].index_add_(0, cat, chance)
-        self.sums["keypoints"].index_add_(0, cat, (common & scored[:, None]).sum(1))
+        self.sums["keypoints"].index_add_(0, cat, counted)
         self.sums["pairs"].index_add_(0, cat, scored.long())
+        self.sums["correct_sq"].index_add_(0, cat, correct.square())
+        self.sums["correct_kp"].index_add_(0, cat, correct * counted[:, None, None])
+        self.sums["keypoints_sq"].index_add_(0, cat, counted.square())
 
     def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         gh, gw = grid
@@ -758,12 +813,19 @@ class Correspondence(_Dense):
             correct = sum(v["correct"] for v in cats.values())
             n = sum(v["keypoints"] for v in cats.values())
             chance = sum(v["chance"] for v in cats.values())
+            rows_of = [c for c, name in enumerate(self.cat_names) if name in cats]
+            moments = {k: self.sums[k].cpu()[rows_of].sum(0).double().tolist()
+                       for k in ("correct_sq", "correct_kp", "keypoints_sq")}
+            pairs = sum(v["pairs"] for v in cats.values())
             for a, alpha in enumerate(self.alphas):
                 m = f"pck@{alpha:g}"
                 per_cat = {k: v["correct"][:, a].double() / v["keypoints"] for k, v in cats.items()}
                 for li, layer in enumerate(self.layers):
                     p = float(correct[li, a]) / n
-                    rows.append({"metric": m, "layer": layer, "value": p, "stderr": math.sqrt(p * (1 - p) / n)})
+                    _, se, lo, hi = I.ratio_interval(float(correct[li, a]), float(n), moments["correct_sq"][li][a],
+                                                     moments["correct_kp"][li][a], moments["keypoints_sq"], pairs)
+                    rows.append({"metric": m, "layer": layer, "value": p, "stderr": se, "value_lo": lo,
+                                 "value_hi": hi, "interval_units": pairs})
                     rows.append({"metric": m + "_catmean", "layer": layer,
                                  "value": float(np.mean([float(p[li]) for p in per_cat.values()]))})
                     for k, p in per_cat.items():
@@ -805,12 +867,17 @@ class Retrieval(_Dense):
     default); sides rounded down to the patch size. Deviates from DINO: one scale only (its ``multiscale``
     option is not offered). ``crop: center`` (the model's eval crop) remains an option. The last block's
     output after the final norm is a layer (``layer`` = depth). The table's ``framing`` and ``input_size``
-    columns say which protocol a run used."""
+    columns say which protocol a run used.
+
+    Uncertainty: each mAP carries its standard error over the queries scored and the 95 % interval ``value_lo``,
+    ``value_hi`` = value ± t · stderr with (queries - 1) degrees of freedom (``interval_units`` = queries;
+    benchmarks/calibration.py, docs/CALIBRATION.md)."""
 
     name = "retrieval"
+    # 5: t interval (value_lo, value_hi, interval_units);
     # 4: one store for every view (a batch is one copy to the host), ground truth kept by row until read;
     # 3: stderr over queries; 2: whole images, final norm layer
-    state_version = 4
+    state_version = 5
     needs = frozenset({"retrieval"})
     headline = "mAP_medium"
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
@@ -922,7 +989,7 @@ class Retrieval(_Dense):
                     aps = D.retrieval_aps(scores, prot)
                     rows.append({"metric": f"mAP_{name}", "layer": layer, "token_view": v,
                                  "value": float(np.nanmean(aps)) if np.isfinite(aps).any() else float("nan"),
-                                 "stderr": _stderr(torch.as_tensor(np.asarray(aps, dtype=float)))})
+                                 **_interval(torch.as_tensor(np.asarray(aps, dtype=float)))})
             for name, prot in mapped.items():
                 rows.append({"metric": f"mAP_{name}_chance", "layer": None, "token_view": v,
                              "value": D.random_ranking_map(prot, len(d_rows), self.chance_repeats, self.seed)})

@@ -47,6 +47,7 @@ from vitscope.capture.taps import parse_tap
 from vitscope.capture.views import VIEWS
 from vitscope.data import perturb as P
 from vitscope.errors import VitscopeError
+from vitscope.metrics import intervals as I
 from vitscope.metrics import invariance as M
 
 if TYPE_CHECKING:
@@ -95,6 +96,17 @@ def _mean_spread(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return mean, sd
 
 
+def _repeat_interval(arr: np.ndarray) -> dict[str, np.ndarray]:
+    """Over axis 0 (the repeats): ``stderr`` = spread / √R and the 95 % interval ``value_lo``, ``value_hi`` = mean ±
+    t(R - 1) · stderr (`vitscope.metrics.intervals.mean_interval`; NaN with one repeat)."""
+    out = I.mean_interval(arr)
+    return {k: out[k] for k in ("stderr", "value_lo", "value_hi")}
+
+
+def _at(cols: dict[str, np.ndarray], *idx: int) -> dict[str, float]:
+    return {k: float(v[idx]) for k, v in cols.items()}
+
+
 def _block(tap: str) -> int | None:
     return parse_tap(tap)[0]
 
@@ -110,13 +122,22 @@ class Stir(PairAnalysis):
     is the public code's estimator (its default ``linear_CKA``: the biased linear CKA of each batch, the last
     batch's value kept), which the published STIR numbers of Nanda et al. and Merlin et al. use (500 images in
     batches of 250: the second 250); docs/INVARIANCE.md compares the two on a zoo pair. The
-    ``cka`` / ``cka_divergence`` rows use the same estimator; every row names it (column ``cka_estimator``)."""
+    ``cka`` / ``cka_divergence`` rows use the same estimator; every row names it (column ``cka_estimator``).
+
+    Over ``repeats`` (inversions from other start noise), the STIR grids, learning, forgetting (and their
+    ``_vs_self`` forms) and the Invariance Flow carry ``spread`` (the standard deviation over the repeats),
+    ``stderr`` = spread / √repeats and the 95 % interval ``value_lo``, ``value_hi`` = mean ± t(repeats - 1) ·
+    stderr (Student's t: 4.30 at 3 repeats; `vitscope.metrics.intervals.mean_interval`; NaN with one repeat). It is
+    the uncertainty of the inversions' randomness on these images, not of the choice of images
+    (benchmarks/calibration.py, docs/CALIBRATION.md). The flow summaries (maxima and counts of the mean flow)
+    carry their spread only."""
 
     name = "stir"
     description = ("STIR both ways between two models per layer pair; learning, forgetting, cka divergence and "
                    "the Invariance Flow of a pretrained -> fine-tuned pair (Merlin et al.)")
     needs = frozenset()
-    state_version = 5  # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
+    state_version = 6  # 6: repeat intervals (stderr, value_lo, value_hi);
+    # 2: forgetting_vs_self / learning_vs_self rows; same model = same encoder; 3: the
     # corruptions are the robustness lens's (CIFAR-10-C table); 4: derived metrics carry their spread; 5: the
     # last batch's biased CKA terms kept beside the sums (cka_estimator), column cka_estimator
     STATE_KEYS = ("ba", "ab", "aa", "bb")
@@ -345,12 +366,13 @@ class Stir(PairAnalysis):
         # per repeat (a model compared with itself: its diagonal 1 by definition), then mean and spread
         r_ba, r_ab = self._per_repeat("ba"), self._per_repeat("ab")  # [r, j inverted, i measured]
         (s_ba, sd_ba), (s_ab, sd_ab) = _mean_spread(r_ba), _mean_spread(r_ab)
+        ci_ba, ci_ab = _repeat_interval(r_ba), _repeat_interval(r_ab)
         for j, lj in enumerate(L):
             for i, li in enumerate(L):
                 rows.append({"metric": "stir_b|a", "layer": lj, "layer_b": li, "value": s_ba[j, i],
-                             "spread": sd_ba[j, i]})
+                             "spread": sd_ba[j, i], **_at(ci_ba, j, i)})
                 rows.append({"metric": "stir_a|b", "layer": li, "layer_b": lj, "value": s_ab[j, i],
-                             "spread": sd_ab[j, i]})
+                             "spread": sd_ab[j, i], **_at(ci_ab, j, i)})
         cka = M.stir_from_sums(self.cka if self.cka_estimator == "minibatch_unbiased" else self.cka_last).numpy()
         for i, li in enumerate(L):
             for j, lj in enumerate(L):
@@ -370,19 +392,20 @@ class Stir(PairAnalysis):
         for i, li in enumerate(L):
             for name, per_r in per_layer.items():
                 m, sd = _mean_spread(per_r[:, i])
-                rows.append({"metric": name, "layer": li, "layer_b": li, "value": float(m), "spread": float(sd)})
+                rows.append({"metric": name, "layer": li, "layer_b": li, "value": float(m), "spread": float(sd),
+                             **_at(_repeat_interval(per_r[:, i]))})
             rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li, "value": float(div[i]),
                          "spread": 0.0})
         if np.isfinite(s_ba).all():
             flow = M.flow_matrix(s_ba)  # linear in STIR: the flow of the mean = the mean of the repeats' flows
             flows = np.stack([M.flow_matrix(r) for r in r_ba])
-            flow_sd = _mean_spread(flows)[1]
+            flow_sd, flow_ci = _mean_spread(flows)[1], _repeat_interval(flows)
             for i, li in enumerate(L):
                 for j, lj in enumerate(L):
                     rows.append({"metric": "invariance_flow", "layer": li, "layer_b": lj, "value": flow[i, j],
-                                 "spread": flow_sd[i, j]})
+                                 "spread": flow_sd[i, j], **_at(flow_ci, i, j)})
             per_r = [M.flow_summary(f) for f in flows] if np.isfinite(flows).all() else []
-            for k, v in M.flow_summary(flow).items():
+            for k, v in M.flow_summary(flow).items():  # maxima and counts of the mean flow: a spread, no interval
                 sd = _mean_spread(np.array([p[k] for p in per_r], dtype=float))[1] if per_r else 0.0
                 rows.append({"metric": f"flow_{k}", "value": v, "spread": float(sd)})
         for side, key in (("a", "aa"), ("b", "bb")):

@@ -36,6 +36,7 @@ from vitscope.errors import ConfigError, ResultWarning, VitscopeError, unknown_n
 from vitscope.host import on_device, to_host
 from vitscope.metrics import cka as C
 from vitscope.metrics import similarity as M
+from vitscope.metrics.intervals import t_quantile
 from vitscope.threads import few_threads
 
 #: permutations of a null: 0 for none, else enough for a p-value of 0.01
@@ -302,6 +303,12 @@ class _GramAnalysis(Analysis):
         self.grams = {k: list(v) for k, v in state["grams"].items()}
         self.gram_ids = list(state["gram_ids"])
 
+    def n_batches(self) -> int:
+        """The minibatches the CKA estimate and its standard error average (at least 4 images each)."""
+        done = self._finished()
+        first = next(iter(done.grams.values()), [])
+        return sum(1 for g in first if int(g.shape[-1]) >= C.MIN_HSIC1_EXAMPLES)
+
     def cka_matrix(self, keys_a: list[str], keys_b: list[str] | None = None,
                    other: _GramAnalysis | None = None, stderr: bool = False) -> torch.Tensor:
         """(A, B) minibatch CKA between streams ``keys_a`` of this model and ``keys_b`` of ``other`` (this
@@ -336,12 +343,12 @@ def _key(view: str, tap: str) -> str:
     return f"{view}|{tap}"
 
 
-Z95 = 1.959964
-
-
-def _with_interval(value: float, stderr: float) -> dict[str, float]:
-    """``value``, ``stderr`` and the 95 % interval ``value ± 1.96 stderr``."""
-    return {"value": value, "stderr": stderr, "value_lo": value - Z95 * stderr, "value_hi": value + Z95 * stderr}
+def _with_interval(value: float, stderr: float, units: int) -> dict[str, float]:
+    """``value``, ``stderr`` and the 95 % interval ``value ± t(units - 1) stderr``: the standard error is estimated
+    from ``units`` batch means (CKA's minibatches) or values (images), so Student's t, not 1.96 (at 16 minibatches
+    1.96 covered 92 %; benchmarks/calibration.py)."""
+    half = t_quantile(units - 1) * stderr
+    return {"value": value, "stderr": stderr, "value_lo": value - half, "value_hi": value + half}
 
 
 @register_analysis
@@ -353,10 +360,11 @@ class CKA(_GramAnalysis):
     (`cross`): model A x model B grids and, for taps present in both, ``cka_divergence`` = 1 - CKA
     (Merlin et al. 2023 eq. 4: pretrained vs fine-tuned). Every value carries ``stderr``, the spread of the
     per-minibatch CKA over the minibatches (batch means, `metrics.cka.cka_stderr_from_gram_streams`), and the
-    95 % interval ``value_lo``, ``value_hi`` = value ± 1.96 stderr."""
+    95 % interval ``value_lo``, ``value_hi`` = value ± t(B - 1) stderr over the B minibatches (Student's t: the
+    standard error rests on B batch means; benchmarks/calibration.py)."""
 
     name = "cka"
-    state_version = 2  # 2: stderr columns (the cached tables lacked them)
+    state_version = 3  # 3: t intervals (minibatches - 1 degrees of freedom); 2: stderr columns
     description = "minibatch CKA (unbiased HSIC_1) between every pair of taps, within and across models"
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out",
@@ -398,6 +406,7 @@ class CKA(_GramAnalysis):
     def _rows(self, other: CKA | None) -> pd.DataFrame:
         b = other or self
         rows = []
+        units = self.n_batches()
         for v in self.views:
             if v not in b.views:
                 continue
@@ -407,10 +416,11 @@ class CKA(_GramAnalysis):
                 for j, tb in enumerate(b.taps):
                     row = {"layer": parse_tap(ta)[0], "token_view": v, "tap": ta, "model_b": b.model_name,
                            "layer_b": parse_tap(tb)[0], "tap_b": tb}
-                    rows.append({**row, "metric": "cka_minibatch", **_with_interval(float(m[i, j]), float(se[i, j]))})
+                    rows.append({**row, "metric": "cka_minibatch",
+                                 **_with_interval(float(m[i, j]), float(se[i, j]), units)})
                     if other is not None and ta == tb:
                         rows.append({**row, "metric": "cka_divergence",
-                                     **_with_interval(1.0 - float(m[i, j]), float(se[i, j]))})
+                                     **_with_interval(1.0 - float(m[i, j]), float(se[i, j]), units)})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         df["batch_size"] = self.batch_size
@@ -437,7 +447,7 @@ class ResidualCKA(_GramAnalysis):
     A small diagonal means the branch writes something new; a large one, that it mostly echoes the skip."""
 
     name = "residual_cka"
-    state_version = 2  # 2: stderr columns (batch means, as `cka`)
+    state_version = 3  # 3: t intervals, as `cka`; 2: stderr columns (batch means, as `cka`)
     description = "CKA between the skip path and the attention / MLP branch outputs, every pair of blocks"
 
     def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: CkaBatch = 32):
@@ -458,6 +468,7 @@ class ResidualCKA(_GramAnalysis):
     def finalize(self) -> pd.DataFrame:
         rows = []
         skips = self._skip_taps()
+        units = self.n_batches()
         for v in self.views:
             for branch in ("attn_out", "mlp_out"):
                 branches = [f"block{j}.{branch}" for j in range(self.depth)]
@@ -468,7 +479,7 @@ class ResidualCKA(_GramAnalysis):
                     for j, tb in enumerate(branches):
                         rows.append({"metric": f"skip_vs_{branch}", "layer": i, "layer_b": j, "token_view": v,
                                      "tap": ts, "tap_b": tb, "model_b": self.model_name,
-                                     **_with_interval(float(m[i, j]), float(se[i, j]))})
+                                     **_with_interval(float(m[i, j]), float(se[i, j]), units)})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df
@@ -489,13 +500,13 @@ class Diversity(Analysis):
     High similarity = low diversity (contrastive models in late layers, per the sources).
     Only sums are kept (HSIC sums per CKA batch group, cosine sums): memory is constant in the images.
 
-    Each value carries ``stderr`` and the 95 % interval ``value_lo``, ``value_hi`` (value ± 1.96 stderr):
-    for the cosines, over images (a sum of squares of the per-image values); for the CKAs, by batch means
-    (the value of each CKA minibatch alone, their spread over the minibatches, as `cka`).
+    Each value carries ``stderr`` and the 95 % interval ``value_lo``, ``value_hi`` (value ± t stderr, with the
+    units - 1 degrees of freedom): for the cosines, over images (a sum of squares of the per-image values); for
+    the CKAs, by batch means (the value of each CKA minibatch alone, their spread over the minibatches, as `cka`).
     """
 
     name = "diversity"
-    state_version = 2  # 2: sums of squares (stderr)
+    state_version = 3  # 3: t intervals (CKA: groups - 1 degrees of freedom); 2: sums of squares (stderr)
     description = "similarity between heads, between spatial tokens, and before/after attention (CKA, cosine)"
 
     def __init__(self, vm: Any, layers: Any = None, batch_size: CkaBatch = 32):
@@ -649,7 +660,9 @@ class Diversity(Analysis):
                       "cka_depth": float(_depth_cka(d.hsic_depth[j]))}
             ses = {"cosine_heads": cos_se[0, j], "cosine_tokens": cos_se[1, j], "cosine_depth": cos_se[2, j],
                    "cka_heads": cka_se[0, j], "cka_tokens": cka_se[1, j], "cka_depth": cka_se[2, j]}
-            rows += [{"metric": k, "layer": i, **_with_interval(v, float(ses[k]))} for k, v in values.items()]
+            rows += [{"metric": k, "layer": i,
+                      **_with_interval(v, float(ses[k]), d.n_groups if k.startswith("cka") else d.n_images)}
+                     for k, v in values.items()]
         df = self.tidy(rows)
         df["n_images"] = d.n_images
         return df

@@ -68,13 +68,16 @@ def knn_classify(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
 def binomial_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float, float]:
     """Wilson score interval of a proportion ``p`` observed on ``n`` trials: (low, high, standard error
     ``sqrt(p (1 - p) / n)``), 95 % by default. Unlike p ± z·se it stays inside [0, 1] and is not empty at
-    p = 0 or 1. ``n = 0`` gives NaNs."""
+    p = 0 or 1 (where its bound is exactly 0 or 1: computed, it rounds to 1 - 1e-16, which would leave out the
+    observed 1). ``n = 0`` gives NaNs."""
     if n <= 0 or not np.isfinite(p):
         return float("nan"), float("nan"), float("nan")
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return float(max(0.0, centre - half)), float(min(1.0, centre + half)), float(np.sqrt(p * (1 - p) / n))
+    lo = 0.0 if p <= 0 else float(max(0.0, centre - half))
+    hi = 1.0 if p >= 1 else float(min(1.0, centre + half))
+    return lo, hi, float(np.sqrt(p * (1 - p) / n))
 
 
 def majority_rate(train_labels: Tensor, test_labels: Tensor, k: int = 1) -> float:

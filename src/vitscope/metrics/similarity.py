@@ -50,6 +50,7 @@ import scipy.sparse as sp
 import scipy.stats
 
 from vitscope.errors import VitscopeError
+from vitscope.metrics.intervals import t_quantile
 
 __all__ = [
     "LINEAR_MEASURES",
@@ -585,5 +586,5 @@ def jackknife_interval(value: float, replicates: Sequence[float], bounds: tuple[
     if g < 2 or not np.isfinite(v).all() or not np.isfinite(value):
         return (float("nan"),) * 3
     se = float(np.sqrt((g - 1) / g * ((v - v.mean()) ** 2).sum()))
-    half = float(scipy.stats.t.ppf(0.5 + level / 2, g - 1)) * se
+    half = t_quantile(g - 1, level) * se
     return se, float(max(value - half, bounds[0])), float(min(value + half, bounds[1]))

@@ -105,8 +105,9 @@ def _summary(run: Run) -> list[str]:
         parts.append(f"<li class=flagged><b>Not above chance</b> (within noise of chance, or below it): "
                      f"{_esc('; '.join(below))}.</li>")
     parts.append("</ul><p class='muted'>± and brackets: 95 % intervals over the images (standard errors in the "
-                 "tables' <code>stderr</code> column; accuracies binomial). Within noise: the difference is at most "
-                 "1.96 standard errors.</p>")
+                 "tables' <code>stderr</code> column; accuracies binomial, Wilson). Within noise: the difference is "
+                 "at most 1.96 standard errors; a best layer is within noise of chance when its interval, "
+                 "simultaneous over the layers it was chosen from, reaches chance (docs/CALIBRATION.md).</p>")
     parts += _findings(run)
     return parts
 
@@ -169,8 +170,9 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
            "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
-           "and the task's chance level (\"no layer above chance\": the best score is within noise of it, 1.96 "
-           "standard errors over the objects, keypoints or queries); <code>protocol</code> says how the images "
+           "and the task's chance level (\"no layer above chance\": the low end of the best score's 95 % interval, "
+           "simultaneous over the layers and clustered by video or image pair, reaches it); <code>protocol</code> "
+           "says how the images "
            "reached the model (whole frame or centre crop, the model input's size, where propagation was scored). "
            "A best layer equal to the model's depth is the last block after the final norm. Table: "
            "<code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]

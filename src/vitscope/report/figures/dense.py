@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from vitscope.report.figures._common import Figures, colorbar, grid_layout, layer_lines, legend_outside, plt
-from vitscope.report.summary import DENSE_TASKS, above_chance
+from vitscope.report.summary import DENSE_TASKS, best_above_chance
 
 TASKS = DENSE_TASKS  # analysis -> (headline metric, label)
 
@@ -97,7 +97,7 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
         for _, r in best.iterrows():
             score, chance = float(r["value"]), float(r.get("chance", np.nan))
             stderr = float(r["stderr"]) if "stderr" in r and pd.notna(r["stderr"]) else np.nan
-            above = above_chance(score, stderr, chance)
+            above = best_above_chance(r)
             rows.append({"task": task, "label": label, "model": r["model"], "best_layer": int(r["layer"]),
                          "best": f"block {int(r['layer'])}" if above else NOT_ABOVE_CHANCE,
                          "token_view": r["token_view"], "score": score, "stderr": stderr,
@@ -158,4 +158,4 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
              "chance)", fig)]
 
 
-__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "above_chance", "best_layer_summary", "summary_figure"]
+__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "best_above_chance", "best_layer_summary", "summary_figure"]
