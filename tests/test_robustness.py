@@ -13,6 +13,7 @@ from vitscope.data.base import Batch
 from vitscope.data.synthetic import SyntheticShapes
 from vitscope.errors import ConfigError, InputError, VitscopeError
 from vitscope.metrics import robustness as R
+from vitscope.metrics import semantics as S
 from vitscope.metrics.semantics import majority_rate
 from vitscope.models.adapter import ModelInfo
 
@@ -252,6 +253,10 @@ def test_shape_bias_of_a_colour_histogram_readout_is_zero_and_of_a_shape_oracle_
         v = df.set_index("metric")["value"]
         assert abs(v["shape_bias"] - want) <= 0.05, v["shape_bias"]
         assert v["n_shape"] + v["n_texture"] + v["n_other"] == v["n_images"] == 120
+        bias = df[df.metric == "shape_bias"].iloc[0]  # its Wilson interval over the shape + texture decisions
+        lo, hi, se = S.binomial_interval(bias["value"], int(v["n_shape"] + v["n_texture"]))
+        assert (bias["value_lo"], bias["value_hi"], bias["stderr"]) == (lo, hi, se)
+        assert lo <= bias["value"] <= hi
         assert (df["readout"] == "probe").all() and (df["layer"] == 0).all()
         assert set(df["match_denominator"]) == {"all"}  # the protocol setting, named in the table
 
@@ -564,7 +569,7 @@ def test_default_study_plans_the_robustness_lenses_on_their_datasets():
     from vitscope.study.plan import make_plan
 
     plan = {ap.name: ap for ap in make_plan(load_config()).analyses}
-    assert plan["shape_bias"].slots == {"data": "cue-conflict", "train": "shapes"}
+    assert plan["shape_bias"].slots == {"data": "cue-conflict", "train": "silhouettes"}
     bands = load_config().analyses["band_noise"]["bands"]
     assert plan["band_noise"].slots == {"data": "cifar10-128"} and len(plan["band_noise"].views) == 1 + len(bands)
     assert [v for v in plan["band_noise"].views if v != "clean"] == [f"band_noise:band={b},n_bands=10" for b in bands]

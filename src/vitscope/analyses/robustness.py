@@ -9,8 +9,9 @@ Every number needs class decisions, from one of two *readouts* (column ``readout
   model's CIFAR-10 head on CIFAR-10. One decision per image (``layer`` empty).
 - ``probe``: at every layer, a linear probe (`vitscope.metrics.semantics.linear_probe`, as the semantics
   analysis fits) on the pooled tokens (CLS, else the mean of the patch tokens) of clean images of the same
-  classes: for ``shape_bias`` the ``train`` input (by default the generated `synthetic-shapes`, random
-  textures, so texture carries no class information), for ``band_noise`` / ``corruptions`` the clean
+  classes: for ``shape_bias`` the ``train`` input (in the default study the generated `synthetic-silhouettes`,
+  shape-only and texture-only images each labelled by its cue, so the probe learns every class from either cue;
+  `vitscope.data.silhouettes`), for ``band_noise`` / ``corruptions`` the clean
   images of the dataset's own train split (``batch.is_test``), else of the stratified split of
   `vitscope.analyses.splits` (per class, every ``test_every``-th image in id order is a test image; decided
   in ``finalize``, so perturbed views keep every image's features until then), scored on its test split,
@@ -86,10 +87,13 @@ def known_classes(dataset: str | None) -> list[str] | None:
     the dataset's classes)."""
     if not dataset:
         return None
+    from vitscope.data import silhouettes
     from vitscope.data.synthetic import SHAPES, VARIANT_NAMES
 
     if dataset in VARIANT_NAMES.values():
         return list(SHAPES)
+    if dataset in silhouettes.NAMES.values():
+        return list(silhouettes.CLASSES)
     if dataset.startswith("cifar10") or dataset.startswith("cifar-10"):
         return list(R.CIFAR10_CLASSES)
     return None
@@ -139,6 +143,14 @@ def chance_reason(accuracy: float, n: int, chance: float) -> str | None:
         return None
     return (f"readout at chance: clean accuracy {accuracy:.3g} [{lo:.3g}, {hi:.3g}] on {n} images is within noise "
             f"of chance {chance:.3g}")
+
+
+def shape_bias_interval(counts: Mapping[str, float]) -> dict[str, float]:
+    """``stderr``, ``value_lo``, ``value_hi`` of a shape bias (`R.shape_bias_counts`): the Wilson interval of
+    ``n_shape`` out of the ``n_shape + n_texture`` decisions that follow either cue (NaN without one)."""
+    n = int(counts["n_shape"]) + int(counts["n_texture"])
+    lo, hi, se = S.binomial_interval(float(counts["shape_bias"]), n)
+    return {"stderr": se, "value_lo": lo, "value_hi": hi}
 
 
 def _clean_columns(accuracy: float, n: int, chance: float) -> dict[str, float]:
@@ -350,21 +362,24 @@ class ShapeBias(_Robustness):
     self-supervised ViTs learn?", ICLR 2023, last layer only): among the decisions that are either the shape
     class or the texture class, the fraction that follow the shape, with the counts (``n_shape``,
     ``n_texture``, ``n_other``; images whose shape and texture class agree are left out). Per layer from
-    linear probes fitted on the clean ``train`` input (images of the same classes, textures random), and from
+    linear probes fitted on the clean ``train`` input (images of the same classes: the generated silhouettes'
+    shape-only and texture-only images, or scenes with random textures, a shape-only probe), and from
     the model's head where it covers the classes. Rows per (readout, layer): ``shape_bias``, ``n_shape``,
     ``n_texture``, ``n_other``, ``n_images`` (images whose cues differ), ``n_excluded``, ``shape_match`` /
     ``texture_match``, and ``clean_accuracy`` of the probe on held-out clean training images.
     ``match_denominator``: what ``shape_match`` / ``texture_match`` divide by, ``all`` (default: every
     cue-conflict image, the left-out ones included, as model-vs-human's ``fraction-correct-shape`` /
     ``-texture``) or ``kept`` (the images whose cues differ); a column of the table. The shape bias does not
-    depend on it."""
+    depend on it. It carries a 95 % Wilson interval (``value_lo``, ``value_hi``) and ``stderr`` over the
+    ``n_shape + n_texture`` decisions it is the fraction of (`shape_bias_interval`; the decisions of a fixed
+    readout are independent trials; benchmarks/calibration.py, docs/CALIBRATION.md)."""
 
     name = "shape_bias"
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
-    state_version = 5  # 5: the head's decisions as a tally (`R.shape_bias_tally`); 4: no shape bias from a probe at
-    # chance (reason); 3: stratified split, tuned probe;
+    state_version = 6  # 6: the shape bias's Wilson interval; 5: the head's decisions as a tally (`R.shape_bias_tally`);
+    # 4: no shape bias from a probe at chance (reason); 3: stratified split, tuned probe;
     # 2: match_denominator (every image by default)
 
     def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
@@ -411,7 +426,7 @@ class ShapeBias(_Robustness):
             return False, "no dataset provides clean labelled training images"
         if train is not None and train == self.datasets.get("data"):
             raise ConfigError(f"shape_bias: its train input is the cue-conflict set {train!r} itself; name a dataset "
-                              "of clean images of the same classes with train_dataset: (e.g. synthetic-shapes)")
+                              "of clean images of the same classes with train_dataset: (e.g. synthetic-silhouettes)")
         mine, theirs = self.classes_of("data"), self.classes_of("train")
         if mine is not None and theirs is not None and list(mine) != list(theirs):
             return False, (f"the training images ({train}) have other classes than the cue-conflict images "
@@ -466,7 +481,8 @@ class ShapeBias(_Robustness):
         rows: list[dict[str, Any]] = []
         if "cue" in self.heads:
             c = R.shape_bias_of_tally(self.heads["cue"], self.match_denominator)
-            rows += [{"metric": k, "readout": "head", "value": float(v)} for k, v in c.items()]
+            rows += [{"metric": k, "readout": "head", "value": float(v),
+                      **(shape_bias_interval(c) if k == "shape_bias" else {})} for k, v in c.items()]
         cue, train = self.tables.get("cue"), self.tables.get("train")
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
             shape = cue.column("labels")
@@ -486,7 +502,7 @@ class ShapeBias(_Robustness):
                 reason = chance_reason(acc, n_test, chance)
                 rows += [{"metric": k, "layer": layer, "readout": "probe", **sizes, **cols,
                           **({"value": math.nan, "reason": reason} if reason and k == "shape_bias"
-                             else {"value": float(v)})}
+                             else {"value": float(v), **(shape_bias_interval(counts) if k == "shape_bias" else {})})}
                          for k, v in counts.items()]
                 rows.append({"metric": "clean_accuracy", "layer": layer, "readout": "probe", "value": acc,
                              **sizes, **cols, **_clean_columns(acc, n_test, chance)})

@@ -1,7 +1,8 @@
 """Data: the sample and batch types, transforms, built-in generated sets, and real-format loaders.
 
 Generated (no download): `SyntheticShapes` (classification with masks, parts, keypoints; variants
-'random', 'texture-bound', 'cue-conflict'), and in `vitscope.data.synthetic_tasks` videos, pairs and an
+'random', 'texture-bound', 'cue-conflict'), `Silhouettes` (32-px shape-only, texture-only and cue-conflict
+stimuli for shape vs texture bias), and in `vitscope.data.synthetic_tasks` videos, pairs and an
 instance-retrieval split. Real formats: `vitscope.data.loaders`. Dense tiling: `vitscope.data.tiling`.
 """
 
@@ -11,10 +12,11 @@ from vitscope._lazy import lazy_exports
 
 _getattr, __dir__ = lazy_exports(__name__, {
     "Batch": "vitscope.data.base", "Sample": "vitscope.data.base", "SyntheticShapes": "vitscope.data.synthetic",
+    "Silhouettes": "vitscope.data.silhouettes",
     **{n: "vitscope.data.synthetic_tasks" for n in ("SyntheticPairs", "SyntheticRetrieval", "SyntheticVideos")},
 })
 
-__all__ = ["DATASETS", "Batch", "Sample", "SyntheticPairs", "SyntheticRetrieval", "SyntheticShapes",
+__all__ = ["DATASETS", "Batch", "Sample", "Silhouettes", "SyntheticPairs", "SyntheticRetrieval", "SyntheticShapes",
            "SyntheticVideos", "make_dataset"]
 
 

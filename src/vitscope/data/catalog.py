@@ -175,6 +175,19 @@ def _retrieval(cfg: Any) -> Any:
                               size=cfg.size, **o)
 
 
+def _silhouettes(conflict: bool) -> Callable[[Any], Any]:
+    def build(cfg: Any) -> Any:
+        from vitscope.data.silhouettes import CUES, Silhouettes
+
+        o = _opts(cfg)
+        cue = "conflict" if conflict else o.pop("cue", "both")
+        if cue not in CUES[:3] and not conflict:
+            raise ConfigError(f"dataset format {cfg.name!r}: option cue {cue!r} is not a clean set; choose both, "
+                              "shape or texture (the cue-conflict images are the format synthetic-silhouette-conflict)")
+        return Silhouettes(n=cfg.n_images, seed=cfg.seed, size=cfg.size, cue=cue, **o)
+    return build
+
+
 _SHAPES_PROVIDE = frozenset({"labels", "masks", "parts", "objects", "keypoints"})
 register_format(Format("synthetic-shapes", _SHAPES_PROVIDE, _shapes("random"), ("options",),
                        "generated scenes: 12 shape classes with random textures, masks, parts, keypoints",
@@ -184,6 +197,13 @@ register_format(Format("synthetic-shapes-textured", _SHAPES_PROVIDE, _shapes("te
 register_format(Format("synthetic-cue-conflict", _SHAPES_PROVIDE | {"cue_conflict"}, _shapes("cue-conflict"),
                        ("options",), "generated scenes: the shape of one class wearing the texture of another",
                        generated=True))
+register_format(Format("synthetic-silhouettes", frozenset({"labels"}), _silhouettes(False), ("options",),
+                       "generated 32-px silhouettes for shape vs texture: 8 classes, each a shape and a texture; "
+                       "option cue: both (default: shape-only and texture-only images interleaved, each labelled "
+                       "by its cue; the shape_bias probes' training set), shape or texture", generated=True))
+register_format(Format("synthetic-silhouette-conflict", frozenset({"labels", "cue_conflict"}), _silhouettes(True),
+                       ("options",), "generated 32-px cue-conflict silhouettes: the shape of one class filled with "
+                       "the texture of another (the classes of synthetic-silhouettes)", generated=True))
 register_format(Format("synthetic-videos", frozenset({"videos", "masks", "objects", "keypoints"}), _videos,
                        ("options",), "generated videos (options: n_frames, n_videos, tiling; n_images = frames "
                        "in all)", generated=True))

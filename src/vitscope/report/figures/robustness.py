@@ -11,10 +11,12 @@ import pandas as pd
 from vitscope.analyses.robustness import decision_rows
 from vitscope.report.figures._common import (
     Figures,
+    current,
     grid_layout,
     legend_outside,
     model_color,
     model_label,
+    models_of,
     not_computed,
     plt,
 )
@@ -38,54 +40,89 @@ def _last(df: pd.DataFrame) -> pd.DataFrame:
     return decision_rows(df, head_only=True, column="where")
 
 
+def _interval_of(rows: pd.DataFrame) -> tuple[float, float] | None:
+    """(low, high) of a row's 95 % interval, when the table carries one."""
+    if not {"value_lo", "value_hi"} <= set(rows.columns) or not len(rows):
+        return None
+    lo, hi = float(rows["value_lo"].iloc[0]), float(rows["value_hi"].iloc[0])
+    return (lo, hi) if np.isfinite(lo) and np.isfinite(hi) else None
+
+
 def shape_bias(df: pd.DataFrame) -> Figures:
     """Left: the models' shape bias on one axis (Geirhos et al. 2019, Fig. 4 / model-vs-human's plot): head
-    (filled) and last-layer probe (open); right: the probes' shape bias per layer."""
+    (filled) and last-layer probe (open), with their 95 % intervals; right: the probes' shape bias per block with
+    its band, for every model whose probe is above chance somewhere, the untrained models in grey (their level is
+    the reference) and the 0.5 line (no preference). Models whose probe is at chance at every block are named,
+    not drawn."""
     d = df[df.metric == "shape_bias"]
     if d.empty:
         return []
-    models = list(dict.fromkeys(d["model"]))
+    models = models_of(d)
+    probe = d[d.readout == "probe"] if "readout" in d.columns else d.iloc[:0]
+    never = [m for m in models if len(probe[probe.model == m]) and probe[probe.model == m]["value"].isna().all()
+             and not d[(d.model == m) & (d.readout == "head")]["value"].notna().any()]
+    some = [m for m in models if m not in never and probe[probe.model == m]["value"].isna().any()]
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 0.9 + 0.32 * max(len(models), 4)),
                                   gridspec_kw={"width_ratios": [1, 1.3]})
     for k, m in enumerate(models):
         g = d[d.model == m]
         color = model_color(m, models)
-        head = g[g.readout == "head"]["value"]
-        probe = g[g.readout == "probe"]
-        if len(head):
-            ax.plot([float(head.iloc[0])], [k], "o", color=color, ms=7)
-        if len(probe):
-            last = probe.loc[pd.to_numeric(probe["layer"]).idxmax(), "value"]
-            if np.isfinite(float(last)):
-                ax.plot([float(last)], [k], "o", mfc="none", color=color, ms=7)
+        head = g[g.readout == "head"] if "readout" in g.columns else g.iloc[:0]
+        per = probe[probe.model == m]
+        if len(head) and np.isfinite(float(head["value"].iloc[0])):
+            ax.plot([float(head["value"].iloc[0])], [k], "o", color=color, ms=7)
+            iv = _interval_of(head)
+            if iv:
+                ax.plot(iv, [k, k], "-", color=color, lw=1.5)
+        if len(per):
+            last = per.loc[[pd.to_numeric(per["layer"]).idxmax()]]
+            if np.isfinite(float(last["value"].iloc[0])):
+                ax.plot([float(last["value"].iloc[0])], [k + 0.15], "o", mfc="none", color=color, ms=7)
+                iv = _interval_of(last)
+                if iv:
+                    ax.plot(iv, [k + 0.15, k + 0.15], ":", color=color, lw=1.2)
             elif not len(head):
-                ax.text(0.02, k, "probe at chance: no shape bias", fontsize=6.5, va="center", color="0.35")
-            per = probe.assign(layer=pd.to_numeric(probe["layer"])).sort_values("layer")
-            ax2.plot(per["layer"], per["value"], "-o", ms=3, color=color, label=model_label(m))
+                ax.text(0.02, k, "last-block probe at chance: no shape bias", fontsize=6.5, va="center",
+                        color="0.35")
+        if len(per) and m not in never:
+            per = per.assign(layer=pd.to_numeric(per["layer"])).sort_values("layer")
+            untrained = m in current().untrained
+            ax2.plot(per["layer"], per["value"], "--o" if untrained else "-o", ms=3, color=color,
+                     label=model_label(m), zorder=3 if untrained else 2)
+            if {"value_lo", "value_hi"} <= set(per.columns) and per["value_lo"].notna().any():
+                ax2.fill_between(per["layer"].astype(float), per["value_lo"].astype(float),
+                                 per["value_hi"].astype(float), color=color, alpha=0.08, lw=0)
     ax.set_yticks(range(len(models)), [model_label(m) for m in models], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
     ax.axvline(0.5, color="0.6", lw=0.8, ls=":")
     ax.set_xlabel("fraction of shape decisions (0 = texture, 1 = shape)")
-    ax.set_title("shape bias (filled: head, open: last-layer probe)", fontsize=9)
+    ax.set_title("decision (filled: head, open: last-block probe)", fontsize=9)
     ax.grid(alpha=0.3, axis="x")
     ax2.set_ylim(0, 1)
-    ax2.axhline(0.5, color="0.6", lw=0.8, ls=":")
+    ax2.axhline(0.5, color="0.6", lw=0.8, ls=":", label="0.5: no preference")
     ax2.set_xlabel("block")
     ax2.set_ylabel("shape bias (probe)")
-    ax2.set_title("per layer", fontsize=9)
+    ax2.set_title("probe per block", fontsize=9)
     ax2.grid(alpha=0.3)
-    probes = d[d.readout == "probe"]["value"] if "readout" in d.columns else d["value"].iloc[:0]
-    if len(probes) and probes.isna().all():
+    if len(probe) and probe["value"].isna().all():
         not_computed(ax2, "every probe's clean accuracy is within noise of chance: no shape bias from a probe")
-    elif ax2.get_legend_handles_labels()[0]:
+    elif never:
+        ax2.text(0.02, 0.03, "at chance at every block (not drawn): " + ", ".join(model_label(m) for m in never),
+                 transform=ax2.transAxes, fontsize=6.5, color="0.35", va="bottom", wrap=True)
+    if ax2.get_legend_handles_labels()[0]:
         ax2.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.set_layout_engine("constrained")
-    at_chance = list(dict.fromkeys(d[d["reason"].notna()]["model"])) if "reason" in d.columns else []
-    note = (f" No shape bias where the probe's clean accuracy is within noise of chance (gaps; probes at chance in "
-            f"some block: {', '.join(at_chance)})." if at_chance else "")
+    untrained = [m for m in models if m in current().untrained and m not in never]
+    note = ((f" Grey, dashed: the untrained {', '.join(untrained)}, the level training is judged against."
+             if untrained else "")
+            + (f" Probes at chance at every block (their clean accuracy within noise of chance, no shape bias): "
+               f"{', '.join(never)}." if never else "")
+            + (f" Gaps: blocks where the probe's clean accuracy is within noise of chance ({', '.join(some)})."
+               if some else ""))
     return [("Shape vs texture bias on cue-conflict images: among decisions for the shape or the texture class, "
-             "the fraction for the shape (Geirhos et al., ICLR 2019; Park et al., ICLR 2023)." + note, fig)]
+             "the fraction for the shape, with its 95 % interval over those decisions (left: lines; right: bands) "
+             "(Geirhos et al., ICLR 2019; Park et al., ICLR 2023); dotted line: 0.5, no preference." + note, fig)]
 
 
 def band_noise(df: pd.DataFrame) -> Figures:
