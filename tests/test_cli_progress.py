@@ -1,6 +1,8 @@
 """What `vitscope run` tells the user beside the per-model bars: how much came from the cache, and the
 cross-model and report stages."""
 
+import re
+
 from vitscope.cli import main
 
 STUDY = """models:
@@ -25,7 +27,9 @@ def test_rerun_says_what_came_from_the_cache(tmp_path, capsys):
 
     assert main(["run", str(cfg), out]) == 0  # the same study again: everything read back, nothing redrawn
     err = capsys.readouterr().err
-    assert "4 of 4 analyses (models x analyses) read from the cache" in err and "unchanged" in err
+    assert "4 of 4 analyses (models x analyses) read from the cache" in err
+    # a whole sentence (issue 41: it ended "... holds this study's")
+    assert re.search(r"results and report unchanged: .+ already holds this study's tables and report\n", err), err
     assert "report:" not in err
 
     assert main(["run", str(cfg), out, "analyses.tsne.n_images=2", "--overwrite"]) == 0  # one new analysis a model

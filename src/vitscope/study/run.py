@@ -313,7 +313,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
         _say(cfg, dist, f"{n_jobs} of {total} analyses (models x analyses) read from the cache")
     timings: dict[str, Any] = {}
     if unchanged:
-        _say(cfg, dist, f"results and report unchanged: {out} holds this study's")
+        _say(cfg, dist, f"results and report unchanged: {out} already holds this study's tables and report")
     else:
         _say(cfg, dist, f"cross-model stage and tables: {len(by_analysis)} analyses")
         t0 = time.perf_counter()
