@@ -80,11 +80,11 @@ from vitscope.metrics import cka as C
 from vitscope.metrics import intervals as I
 from vitscope.metrics import robustness as R
 from vitscope.metrics import semantics as S
+from vitscope.metrics.intervals import Z95
 from vitscope.report import summary as SU
 from vitscope.threads import few_threads
 
 NOMINAL = 0.95
-Z95 = 1.959964
 GOAL_COVERAGE = (0.93, 0.97)
 GOAL_FALSE_FINDING = 0.05
 

@@ -41,9 +41,9 @@ from vitscope.study.rundir import FINDINGS_TABLE
 
 CL, MIM = "contrastive", "reconstructive"
 FAMILIES = ("explicit", "language", "contrastive", "reconstructive", "hybrid", "none")  # models.registry.Family
+Z95 = 1.959964  # metrics.intervals.Z95; not imported: vitscope.metrics loads torch, `vitscope findings` must not
 SHORT = {CL: "CL", MIM: "MIM", "explicit": "SUP", "language": "LANG", "hybrid": "HYB", "none": "none"}
 HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
-Z95 = 1.959964
 #: where the similarity tables are, and which of their metrics are measures of a pair of models
 TABLES = {"cka": ("cka_minibatch",), "similarity": None}  # None: every metric `vitscope.measures` declares
 SUMMARY = Path("results") / FINDINGS_TABLE  # a derived table the run directory counts as vitscope's own

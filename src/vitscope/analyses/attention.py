@@ -59,6 +59,7 @@ from vitscope.bounds import NonNegative, Range
 from vitscope.errors import VitscopeError
 from vitscope.host import host_copy, moved, on_device
 from vitscope.metrics import attention as A
+from vitscope.metrics.intervals import Z95
 
 HEAD_TYPES = ("strict_local", "soft_local", "axial", "offset_local", "global", "mixed")
 """Every type :func:`vitscope.metrics.attention.head_types` can return, in the order figures list them."""
@@ -349,8 +350,6 @@ class _PerHeadMean(_LayerAttention):
                 for j, i in enumerate(self.layers) for h in range(self.num_heads)]
 
 
-Z95 = 1.959964
-"""Two-sided 95 % normal quantile: intervals of means over images are mean ± Z95 · stderr."""
 
 
 def stderr_from_sums(sums: torch.Tensor, sumsq: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,8 @@ from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
 from vitscope.host import host_copy, moved
 from vitscope.metrics import geometry as G
+from vitscope.metrics.intervals import Z95
 from vitscope.threads import few_threads
-
-Z95 = 1.959964
-"""Two-sided 95 % normal quantile: intervals of means over images are mean ± Z95 · stderr."""
 
 
 def _stderr(total: float, total_sq: float, n: int) -> float:

@@ -26,6 +26,7 @@ import numpy as np
 
 __all__ = ["cluster_interval", "mean_interval", "ratio_interval", "t_quantile"]
 
+#: the two-sided 95 % quantile of the normal: intervals of means over many units are value ± Z95 · stderr
 Z95 = 1.959964
 
 

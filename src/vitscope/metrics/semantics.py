@@ -22,6 +22,7 @@ from sklearn.metrics import adjusted_rand_score, f1_score, normalized_mutual_inf
 from sklearn.metrics.cluster import contingency_matrix
 
 from vitscope.errors import ConfigError, ResultWarning
+from vitscope.metrics.intervals import Z95
 from vitscope.threads import few_threads
 
 Tensor = torch.Tensor
@@ -65,7 +66,7 @@ def knn_classify(train: Tensor, train_labels: Tensor, test: Tensor, test_labels:
     return {k: (h[0] / n, h[1] / n) for k, h in zip(ks, hits.tolist(), strict=True)}
 
 
-def binomial_interval(p: float, n: int, z: float = 1.959964) -> tuple[float, float, float]:
+def binomial_interval(p: float, n: int, z: float = Z95) -> tuple[float, float, float]:
     """Wilson score interval of a proportion ``p`` observed on ``n`` trials: (low, high, standard error
     ``sqrt(p (1 - p) / n)``), 95 % by default. Unlike p ± z·se it stays inside [0, 1] and is not empty at
     p = 0 or 1 (where its bound is exactly 0 or 1: computed, it rounds to 1 - 1e-16, which would leave out the

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-Z95 = 1.959964
+from vitscope.metrics.intervals import Z95
 
 
 @dataclass

@@ -794,7 +794,8 @@ def _run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan],
                 _pass(cfg, vm, p, sources, [j for j in todo if p in j.plan.passes], cache, mkey, dist, on_batch,
                       updates)
         except BaseException:
-            # the passes finished before this one are kept too: their jobs wait for the model's last pass
+            # the pass that died recorded its progress; the passes finished before it are kept too (their jobs
+            # wait for the model's last pass): one save of every started job
             _save_parts(todo, cache, mkey, sources)
             raise
         timings["pass"] = round(time.perf_counter() - t0, 2)
@@ -900,8 +901,8 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
           timings: dict[str, float] | None = None) -> None:
     """One (dataset, view) pass: `stream` from the earliest chunk any job still needs, feeding each job only
     the chunks it has not seen; partial states saved every ``save_every`` chunks, at least every
-    ``SAVE_SECONDS`` (less often where a save takes long: at most 1 / SAVE_OVERHEAD of the time) and when the
-    pass dies."""
+    ``SAVE_SECONDS`` (less often where a save takes long: at most 1 / SAVE_OVERHEAD of the time); when the pass
+    dies, its progress is recorded in the jobs and `_run_model` saves them."""
     src = sources[p[0]]
     key = _pk(p)
     n_chunks = len(src.chunks)
@@ -911,9 +912,12 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
     seen = [j.done.get(key, 0) for j in jobs]
     last_save, gap = time.monotonic(), SAVE_SECONDS
 
-    def save() -> None:
+    def record() -> None:
         for job, k in zip(jobs, seen, strict=True):
             job.done[key] = k
+
+    def save() -> None:
+        record()
         _save_parts(jobs, cache, mkey, sources)
 
     def after(b: int) -> None:
@@ -935,10 +939,9 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
                timings=timings)
     except BaseException:
         batches.close()  # the reading workers end first
-        save()  # keep what is done: a rerun resumes from here
+        record()  # what is done: `_run_model` saves every started job of the model, this pass's too
         raise
-    for job, k in zip(jobs, seen, strict=True):
-        job.done[key] = k
+    record()
     n = sum(len(c) for c in src.chunks)
     # under torchrun the skip list also holds other ranks' images: count this shard's own
     if n and len(src.read_here if dist.world > 1 else src.skipped) >= n:

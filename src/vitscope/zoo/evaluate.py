@@ -21,6 +21,7 @@ import torch
 from vitscope.data.transforms import normalize
 from vitscope.errors import VitscopeError
 from vitscope.metrics import semantics as S
+from vitscope.metrics.intervals import Z95
 from vitscope.zoo.train import (
     CARD_FILE,
     DECODER_FILE,
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
     from vitscope.zoo.arch import ZooArch
     from vitscope.zoo.base import Objective
 
-Z95 = 1.959964
 SUBSET = (500, 200)  # train, test images of the quick check (class-balanced, first files of each class)
 
 

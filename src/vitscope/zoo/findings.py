@@ -38,6 +38,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
@@ -70,13 +71,19 @@ class Finding:
     # +1 the subject above the untrained, -1 below; None: the claim's direction for the subject)
     departure: Callable[[pd.DataFrame, str, int, np.random.Generator], tuple[float, np.ndarray | None]] | None = None
     departure_sign: int | None = None
+    #: how the reasons name the groups and the untrained baseline
+    names: ClassVar[dict[str, str]] = {CL: "contrastive", MIM: "MIM"}
+    base_name: ClassVar[str] = "the untrained network"
 
     def sign(self) -> int:
         """+1 when the claim puts the subject above the untrained network, -1 below."""
-        if self.departure_sign is not None:
-            return self.departure_sign
-        s = 1 if self.expect == "CL > MIM" else -1
-        return s if self.subject == CL else -s
+        return _claimed_sign(self.expect, self.subject) if self.departure_sign is None else self.departure_sign
+
+
+def _claimed_sign(expect: str, subject: str) -> int:
+    """+1 when ``expect`` ('CL > MIM' or 'CL < MIM') puts ``subject`` (CL or MIM) above the other group."""
+    s = 1 if expect == "CL > MIM" else -1
+    return s if subject == CL else -s
 
 
 def _se(d: pd.DataFrame) -> np.ndarray | None:
@@ -249,16 +256,14 @@ def check(run_dir: str | Path) -> pd.DataFrame:
         moved, reason = {}, ""
         u_mean, u_draws = _group(dep, untrained)
         shown_base = _group(per_model, untrained)[0] if all(k in per_model for k in untrained) else u_mean
-        for g, keys in ((CL, f.departure_groups[0] if isinstance(f, SimilarityLike) else cl),
-                        (MIM, f.departure_groups[1] if isinstance(f, SimilarityLike) else mim)):
+        for g, keys in ((CL, cl), (MIM, mim)):
             g_mean, g_draws = _group(dep, keys)
             moved[g] = (g_mean - u_mean, None if g_draws is None or u_draws is None else g_draws - u_draws)
         if word == HOLDS:
             sub_value, sub_draws = moved[f.subject]
             sub_lo, sub_hi = _interval(sub_draws)
             other = MIM if f.subject == CL else CL
-            name = getattr(f, "names", {CL: "contrastive", MIM: "MIM"})
-            said = getattr(f, "base_name", "the untrained network")
+            name, said = f.names, f.base_name
             if not untrained:
                 word, reason = INCONCLUSIVE, "no untrained model in the study to compare with (add zoo-random)"
             elif np.isnan(sub_lo):
@@ -310,34 +315,30 @@ def check(run_dir: str | Path) -> pd.DataFrame:
         key = [f"{a}~{b}" for a, b in cl], [f"{a}~{b}" for a, b in mixed]
         f0 = SIMILARITY_FINDINGS[0]  # re-checked under every measure of a similarity table: vitscope.findings
         # the untrained comparison: CL~CL (the subject) against the CL~untrained pairs
-        like = SimilarityLike(f0.claim, f0.source, "CL > MIM", CL, (key[0], key[1]))
+        like = SimilarityLike(f0.claim, f0.source, "CL > MIM", CL)
         m_within, _ = _group(vals, [f"{a}~{b}" for a, b in within_mim])
         base_pairs = [f"{a}~{b}" for a, b in to_base]
-        dep = {**vals, **{k: vals[k] for k in base_pairs}}
         add(like, "CKA of the last blocks (CLS): CL~CL vs CL~MIM pairs",
             {k: vals[k] for k in (*key[0], *key[1], *[f"{a}~{b}" for a, b in within_mim])}, key[0], key[1],
-            base_pairs, dep, {"within_mim": m_within, "untrained_models": ", ".join(base)})
+            base_pairs, vals, {"within_mim": m_within, "untrained_models": ", ".join(base)})
     return pd.DataFrame(rows)
 
 
 @dataclass(frozen=True)
 class SimilarityLike:
-    """The similarity finding in `check`'s terms: its departure compares the CL~CL pairs with the CL~untrained ones."""
+    """The similarity finding in `check`'s terms: its groups are pairs of models, and its departure compares the
+    CL~CL and CL~MIM pairs with the CL~untrained ones."""
 
     claim: str
     source: str
     expect: str
     subject: str
-    departure_groups: tuple[list[str], list[str]]
     semantic: bool = False
-    names: tuple = ()
-    base_name: str = "the CL~untrained pairs"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "names", {CL: "CL~CL", MIM: "CL~MIM"})
+    names: ClassVar[dict[str, str]] = {CL: "CL~CL", MIM: "CL~MIM"}
+    base_name: ClassVar[str] = "the CL~untrained pairs"
 
     def sign(self) -> int:
-        return 1
+        return _claimed_sign(self.expect, self.subject)
 
 
 def budget_caveat(models: dict[str, dict]) -> str | None:

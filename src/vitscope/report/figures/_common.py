@@ -46,10 +46,10 @@ from matplotlib.layout_engine import ConstrainedLayoutEngine  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from vitscope.metrics.intervals import Z95  # noqa: E402  (bands are value ± Z95 · stderr without value_lo / value_hi)
+
 Figures = list[tuple[str, plt.Figure]]
 
-Z95 = 1.959964
-"""Two-sided 95 % normal quantile: bands are value ± Z95 · stderr when a table has no value_lo / value_hi."""
 
 UNTRAINED_COLOR = "0.45"
 PALETTE = ("#0077BB", "#EE7733", "#117733", "#CC3311", "#AA4499", "#88CCEE", "#DDCC77", "#332288", "#44AA99",
