@@ -172,8 +172,9 @@ def test_each_claim_takes_the_next_model_once_from_either_process():
 
 
 def test_vitscope_run_starts_the_helper_before_its_own_imports_and_hands_it_the_models(tmp_path, monkeypatch):
-    """`vitscope run` starts the helper before load_config (whose imports of torch and timm take seconds on the
-    study's core), gives that same process its models, and leaves none waiting; tables equal one process's."""
+    """`vitscope run` starts the helper once the config's checks that need no torch have passed, before those that
+    import torch and timm (seconds on the study's core), gives that same process its models, and leaves none
+    waiting; tables equal one process's."""
     from vitscope.cli import main
     from vitscope.study import config as C
 
@@ -181,7 +182,7 @@ def test_vitscope_run_starts_the_helper_before_its_own_imports_and_hands_it_the_
     _helper_claims_first(monkeypatch)
     monkeypatch.setenv("VITSCOPE_WORKERS", "2")
     events, made = [], []
-    real_init, real_load = H.Helper.__init__, C.load_config
+    real_init, real_checks = H.Helper.__init__, C._check_with_torch
 
     def init(self):  # noqa: ANN001
         events.append("helper")
@@ -189,11 +190,11 @@ def test_vitscope_run_starts_the_helper_before_its_own_imports_and_hands_it_the_
         made.append(self)
 
     monkeypatch.setattr(H.Helper, "__init__", init)
-    monkeypatch.setattr(C, "load_config", lambda *a, **k: (events.append("load_config"), real_load(*a, **k))[1])
+    monkeypatch.setattr(C, "_check_with_torch", lambda *a, **k: (events.append("torch"), real_checks(*a, **k))[1])
     cfg = tmp_path / "study.yaml"
     cfg.write_text(YAML.format(models="\n".join(MODEL.format(i=i) for i in range(4))))
     assert main(["run", str(cfg), f"output_dir={tmp_path / 'cli'}", f"cache_dir={tmp_path / 'cli-cache'}"]) == 0
-    assert events == ["helper", "load_config"] and H._WAITING is None and not made[0]._proc.is_alive()
+    assert events[:2] == ["helper", "torch"] and H._WAITING is None and not made[0]._proc.is_alive()
     manifest = json.loads((tmp_path / "cli" / "manifest.json").read_text())
     assert any(meta.get("helper_process") for meta in manifest["models"].values())
     monkeypatch.setenv("VITSCOPE_WORKERS", "1")

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from vitscope.errors import unknown_name
+from vitscope.errors import ConfigError, close_matches, unknown_name
 from vitscope.references import REFERENCES, SEEDS, short_citation
 
 SNAPSHOT = Path(__file__).with_name("analyses_listing.json")
@@ -42,6 +45,10 @@ class AnalysisInfo:
     taps: str
     data: str
     references: tuple[str, ...]  # keys of vitscope.references.REFERENCES
+    #: every parameter name a study config may give it (its own and those it hands on to its parent class),
+    #: ``**`` last when it takes any other name too (`vitscope.analyses.base.analysis_parameters`)
+    accepts: tuple[str, ...] = ()
+    replaced: tuple[tuple[str, str], ...] = ()  # parameters it no longer takes, and the sentence saying why
 
     @property
     def full_references(self) -> list[str]:
@@ -60,11 +67,69 @@ def snapshot(names: list[str] | None = None) -> list[AnalysisInfo]:
     for d in json.loads(SNAPSHOT.read_text(encoding="utf-8")):
         d["params"] = tuple(Param(**p) for p in d["params"])
         d["references"] = tuple(d["references"])
+        d["accepts"] = tuple(d.get("accepts", ()))
+        d["replaced"] = tuple(tuple(r) for r in d.get("replaced", ()))
         infos[d["name"]] = AnalysisInfo(**d)
     for name in names or []:
         if name not in infos:
             raise unknown_name("analysis", name, infos)
     return [infos[n] for n in names] if names else list(infos.values())
+
+
+#: keys the study planner adds to an analysis's parameters itself (which dataset it runs on; also any
+#: ``<slot>_dataset``), read by the planner (study/plan.py), not by the analysis
+PLANNER_KEYS = ("dataset", "pairs")
+
+
+def planner_key(key: str) -> bool:
+    return key in PLANNER_KEYS or key.endswith("_dataset")
+
+
+def check_parameter_names(analysis: str, params: Mapping[str, Any], accepts: tuple[str, ...],
+                          replaced: Mapping[str, str]) -> None:
+    """Every name of ``params`` one that ``analysis`` takes (``accepts``, as `AnalysisInfo.accepts`; the
+    planner's keys let through), else one ConfigError sentence with the closest names: the rule of
+    `vitscope.analyses.base.validate_params`, which goes on to check the values' types and ranges."""
+    open_ended = "**" in accepts
+    names = [n for n in accepts if n != "**"]
+    for key in params or {}:
+        if planner_key(str(key)):
+            continue
+        if key in replaced and key not in accepts:
+            raise ConfigError(f"analysis {analysis!r} no longer takes {key!r}: {replaced[key]}")
+        if key not in names and not open_ended:
+            hint = close_matches(str(key), names, n=3)
+            takes = f"takes {', '.join(names)}" if names else "takes none"
+            raise ConfigError(f"analysis {analysis!r} has no parameter {key!r}"
+                              + (f"; did you mean {', '.join(hint)}? It {takes}." if hint else f"; it {takes}."))
+
+
+def _live() -> Any:
+    """`vitscope.analyses.base` when this process imported it (its registry then holds every analysis, and those
+    a program or a test registered besides); None otherwise."""
+    base = sys.modules.get("vitscope.analyses.base")
+    return base if base is not None and getattr(base, "ANALYSES", None) else None
+
+
+def analysis_names() -> list[str]:
+    """The analyses a study may name: the live registry where this process imported it, else the snapshot's
+    (no torch)."""
+    live = _live()
+    return list(live.ANALYSES) if live is not None else [a.name for a in snapshot()]
+
+
+def check_study_analysis(name: str, params: Mapping[str, Any] | None) -> None:
+    """``name`` an analysis and ``params`` only names it takes, read off the live registry where this process
+    imported it, else off the snapshot, so `vitscope run` refuses a misspelt analysis or parameter before it
+    imports torch: one sentence (`unknown_name`, `check_parameter_names`). Types and ranges of the values are
+    `vitscope.analyses.base.validate_params`'s, when the config is validated in full."""
+    live = _live()
+    if live is not None:
+        cls = live.get_analysis(name)
+        check_parameter_names(name, params or {}, tuple(live.analysis_parameters(cls)), cls.replaced)
+        return
+    info = snapshot([name])[0]
+    check_parameter_names(name, params or {}, info.accepts, dict(info.replaced))
 
 
 def format_text(infos: list[AnalysisInfo], full: bool = False) -> str:

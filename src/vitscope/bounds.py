@@ -90,6 +90,24 @@ MAX_GENERATED_IMAGES = 1_000_000
 #: blocks and channels of a model built from a config (timm arguments, a transformers config.json)
 MAX_DEPTH, MAX_WIDTH = 256, 16384
 
+#: the ranges of the architecture arguments a config may give (timm kwargs, or read off a transformers
+#: config.json): sizes no machine holds are one sentence before timm allocates the model
+ARCH_RANGES = {"img_size": Range(1, MAX_IMAGE_SIDE), "patch_size": Range(1, MAX_IMAGE_SIDE),
+               "depth": Range(1, MAX_DEPTH), "embed_dim": Range(1, MAX_WIDTH), "num_heads": Range(1, MAX_WIDTH),
+               "mlp_ratio": Range(0, 64, open_lo=True)}
+
+
+def check_arch(kwargs: Mapping[str, Any], who: str) -> None:
+    """Every architecture argument of ``kwargs`` within `ARCH_RANGES` (``img_size`` also as a pair): one
+    ConfigError sentence naming ``who`` and the argument otherwise (`vitscope.models.load` builds no model
+    outside them; a study config is checked before torch is imported)."""
+    for key, r in ARCH_RANGES.items():
+        value = kwargs.get(key)
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if v is not None:
+                r.check(v, f"{who}: {key}")
+
+
 #: iterations of an optimisation (probe, t-SNE, inversion) and restarts of k-means: beyond these a run takes
 #: hours for no change in its numbers
 MAX_ITERATIONS, MAX_RESTARTS = 100_000, 1000

@@ -113,10 +113,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
         overrides.insert(0, config)
         config = None
     models = parse_models_slice(args.models) if args.models is not None else None
-    if models is None and not args.dry_run:  # a helper importing torch on the core this process leaves idle
-        from vitscope.study.helper import prespawn
-
-        prespawn(config)
     handlers = _stop_as_ctrl_c() if threading.current_thread() is threading.main_thread() else {}
     try:
         return _run(args, config, overrides, models)
@@ -130,9 +126,21 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, config: str | None, overrides: list[str], models: tuple[int, int] | None) -> int:
     from pathlib import Path
 
-    from vitscope.study.config import load_config, slice_models
+    from vitscope.study.config import early_refusals, load_config, slice_models
 
-    cfg = load_config(config, overrides)
+    def early(cfg: Any) -> None:
+        """Before torch is imported (issue 41: a refusal within a second or so): a model name nothing knows, a
+        missing or empty data folder, a run directory another run is writing into (a slice takes no lock; a dry
+        run notes a model it cannot resolve); then the helper started, importing torch on the core this
+        process leaves idle."""
+        early_refusals(cfg, names=not args.dry_run,
+                       lock=models is None and not args.dry_run and os.environ.get("RANK", "0") == "0")
+        if models is None and not args.dry_run:
+            from vitscope.study.helper import prespawn
+
+            prespawn(config)
+
+    cfg = load_config(config, overrides, early=early)  # the config's own checks that need no torch come first
     if models is not None:
         slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads
     if args.quiet:

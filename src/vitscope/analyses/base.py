@@ -35,8 +35,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pandas as pd
 import torch
 
+from vitscope.analyses_listing import PLANNER_KEYS, check_parameter_names, planner_key  # noqa: F401 - its old home
 from vitscope.bounds import check_annotated
-from vitscope.errors import ConfigError, VitscopeError, close_matches, unknown_name
+from vitscope.errors import ConfigError, VitscopeError, unknown_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -265,12 +266,8 @@ def get_analysis(name: str) -> type[Any]:
 
 # -- parameters: what a study config may pass to an analysis --------------------------------------------
 
-#: keys the study planner adds to an analysis's parameters itself (which dataset it runs on); not arguments
-PLANNER_KEYS = ("dataset", "pairs")  # read by the study planner (study/plan.py), not by the analysis
-
-
-def _planner_key(key: str) -> bool:
-    return key in PLANNER_KEYS or key.endswith("_dataset")
+# the planner's keys (`PLANNER_KEYS`: which dataset an analysis runs on; not arguments) and the rule for parameter
+# names live in vitscope.analyses_listing, which `vitscope run` reads before it imports torch
 
 
 def analysis_parameters(cls: type[Analysis]) -> dict[str, inspect.Parameter]:
@@ -319,20 +316,11 @@ def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> No
     checked). The planner's own keys (``dataset``, ``*_dataset``) are let through. Raises ConfigError in
     one sentence; values that only a model can judge (a layer out of range) are checked when it is built."""
     accepted = analysis_parameters(cls)
-    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    names = [n for n, p in accepted.items() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    # the names: a rule `vitscope run` also checks before torch, against the shipped snapshot (analyses_listing)
+    check_parameter_names(cls.name, params or {}, tuple(accepted), cls.replaced)
     for key, value in (params or {}).items():
-        if _planner_key(str(key)):
+        if planner_key(str(key)) or key not in accepted:  # the planner's, or taken by a **kw
             continue
-        if key in cls.replaced and key not in accepted:
-            raise ConfigError(f"analysis {cls.name!r} no longer takes {key!r}: {cls.replaced[key]}")
-        if key not in accepted:
-            if open_ended:
-                continue
-            hint = close_matches(str(key), names, n=3)
-            takes = f"takes {', '.join(names)}" if names else "takes none"
-            raise ConfigError(f"analysis {cls.name!r} has no parameter {key!r}"
-                              + (f"; did you mean {', '.join(hint)}? It {takes}." if hint else f"; it {takes}."))
         tp = accepted[key].annotation
         if not _conforms(value, tp):
             raise ConfigError(f"parameter {key!r} of analysis {cls.name!r} must be {_describe(tp)}, "

@@ -116,7 +116,8 @@ def describe(name: str) -> AnalysisInfo:
         taps = f"(depends on its parameters: {e})"
     return AnalysisInfo(name=name, description=cls.description or doc.split("\n\n")[0].replace("\n", " "),
                         doc=doc, module=cls.__module__, params=parameters(cls), taps=taps or "none",
-                        data=_data_text(cls), references=tuple(ANALYSIS_REFERENCES.get(name, ())))
+                        data=_data_text(cls), references=tuple(ANALYSIS_REFERENCES.get(name, ())),
+                        accepts=tuple(analysis_parameters(cls)), replaced=tuple(cls.replaced.items()))
 
 
 def describe_all() -> list[AnalysisInfo]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,19 +12,18 @@ from typing import Any
 import timm
 import torch
 
-from vitscope.bounds import MAX_DEPTH, MAX_IMAGE_SIDE, MAX_WIDTH, Range
+from vitscope.bounds import ARCH_RANGES, check_arch  # noqa: F401 - ARCH_RANGES: its old home (no torch there)
 from vitscope.errors import (
     CheckpointError,
-    UnknownModelError,
     VitscopeError,
     WeightsUnavailableError,
-    close_matches,
     first_line,
 )
 from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
 from vitscope.models import hf
 from vitscope.models.adapter import ViTModel
+from vitscope.models.names import unknown_model
 from vitscope.models.registry import REGISTRY, ModelSpec, Preprocessing, WeightSource
 
 log = logging.getLogger(__name__)
@@ -168,12 +166,7 @@ def resolve_spec(name_or_path: str | Path) -> ModelSpec:
         return hf.spec_for(hf.fetch(name, name, weights=False), name, name)
     if path.suffix in (".pth", ".pt", ".tar", ".safetensors", ".bin") or "/" in name:
         raise VitscopeError(f"checkpoint file {name!r} does not exist")
-    vit_names = [n for n in timm.list_models() if "vit" in n or "beit" in n]
-    hint = close_matches(name, list(REGISTRY) + vit_names, n=5)
-    raise UnknownModelError(
-        f"unknown model {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else ".")
-        + " `vitscope models` lists the registry; any timm ViT name, a local checkpoint or a transformers "
-          "checkpoint (directory or hub id) works too.")
+    raise unknown_model(name, timm.list_models())  # `vitscope run` refuses it before torch: models/names.py
 
 
 def _default_tag(arch: str) -> str:
@@ -192,23 +185,6 @@ def _timm_preprocessing(name: str) -> Preprocessing:
     return Preprocessing(tuple(c.get("mean", Preprocessing.mean)), tuple(c.get("std", Preprocessing.std)),
                          int(c.get("input_size", (3, 224, 224))[-1]), float(c.get("crop_pct", 0.875)),
                          str(c.get("interpolation", "bicubic")))
-
-
-#: the ranges of the architecture arguments a config may give (timm kwargs, or read off a transformers
-#: config.json): sizes no machine holds are one sentence before timm allocates the model
-ARCH_RANGES = {"img_size": Range(1, MAX_IMAGE_SIDE), "patch_size": Range(1, MAX_IMAGE_SIDE),
-               "depth": Range(1, MAX_DEPTH), "embed_dim": Range(1, MAX_WIDTH), "num_heads": Range(1, MAX_WIDTH),
-               "mlp_ratio": Range(0, 64, open_lo=True)}
-
-
-def check_arch(kwargs: Mapping[str, Any], who: str) -> None:
-    """Every architecture argument of ``kwargs`` within `ARCH_RANGES` (``img_size`` also as a pair): one
-    ConfigError sentence naming ``who`` and the argument otherwise."""
-    for key, r in ARCH_RANGES.items():
-        value = kwargs.get(key)
-        for v in value if isinstance(value, list | tuple) else [value]:
-            if v is not None:
-                r.check(v, f"{who}: {key}")
 
 
 def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:

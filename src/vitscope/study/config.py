@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -71,11 +72,15 @@ def default_config_path() -> Path:
     return Path(str(resources.files("vitscope") / "configs" / "default.yaml"))
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> StudyConfig:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                early: Callable[[StudyConfig], None] | None = None) -> StudyConfig:
     """Merge the YAML file (the embedded default if None) and dotlist overrides into a validated config.
 
     Overrides are ``key=value`` (OmegaConf dotlist, e.g. ``analyses.cka.views=[gap]``) or ``~key`` to remove
-    an entry (e.g. ``~analyses.cka``). Every error is one ConfigError sentence; nothing is loaded."""
+    an entry (e.g. ``~analyses.cka``). Every error is one ConfigError sentence; nothing is loaded.
+
+    ``early(cfg)``: called once the checks that import nothing heavy have passed (`check`), before the others
+    import torch (`vitscope run` makes its own refusals there: `early_refusals`)."""
     embedded = path is None
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
@@ -107,7 +112,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         obj: StudyConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(omegaconf_sentence(e)) from None
-    validate(obj)
+    check(obj)
+    if early is not None:
+        early(obj)
+    _check_with_torch(obj)  # `validate`, `check` done
     if embedded:
         obj.models = _zoo_models_that_pass_the_bar(obj.models)
     return obj
@@ -211,34 +219,38 @@ _LOAD_ARGS = {"weights": "weights", "pretrained": "pretrained", "checkpoint_form
 
 def validate(cfg: StudyConfig) -> None:
     """The checks that need nothing but the config (`load_config` runs them; so does `preflight`, for configs
-    built in code): ConfigError in one sentence."""
+    built in code): ConfigError in one sentence. Those that import nothing heavy come first (`check`)."""
+    check(cfg)
+    _check_with_torch(cfg)
+
+
+def check(cfg: StudyConfig) -> None:
+    """`validate`'s checks that import neither torch nor an analysis, which `vitscope run` makes before it imports
+    them (`load_config`'s ``early``): the models listed (checkpoint lists expanded), their labels distinct, their
+    architecture sizes and kwargs; every count and range of the top level and of the datasets; the analyses'
+    names and their parameters' names (`vitscope.analyses_listing.check_study_analysis`: the shipped snapshot
+    where this process has not imported the analyses). ConfigError in one sentence."""
     if not cfg.models:
         raise ConfigError("the config lists no models: add at least one under `models:`")
     cfg.models = expand_models(cfg.models)
-    _check_ablations(cfg)
-    labels = [m.label or m.name for m in cfg.models]
-    dupes = {x for x in labels if labels.count(x) > 1}
-    if dupes:
-        raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
-    from vitscope.models.load import check_arch, file_given, random_init_takes_no_file
+    if all(m.ablate is None for m in cfg.models):  # else labels are final once the ablations are read
+        _check_labels(cfg)
+    from vitscope.bounds import Range, check_arch
 
     for i, m in enumerate(cfg.models):
         check_arch(m.kwargs or {}, f"models[{i}].kwargs")
-        file = file_given(m.name, m.weights) if not m.pretrained else None
-        if file:
-            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
         for key in m.kwargs or {}:
             if key in _LOAD_ARGS:
                 field_ = _LOAD_ARGS[key]
                 raise ConfigError(f"models[{i}].kwargs.{key}: kwargs are timm.create_model arguments; "
                                   + (f"set {field_} instead" if field_ else f"{key} cannot be set from a study "
                                      "config (call vitscope.load_model in code for that)"))
-    from vitscope.bounds import Range
     from vitscope.data.catalog import check_counts
 
     Range(1).check(cfg.batch_size, "batch_size")
     for name, d in study_datasets(cfg).items():
         check_counts("dataset" if d is cfg.dataset else f"datasets.{name}", d)
+    check_dataset_formats(cfg)
     if cfg.num_workers is not None and (isinstance(cfg.num_workers, bool) or not isinstance(cfg.num_workers, int)
                                         or cfg.num_workers < 0):
         raise ConfigError(f"num_workers must be a whole number of processes, 0 or more (0 reads images in the "
@@ -247,6 +259,35 @@ def validate(cfg: StudyConfig) -> None:
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")
+    from vitscope.analyses_listing import analysis_names, check_study_analysis
+
+    if not cfg.analyses:
+        raise ConfigError(f"the config lists no analyses; available: {', '.join(sorted(analysis_names()))}")
+    for name, params in cfg.analyses.items():
+        try:
+            check_study_analysis(name, params or {})
+        except VitscopeError as e:
+            raise ConfigError(f"analyses.{name}: {e}") from None
+
+
+def _check_labels(cfg: StudyConfig) -> None:
+    labels = [m.label or m.name for m in cfg.models]
+    dupes = {x for x in labels if labels.count(x) > 1}
+    if dupes:
+        raise ConfigError(f"two models share the label {sorted(dupes)}: give each a distinct `label`")
+
+
+def _check_with_torch(cfg: StudyConfig) -> None:
+    """`validate`'s checks after `check`: those whose rules live beside torch code (ablations, weights files,
+    dtypes, devices, the analyses' parameter types and ranges, the plan)."""
+    _check_ablations(cfg)
+    _check_labels(cfg)
+    from vitscope.models.load import file_given, random_init_takes_no_file
+
+    for i, m in enumerate(cfg.models):
+        file = file_given(m.name, m.weights) if not m.pretrained else None
+        if file:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
     from vitscope.capture.engine import DTYPES
 
     if cfg.dtype not in DTYPES:
@@ -262,11 +303,9 @@ def validate(cfg: StudyConfig) -> None:
     if kind not in DEVICE_TYPES:
         raise ConfigError(f"device {cfg.device!r}: vitscope runs studies on {', '.join(DEVICE_TYPES)} (cuda:1 picks a "
                           f"GPU), not on {kind}")
-    from vitscope.analyses import ANALYSES, get_analysis
+    from vitscope.analyses import get_analysis
     from vitscope.analyses.base import validate_params
 
-    if not cfg.analyses:
-        raise ConfigError(f"the config lists no analyses; available: {', '.join(sorted(ANALYSES))}")
     for name, params in cfg.analyses.items():
         try:
             validate_params(get_analysis(name), params or {})
@@ -303,6 +342,77 @@ def _check_ablations(cfg: StudyConfig) -> None:
             m.label = default_label(m.name, spec)
 
 
+def check_dataset_formats(cfg: StudyConfig) -> None:
+    """Every dataset of the study names a format, and gives the `root` and annotation file the format reads
+    (`check`; the plan checks it too, `vitscope.study.plan.make_plan`): one ConfigError sentence otherwise."""
+    from vitscope.data.catalog import get_format
+
+    for dn, dc in study_datasets(cfg).items():
+        where = "dataset" if cfg.dataset is not None and cfg.dataset is dc else f"datasets.{dn}"
+        try:
+            fmt = get_format(dc.name)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.name: {e}") from None
+        if "root" in fmt.options and not dc.root:
+            raise ConfigError(f"{where}.root: the {dc.name} format reads its files from `root`, and none is given")
+        if "annotations" in fmt.options and not dc.annotations:
+            raise ConfigError(f"{where}.annotations: the {dc.name} format needs its annotation file")
+
+
+#: the DatasetConfig fields that name a folder, and those that name a file, of the formats that read them
+_DATA_FOLDERS, _DATA_FILES = ("root", "test_root"), ("annotations", "classes")
+
+
+def check_data_folders(cfg: StudyConfig) -> None:
+    """Every folder a dataset of the study reads from (``root``, ``test_root``) is a folder that holds something,
+    and every file it names (``annotations``, ``classes``) exists, where its format reads that field: one
+    ConfigError sentence naming the key and the format otherwise (`preflight`; `vitscope run` before it imports
+    torch). The format's own loader checks what the folder must hold when the dataset is built."""
+    from vitscope.data.catalog import FORMATS
+
+    for name, d in study_datasets(cfg).items():
+        fmt = FORMATS.get(d.name)
+        if fmt is None:  # an unknown format: the plan's sentence
+            continue
+        where = "dataset" if d is cfg.dataset else f"datasets.{name}"
+        reads = f"({fmt.name}: {fmt.description})"
+        for key in (*_DATA_FOLDERS, *_DATA_FILES):
+            value = getattr(d, key, None)
+            if key not in fmt.options or value is None:
+                continue
+            p = Path(str(value))
+            if not p.exists():
+                raise ConfigError(f"{where}.{key} {str(p)!r} does not exist {reads}")
+            if key in _DATA_FILES:
+                if not p.is_file():
+                    raise ConfigError(f"{where}.{key} {str(p)!r} is a folder, not a file {reads}")
+                continue
+            if not p.is_dir():
+                raise ConfigError(f"{where}.{key} {str(p)!r} is a file, not a folder {reads}")
+            if not any(not q.name.startswith(".") for q in p.iterdir()):
+                raise ConfigError(f"{where}.{key} {str(p)!r} is an empty folder {reads}")
+
+
+def early_refusals(cfg: StudyConfig, names: bool = True, lock: bool = True) -> None:
+    """What `vitscope run` refuses before it imports torch, besides the config itself (`check`): with ``names``,
+    a model name nothing knows (`vitscope.models.names.check_name`, in the sentence the model's loading gives),
+    a dataset folder that is missing or empty (`check_data_folders`) and, with ``lock``, a run directory
+    another run is writing into (`rundir.check_free`). ConfigError in one sentence; the full checks follow
+    (`preflight`)."""
+    from vitscope.models.names import check_name
+
+    for i, m in enumerate(cfg.models if names else []):
+        try:
+            check_name(m.name)
+        except VitscopeError as e:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {e}") from None
+    check_data_folders(cfg)
+    if lock:
+        from vitscope.study.rundir import check_free
+
+        check_free(Path(cfg.output_dir))
+
+
 def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     """What can be checked about the machine before any model loads (`run_study` calls it first): the config
     itself (`validate`), the device, every model name and local checkpoint file, and that the output and
@@ -311,6 +421,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
     ``dry_run`` (`vitscope run --dry-run`): nothing is created, and a weights file or checkpoint that is not
     there is not an error but one of the notes returned."""
     validate(cfg)
+    check_data_folders(cfg)
     notes: list[str] = []
     import torch
 

@@ -79,19 +79,10 @@ def label_of(m: Any) -> str:
 
 
 def make_plan(cfg: Any) -> Plan:
-    from vitscope.study.config import study_datasets
+    from vitscope.study.config import check_dataset_formats, study_datasets
 
     datasets = study_datasets(cfg)
-    for dn, dc in datasets.items():
-        where = "dataset" if cfg.dataset is not None and cfg.dataset is dc else f"datasets.{dn}"
-        try:
-            fmt = get_format(dc.name)
-        except ConfigError as e:
-            raise ConfigError(f"{where}.name: {e}") from None
-        if "root" in fmt.options and not dc.root:
-            raise ConfigError(f"{where}.root: the {dc.name} format reads its files from `root`, and none is given")
-        if "annotations" in fmt.options and not dc.annotations:
-            raise ConfigError(f"{where}.annotations: the {dc.name} format needs its annotation file")
+    check_dataset_formats(cfg)  # `vitscope run` checks them before it imports torch too
     models = _order_models(cfg.models)
     labels = [label_of(m) for m in models]
     plans = []

@@ -58,6 +58,13 @@ def hold(out: Path) -> FileLock:
     return lock
 
 
+def check_free(out: Path) -> None:
+    """`hold`'s refusal without keeping the lock, and without creating anything: `vitscope run` says it before it
+    imports torch (the run takes the lock itself before it writes; one that starts in between is refused then)."""
+    if (Path(out) / LOCK).is_file():  # no lock file: no run has ever held the directory
+        hold(out).release()
+
+
 def own_results(manifest: dict[str, Any], out: Path) -> set[str]:
     """The files under results/ (relative, posix) vitscope wrote, by the manifest (one written before it listed
     them: the tables, ``results/*.parquet``)."""

@@ -1,0 +1,94 @@
+"""Model names without torch or timm: the refusal of a name no registry entry, timm model, file or hub id has,
+in the one sentence `vitscope.models.load.resolve_spec` gives, decided before `vitscope run` imports torch.
+
+timm's model names are read off its sources (``timm/models/*.py``, where each model is a function under
+``@register_model`` and each renamed one a string of a deprecation map) instead of importing timm (which imports
+torch: seconds). The light check refuses only what it is sure of: a name that appears nowhere in those sources
+(whole, as an identifier) and is neither a path, a hub id nor a checkpoint file name; anything else is left to
+`resolve_spec`, which imports timm and decides (a test keeps every name timm knows known here).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from vitscope.errors import UnknownModelError, close_matches
+from vitscope.models.registry import REGISTRY
+
+#: names `resolve_spec` reads as checkpoint files (a missing one is its own sentence there)
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".tar", ".safetensors", ".bin")
+_WORD = re.compile(r"[A-Za-z0-9_.-]+")
+_IDENT = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_")
+
+
+def unknown_model(name: str, timm_names: Iterable[str]) -> UnknownModelError:
+    """The sentence for a model name nothing knows: the closest registry entries and timm ViT names
+    (``timm_names``: timm's models, in `timm.list_models` order), and what else a name may be."""
+    vit_names = [n for n in timm_names if "vit" in n or "beit" in n]
+    hint = close_matches(name, list(REGISTRY) + vit_names, n=5)
+    return UnknownModelError(
+        f"unknown model {name!r}" + (f"; did you mean {', '.join(hint)}?" if hint else ".")
+        + " `vitscope models` lists the registry; any timm ViT name, a local checkpoint or a transformers "
+          "checkpoint (directory or hub id) works too.")
+
+
+@functools.cache
+def _timm_sources() -> str | None:
+    """The text of the installed timm's model sources, found without importing timm; None without them."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("timm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    root = Path(next(iter(spec.submodule_search_locations))) / "models"
+    try:
+        text = "\n".join(f.read_text(encoding="utf-8", errors="replace") for f in sorted(root.rglob("*.py")))
+    except OSError:
+        return None
+    return text if "@register_model" in text else None  # a layout this reading does not know: decide nothing
+
+
+def _natural_key(name: str) -> list[int | str]:
+    """timm's order of `list_models` (its ``_natural_key``)."""
+    return [int(s) if s.isdigit() else s for s in re.split(r"(\d+)", name.lower())]
+
+
+def timm_models() -> list[str] | None:
+    """The model names of the installed timm as `timm.list_models` gives them (its ``@register_model``
+    functions, in its order), read off its sources; None where they cannot be read."""
+    text = _timm_sources()
+    if text is None:
+        return None
+    return sorted(set(re.findall(r"@register_model(?:\([^)]*\))?\s*\n\s*def (\w+)\(", text)), key=_natural_key)
+
+
+def _in_timm_sources(arch: str, text: str) -> bool:
+    """``arch`` occurs in ``text`` as a whole identifier (a function, a deprecated name in quotes, a tag's arch)."""
+    start = text.find(arch)
+    while start >= 0:
+        end = start + len(arch)
+        if (start == 0 or text[start - 1] not in _IDENT) and (end == len(text) or text[end] not in _IDENT):
+            return True
+        start = text.find(arch, start + 1)
+    return False
+
+
+def check_name(name: str) -> None:
+    """Refuse, without torch or timm, a model name `resolve_spec` would refuse as unknown (`unknown_model`), where
+    that is certain: not a registry entry, not a path that exists, not a hub id or checkpoint file name, and
+    nowhere in timm's sources. Any other name passes here (`resolve_spec` decides it when the model loads)."""
+    name = str(name)
+    if not name or name in REGISTRY or not _WORD.fullmatch(name) or name.endswith(CHECKPOINT_SUFFIXES):
+        return
+    if Path(name).exists():
+        return
+    text = _timm_sources()
+    if text is None or _in_timm_sources(name.partition(".")[0], text):
+        return
+    raise unknown_model(name, timm_models() or [])
