@@ -307,3 +307,36 @@ def test_top_k_equals_the_first_k_of_a_stable_sort_with_ties():
         sim = rng.integers(0, 3, (n, n)).astype(float) if trial % 2 else rng.standard_normal((n, n))
         np.fill_diagonal(sim, -np.inf)
         assert np.array_equal(S._top_k(sim, k), np.argsort(-sim, axis=1, kind="stable")[:, :k]), trial
+
+
+def test_a_jackknife_replicate_s_neighbour_lists_are_those_of_a_fresh_search_ties_included():
+    """`_lists_without` (the long lists filtered) against `prepare` on the kept rows, on tied and untied data,
+    with groups large enough that some rows lose most of their list and are searched again."""
+    rng = np.random.default_rng(2)
+    for t in range(24):
+        n, d = int(rng.integers(20, 200)), int(rng.integers(2, 12))
+        k, groups = int(rng.integers(1, min(12, n // 3))), int(rng.integers(2, 8))
+        a = rng.integers(-2, 3, size=(n, d)).astype(float) if t % 2 else rng.standard_normal((n, d))
+        a[np.linalg.norm(a, axis=1) == 0, 0] = 1.0
+        lists = S._long_lists(a, k, groups)
+        for g in range(groups):
+            keep = np.flatnonzero(np.arange(n) % groups != g)
+            knn, knn_sim = S._lists_without(*lists, keep, k)
+            fresh = S.prepare(a[keep], ["mutual_knn"], k=k)
+            np.testing.assert_array_equal(knn, fresh.knn)
+            np.testing.assert_allclose(knn_sim, fresh.knn_sim, rtol=1e-12)
+
+
+def test_float32_bases_for_nulls_give_every_measure_within_1e_5_of_float64():
+    """`Prepared.single` (the permutation nulls' bases): the same scores as the float64 bases to a few digits."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((300, 40)) * (np.arange(40) + 1.0) ** -0.5
+    y = x @ rng.standard_normal((40, 50)) + rng.standard_normal((300, 50))
+    px, py = S.prepare(x, rsa_images=60), S.prepare(y, rsa_images=60)
+    for p in range(3):
+        perm = np.concatenate([rng.permutation(60), 60 + rng.permutation(240)]) if p else np.arange(300)
+        exact = S.compare_grid([px], [py.permuted(perm)], [(0, 0)], reverse=S.ASYMMETRIC)[0, 0]
+        fast = S.compare_grid([px.single()], [py.single().permuted(perm)], [(0, 0)], reverse=S.ASYMMETRIC)[0, 0]
+        assert fast.keys() == exact.keys()
+        for m in exact:
+            assert fast[m] == pytest.approx(exact[m], abs=1e-5), m

@@ -49,7 +49,7 @@ def _value(df, tap, tap_b, metric):
 def test_within_model_grid_equals_the_measures_on_extracted_features():
     vm = tiny("vit")
     batches = _batches(vm)
-    a = _run(vm, batches, k=4, rsa_images=N, n_subset=100)
+    a = _run(vm, batches, k=4, rsa_images=N, n_subset=100, grid="full")
     df = a.finalize()
     f0, f2 = _gap(vm, batches, "block0.out"), _gap(vm, batches, "block2.out")
     assert _value(df, "block0.out", "block2.out", "procrustes") == pytest.approx(M.procrustes_distance(f0, f2))
@@ -116,7 +116,7 @@ def test_cross_model_rows_nulls_and_intervals():
     related = (x @ np.linalg.qr(rng.standard_normal((d, d)))[0] + 0.3 * rng.standard_normal((n, d))).astype(np.float32)
     independent = rng.standard_normal((n, d)).astype(np.float32)
     ids = torch.arange(n)
-    params = dict(k=10, rsa_images=60, n_permutations=99, n_groups=8, null_pairs="matched")
+    params = dict(k=10, rsa_images=60, n_permutations=99, n_groups=8, null_pairs="matched", grid="cross")
     a = _fed(vm_a, {"block0.out": x, "block1.out": x}, ids, **params)
     b = _fed(vm_b, {"block0.out": related, "block1.out": independent}, ids, **params)
     cross = type(a).cross([a, b])
@@ -203,6 +203,40 @@ def test_default_tests_only_the_last_pair_and_old_parameters_say_what_replaced_t
     validate_params(cls, {"n_permutations": 0, "n_groups": 0})
 
 
+def test_the_default_grid_is_matched_depths_across_models_drawn_as_profiles_with_their_intervals():
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    from matplotlib.container import ErrorbarContainer
+
+    from vitscope.report.figures import FIGURES
+
+    cls = get_analysis("similarity")
+    vm_a, vm_b = tiny("vit"), tiny("vit", seed=5)
+    vm_a.name, vm_b.name = "A", "B"
+    rng = np.random.default_rng(7)
+    fa = {f"block{i}.out": rng.standard_normal((60, 6)).astype(np.float32) for i in range(3)}
+    fb = {f"block{i}.out": rng.standard_normal((60, 6)).astype(np.float32) for i in range(2)}  # a shallower B
+    a = _fed(vm_a, fa, torch.arange(60), k=3, rsa_images=20, measures=["mean_cca", "ridge_r2"], n_groups=4)
+    b = _fed(vm_b, fb, torch.arange(60), k=3, rsa_images=20, measures=["mean_cca", "ridge_r2"], n_groups=4)
+    assert a.finalize().empty  # nothing within a model unless grid: full
+    cross = cls.cross([a, b])
+    # each of A's layers with B's at the same relative depth: 0 -> 0, 1 -> round(0.5) = 0, 2 -> 1
+    assert set(zip(cross.tap, cross.tap_b, strict=True)) == {("block0.out", "block0.out"),
+                                                             ("block1.out", "block0.out"),
+                                                             ("block2.out", "block1.out")}
+    assert set(cross.metric) == {"mean_cca", "ridge_r2", "ridge_r2_reverse"}
+    (caption, fig), = FIGURES["similarity"](cross)
+    assert "grid: full" in caption
+    ax = next(ax for ax in fig.axes if ax.get_title().startswith("mean cca"))
+    assert len(ax.lines) >= 1 and list(ax.lines[0].get_xdata()) == [0, 1, 2]
+    bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
+    assert bars  # the last pair's jackknife interval
+    plt.close(fig)
+    with pytest.warns(UserWarning, match="with one model and grid 'matched' it computes nothing"):
+        assert cls.cross([a]) is None
+    assert pd.isna(cross.p_value).sum() == len(cross) - 3  # nulls at the last pair only
+
+
 def test_cross_model_refuses_different_images():
     vm = tiny("vit")
     a = _run(vm, _batches(vm, n=12), taps="block-1.out", measures=["mean_cca"])
@@ -237,7 +271,7 @@ def test_figures_show_the_table_reverse_scores_in_the_other_block_and_a_map_per_
     x = rng.standard_normal((60, 8)).astype(np.float32)
     feats = [{f"block{i}.out": x * (i + 1) + rng.standard_normal((60, 8)).astype(np.float32) for i in range(3)}
              for _ in vms]
-    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_groups=0,
+    an = [_fed(vm, f, torch.arange(60), k=5, n_permutations=0, n_groups=0, grid="full",
                measures=["ridge_r2", "angular_shape", "mutual_knn"]) for vm, f in zip(vms, feats, strict=True)]
     df = pd.concat([a.finalize() for a in an] + [type(an[0]).cross(an)], ignore_index=True)
     figs = FIGURES["similarity"](df)
@@ -276,7 +310,7 @@ models:
   - {{name: vit_small_patch16_224, label: b, pretrained: false, seed: 3, kwargs: {kw}}}
 dataset: {{name: synthetic-shapes, n_images: 30}}
 analyses:
-  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 99, n_groups: 3}}
+  similarity: {{n_subset: 13, k: 3, rsa_images: 10, n_permutations: 99, n_groups: 3, grid: full}}
 batch_size: 4
 progress: false
 """)

@@ -45,6 +45,9 @@ Permutations = Annotated[int, Range(99, or_zero=True, why="a p-value needs 99 pe
 Groups = Annotated[int, Range(2, 1000, or_zero=True, why="a jackknife needs 2 groups; beyond 1000 it takes hours")]
 #: which layer pairs across models get nulls and intervals
 NULL_PAIRS = ("last", "matched", "all", "none")
+#: which layer pairs the measures are computed for: across models, each layer with the other model's at the same
+#: relative depth ('matched'), or every pair ('cross'); 'full' adds every pair within each model
+GRIDS = ("matched", "cross", "full")
 
 #: images per CKA batch: the unbiased HSIC estimator needs at least C.MIN_HSIC1_EXAMPLES
 CkaBatch = Annotated[int, Range(C.MIN_HSIC1_EXAMPLES,
@@ -727,8 +730,8 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 
 @register_analysis
 class Similarity(Analysis):
-    """Representation similarity beyond CKA (math in `vitscope.metrics.similarity`), layer x layer within the
-    model and, in `cross`, for every pair of models: orthogonal Procrustes distance and the angular shape
+    """Representation similarity beyond CKA (math in `vitscope.metrics.similarity`) between the layers of every
+    pair of models (`cross`): orthogonal Procrustes distance and the angular shape
     metric at partial whitenings ``alphas`` (0 = CCA, 1 = Procrustes; Williams et al. 2021), mean CCA, SVCCA
     (Raghu et al. 2017), PWCCA (Morcos et al. 2018; weights from ``layer``), RSA of correlation-distance RDMs
     by Spearman and Kendall's tau_a (Kriegeskorte et al. 2008), mutual k-NN and CKNNA (Huh et al. 2024) and
@@ -736,6 +739,12 @@ class Similarity(Analysis):
     PWCCA, ridge R² and CKNNA change with the order of the pair (`ASYMMETRIC`): within a model every ordered
     pair of layers has its own row, the others are copied to (j, i). ``measures`` picks them; distances
     (procrustes, angular_shape) are small for similar representations.
+
+    ``grid`` says which layer pairs: 'matched' (the default), each layer of A with B's layer at the same
+    relative depth, a profile through depth; 'cross', every layer of A with every layer of B; 'full', those and
+    every pair of layers within each model (layer x layer, what `cka` gives cheaply for CKA). A pair costs a
+    cross product and a few r x r decompositions (see Cost), so 'cross' costs 13x 'matched' for 13 taps and 'full'
+    about twice 'cross'; the map of every tap by the shape metric needs 'full'.
 
     One pooled ``view`` ('cls', 'gap' or 'gap_spatial') of each tap. The measures need whole feature
     matrices, so the analysis keeps a seeded random subset of ``n_subset`` images in float16: the images whose
@@ -778,8 +787,9 @@ class Similarity(Analysis):
     grids 31 s, the cross grid 25 s, the 99 permutations of the last pair 14 s and its jackknife 10 s; mean CCA alone
     over the three grids, the floor of the CCA family (a cross product and a decomposition per pair), 11 s."""
 
-    state_version = 3  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
-    # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default
+    state_version = 4  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
+    # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default;
+    # 4: ``grid``, 'matched' by default (the full grids on request)
     replaced = {"n_bootstrap": "its bootstrap intervals missed their own estimates (a resample's duplicated "
                                "images change the CCA family, the shape metric, ridge and the neighbours); "
                                "a jackknife over n_groups groups of images gives the intervals now"}
@@ -793,7 +803,8 @@ class Similarity(Analysis):
                  measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
                  seed: int = 0, alphas: Sequence[Fraction] = (0.0, 0.5, 1.0), k: Count = 10,
                  rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
-                 n_permutations: Permutations = 99, n_groups: Groups = 20, null_pairs: str = "last"):
+                 n_permutations: Permutations = 99, n_groups: Groups = 20, null_pairs: str = "last",
+                 grid: str = "matched"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         if view not in POOLED_VIEWS:
@@ -809,6 +820,9 @@ class Similarity(Analysis):
         self.measures = [m for m in M.MEASURES if m in measures]
         if null_pairs not in NULL_PAIRS:
             raise unknown_name("similarity null_pairs", null_pairs, NULL_PAIRS)
+        if grid not in GRIDS:
+            raise unknown_name("similarity grid", grid, GRIDS)
+        self.grid = grid
         if ("mutual_knn" in self.measures or "cknna" in self.measures) and int(k) >= int(n_subset):
             raise ConfigError(f"similarity: k = {k} neighbours needs n_subset above it, got {n_subset}")
         self.n_subset, self.seed, self.k = int(n_subset), int(seed), int(k)
@@ -855,10 +869,13 @@ class Similarity(Analysis):
 
     # -- finalize ---------------------------------------------------------------------------------------------
 
-    def _prepared(self, rows: Any = None) -> list[M.Prepared]:
+    def _check_kept(self) -> None:
         if len(self.ids) < 5:
             raise VitscopeError(f"similarity: {self.model_name} kept {len(self.ids)} images; the measures need at "
                                 "least 5 (give the dataset more images)")
+
+    def _prepared(self, rows: Any = None) -> list[M.Prepared]:
+        self._check_kept()
         return [M.prepare(self.feats[t] if rows is None else self.feats[t][rows], self.measures, k=self.k,
                           rsa_images=self.rsa_images, name=f"{self.model_name} {t}") for t in self.taps]
 
@@ -875,6 +892,9 @@ class Similarity(Analysis):
                 "n_images": self._n_of(metric), "images_seen": self.n_images}
 
     def finalize(self) -> pd.DataFrame:
+        if self.grid != "full":  # the measures across models only (`cross`): no rows within the model
+            self._check_kept()
+            return self.tidy([])
         with few_threads():
             prep = self._prepared()
             asym = [m for m in M.ASYMMETRIC if m in self.measures]
@@ -897,6 +917,10 @@ class Similarity(Analysis):
     @classmethod
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
         frames = []
+        if len(analyses) < 2 and analyses and analyses[0].grid != "full":
+            warnings.warn(f"similarity compares models: with one model and grid '{analyses[0].grid}' it computes "
+                          "nothing (set grid: full for every pair of layers within the model)", ResultWarning,
+                          stacklevel=2)
         prepared: dict[int, list[M.Prepared]] = {}  # each model's taps prepared once for all its pairs
 
         def prep(k: int) -> list[M.Prepared]:
@@ -917,22 +941,30 @@ class Similarity(Analysis):
             prepared.pop(i, None)  # model i has no later pairs
         return pd.concat(frames, ignore_index=True) if frames else None
 
+    def _grid_pairs(self, other: Similarity) -> list[tuple[int, int]]:
+        """The layer pairs across the two models that ``grid`` computes."""
+        na, nb = len(self.taps), len(other.taps)
+        if self.grid == "matched":
+            return _matched(na, nb)
+        return list(itertools.product(range(na), range(nb)))
+
     def _tested_pairs(self, other: Similarity) -> list[tuple[int, int]]:
-        """The layer pairs ``null_pairs`` names, which get nulls and intervals."""
+        """The layer pairs ``null_pairs`` names ('all': every pair the grid computes), which get nulls and
+        intervals."""
         na, nb = len(self.taps), len(other.taps)
         if self.null_pairs == "none" or not (self.n_permutations or self.n_groups):
             return []
         if self.null_pairs == "all":
-            return list(itertools.product(range(na), range(nb)))
+            return self._grid_pairs(other)
         if self.null_pairs == "last":
             return [(na - 1, nb - 1)]
-        return sorted({(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)})
+        return _matched(na, nb)
 
     def _cross_rows(self, other: Similarity, pa: list[M.Prepared], pb: list[M.Prepared]) -> pd.DataFrame:
         with few_threads():
             rev = [m for m in M.ASYMMETRIC if m in self.measures]
-            grid = M.compare_grid(pa, pb, itertools.product(range(len(pa)), range(len(pb))), self.measures,
-                                  alphas=self.alphas, ridge=self.ridge, reverse=rev)
+            grid = M.compare_grid(pa, pb, self._grid_pairs(other), self.measures, alphas=self.alphas,
+                                  ridge=self.ridge, reverse=rev)
             rows: dict[tuple[int, int, str], dict[str, Any]] = {}
             for (i, j), got in grid.items():
                 for metric, v in got.items():
@@ -962,6 +994,7 @@ class Similarity(Analysis):
         the shuffles of one pair in one `compare_grid` (their cross products in one matrix product)."""
         n, m_rsa = len(self.ids), min(self.rsa_images, len(self.ids))
         shuffled = []
+        pa, pb = pa.single(), pb.single()  # a shuffle's score needs a few digits: float32 products, 2x faster
         for p in range(self.n_permutations):
             g = self._rng(1, i, j, p)
             shuffled.append(pb.permuted(np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)])))
@@ -987,6 +1020,12 @@ class Similarity(Analysis):
         return M.jackknife_replicates([self.feats[t] for t in self.taps], [other.feats[t] for t in other.taps],
                                       pairs, g_count, self.measures, k=self.k, rsa_images=self.rsa_images,
                                       alphas=self.alphas, ridge=self.ridge, reverse=rev)
+
+
+def _matched(na: int, nb: int) -> list[tuple[int, int]]:
+    """Each of A's ``na`` layers with B's layer at the same relative depth (the first with the first, the last
+    with the last)."""
+    return sorted({(i, round(i * (nb - 1) / max(na - 1, 1))) for i in range(na)})
 
 
 def _is_distance(metric: str) -> bool:

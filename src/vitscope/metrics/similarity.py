@@ -120,6 +120,12 @@ class Prepared:
     rdm_ranks: np.ndarray | None = None
     extra: dict = field(default_factory=dict)  # cached values the order of the examples does not change
 
+    def single(self) -> Prepared:
+        """The same matrix with its basis in float32: `compare_grid`'s products of n rows (the cross products and
+        ridge's residuals) then run at float32, about twice as fast, and every decomposition still at float64.
+        For permutation nulls, where a shuffled score needs a few digits (errors of about 1e-6 here)."""
+        return replace(self, u=None if self.u is None else self.u.astype(np.float32))
+
     def permuted(self, perm: np.ndarray) -> Prepared:
         """The same matrix with its examples reordered (row i of the new one is row perm[i]), without a new SVD
         or neighbour search. The RDM part is reordered within its first ``rdm_n`` examples: ``perm`` must map
@@ -321,7 +327,7 @@ def _cross_products(pa: Sequence[Prepared], pb: Sequence[Prepared],
         for chunk in _chunks(js, [pb[j].u.shape[1] for j in js]):
             wide = pa[i].u.T @ np.concatenate([pb[j].u for j in chunk], axis=1)
             for j, block in zip(chunk, _split(wide, [pb[j].u.shape[1] for j in chunk]), strict=True):
-                out[i, j] = block
+                out[i, j] = block.astype(np.float64, copy=False)  # a float32 product (`Prepared.single`) too
     return {pair: out[pair] for pair in pairs}
 
 
@@ -350,7 +356,9 @@ def _linear(px: Prepared, py: Prepared, cross: np.ndarray, measures: list[str], 
     if "pwcca" in measures:
         eig[False] = np.linalg.eigh(cross @ cross.T)
     if "pwcca" in reverse:
-        eig[True] = np.linalg.eigh(cross.T @ cross)
+        eig[True] = _other_side(cross, *eig[False]) if "pwcca" in measures else None
+        if eig[True] is None:
+            eig[True] = np.linalg.eigh(cross.T @ cross)
     rho = None  # canonical correlations, computed once for the measures that share them
     if "mean_cca" in measures or "pwcca" in measures or ("angular_shape" in measures and 0.0 in alphas):
         lam = eig[tall][0] if tall in eig else np.linalg.eigvalsh(cross.T @ cross if tall else cross @ cross.T)
@@ -376,6 +384,22 @@ def _linear(px: Prepared, py: Prepared, cross: np.ndarray, measures: list[str], 
     return out
 
 
+SIDE_TOL = 1e-12  # smallest canonical correlation² whose y-side direction is derived from its x-side one
+
+
+def _other_side(cross: np.ndarray, lam: np.ndarray, vec: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``eigh(Mᵀ M)``'s leading part from ``eigh(M Mᵀ) = (lam, vec)`` (ascending): each y-side canonical direction
+    is ``b_i = Mᵀ a_i / rho_i``, one r³ product instead of a second eigendecomposition. Returned ascending as eigh
+    gives it, the ``min(M.shape)`` leading directions only (all PWCCA reads). An error e in ``a_i`` becomes about
+    e rho_j / rho_i in ``b_i``: None when a rho_i² is below SIDE_TOL (the caller decomposes ``Mᵀ M`` instead)."""
+    c = min(cross.shape)
+    lam_c, vec_c = lam[lam.shape[0] - c:], vec[:, vec.shape[1] - c:]
+    if c == 0 or lam_c[0] < SIDE_TOL:
+        return None
+    b = cross.T @ vec_c
+    return lam_c, b / np.linalg.norm(b, axis=0, keepdims=True)  # |Mᵀ a_i| = rho_i, renormalised against rounding
+
+
 def _pwcca(px: Prepared, lam: np.ndarray, vec: np.ndarray, c: int) -> float:
     """PWCCA with weights from x, given the eigendecomposition of ``M Mᵀ`` (ascending) for ``M = U_xᵀ U_y``:
     x's canonical directions are its eigenvectors of the ``c`` largest eigenvalues."""
@@ -397,12 +421,13 @@ def _ridge_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], cross: Mapping[t
         px = pa[i]
         f = px.s ** 2 / (px.s ** 2 + ridge)  # shrinkage of each direction of X (total variance 1)
         scale = 1.0 / np.maximum(1.0 - (px.u ** 2) @ f, 1e-12)  # 1 / (1 - the hat matrix's diagonal)
+        dt = px.u.dtype  # float32 for `Prepared.single` bases: the products of n rows at that precision
         for chunk in _chunks(js, [pb[j].u.shape[1] for j in js]):
-            coef = np.concatenate([f[:, None] * cross[i, j] * pb[j].s[None, :] for j in chunk], axis=1)
-            resid = np.concatenate([pb[j].u * pb[j].s[None, :] for j in chunk], axis=1)
+            coef = np.concatenate([f[:, None] * cross[i, j] * pb[j].s[None, :] for j in chunk], axis=1).astype(dt)
+            resid = np.concatenate([pb[j].u * pb[j].s[None, :].astype(dt) for j in chunk], axis=1).astype(dt)
             resid -= px.u @ coef  # (I - H) Y in Y's basis, every target side by side
-            resid *= scale[:, None]
-            sse = (resid ** 2).sum(0)
+            resid *= scale[:, None].astype(dt)
+            sse = np.einsum("ij,ij->j", resid, resid, dtype=np.float64)
             for j, part in zip(chunk, _split(sse[None, :], [pb[j].u.shape[1] for j in chunk]), strict=True):
                 out[i, j] = float(1.0 - part.sum() / (pb[j].s ** 2).sum())
     return out
@@ -562,17 +587,67 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
     out: dict[tuple[int, int], dict[str, list[float]]] = {pair: {} for pair in pairs}
     rows_a, rows_b = sorted({i for i, _ in pairs}), sorted({j for _, j in pairs})
     m_rsa = n if rsa_images is None else min(int(rsa_images), n)
+    mats = {("x", i): _matrix(xs[i], f"x{i}") for i in rows_a} | {("y", j): _matrix(ys[j], f"y{j}") for j in rows_b}
+    neighbours = [m for m in measures if m in ("mutual_knn", "cknna")]
+    rest = [m for m in measures if m not in neighbours]
+    # each matrix's neighbour lists once, long enough that a group's deletion leaves k in nearly every row
+    lists = {key: _long_lists(a, k, groups) for key, a in mats.items()} if neighbours else {}
     for g in range(groups):
         keep = np.flatnonzero(np.arange(n) % groups != g)
         kw = dict(k=k, rsa_images=int((keep < m_rsa).sum()))
-        pa = [prepare(_matrix(xs[i], f"x{i}")[keep], measures, name=f"x{i}", **kw) for i in rows_a]
-        pb = [prepare(_matrix(ys[j], f"y{j}")[keep], measures, name=f"y{j}", **kw) for j in rows_b]
+
+        def prep(key: tuple[str, int], keep: np.ndarray = keep, kw: dict = kw) -> Prepared:
+            p = prepare(mats[key][keep], rest, name=f"{key[0]}{key[1]}", **kw) if rest else Prepared(n=len(keep))
+            if neighbours:
+                if not 1 <= k <= len(keep) - 1:
+                    raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {len(keep) - 1}")
+                p.knn, p.knn_sim = _lists_without(*lists[key], keep, k)
+            return p
+
+        pa = [prep(("x", i)) for i in rows_a]
+        pb = [prep(("y", j)) for j in rows_b]
         got = compare_grid(pa, pb, [(rows_a.index(i), rows_b.index(j)) for i, j in pairs], measures, alphas=alphas,
                            ridge=ridge, reverse=reverse)
         for i, j in pairs:
             for metric, v in got[rows_a.index(i), rows_b.index(j)].items():
                 out[i, j].setdefault(metric, []).append(v)
     return out
+
+
+def _long_lists(a: np.ndarray, k: int, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(z, idx, sim)``: the rows of ``a`` at unit norm and each row's nearest neighbours by cosine, in
+    `_top_k`'s order, about twice as many as k plus what a group's deletion takes from a list."""
+    n = a.shape[0]
+    z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
+    sim = z @ z.T
+    np.fill_diagonal(sim, -np.inf)
+    idx = _top_k(sim, min(n - 1, 2 * int(np.ceil(k * groups / max(groups - 1, 1))) + 8))
+    return z, idx, np.take_along_axis(sim, idx, axis=1)
+
+
+def _lists_without(z: np.ndarray, idx: np.ndarray, sim: np.ndarray, keep: np.ndarray,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` nearest neighbours among the rows ``keep`` (sorted) of each of them, numbered among them: the
+    first k kept entries of its long list (`_long_lists`). Deleting rows keeps the order of the others and their
+    column order, which breaks ties, so these are the lists `prepare` finds on ``z[keep]``; a row left with fewer
+    than k kept entries is searched again."""
+    new = np.full(z.shape[0], -1)
+    new[keep] = np.arange(len(keep))
+    cand = new[idx[keep]]
+    ok = cand >= 0
+    take = ok & (np.cumsum(ok, axis=1) <= k)
+    short = take.sum(1) < k
+    knn = np.empty((len(keep), k), dtype=idx.dtype)
+    knn_sim = np.empty((len(keep), k))
+    full = ~short
+    knn[full] = cand[full][take[full]].reshape(-1, k)
+    knn_sim[full] = sim[keep][full][take[full]].reshape(-1, k)
+    for r in np.flatnonzero(short):  # rare: most of its list was deleted
+        row = z[keep[r]] @ z[keep].T
+        row[r] = -np.inf
+        knn[r] = _top_k(row[None, :], k)[0]
+        knn_sim[r] = row[knn[r]]
+    return knn, knn_sim
 
 
 def jackknife_interval(value: float, replicates: Sequence[float], bounds: tuple[float, float] = (-np.inf, np.inf),

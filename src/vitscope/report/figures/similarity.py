@@ -211,6 +211,8 @@ def similarity(df: pd.DataFrame) -> Figures:
     on a reversed scale (bright = similar everywhere). (2) A metric MDS map of every (model, tap) from the
     angular shape metric [Williams et al. 2021] (alpha 0.5 where computed, else the first), each model a
     coloured trajectory through depth."""
+    if _matched_only(df[~df.metric.str.endswith("_reverse")]):
+        return [_profiles(df)]
     df = df[~df.metric.str.endswith("_reverse")].pipe(lambda d: pd.concat([d, _reversed(df)], ignore_index=True))
     metrics = list(dict.fromkeys(df.metric))
     rows, cols = grid_shape(len(metrics), 4)
@@ -236,7 +238,56 @@ def similarity(df: pd.DataFrame) -> Figures:
     mds = _mds_map(df)
     if mds is not None:
         out.append(mds)
+    else:
+        out[0] = (out[0][0] + ". No map of every tap by the shape metric: it needs the distances within each "
+                  "model as well (grid: full, and alpha among the measures)", out[0][1])
     return out
+
+
+def _matched_only(df: pd.DataFrame) -> bool:
+    """Whether the table holds matched layers only (`grid: matched`): across models, one layer of B per layer
+    of A and measure."""
+    if df.empty or (df.model == df.model_b).any():
+        return False
+    return bool((df.groupby(["model", "model_b", "tap", "metric"], sort=False).size() == 1).all())
+
+
+def _profiles(df: pd.DataFrame) -> tuple[str, plt.Figure]:
+    """One panel per measure: its value at matched depths against A's block, a line per pair of models, with
+    the 95 % interval where the table has one (the pairs ``null_pairs`` names)."""
+    metrics = list(dict.fromkeys(df.metric))
+    pairs = list(dict.fromkeys(zip(df.model, df.model_b, strict=True)))
+    names = [f"{model_label(a)} vs {model_label(b)}" for a, b in pairs]
+    rows, cols = grid_shape(len(metrics), 4)
+    fig, axes = panels(rows, cols, panel=(2.6, 2.1))
+    for ax, metric in zip(axes.flat, metrics, strict=False):
+        for (a, b), name in zip(pairs, names, strict=True):
+            g = df[(df.metric == metric) & (df.model == a) & (df.model_b == b)].sort_values("layer")
+            color = model_color(name, names)
+            ax.plot(g.layer, g.value, "-o", ms=2.5, lw=1.2, color=color, label=name)
+            if {"value_lo", "value_hi"} <= set(g.columns):
+                e = g[g.value_lo.notna()]
+                ax.errorbar(e.layer, e.value, yerr=[e.value - e.value_lo, e.value_hi - e.value], fmt="none",
+                            ecolor=color, capsize=2, lw=1)
+        base = metric.removesuffix("_reverse")
+        label = _scale(base)[1].replace("row predicts column", "A predicts B").replace("from the row", "from A")
+        if metric != base:
+            label = _scale(base)[1].replace("row predicts column", "B predicts A").replace("from the row", "from B")
+        ax.set_title(label + (" (lower = similar)" if _scale(base)[2] else ""), fontsize=7)
+        ax.set_xlabel("block of A (B's at the same relative depth)", fontsize=6)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(metrics):]:
+        ax.set_axis_off()
+    handles = [style_handle("-o", n, color=model_color(n, names)) for n in names]
+    legend_outside(fig, handles=handles, extra=[style_handle("|", "bars: 95 % jackknife interval", markersize=8)])
+    view = ", ".join(map(str, dict.fromkeys(df.token_view)))
+    return (f"Similarity of matched layers between models by each measure ({view} token view): each layer of A "
+            "against B's layer at the same relative depth, a line per pair of models; bars: 95 % intervals (a "
+            "jackknife over groups of images) at the pairs with nulls (null_pairs). Every pair of layers, and a "
+            "map of every tap by the shape metric: grid: full "
+            f"[{cite('williams2021')}; {cite('raghu2017')}; {cite('morcos2018')}; {cite('kriegeskorte2008')}; "
+            f"{cite('huh2024')}]", fig)
 
 
 def _reversed(df: pd.DataFrame) -> pd.DataFrame:
