@@ -776,16 +776,20 @@ class Similarity(Analysis):
       (docs/CALIBRATION.md).
 
     Cost: each tap is prepared once (an SVD, its k-NN lists and RDM); a grid's cross products come from one matrix
-    product per tap (`metrics.similarity.compare_grid`); each pair then takes two eigendecompositions of r x r
-    matrices (r = the layer's rank, 384 for ViT-S) with vectors, for CCA and PWCCA both ways, and one more, values
-    only, per shape-metric alpha other than 0 and 1, for Procrustes and for SVCCA. A tested pair adds
-    ``n_permutations`` such comparisons, and ``n_groups`` comparisons of its two taps prepared again without a
-    group. Memory: the subset (``n_subset`` x width x 2 bytes per tap); in finalize every tap's float64 basis
-    (n x r: 6 MB at n = 2000), one n x n neighbour similarity at a time (32 MB) and products of n x 2048 (33 MB).
-    `benchmarks/similarity.py` measures it against CKA's time on the same features: two ViT-S/16, 13 x 13 taps,
-    2,048 images, one thread, quiet (2026-11-28): 83 s against CKA's 2.1 s (40x), of which the two within-model
-    grids 31 s, the cross grid 25 s, the 99 permutations of the last pair 14 s and its jackknife 10 s; mean CCA alone
-    over the three grids, the floor of the CCA family (a cross product and a decomposition per pair), 11 s."""
+    product per tap (`metrics.similarity.compare_grid`); each pair then takes one eigendecomposition of an r x r
+    matrix with vectors (r = the layer's rank, 384 for ViT-S: CCA, and PWCCA both ways) and three values-only ones
+    (Procrustes, the shape metric at alpha 0.5, SVCCA), and ridge two products of n rows (both ways). A tested pair
+    adds ``n_permutations`` such comparisons (on float32 bases, `Prepared.single`) and ``n_groups`` of its two taps
+    prepared again without a group (their neighbour lists filtered from long lists searched once). Memory: the
+    subset (``n_subset`` x width x 2 bytes per tap); every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n
+    neighbour similarity at a time (32 MB) and products of n x 2048 (33 MB). `benchmarks/similarity.py` measures it
+    against CKA's time on the same features (two ViT-S/16, 13 taps, 2,048 images, one thread; 2026-11-28, nearly
+    quiet: load 1.8 on 2 cores): the default (13 matched pairs, 99 permutations and a 20-group jackknife of the last
+    pair) 23.9 s against CKA's 2.0 s (11.9x; it was 83 s with the full grids): the pairs with every tap prepared
+    5.9 s, the permutations 11.1 s, the jackknife 5.2 s. The floor, mean CCA alone over the same pairs,
+    permutations and jackknife (a cross product and one decomposition per pair and replicate), is 6.9 s (3.4x);
+    each linear measure alone costs 5.9-9.7 s, the neighbour and RDM measures 1.5-3.3 s. ``grid: full`` (both
+    models' 13 x 13 grids and the cross grid) took 74.9 s (``--grid full``, the same conditions)."""
 
     state_version = 4  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
     # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default;
