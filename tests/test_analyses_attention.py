@@ -345,7 +345,8 @@ def test_saliency_counts_images_without_masks_and_never_crashes():
         df = with_gap.finalize()
     ref = only_masked.finalize()
     assert (df.n_skipped == 3).all() and (df.n_images == 6).all()
-    assert set(df["query"]) == {"mean"} and set(df.layer) == {0, 2}
+    assert set(df["query"]) == {"mean"} and set(df[df.metric != "iou_uniform"].layer) == {0, 2}
+    assert df[df.metric == "iou_uniform"].layer.isna().all()  # the uniform-attention reference: no layer
     assert df.value.to_numpy() == pytest.approx(ref.value.to_numpy())
     none = _stream("saliency_iou", vm, [nomask], layers=[0])
     with pytest.warns(UserWarning, match="no foreground mask"):

@@ -123,9 +123,10 @@ def _data_axes(fig):
     return [ax for ax in fig.axes if ax.get_label() != "<colorbar>" and ax.get_visible() and ax.axison]
 
 
-def _legend_problems(fig):
+def _legend_problems(fig, draw=True):
     """Legends that leave the figure or cover a panel (in display pixels after a draw)."""
-    fig.canvas.draw()
+    if draw:
+        fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     problems = []
     legends = list(fig.legends) + [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
@@ -137,6 +138,83 @@ def _legend_problems(fig):
             if box.overlaps(ax.get_window_extent(renderer)):
                 problems.append(f"legend {box} covers a panel {ax.get_window_extent(renderer)}")
     return problems
+
+
+def _drawn_texts(fig):
+    """(what, corners) of every text a drawn figure shows, in display pixels: titles, axis labels, the tick labels
+    each axis draws (those in its view), colour-bar labels, notes, and each legend as one box. A turned text's
+    corners are those of its own rectangle (its unturned extent turned about the centre of its window extent),
+    not of the larger level box around it."""
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+
+    def corners(t):
+        box = t.get_window_extent(renderer)
+        angle = t.get_rotation() % 180 if isinstance(t, Text) else 0
+        if angle in (0, 90):
+            return np.array([[box.x0, box.y0], [box.x1, box.y0], [box.x1, box.y1], [box.x0, box.y1]])
+        t.set_rotation(0)
+        level = t.get_window_extent(renderer)
+        t.set_rotation(angle)
+        a = np.deg2rad(angle)
+        turn = np.array([[np.cos(a), -np.sin(a)], [np.sin(a), np.cos(a)]])
+        half = np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]]) * [level.width / 2, level.height / 2]
+        return half @ turn.T + [(box.x0 + box.x1) / 2, (box.y0 + box.y1) / 2]
+
+    out, inside = [], set()
+    for leg in [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend() is not None)]:
+        inside.update(id(t) for t in leg.findobj(Text))
+        out.append(("a legend", corners(leg)))
+    for ax in fig.axes:
+        for axis in (ax.xaxis, ax.yaxis):
+            ticks = axis.get_major_ticks() + axis.get_minor_ticks()
+            inside.update(id(t) for tick in ticks for t in (tick.label1, tick.label2))
+            if ax.get_visible() and ax.axison and axis.get_visible():
+                out += [(f"tick label {t.get_text()!r}", corners(t)) for tick in axis._update_ticks()  # noqa: SLF001
+                        for t in (tick.label1, tick.label2) if t.get_visible() and t.get_text().strip()]
+    out += [(repr(t.get_text()), corners(t)) for t in fig.findobj(Text) if id(t) not in inside and t.get_visible()
+            and t.get_text().strip() and (t.axes is None or t.axes.get_visible())]
+    return out
+
+
+def _text_overlaps(fig, draw=True):
+    """Pairs of texts of a figure that overlap by more than a pixel (after a draw): two convex rectangles overlap
+    unless a side of one separates them."""
+    if draw:
+        fig.canvas.draw()
+    texts = _drawn_texts(fig)
+
+    def apart(p, q):
+        for poly in (p, q):
+            for k in range(4):
+                edge = poly[(k + 1) % 4] - poly[k]
+                if not edge.any():
+                    continue
+                normal = np.array([-edge[1], edge[0]]) / np.hypot(*edge)
+                a, b = p @ normal, q @ normal
+                if min(a.max(), b.max()) - max(a.min(), b.min()) <= 1:
+                    return True
+        return False
+
+    return [f"{texts[i][0]} overlaps {texts[j][0]}" for i in range(len(texts)) for j in range(i + 1, len(texts))
+            if not apart(texts[i][1], texts[j][1])]
+
+
+def _empty_panels(fig):
+    """Visible axes (colour bars aside) that draw nothing (no line, collection, image or patch) and do not say why."""
+    return [f"an empty panel {ax.get_title()!r}" for ax in fig.axes if ax.get_visible()
+            and ax.get_label() != "<colorbar>" and not hasattr(ax, "_colorbar")
+            and not (ax.lines or ax.collections or ax.images or ax.patches)
+            and not any(t.get_gid() == NOT_COMPUTED_GID for t in ax.texts)]
+
+
+def _print_problems(fig):
+    """What a figure laid out for print must not have (after one draw): texts overlapping or past the figure's
+    edge, a legend off the figure or over a panel, a visible panel with nothing in it."""
+    fig.canvas.draw()
+    return (_text_overlaps(fig, draw=False) + _text_outside(fig, draw=False) + _legend_problems(fig, draw=False)
+            + _empty_panels(fig))
 
 
 def test_no_legend_leaves_its_figure_or_covers_a_panel(run_dir):
@@ -190,20 +268,118 @@ def test_export_writes_every_figure_at_a_column_width_with_embedded_fonts(run_di
         assert b"/FontFile2" in data  # TrueType fonts embedded (pdf.fonttype 42), not Type 3
         box = [float(x) for x in re.search(rb"/MediaBox \[([^\]]+)\]", data).group(1).split()]
         assert box[2] - box[0] == pytest.approx(float(width) * 72, abs=1)
-        assert layout == "own size" or float(width) in (3.5, 7.16)
+        assert float(width) in (3.5, 7.16)  # one journal column or two, never the figure's own size
         assert caption
-    from vitscope.report.export import _relayout
-
-    for _name, _caption, fig in _all_figures(run_dir):  # the relaid figures keep legends inside, off the panels
-        _relayout(fig, None)
-        assert _legend_problems(fig) == [], _caption
-        plt.close(fig)
     vs.report.export(run_dir, tmp_path / "svg", "svg", analyses=["attention_distance"])
     svg = (tmp_path / "svg" / "attention_distance-01.svg").read_text()
     assert "<path" in svg and "<image" not in svg  # a line figure is all vector
     vs.report.export(run_dir, tmp_path / "png", "png", columns=1, analyses=["attention_distance"])
     im = Image.open(tmp_path / "png" / "attention_distance-01.png")
     assert im.info["dpi"][0] == pytest.approx(300, abs=1) and im.size[0] == pytest.approx(3.5 * 300, abs=2)
+
+
+def _checked_export(monkeypatch, run_dir, out, **kw):
+    """``vs.report.export(run_dir, out, "png", **kw)``, each figure checked as laid out for its file (before it is
+    saved): [(caption, layout, width, problems)], problems being text that overlaps other text or leaves the
+    figure, a legend that leaves it or covers a panel, and a visible panel with nothing in it."""
+    import importlib
+
+    module = importlib.import_module("vitscope.report.export")  # vitscope.report.export is also the function
+    relayout, seen = module._relayout, []
+
+    def checked(fig, columns):
+        layout = relayout(fig, columns)
+        problems = _print_problems(fig)
+        seen.append((fig.get_label(), layout, round(float(fig.get_figwidth()), 2), problems))
+        return layout
+
+    monkeypatch.setattr(module, "_relayout", checked)
+    vs.report.export(run_dir, out, "png", **kw)
+    return seen
+
+
+@pytest.mark.slow  # a minute: every figure of the run laid out, checked and written at 300 dpi
+def test_every_exported_figure_is_a_column_wide_its_texts_apart_and_no_panel_empty(run_dir, tmp_path, monkeypatch):
+    seen = _checked_export(monkeypatch, run_dir, tmp_path / "png")
+    assert len(seen) > len(load_run(run_dir).tables)
+    for caption, layout, width, problems in seen:
+        assert width in (3.5, 7.16) and "crowded" not in layout and problems == [], (caption, layout, problems)
+    index = (tmp_path / "png" / "figures.tsv").read_text().splitlines()[1:]
+    assert len(index) == len(seen)
+    for line in index:
+        file, width, _height, layout, _caption = line.split("\t")
+        assert float(width) in (3.5, 7.16) and layout.startswith(("1 column", "2 columns")), line
+        with Image.open(tmp_path / "png" / file) as im:
+            assert im.size[0] == pytest.approx(float(width) * 300, abs=2), line
+
+
+def _many_model_tables(n_models, depth=4, seed=0):
+    """Small tables of the figure families a new user's export went wrong on (issue 41), for ``n_models`` models
+    with names as long as the zoo's: the band-noise heat maps (a colour bar placed by hand), the head types (a
+    legend beside a row of panels), residual CKA (long y labels, a panel pair per model), high-norm tokens and
+    shape bias (long legends)."""
+    rng = np.random.default_rng(seed)
+    models = [f"zoo-model-{k}-{'ft-cls' if k % 2 else 'base'}" for k in range(n_models)]
+    layers, bands = range(depth), range(5)
+    band_noise = pd.DataFrame(
+        [{"model": m, "metric": "drop", "readout": "probe", "layer": layer, "band": b, "band_low": b / 5,
+          "value": rng.uniform(-0.2, 0.2)} for m in models for layer in layers for b in bands]
+        + [{"model": m, "metric": "drop", "readout": "head", "layer": np.nan, "band": b, "band_low": b / 5,
+            "value": rng.uniform(-0.2, 0.2)} for m in models for b in bands])
+    types = ["strict_local", "soft_local", "axial", "offset_local", "global", "mixed"]
+    head_types = pd.DataFrame([{"model": m, "metric": "head_type", "layer": layer, "head": h,
+                                "type": types[int(rng.integers(len(types)))], "direction": None}
+                               for m in models for layer in layers for h in range(3)])
+    residual = pd.DataFrame([{"model": m, "token_view": "cls", "metric": f"skip_vs_{br}", "layer": i, "layer_b": j,
+                              "value": rng.uniform()} for m in models for br in ("attn_out", "mlp_out")
+                             for i in layers for j in layers])
+    norms = [{"model": m, "metric": "norm_quantile", "token_view": "spatial", "layer": layer, "quantile": q,
+              "value": 5 + 10 * q + rng.uniform(), "k": 6.0} for m in models for layer in layers
+             for q in (0.01, 0.5, 0.99, 1.0)]
+    lines = [{"model": m, "metric": metric, "tokens": tokens, "layer": layer, "value": v, "value_lo": v - 0.05,
+              "value_hi": v + 0.05, "k": 6.0}
+             for m in models for layer in layers
+             for metric, tokens in (("outliers_per_image", None), ("cls_attention_absorbed", "outliers"),
+                                    ("cls_attention_absorbed", "uniform"))
+             for v in [rng.uniform(0.1, 0.5)]]
+    shape = pd.DataFrame(
+        [{"model": m, "metric": "shape_bias", "readout": "probe", "layer": layer, "value": v, "value_lo": v - 0.1,
+          "value_hi": v + 0.1} for m in models for layer in layers for v in [rng.uniform(0.2, 0.8)]]
+        + [{"model": m, "metric": "shape_bias", "readout": "head", "layer": np.nan, "value": 0.4,
+            "value_lo": 0.3, "value_hi": 0.5} for m in models[::2]])
+    return {"band_noise": band_noise, "aligned_attention_maps": head_types, "residual_cka": residual,
+            "high_norm_tokens": pd.DataFrame(norms + lines), "shape_bias": shape}
+
+
+@pytest.mark.parametrize("n_models, names", [
+    (6, ("band_noise", "aligned_attention_maps")),  # a few seconds: the colour bar and the legend beside panels
+    pytest.param(8, None, marks=pytest.mark.slow),  # every family a new user's export got wrong, as many models
+])
+def test_figures_of_many_models_export_a_column_wide_their_texts_apart_and_no_panel_empty(n_models, names):
+    """Issue 41: exported, the band-noise colour bar covered two panels, the head types' legend a panel title,
+    residual CKA's y labels the neighbouring panels; high-norm tokens, shape bias and three more came out 10-16 in
+    wide (and 6 models left band noise two empty panels). Each now takes one journal column or two, its panels
+    wrapped into rows where one row does not fit."""
+    import matplotlib as mpl
+
+    from vitscope.report.export import RC, _relayout
+    from vitscope.report.figures._common import context
+
+    tables = _many_model_tables(n_models)
+    drawn = 0
+    with mpl.rc_context(RC), context(models=list(dict.fromkeys(tables["band_noise"]["model"]))):
+        for name, table in tables.items():
+            if names is not None and name not in names:
+                continue
+            for caption, fig in FIGURES[name](table):
+                layout = _relayout(fig, None)
+                assert round(float(fig.get_figwidth()), 2) in (3.5, 7.16), (name, caption, fig.get_figwidth())
+                assert "crowded" not in layout and _print_problems(fig) == [], (name, layout, _print_problems(fig))
+                if caption.startswith(("Accuracy drop under", "Head types", "Residual")):  # a row too long for 7.16 in
+                    assert "rows of" in layout, (name, layout)
+                plt.close(fig)
+                drawn += 1
+    assert drawn >= (3 if names else 6)
 
 
 def test_plot_draws_any_figure_from_a_run_or_a_table(run_dir):
@@ -272,8 +448,9 @@ def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model(
 
 
 def test_overlay_mosaic_cells_are_the_image_under_the_mean_cls_map(run_dir):
-    """Each cell of the per-image overlay is the kept image, paled, under its CLS map (mean of heads, divided by
-    its maximum, bilinear to the image's pixels; torch's interpolate here, not the figure's code path)."""
+    """Each cell of the per-image overlay is the kept image, paled, under its CLS map (mean of heads, in units of
+    uniform attention's on the figure's one log scale centred on 1, bilinear to the image's pixels; torch's
+    interpolate here, not the figure's code path)."""
     import io
 
     import torch
@@ -294,10 +471,13 @@ def test_overlay_mosaic_cells_are_the_image_under_the_mean_cls_map(run_dir):
     maps = df[(df.metric == "cls_attention") & (df.image == image_id) & (df.model == model)]
     layer = sorted(maps.layer.unique())[0]
     grid = maps[maps.layer == layer].groupby(["row", "col"])["value"].mean().unstack().to_numpy()
-    grid = grid / grid.max()
+    grid = grid * grid.size  # ÷ uniform attention's 1 / (rows x columns)
     up = torch.nn.functional.interpolate(torch.tensor(grid)[None, None], size=(side, side), mode="bilinear",
                                          align_corners=False)[0, 0].numpy()
-    heat = plt.get_cmap("inferno")(np.clip(up, 0, 1))[..., :3]
+    cbar, = [a for a in figs[0][1].axes if a.get_label() == "<colorbar>"]
+    lo, hi = cbar._colorbar.mappable.norm.vmin, cbar._colorbar.mappable.norm.vmax
+    assert lo * hi == pytest.approx(1.0) and hi >= 2  # symmetric about uniform, at least x/÷ 2
+    heat = plt.get_cmap("inferno")(np.log(np.clip(up, lo, hi) / lo) / np.log(hi / lo))[..., :3]
     pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)
     n_layers = len(maps.layer.unique())
     gap = (mosaic.shape[1] - (n_layers + 1) * side) // n_layers  # cells and the white gaps between them
@@ -340,12 +520,13 @@ def default_run(tmp_path_factory):
     return run_study(load_config(d / "study.yaml"))
 
 
-def _text_outside(fig):
+def _text_outside(fig, draw=True):
     """Text that runs past the figure's edges, in display pixels after a draw: titles, labels, legends, notes,
     and of every axis the tick labels it draws (`Axis.get_tightbbox`: those inside its view) with its label."""
     from matplotlib.text import Text
 
-    fig.canvas.draw()
+    if draw:
+        fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     boxes, tick_labels = [], set()
     for ax in fig.axes:
@@ -376,8 +557,10 @@ def test_every_figure_of_the_default_study_keeps_its_text_inside_and_draws_witho
             with warnings.catch_warnings(record=True) as caught, mpl.rc_context(RC if exported else {}):
                 warnings.simplefilter("always")
                 for caption, fig in run.figures(name):
-                    if exported:
-                        _relayout(fig, None)
+                    if exported:  # a journal column or two wide, its texts apart, no empty panel (issue 41)
+                        layout = _relayout(fig, None)
+                        assert round(float(fig.get_figwidth()), 2) in (3.5, 7.16), (name, caption)
+                        assert "crowded" not in layout and _print_problems(fig) == [], (name, layout, caption)
                     assert _text_outside(fig) == [], (name, exported, caption)  # after a draw: warnings are out
                     if name == "stir" and caption.startswith(("Learning", "Invariance")):  # the y scale named
                         assert fig.axes[0].get_ylabel().strip(), caption

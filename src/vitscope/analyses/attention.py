@@ -697,12 +697,15 @@ class SaliencyIoU(_LayerAttention):
     * ``iou``: mean IoU per (layer, head);
     * ``iou_best_head``: per layer, the head with the highest mean IoU (``head`` = its id, value = its IoU);
     * ``iou_merged``: per layer, mean IoU of the head-averaged attention (``head`` missing);
+    * ``iou_uniform``: per query, no layer nor head: the mean IoU uniform attention gets on the same masks
+      (`vitscope.metrics.attention.uniform_saliency_iou`: any ``ceil(mass · S)`` tokens with equal chance), the
+      level of a map with no spatial preference;
 
     each with ``stderr`` over the images scored and the 95 % interval ``value_lo``, ``value_hi``.
     """
 
     name = "saliency_iou"
-    state_version = 2  # 2: sums of squares (stderr over images)
+    state_version = 3  # 3: the uniform-attention reference (iou_uniform); 2: sums of squares (stderr over images)
     needs = frozenset({"masks"})
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
@@ -725,6 +728,7 @@ class SaliencyIoU(_LayerAttention):
         self.merged_sum = torch.zeros(Q, L, dtype=torch.float64)
         self.merged_sumsq = torch.zeros(Q, L, dtype=torch.float64)
         self.merged_count = torch.zeros(Q, L, dtype=torch.float64)
+        self.uniform_sums = torch.zeros(3, dtype=torch.float64)  # uniform attention's IoU: sum, sum of squares, images
         self.n_skipped = 0
 
     def required_taps(self) -> list[str]:
@@ -760,7 +764,9 @@ class SaliencyIoU(_LayerAttention):
                     merged = sp.query_mean(inv.expand_as(sp.s)).sum(1, keepdim=True)
                 weights += [per_head, merged]
         W = torch.cat(weights, dim=1)  # (B, layers * queries * (H + 1), S)
-        iou = _saliency_iou_of(W, batch.masks.to(W.device), g, self.mass).double()
+        masks = batch.masks.to(W.device)
+        iou = _saliency_iou_of(W, masks, g, self.mass).double()
+        uniform = A.uniform_saliency_iou(masks, g, self.mass)
         iou = iou.reshape(B, len(self.layers), len(self.queries), H + 1)
         ok = ~torch.isnan(iou)
         vals = torch.where(ok, iou, 0.0)
@@ -774,9 +780,10 @@ class SaliencyIoU(_LayerAttention):
         self.merged_sum += sums[..., H]
         self.merged_sumsq += sumsq[..., H]
         self.merged_count += counts[..., H]
+        self.uniform_sums += torch.stack([uniform.sum(), uniform.square().sum(), uniform.new_full((), float(B))])
         self.n_images += B
 
-    _TENSORS = ("iou_sum", "iou_sumsq", "iou_count", "merged_sum", "merged_sumsq", "merged_count")
+    _TENSORS = ("iou_sum", "iou_sumsq", "iou_count", "merged_sum", "merged_sumsq", "merged_count", "uniform_sums")
 
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
@@ -832,6 +839,9 @@ class SaliencyIoU(_LayerAttention):
                                  **stat(v[best], se_head[qi, j, best])})
                 rows.append({"metric": "iou_merged", "layer": i, "head": None, "query": q,
                              **stat(merged[qi, j], se_merged[qi, j])})
+            u_sum, u_sumsq, u_n = st["uniform_sums"]
+            rows.append({"metric": "iou_uniform", "layer": None, "head": None, "query": q,
+                         **stat(u_sum / u_n if u_n > 0 else torch.tensor(nan), stderr_from_sums(u_sum, u_sumsq, u_n))})
         df = self.tidy(rows) if rows else self._frame({"query": []})
         df["n_images"] = self.n_images
         df["n_skipped"] = self.n_skipped

@@ -635,13 +635,16 @@ class BandNoise(_ViewAccuracy):
     with the band (3.7-4.9x from band 0 to bands 8-9 at 32 px). The default keeps the energy fixed so that a
     band's drop measures its frequency, not its larger noise; ``square_sign`` reproduces the source's numbers.
     Rows per (readout, layer, band): ``accuracy`` and ``drop`` (clean accuracy minus it, in accuracy points);
-    ``band`` -1 is the clean accuracy; every row names its ``band_definition``. ``bands``: a subset of the bands
-    to run (default all)."""
+    ``band`` -1 is the clean accuracy; every row names its ``band_definition``. Each carries its 95 % interval
+    (``value_lo``, ``value_hi``, ``stderr``) over its ``n_images``: an accuracy's Wilson interval
+    (`R.accuracy_interval`), a drop's paired interval valid however the images' clean and noisy decisions go
+    together (`R.drop_interval`). ``bands``: a subset of the bands to run (default all)."""
 
     name = "band_noise"
     description = "accuracy and its drop under noise confined to a frequency band, per band and layer"
-    state_version = 5  # 5: the head's decisions as tallies (`R.accuracy_tally`); 4: no drop from a readout at chance
-    # (reason); 3: stratified split, tuned probe;
+    state_version = 6  # 6: every accuracy and drop with its 95 % interval (value_lo, value_hi, stderr); 5: the head's
+    # decisions as tallies (`R.accuracy_tally`); 4: no drop from a readout at chance (reason); 3: stratified split,
+    # tuned probe;
     # 2: band_definition (circular_rms | square_sign)
 
     def __init__(self, vm: Any, n_bands: Bands = P.N_BANDS, bands: Sequence[NonNegative] | None = None,
@@ -698,10 +701,12 @@ class BandNoise(_ViewAccuracy):
             base = {"layer": r["layer"], "readout": r["readout"], "band": band, "n_images": r["n_images"],
                     **{k: r[k] for k in PROBE_COLUMNS if k in r}}
             c = clean.get((r["readout"], r["layer"]), {"value": math.nan, "reason": None, "extra": {}})
-            rows.append({**base, "metric": "accuracy", "value": r["value"], **(c["extra"] if band == -1 else {})})
+            rows.append({**base, "metric": "accuracy", "value": r["value"],
+                         **R.accuracy_interval(r["value"], r["n_images"]), **(c["extra"] if band == -1 else {})})
             if band != -1:
                 drop = math.nan if c["reason"] else R.drop(c["value"], r["value"])
-                rows.append({**base, "metric": "drop", "value": drop, "reason": c["reason"]})
+                iv = R.drop_interval(c["value"], r["value"], r["n_images"]) if not c["reason"] else {}
+                rows.append({**base, "metric": "drop", "value": drop, "reason": c["reason"], **iv})
         df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})
         n = int(self.params["n_bands"])
@@ -726,7 +731,9 @@ class Corruptions(_ViewAccuracy):
     fine-tuning forgets), generated on the fly (`vitscope.data.perturb.corruption`).
     Rows per (readout, layer): ``accuracy`` per ``corruption`` (with its ``family``) and ``severity`` (0 = clean),
     ``relative_drop`` from clean per corruption and severity, ``mca`` (mean corruption accuracy over the
-    corruptions and severities run) and ``mca_relative_drop``. ``corruptions``: names, family names
+    corruptions and severities run) and ``mca_relative_drop``. Every ``accuracy`` and ``mca`` carries its 95 %
+    interval (``value_lo``, ``value_hi``, ``stderr``) over its ``n_images`` (`R.accuracy_interval`: Wilson's,
+    conservative for the mean). ``corruptions``: names, family names
     ('noise', 'blur', 'weather', 'digital', 'held-out') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
     ``backend``: 'auto' (torch versions where they exist, else the imagecorruptions-imaug package), 'native',
     'package'. ``table``: the constants, 'imagenet' (ImageNet-C's, made for 224-px images) or 'cifar'
@@ -734,7 +741,8 @@ class Corruptions(_ViewAccuracy):
 
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
-    state_version = 4  # 4: the head's decisions as tallies (`R.accuracy_tally`); 3: no relative drop from a readout
+    state_version = 5  # 5: every accuracy and the mca with its 95 % interval (value_lo, value_hi, stderr), mca rows
+    # with n_images; 4: the head's decisions as tallies (`R.accuracy_tally`); 3: no relative drop from a readout
     # at chance (reason)
 
     def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[Severity] = P.SEVERITIES,
@@ -810,7 +818,8 @@ class Corruptions(_ViewAccuracy):
             base = {"layer": r["layer"], "readout": r["readout"], "corruption": cs[0], "severity": cs[1],
                     "family": P.FAMILY_OF.get(cs[0], "clean"), "n_images": r["n_images"],
                     **{k: r[k] for k in PROBE_COLUMNS if k in r}}
-            rows.append({**base, "metric": "accuracy", "value": r["value"], **(c["extra"] if not cs[1] else {})})
+            rows.append({**base, "metric": "accuracy", "value": r["value"],
+                         **R.accuracy_interval(r["value"], r["n_images"]), **(c["extra"] if not cs[1] else {})})
             if cs[1]:
                 per.setdefault(key, {})[cs] = r["value"]
                 rows.append({**base, "metric": "relative_drop", "reason": c["reason"],
@@ -818,8 +827,10 @@ class Corruptions(_ViewAccuracy):
         for (readout, layer), a in per.items():
             c = clean.get((readout, layer), none)
             s = R.corruption_summary(a, c["value"])
-            rows += [{"metric": k, "layer": layer, "readout": readout,
-                      **({"value": math.nan, "reason": c["reason"]} if c["reason"] and k != "mca" else {"value": v})}
+            n = c.get("n_images", 0)
+            rows += [{"metric": k, "layer": layer, "readout": readout, "n_images": n,
+                      **({"value": math.nan, "reason": c["reason"]} if c["reason"] and k != "mca" else {"value": v}),
+                      **(R.accuracy_interval(v, n) if k == "mca" else {})}
                      for k, v in s.items()]
         df = _with_reason(self.tidy(rows))
         df["token_view"] = df["readout"].map({"probe": self.token_view, "head": None})

@@ -19,6 +19,7 @@ index arithmetic.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -42,6 +43,7 @@ __all__ = [
     "saliency_iou_merged",
     "spatial_attention",
     "top_mass_mask",
+    "uniform_saliency_iou",
 ]
 
 EPS: float = 1e-12
@@ -678,6 +680,47 @@ def _masks_to_grid(masks: Tensor, grid_size: tuple[int, int], batch: int) -> Ten
             )
         m = F.adaptive_avg_pool2d(m.unsqueeze(1), (h, w)).squeeze(1)
     return (m >= 0.5).reshape(batch, h * w)
+
+
+@functools.cache
+def _uniform_top_mass(S: int, mass: float) -> int:
+    """How many tokens :func:`top_mass_mask` keeps of a uniform row of ``S``: its rule in Python floats (no tensor
+    to read back), ``ceil(mass · S)`` up to the rounding of the running sum."""
+    w, before, total, k = 1.0 / S, 0.0, 0.0, 0
+    for _ in range(S):
+        total += w
+    for _ in range(S):
+        if before < mass * total:
+            k += 1
+        before += w
+    return k
+
+
+def uniform_saliency_iou(masks: Tensor, grid_size: tuple[int, int], mass: float = 0.6) -> Tensor:
+    """The :func:`saliency_iou` of uniform attention, per image: the reference level of a map with no spatial
+    preference. Every token of a uniform map ties, so its top-mass set is ``k`` tokens (``k`` = the size of
+    :func:`top_mass_mask` of a uniform row at ``mass``, ``ceil(mass · S)``), any ``k`` of the ``S`` with equal
+    chance (the index order that breaks exact ties is an artefact; a nearly uniform map breaks them at random).
+    With ``F`` foreground tokens (``masks`` as :func:`saliency_iou` reads them) the overlap ``X`` is then
+    hypergeometric (``S``, ``F``, ``k``) and the IoU ``X / (k + F - X)``; this returns its expectation, summed
+    exactly over ``X``. ``(B,)`` float64 on the masks' device (no copy to the host)."""
+    if not 0.0 < mass <= 1.0:
+        raise ValueError(f"mass must be in (0, 1], got {mass}")
+    h, w = grid_size
+    S = h * w
+    gt = _masks_to_grid(masks, (h, w), masks.shape[0])
+    fg = gt.sum(-1, dtype=torch.float64).unsqueeze(-1)  # (B, 1)
+    k = float(_uniform_top_mass(S, float(mass)))
+    x = torch.arange(S + 1, dtype=torch.float64, device=gt.device)  # (S + 1,) the possible overlaps
+
+    def log_choose(n: Tensor, r: Tensor) -> Tensor:
+        return torch.lgamma(n + 1) - torch.lgamma(r + 1) - torch.lgamma(n - r + 1)
+
+    ok = (x <= fg) & (x <= k) & (k - x <= S - fg)
+    xs, rest = torch.minimum(x, fg), torch.clamp(torch.minimum(k - x, S - fg), min=0.0)
+    log_p = log_choose(fg, xs) + log_choose(S - fg, rest) - log_choose(fg.new_full((), float(S)), fg.new_full((), k))
+    p = torch.where(ok, log_p.exp(), torch.zeros_like(log_p))
+    return (p * x / (k + fg - x).clamp_min(1.0)).sum(-1)
 
 
 def _saliency_weights(attn: Tensor, grid_size: tuple[int, int], num_prefix_tokens: int, query: str) -> Tensor:

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from vitscope.errors import check_choice
-from vitscope.metrics.semantics import ProbeFit, fit_probe
+from vitscope.metrics.intervals import Z95
+from vitscope.metrics.semantics import ProbeFit, binomial_interval, fit_probe
 
 Tensor = torch.Tensor
 
@@ -181,6 +182,40 @@ def drop(clean: float, perturbed: float) -> float:
 def relative_drop(clean: float, perturbed: float) -> float:
     """(clean - perturbed) / clean: the share of the clean accuracy lost (NaN for a clean accuracy of 0)."""
     return (clean - perturbed) / clean if clean > 0 else float("nan")
+
+
+def accuracy_interval(accuracy: float, n: int) -> dict[str, float]:
+    """``value_lo``, ``value_hi``, ``stderr`` of an accuracy on ``n`` images: the 95 % Wilson interval
+    (`vitscope.metrics.semantics.binomial_interval`; NaN without images). Also valid for a mean of accuracies of
+    several views of the same ``n`` images (a mean corruption accuracy): the variance of a mean is at most the mean
+    of the views' standard errors squared, and that, with ``p(1 - p)`` concave, at most ``p̄(1 - p̄) / n``, the
+    variance the interval assumes, so the interval is conservative, never too narrow."""
+    lo, hi, se = binomial_interval(accuracy, int(n))
+    return {"value_lo": lo, "value_hi": hi, "stderr": se}
+
+
+def drop_interval(clean: float, perturbed: float, n: int, z: float = Z95) -> dict[str, float]:
+    """``value_lo``, ``value_hi``, ``stderr`` of an accuracy drop ``clean - perturbed``, both accuracies on the
+    same ``n`` images, whichever way the two decisions of an image go together: Newcombe's hybrid score interval
+    for a paired difference (Newcombe, Stat. Med. 1998, 17:2635: the two Wilson intervals joined through the
+    correlation φ of the pairs' decisions), at the least correlation the two accuracies allow (Fréchet:
+    ``P(both right) >= max(0, clean + perturbed - 1)``), so it is never narrower than the interval the pairs' own
+    correlation would give (which the tallies do not keep); at correlation -1 it is the difference of the two
+    Wilson intervals' ends. ``stderr``: the paired difference's standard error at that correlation. NaN without
+    images."""
+    p1, p2 = float(clean), float(perturbed)
+    if n <= 0 or not (np.isfinite(p1) and np.isfinite(p2)):
+        return {"value_lo": float("nan"), "value_hi": float("nan"), "stderr": float("nan")}
+    l1, u1, _ = binomial_interval(p1, int(n), z=z)
+    l2, u2, _ = binomial_interval(p2, int(n), z=z)
+    cov = max(0.0, p1 + p2 - 1.0) - p1 * p2  # the least covariance of two 0/1 variables with these means
+    v1, v2 = p1 * (1 - p1), p2 * (1 - p2)
+    phi = cov / np.sqrt(v1 * v2) if v1 > 0 and v2 > 0 else 0.0
+    d = p1 - p2
+    low = d - np.sqrt(max((p1 - l1) ** 2 - 2 * phi * (p1 - l1) * (u2 - p2) + (u2 - p2) ** 2, 0.0))
+    high = d + np.sqrt(max((u1 - p1) ** 2 - 2 * phi * (u1 - p1) * (p2 - l2) + (p2 - l2) ** 2, 0.0))
+    se = float(np.sqrt(max(v1 + v2 - 2 * cov, 0.0) / n))
+    return {"value_lo": float(max(low, -1.0)), "value_hi": float(min(high, 1.0)), "stderr": se}
 
 
 def corruption_summary(acc: dict[tuple[str, int], float], clean: float) -> dict[str, float]:

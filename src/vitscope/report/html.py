@@ -165,13 +165,22 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
     (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
     summary.to_parquet(run_dir / "results" / BEST_LAYERS_TABLE, index=False)
     shown = summary[["label", "model", "supervision", "best", "token_view", "score", "last_layer_score",
-                     "random_init_score", "chance", "protocol"]].rename(columns={"label": "task", "best": "best layer"})
-    out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>",
+                     "random_init_score", "untrained_score", "chance", "protocol"]].rename(
+        columns={"label": "task", "best": "best layer"})
+    trained = summary[~summary.untrained]
+    lead = ("<p><strong>Nothing here is above chance:</strong> no trained model's best layer clears its task's chance "
+            "level beyond its 95 % interval (simultaneous over the layers), so the table ranks no layer.</p>"
+            if len(trained) and not trained["above_chance"].any() else
+            "<p><strong>Nothing here is above the untrained model:</strong> no trained model's best layer clears the "
+            "untrained model's best beyond its 95 % interval, so the table ranks no layer.</p>"
+            if len(trained) and not trained["finding"].any() else "")
+    out = ["<h2 id='best_layers'>Dense downstream tasks: best layer</h2>", *([lead] if lead else []),
            "<p>Which block of which model is best for local tasks with no training (after Walmer et al., "
            "&ldquo;Teaching Matters: Investigating the Role of Supervision in Vision Transformers&rdquo;, CVPR "
            "2023, Table 1), beside the last block, a random-init model of the same architecture in this study "
            "and the task's chance level (\"no layer above chance\": the low end of the best score's 95 % interval, "
-           "simultaneous over the layers and clustered by video or image pair, reaches it); <code>protocol</code> "
+           "simultaneous over the layers and clustered by video or image pair, reaches it; \"not above the untrained "
+           "model\": it reaches <code>untrained_score</code>, the untrained model's best); <code>protocol</code> "
            "says how the images "
            "reached the model (whole frame or centre crop, the model input's size, where propagation was scored). "
            "A best layer equal to the model's depth is the last block after the final norm. Table: "

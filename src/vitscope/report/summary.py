@@ -194,7 +194,7 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
         text += f". Chance (majority class) is {chance:.3g}"
         # the best of L layers: its interval is simultaneous over the L it was chosen from (Bonferroni), else
         # models at chance at every layer were called above chance 23-27 % of the time (benchmarks/calibration.py)
-        at_chance = [m for m, b in best.items() if _best_of_layers_at_chance(d[d.model == m], b[0], b[3], b[4])]
+        at_chance = [m for m, b in best.items() if _best_of_layers_at_chance(d[d.model == m], b[3])]
         if at_chance:
             text += f"; within noise of chance: {', '.join(at_chance)}"
             flags.append("chance")
@@ -208,33 +208,79 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
     return points
 
 
-def _best_of_layers_at_chance(rows: pd.DataFrame, best: float, chance: float, lo: float) -> bool:
-    """Whether the best of a model's layer accuracies (``rows``: one per layer, with ``n_test``) is within noise of
-    ``chance``: the low end of its Wilson interval at the Bonferroni level 0.05 / layers reaches chance (a table
-    without ``n_test``: the row's own ``value_lo``)."""
+def best_layer_low(rows: pd.DataFrame) -> float:
+    """The low end of the 95 % interval of the best of ``rows`` (one per layer, or per candidate the best was chosen
+    from; the best: the highest ``value``), simultaneous over the ``len(rows)`` candidates (Bonferroni: level
+    1 - 0.05 / candidates), so it holds whichever layer came out best: the Wilson interval of an accuracy on
+    ``n_test`` images; else ``value - t · stderr`` over ``interval_units`` (`vitscope.analyses.dense.best_interval`);
+    else ``value - z · stderr`` (the normal quantile at that level); else the row's own ``value_lo`` (not
+    simultaneous). NaN without any of them: nothing shows the best to be more than noise."""
     from scipy.stats import norm
 
     from vitscope.metrics.semantics import binomial_interval
 
-    if not np.isfinite(chance):
+    r = rows[pd.to_numeric(rows["value"], errors="coerce").notna()] if "value" in rows else rows.iloc[0:0]
+    if r.empty:
+        return float("nan")
+    best = r.loc[pd.to_numeric(r["value"]).idxmax()]
+    value, candidates = float(best["value"]), len(r)
+    z = float(norm.ppf(1 - 0.025 / max(candidates, 1)))
+    n_test = int(r["n_test"].dropna().iloc[0]) if "n_test" in r and r["n_test"].notna().any() else 0
+    if n_test > 0:
+        return binomial_interval(value, n_test, z=z)[0]
+    se = _number(best.get("stderr"))
+    if np.isfinite(se):
+        units = _number(best.get("interval_units"))
+        if np.isfinite(units):
+            from vitscope.analyses.dense import best_interval
+
+            return best_interval({"value": value, "stderr": se, "interval_units": units}, candidates)[0]
+        return value - z * se
+    return _number(best.get("value_lo"))
+
+
+def is_finding(low: float, chance: float, baseline: float = float("nan")) -> bool:
+    """The one rule for emphasising a best layer (a star on a curve, a coloured cell): the low end of its interval
+    (`best_layer_low`, or a best-layer row's simultaneous ``value_lo``) above ``chance`` where the chance level is
+    known, and above ``baseline``, the untrained model's best score (the same task, metric and view), where the
+    study has one. False without an interval: an estimate with no error is no finding."""
+    if not np.isfinite(low):
         return False
-    n_test = int(rows["n_test"].dropna().iloc[0]) if "n_test" in rows and rows["n_test"].notna().any() else 0
-    if n_test <= 0:
-        return bool(np.isfinite(lo) and lo <= chance)
-    z = float(norm.ppf(1 - 0.025 / max(len(rows), 1)))
-    return binomial_interval(best, n_test, z=z)[0] <= chance
+    return not (np.isfinite(chance) and low <= chance) and not (np.isfinite(baseline) and low <= baseline)
+
+
+def _best_of_layers_at_chance(rows: pd.DataFrame, chance: float) -> bool:
+    """Whether the best of a model's layer accuracies (``rows``: one per layer, with ``n_test``) is within noise of
+    ``chance``: the low end of its interval simultaneous over the layers (`best_layer_low`) reaches chance."""
+    return bool(np.isfinite(chance)) and not is_finding(best_layer_low(rows), chance)
 
 
 def best_above_chance(row: Mapping[str, Any]) -> bool:
     """Whether a dense task's best-layer row is above its chance level beyond noise: the low end of its interval
     (``value_lo``: simultaneous over the layers it was chosen from, `analyses.dense.best_interval`) above chance;
-    a table without it falls back to 1.96 standard errors (`above_chance`)."""
-    chance = float(row.get("chance", float("nan")))
-    lo = row.get("value_lo", float("nan"))
-    if lo is not None and pd.notna(lo) and np.isfinite(chance):
-        return bool(float(lo) > chance)
-    se = row.get("stderr", float("nan"))
-    return above_chance(float(row["value"]), float(se) if se is not None and pd.notna(se) else float("nan"), chance)
+    a table without it falls back to 1.96 standard errors (`best_row_low`, `is_finding`)."""
+    return is_finding(best_row_low(row), _number(row.get("chance")))
+
+
+def best_row_low(row: Mapping[str, Any]) -> float:
+    """The low end of a best-layer row's interval: its ``value_lo`` (simultaneous over the layers it was chosen
+    from, `analyses.dense.best_interval`), else value - 1.96 stderr; NaN without either."""
+    lo = _number(row.get("value_lo"))
+    return lo if np.isfinite(lo) else _number(row.get("value")) - Z95 * _number(row.get("stderr"))
+
+
+def best_row_is_finding(row: Mapping[str, Any], baseline: float = float("nan")) -> bool:
+    """`is_finding` for a best-layer row: above its chance level and the untrained model's best score ``baseline``
+    beyond its interval (`best_row_low`)."""
+    return is_finding(best_row_low(row), _number(row.get("chance")), baseline)
+
+
+def _number(v: Any) -> float:
+    """A table cell as a float, NaN for None / NA / anything not a number."""
+    try:
+        return float(v) if v is not None and pd.notna(v) else float("nan")
+    except (TypeError, ValueError):
+        return float("nan")
 
 
 DENSE_TASKS = {"propagation": ("JF", "video propagation J&F"), "correspondence": ("pck@0.1", "keypoint PCK@0.1"),
@@ -266,7 +312,17 @@ def _best_layer(task: str) -> Callable[[pd.DataFrame, Study], list[Point]]:
             text += f". Chance is {chance:.3g}"
         if below:
             text += f"; no layer above chance: {', '.join(below)}"
-        return [Point("", text + ".", ["chance"] if below else [], below)]
+        flags = ["chance"] if below else []
+        # above chance, but not above the untrained model's best beyond the interval (`is_finding`)
+        base = next((m for m in study.untrained if (best.model == m).any()), None)
+        if base is not None:
+            b = float(best[best.model == base]["value"].iloc[0])
+            close = [m for m in _models(best, study) if m != base and m not in below
+                     and not best_row_is_finding(best[best.model == m].iloc[0], b)]
+            if close:
+                text += f"; not above the untrained {base} ({b:.3g}) beyond the interval: {', '.join(close)}"
+                flags.append("the untrained model")
+        return [Point("", text + ".", flags, below)]
 
     return point
 

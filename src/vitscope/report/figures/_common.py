@@ -47,6 +47,7 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from vitscope.metrics.intervals import Z95  # noqa: E402  (bands are value ± Z95 · stderr without value_lo / value_hi)
+from vitscope.report.summary import best_layer_low, is_finding  # noqa: E402  (the one rule for a best layer)
 
 Figures = list[tuple[str, plt.Figure]]
 
@@ -161,11 +162,14 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
                 title: str | None = None, mark_best: bool = False, band: bool = True) -> list[str]:
     """One line per model of ``metric`` against the block index (mean over any other rows of a layer),
     same colour per model across panels and figures, with its 95 % band over images (`_interval`) when the
-    table has one; optionally a star on the best layer. The model's random-chance rows (``<metric>_chance``)
-    are drawn dashed in its colour: a horizontal line when they have no layer, else a line over the layers.
-    Returns the models drawn."""
+    table has one; optionally (``mark_best``) a star on the best layer where it is a finding
+    (`best_layer_finding`: above chance and the untrained model beyond its interval simultaneous over the
+    layers), and where no model's is, `NO_BEST_NOTE` in the panel. The model's random-chance rows
+    (``<metric>_chance``) are drawn dashed in its colour: a horizontal line when they have no layer, else a line
+    over the layers. Returns the models drawn."""
     d = df[df.metric == metric]
     models = models_of(d)
+    starred = 0
     for model in models:
         g = d[d.model == model]
         color = model_color(model, models)
@@ -175,20 +179,64 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
         if iv is not None:
             ax.fill_between(iv[0].index.astype(float), iv[0].values.astype(float), iv[1].values.astype(float),
                             color=color, alpha=0.15, lw=0)
-        if mark_best and per_layer.notna().any():
-            ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=color)
+        if mark_best and per_layer.notna().any() and best_layer_finding(df, metric, model):
+            ax.plot([per_layer.idxmax()], [per_layer.max()], "*", ms=10, color=color, gid=BEST_GID)
+            starred += 1
         chance = df[(df.metric == f"{metric}_chance") & (df.model == model)]
         if chance["layer"].notna().any():
             c = chance.groupby("layer")["value"].mean().sort_index()
             ax.plot(c.index, c.values, "--", lw=1, color=color, alpha=0.6)
         elif len(chance):
             ax.axhline(float(chance["value"].mean()), ls="--", lw=1, color=color, alpha=0.6)
+    if mark_best and models and not starred:  # say so in place: no layer is ranked
+        ax.text(0.02, 0.97, NO_BEST_NOTE, transform=ax.transAxes, ha="left", va="top", fontsize=6, color="0.35",
+                gid=NO_BEST_GID)
     if title:
         ax.set_title(title, fontsize=9)
     ax.set_xlabel("block")
     ax.grid(alpha=0.3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
     return models
+
+
+BEST_GID, NO_BEST_GID = "best-layer", "no-best-layer"
+NO_BEST_NOTE = "no best layer: none above chance\nand the untrained model beyond its interval"
+
+
+def chance_level(df: pd.DataFrame, metric: str, model: str, layer: object) -> float:
+    """The chance level ``model``'s ``metric`` at ``layer`` has to beat: the highest of its rows' ``chance`` column
+    (e.g. the majority-class rate) and its ``<metric>_chance`` rows (at ``layer`` where they have layers: the same
+    score on random features); NaN without either."""
+    levels = []
+    rows = df[(df.metric == metric) & (df.model == model) & (df["layer"] == layer)]
+    if "chance" in rows.columns:
+        levels += list(pd.to_numeric(rows["chance"], errors="coerce").dropna())
+    c = df[(df.metric == f"{metric}_chance") & (df.model == model)]
+    if c["layer"].notna().any():
+        c = c[c["layer"] == layer]
+    if len(c):
+        levels.append(float(pd.to_numeric(c["value"], errors="coerce").mean()))
+    levels = [v for v in levels if np.isfinite(v)]
+    return max(levels) if levels else float("nan")
+
+
+def best_layer_finding(df: pd.DataFrame, metric: str, model: str) -> bool:
+    """Whether ``model``'s best layer of ``metric`` may be marked (`vitscope.report.summary.is_finding`, the rule
+    the summary applies): the low end of its interval simultaneous over the model's layers
+    (`vitscope.report.summary.best_layer_low`) above the chance level there (`chance_level`) and above the best
+    score of the untrained models in the table (the context's). Never for an untrained model (the reference
+    itself), nor for a model with several rows per layer (no interval of their mean to choose by)."""
+    if model in _CONTEXT.untrained:
+        return False
+    d = df[(df.metric == metric) & df["layer"].notna()]
+    g = d[d.model == model]
+    values = pd.to_numeric(g["value"], errors="coerce")
+    if values.isna().all() or g["layer"].duplicated().any():
+        return False
+    best = g.loc[values.idxmax()]
+    base = d[d.model.isin(_CONTEXT.untrained)]["value"]
+    baseline = float(pd.to_numeric(base, errors="coerce").max()) if len(base) else float("nan")
+    return is_finding(best_layer_low(g), chance_level(df, metric, model, best["layer"]), baseline)
 
 
 def has_interval(df: pd.DataFrame) -> bool:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
-from matplotlib.colors import ListedColormap
+from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.patches import Patch
 
 from vitscope.references import cite
@@ -92,6 +92,7 @@ def saliency_iou(df: pd.DataFrame) -> Figures:
     """IoU of the top-60%-mass attention tokens with the foreground per layer: best head (solid) and heads
     merged (dashed), one colour per model, one panel per query, 95 % bands [Walmer et al. 2023 Fig. 7]."""
     d = df[df.metric.isin(["iou_best_head", "iou_merged"])]
+    uniform = df[df.metric == "iou_uniform"]
     queries = [q for q in ("cls", "mean") if q in set(d["query"])]
     if not queries:
         return []
@@ -109,15 +110,43 @@ def saliency_iou(df: pd.DataFrame) -> Figures:
                     if "value_lo" in s.columns and s["value_lo"].notna().any():
                         ax.fill_between(s["layer"].astype(float), s["value_lo"].astype(float),
                                         s["value_hi"].astype(float), color=color, alpha=0.12, lw=0)
+        _uniform_line(ax, uniform[uniform["query"] == q], models)
         ax.set_title(f"query: {'CLS' if q == 'cls' else 'mean of spatial queries'}", fontsize=9)
         ax.set_xlabel("block")
         ax.grid(alpha=0.3)
     axes[0, 0].set_ylabel("IoU with foreground")
     axes[0, 0].set_ylim(0, 1)
     extra = [style_handle("-o", "solid: best head"), style_handle("--", "dashed: heads merged"),
-             *([band_handle()] if has_interval(d) else [])]
+             *([band_handle()] if has_interval(d) else []),
+             *([style_handle("--", "black dashed: uniform attention", color=UNIFORM_COLOR, lw=1.4)]
+               if len(uniform) else [])]
     legend_outside(fig, extra=extra)
-    return [(f"Attention-saliency IoU per layer (best head, heads merged) [{cite('walmer2023', 'Fig. 7')}]", fig)]
+    level = pd.to_numeric(uniform["value"], errors="coerce").dropna()
+    ref = (f"; black dashed: the IoU uniform attention gets on the same masks ({level.min():.3g}"
+           + (f"-{level.max():.3g}" if level.max() - level.min() > 5e-4 else "") + "), the level of a map with no "
+           "spatial preference: a curve near it finds no foreground" if len(level) else
+           "; the uniform-attention reference needs the table's iou_uniform rows (rerun saliency_iou)")
+    return [(f"Attention-saliency IoU per layer (best head, heads merged){ref} "
+             f"[{cite('walmer2023', 'Fig. 7')}]", fig)]
+
+
+UNIFORM_COLOR, UNIFORM_GID = "0.1", "uniform-attention"
+
+
+def _uniform_line(ax: plt.Axes, rows: pd.DataFrame, models: list[str]) -> None:
+    """The uniform-attention reference (``iou_uniform`` rows) as a black dashed line, labelled in place: one line
+    when every model's is the same (same masks, same grid), else one per model (grids differ)."""
+    values = {m: float(v) for m, v in rows.groupby("model")["value"].mean().items() if np.isfinite(v)}
+    if not values:
+        return
+    levels: list[float] = []
+    for v in sorted(values.values()):  # the same level to the third decimal: one line
+        if not levels or v - levels[-1] > 5e-4:
+            levels.append(v)
+    for v in levels:
+        ax.axhline(v, ls=(0, (4, 2)), lw=1.4, color=UNIFORM_COLOR, zorder=1.5, gid=UNIFORM_GID)
+    ax.text(0.98, levels[-1], f"uniform attention {levels[0]:.2g}" + (f"-{levels[-1]:.2g}" if len(levels) > 1 else ""),
+            transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=6, color=UNIFORM_COLOR)
 
 
 def _grid_array(d: pd.DataFrame, a: str, b: str) -> tuple[np.ndarray, list[int], list[int], tuple[int, int]]:
@@ -133,21 +162,68 @@ def _grid_array(d: pd.DataFrame, a: str, b: str) -> tuple[np.ndarray, list[int],
     return arr, layers, heads, (R, C)
 
 
+def uniform_norm(ratios: object, floor: float = 2.0, q: float = 99.5) -> LogNorm:
+    """One colour scale for attention in units of uniform attention's (1 = uniform): logarithmic and symmetric
+    about 1, so uniform attention is the middle of the colour map in every map drawn with it; its top the ``q``-th
+    percentile of the cells of ``ratios`` (one array or several) above uniform, at least ``floor`` (so that a
+    near-uniform map stays one colour instead of being stretched until it looks structured, what scaling each map
+    to its own maximum did), its bottom 1 / top. Values beyond are clipped (`in_norm`): far below uniform (a
+    corner of an aligned map, a few keys no query looks at) all read "much less than uniform"."""
+    parts = ratios if isinstance(ratios, (list, tuple)) else [ratios]
+    r = np.concatenate([np.asarray(a, dtype=float).ravel() for a in parts]) if parts else np.zeros(0)
+    r = r[np.isfinite(r) & (r > 1)]
+    half = float(np.percentile(np.log10(r), q)) if r.size else 0.0
+    top = 10 ** max(half, float(np.log10(floor)))
+    return LogNorm(vmin=1 / top, vmax=top, clip=True)
+
+
+def in_norm(ratios: np.ndarray, norm: LogNorm) -> np.ndarray:
+    """``ratios`` clipped into the norm's range (zeros to its low end; NaN stays NaN: a gap)."""
+    return np.where(np.isfinite(ratios), np.clip(ratios, norm.vmin, norm.vmax), np.nan)
+
+
+def _uniform_colorbar(fig: plt.Figure, mappable: object, ax: plt.Axes, what: str, **kw: object) -> object:
+    """The colour bar of maps drawn with `uniform_norm`: ticks at its ends and at 1, the uniform level marked."""
+    cb = colorbar(fig, mappable, ax, f"{what} ÷ uniform attention's\n(log; 1 = uniform)", extend="both", **kw)
+    lo, hi = mappable.norm.vmin, mappable.norm.vmax  # type: ignore[attr-defined]
+    cb.set_ticks([lo, 1.0, hi], labels=[f"{lo:.2g}", "1 uniform", f"{hi:.3g}"])
+    cb.minorticks_off()
+    cb.ax.axhline(1.0, color="white", lw=1.2, gid=UNIFORM_GID)
+    return cb
+
+
+def cls_uniform(arr: np.ndarray) -> np.ndarray:
+    """Uniform attention's value in each cell of a CLS map of ``arr``'s grid (``(..., R, C)``): 1 / (R C)."""
+    R, C = arr.shape[-2:]
+    return np.full((R, C), 1.0 / (R * C))
+
+
+def aaam_uniform(arr: np.ndarray) -> np.ndarray:
+    """Uniform attention's AAAM on ``arr``'s canvas (``(..., 2h - 1, 2w - 1)``): ``(h - |dy|)(w - |dx|) / (h w)²``
+    (`vitscope.metrics.attention.uniform_mass_3x3`'s pyramid), so that a map ÷ it reads 1 for uniform attention."""
+    R, C = arr.shape[-2:]
+    h, w = (R + 1) // 2, (C + 1) // 2
+    dy, dx = np.abs(np.arange(R) - (h - 1)), np.abs(np.arange(C) - (w - 1))
+    return np.outer(h - dy, w - dx) / float(h * w) ** 2
+
+
 def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
-              labels: dict[tuple[int, int], str] | None = None) -> plt.Figure:
-    """Small multiples: one row per layer, one column per head, each map on its own colour scale (divided by
-    its own maximum), tiled into one image with a 1-cell gap, drawn with a single imshow (fast to render)."""
+              labels: dict[tuple[int, int], str] | None = None, norm: LogNorm | None = None,
+              what: str = "attention") -> plt.Figure:
+    """Small multiples: one row per layer, one column per head, tiled into one image with a 1-cell gap, drawn with
+    a single imshow (fast to render): ``arr`` in units of uniform attention's, every map on one colour scale
+    (``norm``, `uniform_norm`; default: this figure's), so uniform attention is the same colour everywhere."""
     L, H, R, C = arr.shape
-    mx = np.nanmax(np.where(np.isfinite(arr), arr, np.nan), axis=(2, 3), keepdims=True)
-    norm = arr / np.where(np.isfinite(mx) & (mx > 0), mx, 1.0)
+    norm = norm if norm is not None else uniform_norm(arr)
+    scaled = in_norm(arr, norm)
     mosaic = np.full((L * (R + 1) - 1, H * (C + 1) - 1), np.nan)
     for i in range(L):
         for j in range(H):
-            mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = norm[i, j]
+            mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = scaled[i, j]
     cell = min(0.75, 8.0 / max(H, 1), 9.0 / max(L, 1))
     fig, ax = plt.subplots(figsize=(H * cell + 1.4, L * cell + 0.5), layout="constrained")
     cm = plt.get_cmap(cmap).with_extremes(bad="white")
-    im = ax.imshow(mosaic, cmap=cm, vmin=0, vmax=1, interpolation="nearest")
+    im = ax.imshow(mosaic, cmap=cm, norm=norm, interpolation="nearest")
     ax.set_xticks([j * (C + 1) + (C - 1) / 2 for j in range(H)], [f"h{h}" for h in heads], fontsize=6)
     ax.set_yticks([i * (R + 1) + (R - 1) / 2 for i in range(L)], [f"b{b}" for b in layers], fontsize=6)
     ax.tick_params(length=0)
@@ -156,20 +232,25 @@ def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
     for (i, j), text in (labels or {}).items():
         ax.text(j * (C + 1), i * (R + 1), text, fontsize=4.5, va="top", ha="left", color="white",
                 bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.3, "linewidth": 0})
-    colorbar(fig, im, ax, "attention ÷ the map's maximum", shrink=min(1.0, 3.0 / max(L * cell, 1e-6)))
+    _uniform_colorbar(fig, im, ax, what, shrink=min(1.0, 3.0 / max(L * cell, 1e-6)))
     return fig
 
 
 def cls_attention_maps(df: pd.DataFrame) -> Figures:
-    """Average CLS attention map of every layer (rows) and head (columns), one figure per model, each map on
-    its own colour scale [Walmer et al. 2023 Fig. 11-13]; then, for each image the analysis kept, the image
-    with the CLS map over it per layer (mean over heads, and the best saliency head when `saliency_iou` ran)."""
+    """Average CLS attention map of every layer (rows) and head (columns), one figure per model, every map of every
+    model on one colour scale in units of uniform attention's (`uniform_norm`) [Walmer et al. 2023 Fig. 11-13];
+    then, for each image the analysis kept, the image with the CLS map over it per layer (mean over heads, and the
+    best saliency head when `saliency_iou` ran)."""
     d = df[(df.metric == "cls_attention") & df["image"].isna()] if "image" in df.columns else df.iloc[0:0]
     out: Figures = []
-    for model in _models(d):
-        arr, layers, heads, _ = _grid_array(d[d.model == model], "row", "col")
-        out.append((f"Average CLS attention maps, {model} (rows: blocks, columns: heads) "
-                    f"[{cite('walmer2023', 'Fig. 11-13')}]", _map_grid(arr, layers, heads, "viridis")))
+    grids = {m: _grid_array(d[d.model == m], "row", "col") for m in _models(d)}
+    ratios = {m: g[0] / cls_uniform(g[0]) for m, g in grids.items()}
+    norm = uniform_norm(list(ratios.values())) if ratios else None
+    for model, (_, layers, heads, _) in grids.items():
+        out.append((f"Average CLS attention maps, {model} (rows: blocks, columns: heads), in units of uniform "
+                    "attention's (1 = uniform, the colour bar's middle; one scale for every model's maps) "
+                    f"[{cite('walmer2023', 'Fig. 11-13')}]",
+                    _map_grid(ratios[model], layers, heads, "viridis", norm=norm, what="CLS attention")))
     out += overlays(df)
     return out
 
@@ -214,7 +295,9 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
     """Per-image attention overlays [Walmer et al. 2023 Fig. 11-13]: for each of the first ``max_images``
     images the analysis kept, a row per model with the image as that model saw it, then its CLS attention
     over the image at every block (mean over heads); under it, when `saliency_iou` ran, the CLS map of the
-    block's best saliency head (its id in the corner). Each map on its own scale (divided by its maximum).
+    block's best saliency head (its id in the corner). Every map of a figure on one colour scale in units of
+    uniform attention's (`uniform_norm`: 1 = uniform, the colour map's middle), so a near-uniform map is one flat
+    colour.
 
     The cells are composed into one RGB mosaic drawn with a single imshow (a figure of 16 x 9 axes took
     seconds to lay out and render; the mosaic takes a fraction of one), with the colour scale beside it."""
@@ -240,11 +323,8 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
         mosaic = np.ones((len(rows) * step - (step - side), (len(layers) + 1) * step - (step - side), 3))
         g_all = maps[maps.image == image_id]
         notes: list[tuple[int, int, str, str]] = []  # (row, column, text, colour)
+        cells: dict[tuple[int, int], np.ndarray | None] = {}  # (row, column) -> the map ÷ uniform attention's
         for r, (model, kind) in enumerate(rows):
-            pix = _fit(pixels[model], side)
-            pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)  # colours under the map
-            y = r * step
-            mosaic[y:y + side, 0:side] = pix
             g = g_all[g_all.model == model]
             arr, g_layers, g_heads, _ = _grid_array(g, "row", "col") if len(g) else (None, [], [], None)
             for c, layer in enumerate(layers, start=1):
@@ -256,10 +336,17 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
                     elif (head := best.get((model, layer))) is not None:
                         notes.append((r, c, f"h{head}", "white"))
                         grid = per_head[g_heads.index(head)] if head in g_heads else None
-                x = c * step
+                cells[(r, c)] = None if grid is None else grid / cls_uniform(grid)
+        norm = uniform_norm([v for v in cells.values() if v is not None])
+        for r, (model, _) in enumerate(rows):
+            pix = _fit(pixels[model], side)
+            pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)  # colours under the map
+            y = r * step
+            mosaic[y:y + side, 0:side] = pix
+            for c, _ in enumerate(layers, start=1):
+                x, grid = c * step, cells.get((r, c))
                 if grid is not None:
-                    grid = grid / max(float(np.nanmax(grid)), 1e-12)
-                    heat = cmap(np.clip(_upsample(grid, side), 0, 1))[..., :3]
+                    heat = cmap(norm(in_norm(_upsample(grid, side), norm)))[..., :3]
                     mosaic[y:y + side, x:x + side] = (1 - alpha) * pale + alpha * heat
                 else:
                     mosaic[y:y + side, x:x + side] = 0.92
@@ -281,12 +368,13 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
-        mappable = plt.cm.ScalarMappable(norm=plt.Normalize(0, 1), cmap=cmap)
-        colorbar(fig, mappable, ax, "CLS attention ÷ the map's maximum", shrink=0.6)
+        mappable = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
+        _uniform_colorbar(fig, mappable, ax, "CLS attention", shrink=0.6)
         source = "; best saliency head: the block's head with the best IoU with the foreground (saliency_iou)" \
             if best else "; the best saliency head needs the saliency_iou analysis"
         out.append((f"Image {image_id} as each model saw it, with its CLS attention over it at every block (mean of "
-                    f"heads{source}) [{cite('walmer2023', 'Fig. 11-13')}]", fig))
+                    f"heads{source}), every map on one scale in units of uniform attention's (1 = uniform, the colour "
+                    f"bar's middle) [{cite('walmer2023', 'Fig. 11-13')}]", fig))
     return out
 
 
@@ -304,15 +392,19 @@ def aligned_attention_maps(df: pd.DataFrame) -> Figures:
     out: Figures = []
     aaam = df[df.metric == "aaam"]
     types = df[df.metric == "head_type"]
-    for model in _models(aaam):
-        arr, layers, heads, _ = _grid_array(aaam[aaam.model == model], "dy", "dx")
+    grids = {m: _grid_array(aaam[aaam.model == m], "dy", "dx") for m in _models(aaam)}
+    ratios = {m: g[0] / aaam_uniform(g[0]) for m, g in grids.items()}
+    norm = uniform_norm(list(ratios.values())) if ratios else None
+    for model, (_, layers, heads, _) in grids.items():
         t = types[types.model == model]
         labels = {(layers.index(int(r["layer"])), heads.index(int(r["head"]))): _type_label(r)
                   for _, r in t.iterrows() if int(r["layer"]) in layers and int(r["head"]) in heads}
         out.append((f"Aligned aggregated attention maps, {model} (rows: blocks, columns: heads; the query at the "
-                    "centre of each map, its head type in the corner). Uniform attention looks like a centred "
-                    "pyramid here: local heads stand out by a sharp centre "
-                    f"[{cite('walmer2023', 'Fig. 5')}]", _map_grid(arr, layers, heads, "magma", labels)))
+                    "centre of each map, its head type in the corner), each cell ÷ uniform attention's AAAM there "
+                    "(a centred pyramid), so uniform attention reads 1 everywhere (the colour bar's middle; one "
+                    "scale for every model's maps): local heads stand out by a bright centre "
+                    f"[{cite('walmer2023', 'Fig. 5')}]",
+                    _map_grid(ratios[model], layers, heads, "magma", labels, norm=norm, what="AAAM")))
     if types.empty:
         return out
     names = list(HEAD_TYPE_COLORS)

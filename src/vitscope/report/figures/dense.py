@@ -10,10 +10,34 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vitscope.report.figures._common import Figures, colorbar, grid_layout, layer_lines, legend_outside, plt
-from vitscope.report.summary import DENSE_TASKS, best_above_chance
+from vitscope.report.figures._common import Figures, colorbar, current, grid_layout, layer_lines, legend_outside, plt
+from vitscope.report.summary import DENSE_TASKS, best_above_chance, best_row_is_finding, best_row_low, is_finding
 
 TASKS = DENSE_TASKS  # analysis -> (headline metric, label)
+
+
+STAR = ("star = best layer, only where its 95 % interval (simultaneous over the layers) clears chance and the "
+        "untrained model's best")
+
+
+def nothing_above(df: pd.DataFrame, task: str) -> str:
+    """The sentence a task's figures open with when no trained model's best layer of its headline metric (its
+    ``best_*`` rows) is a finding (`vitscope.report.summary.best_row_is_finding`): none above chance beyond its
+    interval, or none above the untrained model's best too; "" when one is (then layers are ranked)."""
+    metric, label = TASKS[task]
+    best = df[df.metric == f"best_{metric}"] if "metric" in df.columns else df.iloc[0:0]
+    untrained = best[best.model.isin(current().untrained)]
+    trained = best[~best.model.isin(current().untrained)]
+    if trained.empty:
+        return ""
+    baseline = float(untrained["value"].max()) if len(untrained) else float("nan")
+    if not any(best_above_chance(r) for _, r in trained.iterrows()):
+        return (f"Nothing here is above chance: no trained model's best layer of {label} clears the chance level "
+                "beyond its 95 % interval (simultaneous over the layers), so no layer is ranked. ")
+    if not any(best_row_is_finding(r, baseline) for _, r in trained.iterrows()):
+        return (f"Nothing here is above the untrained model: no trained model's best layer of {label} clears the "
+                f"untrained model's best ({baseline:.3g}) beyond its 95 % interval, so no layer is ranked. ")
+    return ""
 
 
 def _panels(df: pd.DataFrame, panels: list[tuple[str, str]], rows: list[tuple[str, pd.DataFrame]],
@@ -38,9 +62,9 @@ def propagation(df: pd.DataFrame) -> Figures:
     """J, F and J&F per layer and model, over every video (star = best layer, dashed = constant features)."""
     d = _overall(df, "video")
     return _panels(d, [("J", "J (region IoU)"), ("F", "F (boundary)"), ("JF", "J&F")], [("", d)],
-                   "Video mask propagation per layer (DINO's protocol, no training): J, F and J&F over every "
-                   "video (star = best layer; dashed = the same propagation with constant features, the chance "
-                   "level)")
+                   nothing_above(d, "propagation") + "Video mask propagation per layer (DINO's protocol, no "
+                   f"training): J, F and J&F over every video ({STAR}; dashed = the same propagation with constant "
+                   "features, the chance level)")
 
 
 def correspondence(df: pd.DataFrame) -> Figures:
@@ -49,9 +73,9 @@ def correspondence(df: pd.DataFrame) -> Figures:
     alphas = sorted({m.split("@")[1] for m in d.metric if m.startswith("pck@") and m.count("_") == 0},
                     key=lambda a: -float(a))
     return _panels(d, [(f"pck@{a}", f"PCK@{a}") for a in alphas], [("", d)],
-                   "Keypoint correspondence per layer (nearest patch token, no training): PCK at alpha x max(bbox "
-                   "h, w) of the target object, over every keypoint (star = best layer; dashed = a uniformly "
-                   "random target token)")
+                   nothing_above(d, "correspondence") + "Keypoint correspondence per layer (nearest patch token, no "
+                   "training): PCK at alpha x max(bbox h, w) of the target object, over every keypoint "
+                   f"({STAR}; dashed = a uniformly random target token)")
 
 
 def retrieval(df: pd.DataFrame) -> Figures:
@@ -59,8 +83,8 @@ def retrieval(df: pd.DataFrame) -> Figures:
     views = list(dict.fromkeys(df["token_view"].dropna()))
     rows = [(f" ({v})", df[df.token_view == v]) for v in views]
     return _panels(df, [("mAP_medium", "mAP Medium"), ("mAP_hard", "mAP Hard"), ("mAP_easy", "mAP Easy")], rows,
-                   "Instance retrieval per layer (cosine of CLS / mean patch token, no training): revisited mAP "
-                   "(star = best layer; dashed = random rankings)")
+                   nothing_above(df, "retrieval") + "Instance retrieval per layer (cosine of CLS / mean patch "
+                   f"token, no training): revisited mAP ({STAR}; dashed = random rankings)")
 
 
 FIGURES = {"propagation": propagation, "correspondence": correspondence, "retrieval": retrieval}
@@ -78,6 +102,7 @@ def _protocol(row: Any) -> str | None:
 
 
 NOT_ABOVE_CHANCE = "no layer above chance"
+NOT_ABOVE_UNTRAINED = "not above the untrained model"
 
 
 def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, Any] | None = None) -> pd.DataFrame:
@@ -86,7 +111,12 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
     layer above chance") and the protocol the task ran under (``protocol``: whole frame or centre crop, input
     size, ...), from the ``best_*`` rows of each task's table; ``models`` (the manifest's) adds each model's
     supervision and, for every trained model, the best score of a random-init model of the same architecture
-    (depth, heads, grid, patch) in the same study."""
+    (depth, heads, grid, patch) in the same study. ``untrained``: whether the model is an untrained baseline (the
+    manifest's family, as `vitscope.report.run.untrained_models`, or the figure context's); ``untrained_score``:
+    the score a trained model is judged against (the same-architecture random-init model's, else the best of the
+    task's untrained models); ``finding``: above chance and above that score beyond the interval
+    (`vitscope.report.summary.best_row_is_finding`), what the heat table colours; ``best`` says
+    `NOT_ABOVE_UNTRAINED` for a trained model above chance but not above it."""
     models = dict(models or {})
     rows = []
     for task, (metric, label) in TASKS.items():
@@ -101,6 +131,7 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
             rows.append({"task": task, "label": label, "model": r["model"], "best_layer": int(r["layer"]),
                          "best": f"block {int(r['layer'])}" if above else NOT_ABOVE_CHANCE,
                          "token_view": r["token_view"], "score": score, "stderr": stderr,
+                         "score_lo": best_row_low(r), "score_hi": float(r.get("value_hi", np.nan)),
                          "last_layer_score": float(r.get("last_layer_value", np.nan)),
                          "chance": chance, "above_chance": above, "protocol": _protocol(r)})
     out = pd.DataFrame(rows)
@@ -119,43 +150,83 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
         s = out[(out.task == r.task) & out.model.isin(peers)].score
         random_score.append(float(s.max()) if len(s) and r.supervision != "random init" else np.nan)
     out["random_init_score"] = random_score
+    from vitscope.report.run import untrained_models
+
+    untrained = set(untrained_models({"models": models})) | current().untrained
+    out["untrained"] = out.model.isin(untrained)
+    base = []
+    for _, r in out.iterrows():
+        peers = out[(out.task == r.task) & out.untrained & (out.model != r.model)].score
+        base.append(np.nan if r.untrained else r.random_init_score if np.isfinite(r.random_init_score)
+                    else float(peers.max()) if len(peers) else np.nan)
+    out["untrained_score"] = base
+    out["finding"] = [bool(r.above_chance and not r.untrained and is_finding(r.score_lo, np.nan, r.untrained_score))
+                      for _, r in out.iterrows()]
+    out.loc[out.above_chance & ~out.untrained & ~out.finding, "best"] = NOT_ABOVE_UNTRAINED
     return out
 
 
 def summary_figure(summary: pd.DataFrame) -> Figures:
-    """Task x model heat table: each cell the best layer's score and the block it is at ("no layer above chance"
-    where the best score is within noise of chance); colour: the score's distance from chance as a share of the
-    way from chance to 1, diverging around chance (below chance shows as such)."""
+    """Task x model heat table: each cell the best layer's score and the block it is at ("at chance" where the best
+    score is within noise of chance, "≈ untrained" where it is not above the untrained model's beyond its interval,
+    "untrained" for the reference itself); colour only where the cell is a finding (``finding`` of
+    `best_layer_summary`): the score's distance from chance as a share of the way from chance to 1, diverging
+    around chance (below chance shows as such); every other cell grey and hatched."""
     if summary.empty:
         return []
     from matplotlib.colors import CenteredNorm
+    from matplotlib.patches import Rectangle
 
     tasks = [t for t in TASKS if t in set(summary.task)]
     models = list(dict.fromkeys(summary.model))
     gain = np.full((len(tasks), len(models)), np.nan)
     text = [["" for _ in models] for _ in tasks]
+    muted: list[tuple[int, int]] = []  # cells that are no finding: grey, hatched
     for _, r in summary.iterrows():
         i, j = tasks.index(r.task), models.index(r.model)
         c = r.chance if np.isfinite(r.chance) else 0.0
-        gain[i, j] = (r.score - c) / max(1 - c, 1e-9)
         where = r.best if "best" in r and isinstance(r.best, str) else f"block {r.best_layer}"
+        finding = bool(r.finding) if "finding" in r and pd.notna(r.finding) else where != NOT_ABOVE_CHANCE
+        if finding:
+            gain[i, j] = (r.score - c) / max(1 - c, 1e-9)
+        else:
+            muted.append((i, j))
+            where = ("untrained" if "untrained" in r and bool(r.untrained) else
+                     "at chance" if where == NOT_ABOVE_CHANCE else "≈ untrained" if where == NOT_ABOVE_UNTRAINED
+                     else where)
         text[i][j] = f"{r.score:.2f}\n" + ("at chance" if where == NOT_ABOVE_CHANCE else where)
     fig, ax = plt.subplots(figsize=(1.4 + 1.05 * len(models), 1.4 + 0.75 * len(tasks)), layout="constrained")
-    norm = CenteredNorm(0.0, halfrange=max(float(np.nanmax(np.abs(gain))), 1e-6))
-    cmap = plt.get_cmap("RdBu_r")
+    top = float(np.nanmax(np.abs(gain))) if np.isfinite(gain).any() else 0.0
+    norm = CenteredNorm(0.0, halfrange=top if top > 1e-6 else 1.0)  # nothing coloured: the whole way to 1
+    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="0.93")
     im = ax.imshow(gain, cmap=cmap, norm=norm, aspect="auto")
+    for i, j in muted:
+        ax.add_patch(Rectangle((j - 0.5, i - 0.5), 1, 1, fill=False, hatch="///", edgecolor="0.78", lw=0,
+                               gid="no-finding"))
     for i in range(len(tasks)):
         for j in range(len(models)):
             if text[i][j]:
+                dark = np.isfinite(gain[i, j]) and abs(norm(gain[i, j]) - 0.5) > 0.3
                 ax.text(j, i, text[i][j], ha="center", va="center", fontsize=6.5,
-                        color="white" if abs(norm(gain[i, j]) - 0.5) > 0.3 else "black")
+                        color="white" if dark else "0.25" if (i, j) in muted else "black")
     ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
     ax.set_yticks(range(len(tasks)), [TASKS[t][1] for t in tasks], fontsize=8)
     colorbar(fig, im, ax, "(score - chance) / (1 - chance)\n(0 = chance, < 0 below)")
-    return [("Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
-             "block's score and where it is, or \"at chance\" where no layer is above chance (the best score is within "
-             "noise of the task's chance level, or below it); colour = the score's distance from chance (blue: below "
+    trained = summary[~summary.untrained] if "untrained" in summary.columns else summary
+    lead = ""
+    if len(trained) and not trained["above_chance"].any():
+        lead = ("Nothing here is above chance: no trained model's best layer clears its task's chance level beyond its "
+                "95 % interval (simultaneous over the layers), so no layer is ranked. ")
+    elif "finding" in trained.columns and len(trained) and not trained["finding"].any():
+        lead = ("Nothing here is above the untrained model: no trained model's best layer clears the untrained "
+                "model's best beyond its 95 % interval, so no layer is ranked. ")
+    return [(lead + "Best layer per task and model, no training (after Walmer et al., CVPR 2023, Table 1): the best "
+             "block's score and where it is; coloured only where it clears both the task's chance level and the "
+             "untrained model's best score beyond its 95 % interval (simultaneous over the layers), else grey and "
+             "hatched: \"at chance\" (within noise of chance, or below it), \"≈ untrained\" (not above the untrained "
+             "model), \"untrained\" (the reference itself); colour = the score's distance from chance (blue: below "
              "chance)", fig)]
 
 
-__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "TASKS", "best_above_chance", "best_layer_summary", "summary_figure"]
+__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "NOT_ABOVE_UNTRAINED", "TASKS", "best_above_chance", "best_layer_summary",
+           "nothing_above", "summary_figure"]

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from vitscope.analyses.robustness import decision_rows
+from vitscope.metrics.robustness import accuracy_interval
 from vitscope.report.figures._common import (
     Figures,
     current,
@@ -38,6 +39,40 @@ def _chance_note(models: list[str]) -> str:
 def _last(df: pd.DataFrame) -> pd.DataFrame:
     """Per model, the rows of its decision: the head where there is one, else the last layer's probe."""
     return decision_rows(df, head_only=True, column="where")
+
+
+WITHIN_NOISE_GID = "within-noise"
+
+
+def _yerr(g: pd.DataFrame) -> np.ndarray | None:
+    """(2, n) distances from each row's value to its 95 % interval's ends (``value_lo``, ``value_hi``), for
+    ``errorbar``; None when the table carries none."""
+    if not {"value_lo", "value_hi"} <= set(g.columns) or g["value_lo"].isna().all():
+        return None
+    v = g["value"].to_numpy(dtype=float)
+    return np.nan_to_num(np.clip(np.stack([v - g["value_lo"].to_numpy(dtype=float),
+                                           g["value_hi"].to_numpy(dtype=float) - v]), 0, None))
+
+
+def _n_of(g: pd.DataFrame) -> str:
+    """"n = N": the images the rows' accuracies are on (a range where they differ)."""
+    n = pd.to_numeric(g["n_images"], errors="coerce").dropna().astype(int) if "n_images" in g.columns else []
+    if not len(n):
+        return "n unknown"
+    return f"n = {n.min()}" if n.min() == n.max() else f"n = {n.min()}-{n.max()}"
+
+
+def _n_note(d: pd.DataFrame) -> str:
+    """A sentence naming the test images behind each model's probe values, and what one image is worth."""
+    if "n_images" not in d.columns or d.empty:
+        return ""
+    ns = pd.to_numeric(d["n_images"], errors="coerce")
+    per = {m: int(v) for m, v in ns.groupby(d["model"], sort=False).max().dropna().items()}
+    if not per:
+        return ""
+    each = (f"n = {next(iter(per.values()))} test images each" if len(set(per.values())) == 1
+            else "n test images " + ", ".join(f"{m} {v}" for m, v in per.items()))
+    return f"Probes tested on {each} (one image moves an accuracy by {1 / max(min(per.values()), 1):.3f})."
 
 
 def _interval_of(rows: pd.DataFrame) -> tuple[float, float] | None:
@@ -152,6 +187,10 @@ def band_noise(df: pd.DataFrame) -> Figures:
             im = ax.imshow(grid.to_numpy(dtype=float), origin="lower", aspect="auto", cmap="RdBu_r", vmin=-vmax,
                            vmax=vmax, extent=(grid.columns.min() - 0.5, grid.columns.max() + 0.5,
                                               grid.index.min() - 0.5, grid.index.max() + 0.5))
+            noise = g[(g["value_lo"] <= 0) & (g["value_hi"] >= 0)] if "value_lo" in g.columns else g.iloc[:0]
+            if len(noise):  # a drop whose 95 % interval holds 0: no drop beyond noise
+                ax.plot(noise["layer"].astype(float), noise["band"].astype(float), "o", ms=2.5, mfc="0.2", mec="none",
+                        ls="none", gid=WITHIN_NOISE_GID)
             ax.set_xlabel("block")
             ax.set_ylabel("band (low -> high freq.)")
         for k in range(len(models), rows * cols):
@@ -162,26 +201,32 @@ def band_noise(df: pd.DataFrame) -> Figures:
             cax = fig.add_axes((1 - 0.9 / w, 0.15, 0.12 / w, 0.7))
             fig.colorbar(im, cax=cax, label="accuracy drop")
         out.append(("Accuracy drop under frequency-band noise (probe per block; red = accuracy lost), band 0 = lowest "
-                    "frequencies (Park et al., ICLR 2023); blank: the probe's clean accuracy is within noise of chance "
-                    "there, so no drop is reported", fig))
+                    "frequencies (Park et al., ICLR 2023); dot: a drop within noise of none (its 95 % interval, "
+                    "paired over the same test images, holds 0); blank: the probe's clean accuracy is within noise of "
+                    f"chance there, so no drop is reported. {_n_note(probe)}", fig))
     last = _last(d)
     if len(last):
         fig, ax = plt.subplots(figsize=(6.2, 3.2), layout="constrained")
         models = list(dict.fromkeys(last["model"]))
-        for m, g in last.groupby("model", sort=False):
+        for k, (m, g) in enumerate(last.groupby("model", sort=False)):
             g = g.sort_values("band")
             if g["value"].isna().all():
                 continue
-            ax.plot(g["band_low"].to_numpy(dtype=float) + 0.05, g["value"], "-o", ms=3, color=model_color(m, models),
-                    label=f"{model_label(m)} ({g['where'].iloc[0]})")
+            x = g["band_low"].to_numpy(dtype=float) + 0.05 + 0.006 * (k - (len(models) - 1) / 2)  # bars apart
+            ax.errorbar(x, g["value"].to_numpy(dtype=float), yerr=_yerr(g), fmt="-o", ms=3, lw=1, elinewidth=0.8,
+                        capsize=1.5, color=model_color(m, models),
+                        label=f"{model_label(m)} ({g['where'].iloc[0]}, {_n_of(g)})")
         ax.axhline(0, color="0.6", lw=0.8)
         ax.set_xlabel("noise frequency (x pi rad / pixel, band centre)")
-        ax.set_ylabel("accuracy drop")
+        ax.set_ylabel("accuracy drop (95 % interval)")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
         out.append(("Accuracy drop per noise band at each model's decision (head, else last-layer probe): "
-                    "low-frequency vs high-frequency fragility." + _chance_note(_at_chance(d)), fig))
+                    "low-frequency vs high-frequency fragility. Bars: 95 % interval of the drop, paired over the same "
+                    "test images and valid however an image's clean and noisy decisions go together (Newcombe's "
+                    "paired score interval at the least correlation the accuracies allow); n = the images each "
+                    "accuracy is on (legend)." + _chance_note(_at_chance(d)), fig))
     return out
 
 
@@ -205,19 +250,31 @@ def corruptions(df: pd.DataFrame) -> Figures:
             sel = g[(g.severity > 0) & ((g.family == fam) if fam != "all" else True)]
             per = sel.groupby("severity")["value"].mean()
             xs, ys = [0, *per.index.astype(int)], [clean, *per.values]
+            ns = pd.to_numeric(g["n_images"], errors="coerce").dropna() if "n_images" in g.columns else []
+            n = int(ns.max()) if len(ns) else 0
+            # a mean over the family's corruptions of the same n images: its Wilson interval on n is conservative
+            ivs = [accuracy_interval(float(y), n) for y in ys]
+            yerr = np.nan_to_num(np.array([[y - iv["value_lo"] for y, iv in zip(ys, ivs, strict=True)],
+                                           [iv["value_hi"] - y for y, iv in zip(ys, ivs, strict=True)]])).clip(0)
             chance = m in at_chance
-            ax.plot(xs, ys, ":o" if chance else "-o", ms=3, color=model_color(m, models), alpha=0.5 if chance else 1,
-                    label=f"{model_label(m)} ({g['where'].iloc[0]}{', at chance' if chance else ''})")
+            ax.errorbar(np.asarray(xs, dtype=float) + 0.04 * (list(models).index(m) - (len(models) - 1) / 2), ys,
+                        yerr=yerr, fmt=":o" if chance else "-o", ms=3, lw=1, elinewidth=0.8,
+                        capsize=1.5, color=model_color(m, models), alpha=0.5 if chance else 1,
+                        label=f"{model_label(m)} ({g['where'].iloc[0]}, {f'n = {n}' if n else 'n unknown'}"
+                              f"{', at chance' if chance else ''})")
         ax.set_title(f"{fam} corruptions" if fam != "all" else "all corruptions", fontsize=9)
         ax.set_xlabel("severity")
         ax.set_ylim(0, 1)
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("accuracy")
+    axes[0][0].set_ylabel("accuracy (95 % interval)")
     ax = axes[0][-1]
     mca = df[(df.metric == "mca") & (df.readout == "probe")]
     for m, g in mca.groupby("model", sort=False):
         g = g.assign(layer=pd.to_numeric(g["layer"])).sort_values("layer")
         ax.plot(g["layer"], g["value"], "-o", ms=3, color=model_color(m, models), label=model_label(m))
+        if "value_lo" in g.columns and g["value_lo"].notna().any():
+            ax.fill_between(g["layer"].astype(float), g["value_lo"].astype(float), g["value_hi"].astype(float),
+                            color=model_color(m, models), alpha=0.12, lw=0)
     ax.set_title("mean corruption accuracy per block (probe)", fontsize=9)
     ax.set_xlabel("block")
     ax.set_ylim(0, 1)
@@ -225,8 +282,10 @@ def corruptions(df: pd.DataFrame) -> Figures:
     legend_outside(fig, handles=axes[0][0].get_legend_handles_labels()[0])
     return [("Accuracy under common corruptions vs severity (0 = clean; Hendrycks & Dietterich, ICLR 2019), mean "
              "over the corruptions of each family, at each model's decision (head, else last-layer probe); right: the "
-             "mean corruption accuracy per block. Dotted: a readout whose clean accuracy is within noise of chance, "
-             "whose accuracy says nothing about robustness." + _chance_note(at_chance), fig)]
+             "mean corruption accuracy per block. Bars and bands: 95 % Wilson intervals over the n test images each "
+             "accuracy is on (legend; a mean over several corruptions of the same images on that n, conservative). "
+             f"{_n_note(mca)} Dotted: a readout whose clean accuracy is within noise of chance, whose accuracy says "
+             "nothing about robustness." + _chance_note(at_chance), fig)]
 
 
 FIGURES = {"shape_bias": shape_bias, "band_noise": band_noise, "corruptions": corruptions}

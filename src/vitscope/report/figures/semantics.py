@@ -31,7 +31,8 @@ def _knn_metric(df: pd.DataFrame) -> str | None:
 
 
 def semantics(df: pd.DataFrame) -> Figures:
-    """Per-layer curves per model and token view with their 95 % binomial bands, best layer starred, the
+    """Per-layer curves per model and token view with their 95 % binomial bands, best layer starred where it is a
+    finding (`vitscope.report.figures._common.best_layer_finding`), the
     Gaussian-feature chance rows dashed and the majority-class rate dotted [Walmer et al. 2023 Fig. 7, 9;
     Shekhar et al. 2022 Fig. 3]. A view a panel's score was not computed for says so in place, with the
     parameter that enables it."""
@@ -62,7 +63,8 @@ def semantics(df: pd.DataFrame) -> Figures:
                 chance = dv[dv.metric == metric]["chance"].dropna()
                 if len(chance):
                     ax.axhline(float(chance.mean()), ls=":", lw=1.2, color="0.2")
-    extra = [style_handle("*", "best layer", ms=8), style_handle("--", "dashed: same score on Gaussian features")]
+    extra = [style_handle("*", "best layer, above chance and\nthe untrained model", ms=8),
+             style_handle("--", "dashed: same score on Gaussian features")]
     if has_chance:
         extra.append(style_handle(":", "dotted: majority-class rate", color="0.2"))
     extra.append(band_handle("band: 95 % binomial interval"))
@@ -78,7 +80,8 @@ def semantics(df: pd.DataFrame) -> Figures:
             note = (f"{len(above)} of {len(scored)} accuracies clear the majority-class rate beyond their 95 % "
                     "interval. ")
     return [(note + "Which layer knows the class: k-NN, linear probe and k-means purity per layer and token view "
-             "(star = best layer; bands: 95 % binomial intervals over the test images) "
+             "(star = best layer, only where its 95 % interval, simultaneous over the layers, clears both chance and "
+             "the untrained model's best; bands: 95 % binomial intervals over the test images) "
              f"[{cite('walmer2023', 'Fig. 7, 9')}; {cite('shekhar2022', 'Fig. 3')}]", fig)]
 
 

@@ -160,7 +160,8 @@ def residual_cka(df: pd.DataFrame) -> Figures:
                 mat = g[g.metric == f"skip_vs_{branch}"].pivot_table(index="layer", columns="layer_b", values="value")
                 im = ax.imshow(mat.values, origin="lower", vmin=0, vmax=1, cmap="magma")
                 ax.set_xlabel(f"block j ({branch})", fontsize=8)
-                ax.set_ylabel(f"{model}\nskip path into block i", fontsize=8)
+                ax.set_title(model, fontsize=8)  # not in the y label: two lines of it ran into the next row's
+                ax.set_ylabel("skip path into block i", fontsize=8)
                 ax.tick_params(labelsize=6)
         if im is not None:
             colorbar(fig, im, axes, "CKA")
