@@ -134,6 +134,18 @@ def test_rollout_analysis_maps_and_iou_match_the_references(kind):
     for i in range(vm.depth):
         a = _rows(sal, metric="iou_merged", layer=i).value.iloc[0]
         assert _rows(df, metric="iou_cls_attention", layer=i).value.iloc[0] == pytest.approx(a, abs=1e-12)
+    # the uniform-attention reference: saliency_iou's on the same masks (itself checked against scipy's
+    # hypergeometric law in test_report_noise), one row without a layer, drawn dashed in the figure
+    u = _rows(df, metric="iou_uniform")
+    assert len(u) == 1 and pd.isna(u.layer.iloc[0])
+    assert u.value.iloc[0] == pytest.approx(_rows(sal, metric="iou_uniform").value.iloc[0], abs=1e-12)
+    from vitscope.report.figures import FIGURES
+    from vitscope.report.figures._common import UNIFORM_GID
+
+    caption, fig = FIGURES["attention_rollout"](df)[0]
+    lines = [ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == UNIFORM_GID]
+    assert len(lines) == 1 and lines[0].get_ydata()[0] == pytest.approx(u.value.iloc[0])
+    assert "uniform attention" in caption
 
 
 @pytest.mark.parametrize("name,params,changed", [

@@ -299,7 +299,7 @@ def test_saliency_figure_draws_the_uniform_attention_reference_computed_from_the
     from vitscope.analyses import get_analysis
     from vitscope.capture import stream
     from vitscope.data import SyntheticShapes
-    from vitscope.report.figures.attention import UNIFORM_GID
+    from vitscope.report.figures._common import UNIFORM_GID
 
     vm = tiny("vit")
     batches = list(SyntheticShapes(n=9, seed=2).batches(3, vm.preprocessing))

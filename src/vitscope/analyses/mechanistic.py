@@ -182,7 +182,9 @@ class AttentionRollout(_Mechanistic):
     * ``rollout_map``: per (layer, grid cell) (``row``, ``col``), the mean over images of the rollout map;
     * ``iou_rollout`` / ``iou_cls_attention``: per layer, mean IoU of the rollout map / of the CLS attention
       with the foreground; ``iou_gain``: the mean per-image difference (rollout minus CLS attention); each with
-      ``stderr`` over the images scored (``n``) and the 95 % interval ``value_lo``, ``value_hi``.
+      ``stderr`` over the images scored (``n``) and the 95 % interval ``value_lo``, ``value_hi``;
+    * ``iou_uniform``: no layer: the mean IoU uniform attention gets on the same masks, the reference level
+      (`vitscope.metrics.attention.uniform_saliency_iou`, as ``saliency_iou``'s).
 
     A model without a CLS token has no CLS row to roll out: nothing is captured and the table is empty (with
     a warning)."""
@@ -190,7 +192,8 @@ class AttentionRollout(_Mechanistic):
     name = "attention_rollout"
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "attention rollout CLS maps per block and their foreground IoU beside the CLS attention's"
-    _MEANS = ("iou_rollout", "iou_cls", "iou_gain")
+    state_version = 2  # 2: the uniform-attention reference (iou_uniform)
+    _MEANS = ("iou_rollout", "iou_cls", "iou_gain", "iou_uniform")
     _TENSORS = ("map_sum",)
 
     def __init__(self, vm: Any, layers: Any = None, head_fusion: Literal["mean", "max", "min"] = "mean",
@@ -209,6 +212,7 @@ class AttentionRollout(_Mechanistic):
         L = len(self.layers)
         self.map_sum = torch.zeros(L, *self.grid_size, dtype=torch.float64)
         self.iou_rollout, self.iou_cls, self.iou_gain = _Means(L), _Means(L), _Means(L)
+        self.iou_uniform = _Means(1)
         self.n_masked = 0
 
     def _settings(self) -> dict[str, Any]:
@@ -241,6 +245,7 @@ class AttentionRollout(_Mechanistic):
         self.iou_rollout.add(iou[:, :L])
         self.iou_cls.add(iou[:, L:])
         self.iou_gain.add(iou[:, :L] - iou[:, L:])
+        self.iou_uniform.add(A.uniform_saliency_iou(masks, g, self.mass)[:, None])
         self.n_masked += len(batch)
 
     def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
@@ -270,6 +275,8 @@ class AttentionRollout(_Mechanistic):
         for metric, means in (("iou_rollout", self.iou_rollout), ("iou_cls_attention", self.iou_cls),
                               ("iou_gain", self.iou_gain)):
             rows += [{"metric": metric, "layer": i, **means.row(j)} for j, i in enumerate(self.layers)]
+        if self.n_masked:
+            rows.append({"metric": "iou_uniform", "layer": None, **self.iou_uniform.row(0)})
         df = self.tidy(rows)
         df["n_images"], df["n_masked"] = self.n_images, self.n_masked
         for k, v in self._columns().items():

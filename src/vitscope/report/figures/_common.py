@@ -347,3 +347,22 @@ def grid_shape(n: int, max_cols: int = 4) -> tuple[int, int]:
     """(rows, columns) for ``n`` panels, at most ``max_cols`` wide."""
     cols = min(n, max_cols)
     return math.ceil(n / max(cols, 1)), max(cols, 1)
+
+
+UNIFORM_COLOR, UNIFORM_GID = "0.1", "uniform-attention"
+
+
+def uniform_line(ax: plt.Axes, rows: pd.DataFrame, models: list[str]) -> None:
+    """The uniform-attention reference (``iou_uniform`` rows) as a black dashed line, labelled in place: one line
+    when every model's is the same (same masks, same grid), else one per model (grids differ)."""
+    values = {m: float(v) for m, v in rows.groupby("model")["value"].mean().items() if np.isfinite(v)}
+    if not values:
+        return
+    levels: list[float] = []
+    for v in sorted(values.values()):  # the same level to the third decimal: one line
+        if not levels or v - levels[-1] > 5e-4:
+            levels.append(v)
+    for v in levels:
+        ax.axhline(v, ls=(0, (4, 2)), lw=1.4, color=UNIFORM_COLOR, zorder=1.5, gid=UNIFORM_GID)
+    ax.text(0.98, levels[-1], f"uniform attention {levels[0]:.2g}" + (f"-{levels[-1]:.2g}" if len(levels) > 1 else ""),
+            transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=6, color=UNIFORM_COLOR)

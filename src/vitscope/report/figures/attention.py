@@ -9,6 +9,8 @@ from matplotlib.patches import Patch
 
 from vitscope.references import cite
 from vitscope.report.figures._common import (
+    UNIFORM_COLOR,
+    UNIFORM_GID,
     Z95,
     Figures,
     band_handle,
@@ -22,6 +24,7 @@ from vitscope.report.figures._common import (
     panels,
     plt,
     style_handle,
+    uniform_line,
 )
 
 HEAD_TYPE_COLORS = {"strict_local": "#1b9e77", "soft_local": "#a6d854", "axial": "#7570b3",
@@ -110,7 +113,7 @@ def saliency_iou(df: pd.DataFrame) -> Figures:
                     if "value_lo" in s.columns and s["value_lo"].notna().any():
                         ax.fill_between(s["layer"].astype(float), s["value_lo"].astype(float),
                                         s["value_hi"].astype(float), color=color, alpha=0.12, lw=0)
-        _uniform_line(ax, uniform[uniform["query"] == q], models)
+        uniform_line(ax, uniform[uniform["query"] == q], models)
         ax.set_title(f"query: {'CLS' if q == 'cls' else 'mean of spatial queries'}", fontsize=9)
         ax.set_xlabel("block")
         ax.grid(alpha=0.3)
@@ -128,25 +131,6 @@ def saliency_iou(df: pd.DataFrame) -> Figures:
            "; the uniform-attention reference needs the table's iou_uniform rows (rerun saliency_iou)")
     return [(f"Attention-saliency IoU per layer (best head, heads merged){ref} "
              f"[{cite('walmer2023', 'Fig. 7')}]", fig)]
-
-
-UNIFORM_COLOR, UNIFORM_GID = "0.1", "uniform-attention"
-
-
-def _uniform_line(ax: plt.Axes, rows: pd.DataFrame, models: list[str]) -> None:
-    """The uniform-attention reference (``iou_uniform`` rows) as a black dashed line, labelled in place: one line
-    when every model's is the same (same masks, same grid), else one per model (grids differ)."""
-    values = {m: float(v) for m, v in rows.groupby("model")["value"].mean().items() if np.isfinite(v)}
-    if not values:
-        return
-    levels: list[float] = []
-    for v in sorted(values.values()):  # the same level to the third decimal: one line
-        if not levels or v - levels[-1] > 5e-4:
-            levels.append(v)
-    for v in levels:
-        ax.axhline(v, ls=(0, (4, 2)), lw=1.4, color=UNIFORM_COLOR, zorder=1.5, gid=UNIFORM_GID)
-    ax.text(0.98, levels[-1], f"uniform attention {levels[0]:.2g}" + (f"-{levels[-1]:.2g}" if len(levels) > 1 else ""),
-            transform=ax.get_yaxis_transform(), ha="right", va="bottom", fontsize=6, color=UNIFORM_COLOR)
 
 
 def _grid_array(d: pd.DataFrame, a: str, b: str) -> tuple[np.ndarray, list[int], list[int], tuple[int, int]]:

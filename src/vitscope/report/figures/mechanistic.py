@@ -16,6 +16,7 @@ from vitscope.report.figures._common import (
     panels,
     plt,
     style_handle,
+    uniform_line,
 )
 
 
@@ -62,12 +63,16 @@ def attention_rollout(df: pd.DataFrame) -> Figures:
         layer_lines(axes[0, 0], iou, "iou_rollout", "-o", title="IoU with the foreground")
         layer_lines(axes[0, 0], iou, "iou_cls_attention", "--", label_suffix=" (CLS attention)")
         axes[0, 0].set_ylim(0, 1)
+        uniform = df[df.metric == "iou_uniform"]
+        uniform_line(axes[0, 0], uniform, models_of(iou))
         layer_lines(axes[0, 1], df, "iou_gain", "-o", title="rollout minus CLS attention (per image)")
         axes[0, 1].axhline(0, color="0.3", lw=0.8)
         legend_outside(fig, extra=[style_handle("-o", "solid: rollout"), style_handle("--", "dashed: CLS attention"),
                                    band_handle()])
+        ref = ("; black dashed: uniform attention on the same masks, the level of a map with no spatial preference"
+               if not uniform.empty else "; no uniform-attention reference in this table (rerun attention_rollout)")
         out.append(("Does rollout find the object better than the CLS attention of the same block? Foreground IoU "
-                    f"per block [{cite('abnar2020')}; IoU as {cite('walmer2023', '§4.4')}]", fig))
+                    f"per block [{cite('abnar2020')}; IoU as {cite('walmer2023', '§4.4')}]{ref}", fig))
     maps = df[df.metric == "rollout_map"]
     if not maps.empty:
         out.append((f"Mean attention rollout map (CLS row) up to each block, one row per model [{cite('abnar2020')}]",
