@@ -415,3 +415,28 @@ def test_dense_figures_and_section_say_nothing_is_above_chance(tmp_path):
     (run / "manifest.json").write_text(json.dumps({"models": models}))
     html = write_report(run).read_text()
     assert "Nothing here is above chance:</strong>" in html
+
+
+def test_rollout_maps_share_one_scale_in_units_of_uniform_attention():
+    """A uniform rollout map reads 1 in every cell and a peaked one does not; both models on one norm."""
+    from vitscope.report.figures import FIGURES
+
+    R = C = 3
+    rows = []
+    for model, peak in (("flat", 1 / (R * C)), ("peaked", 0.5)):
+        for layer in range(2):
+            for r in range(R):
+                for c in range(C):
+                    v = peak if (r, c) == (1, 1) else (1 - peak) / (R * C - 1)
+                    rows.append({"model": model, "metric": "rollout_map", "layer": layer, "row": r, "col": c,
+                                 "value": v})
+    caption, fig = FIGURES["attention_rollout"](pd.DataFrame(rows))[-1]
+    ax = next(a for a in fig.axes if a.images)
+    im = ax.images[0]
+    arr = np.asarray(im.get_array().filled(np.nan), dtype=float)
+    flat = arr[:R, :C]  # the first model's first block
+    assert flat == pytest.approx(np.ones((R, C)))
+    peaked = arr[R + 1:2 * R + 1, :C]
+    assert peaked[1, 1] == pytest.approx(min(0.5 * R * C, im.norm.vmax))
+    assert im.norm.vmin == pytest.approx(1 / im.norm.vmax) and "uniform" in caption
+    plt.close(fig)

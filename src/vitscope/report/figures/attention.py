@@ -166,7 +166,7 @@ def in_norm(ratios: np.ndarray, norm: LogNorm) -> np.ndarray:
     return np.where(np.isfinite(ratios), np.clip(ratios, norm.vmin, norm.vmax), np.nan)
 
 
-def _uniform_colorbar(fig: plt.Figure, mappable: object, ax: plt.Axes, what: str, **kw: object) -> object:
+def uniform_colorbar(fig: plt.Figure, mappable: object, ax: plt.Axes, what: str, **kw: object) -> object:
     """The colour bar of maps drawn with `uniform_norm`: ticks at its ends and at 1, the uniform level marked."""
     cb = colorbar(fig, mappable, ax, f"{what} ÷ uniform attention's\n(log; 1 = uniform)", extend="both", **kw)
     lo, hi = mappable.norm.vmin, mappable.norm.vmax  # type: ignore[attr-defined]
@@ -216,7 +216,7 @@ def _map_grid(arr: np.ndarray, layers: list[int], heads: list[int], cmap: str,
     for (i, j), text in (labels or {}).items():
         ax.text(j * (C + 1), i * (R + 1), text, fontsize=4.5, va="top", ha="left", color="white",
                 bbox={"facecolor": "black", "alpha": 0.4, "pad": 0.3, "linewidth": 0})
-    _uniform_colorbar(fig, im, ax, what, shrink=min(1.0, 3.0 / max(L * cell, 1e-6)))
+    uniform_colorbar(fig, im, ax, what, shrink=min(1.0, 3.0 / max(L * cell, 1e-6)))
     return fig
 
 
@@ -353,7 +353,7 @@ def overlays(df: pd.DataFrame, max_images: int = 4) -> Figures:
         for spine in ax.spines.values():
             spine.set_visible(False)
         mappable = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
-        _uniform_colorbar(fig, mappable, ax, "CLS attention", shrink=0.6)
+        uniform_colorbar(fig, mappable, ax, "CLS attention", shrink=0.6)
         source = "; best saliency head: the block's head with the best IoU with the foreground (saliency_iou)" \
             if best else "; the best saliency head needs the saliency_iou analysis"
         out.append((f"Image {image_id} as each model saw it, with its CLS attention over it at every block (mean of "
