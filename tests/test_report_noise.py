@@ -417,26 +417,29 @@ def test_dense_figures_and_section_say_nothing_is_above_chance(tmp_path):
     assert "Nothing here is above chance:</strong>" in html
 
 
-def test_rollout_maps_share_one_scale_in_units_of_uniform_attention():
-    """A uniform rollout map reads 1 in every cell and a peaked one does not; both models on one norm."""
+def test_attention_distance_and_nmi_figures_draw_the_uniform_attention_reference():
+    """Uniform attention's distance is the mean distance between two grid positions (every pair, itself
+    included), computed here by a loop in pixels; its NMI is 0. Both drawn dashed."""
+    from conftest import tiny
+    from vitscope.analyses import get_analysis
+    from vitscope.capture import stream
+    from vitscope.data import SyntheticShapes
     from vitscope.report.figures import FIGURES
+    from vitscope.report.figures._common import UNIFORM_GID
 
-    R = C = 3
-    rows = []
-    for model, peak in (("flat", 1 / (R * C)), ("peaked", 0.5)):
-        for layer in range(2):
-            for r in range(R):
-                for c in range(C):
-                    v = peak if (r, c) == (1, 1) else (1 - peak) / (R * C - 1)
-                    rows.append({"model": model, "metric": "rollout_map", "layer": layer, "row": r, "col": c,
-                                 "value": v})
-    caption, fig = FIGURES["attention_rollout"](pd.DataFrame(rows))[-1]
-    ax = next(a for a in fig.axes if a.images)
-    im = ax.images[0]
-    arr = np.asarray(im.get_array().filled(np.nan), dtype=float)
-    flat = arr[:R, :C]  # the first model's first block
-    assert flat == pytest.approx(np.ones((R, C)))
-    peaked = arr[R + 1:2 * R + 1, :C]
-    assert peaked[1, 1] == pytest.approx(min(0.5 * R * C, im.norm.vmax))
-    assert im.norm.vmin == pytest.approx(1 / im.norm.vmax) and "uniform" in caption
-    plt.close(fig)
+    vm = tiny("vit")
+    batches = list(SyntheticShapes(n=4, seed=1).batches(2, vm.preprocessing))
+    a, b = get_analysis("attention_distance")(vm), get_analysis("attention_nmi")(vm)
+    stream(vm, batches, [a, b], progress=False)
+    dist, nmi = a.finalize(), b.finalize()
+    h, w = vm.grid_size
+    cells = [(r * vm.patch_size, c * vm.patch_size) for r in range(h) for c in range(w)]
+    ref = float(np.mean([math.dist(p, q) for p in cells for q in cells]))
+    u = dist[dist.metric == "distance_px_uniform"]
+    assert len(u) == 1 and u.value.item() == pytest.approx(ref)
+    for table, name, level in ((dist, "attention_distance", ref), (nmi, "attention_nmi", 0.0)):
+        caption, fig = FIGURES[name](table)[0]
+        lines = [ln for ax in fig.axes for ln in ax.lines if ln.get_gid() == UNIFORM_GID]
+        assert len(lines) == 1 and lines[0].get_ydata()[0] == pytest.approx(level)
+        assert "uniform" in caption
+        plt.close(fig)

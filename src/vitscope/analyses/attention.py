@@ -368,10 +368,14 @@ class AttentionDistance(_PerHeadMean):
     for each spatial query, sum_k A_qk * ||pos_q - pos_k|| over spatial keys (prefix keys dropped,
     rows renormalised), positions on the unit square; mean over queries and images. Reported in
     unit-square units (``distance``) and in pixels (``distance_px``), each with its standard error over
-    images (``stderr``) and 95 % interval (``value_lo``, ``value_hi``)."""
+    images (``stderr``) and 95 % interval (``value_lo``, ``value_hi``). The reference: ``distance_uniform`` and
+    ``distance_px_uniform`` (no layer nor head), the distance of uniform attention on the same grid (every query
+    attending to every spatial key alike: the mean distance between two grid positions), the level of attention
+    with no preference for near or far."""
 
     name = "attention_distance"
     description = "mean attention distance per layer and head"
+    state_version = 3  # 3: the uniform-attention reference rows; 2: sums of squares (stderr over images)
 
     def batch_values(self, sps: list[_Spatial]) -> torch.Tensor:
         return torch.stack([sp.image_distance(self.grid_size) for sp in sps])
@@ -380,6 +384,10 @@ class AttentionDistance(_PerHeadMean):
         mean, se = self.mean(), self.stderr()
         px = A.distance_in_pixels(1.0, self.grid_size, self.patch_size)
         rows = self._stat_rows("distance", mean, se) + self._stat_rows("distance_px", mean * px, se * px)
+        S = self.grid_size[0] * self.grid_size[1]
+        uniform = float(A.distance_of_spatial(torch.full((S, S), 1.0 / S, dtype=torch.float64), self.grid_size))
+        rows += [{"metric": "distance_uniform", "layer": None, "head": None, "value": uniform},
+                 {"metric": "distance_px_uniform", "layer": None, "head": None, "value": uniform * px}]
         df = self.tidy(rows)
         df["n_images"] = self.n_images
         return df

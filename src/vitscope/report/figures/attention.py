@@ -65,9 +65,16 @@ def attention_distance(df: pd.DataFrame) -> Figures:
     fig, axes = panels(1, 1, panel=(5.0, 3.4))
     _heads_and_mean(axes[0, 0], d)
     axes[0, 0].set_ylabel("mean attention distance (px)")
-    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else [])]
+    uniform = df[df.metric == "distance_px_uniform"]
+    uniform_line(axes[0, 0], uniform, _models(d))
+    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else []),
+             *([style_handle("--", "black dashed: uniform attention", color=UNIFORM_COLOR, lw=1.4)]
+               if len(uniform) else [])]
     legend_outside(fig, extra=extra)
-    return [(f"Attention distance per head and layer [{cite('walmer2023', 'Fig. 4')}; {cite('park2023')}]", fig)]
+    ref = ("; black dashed: uniform attention on the same grid (no preference for near or far keys)" if len(uniform)
+           else "; no uniform-attention reference in this table (rerun attention_distance)")
+    return [(f"Attention distance per head and layer [{cite('walmer2023', 'Fig. 4')}; {cite('park2023')}]{ref}",
+             fig)]
 
 
 def _models(df: pd.DataFrame) -> list[str]:
@@ -84,11 +91,14 @@ def attention_nmi(df: pd.DataFrame) -> Figures:
     ax = axes[0, 0]
     _heads_and_mean(ax, d)
     ax.set_ylabel("NMI(query, key)")
-    ax.set_ylim(bottom=0)
-    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else [])]
+    ax.set_ylim(bottom=-0.02)
+    # uniform attention: every query's distribution over keys is the same, so the mutual information is 0
+    uniform_line(ax, pd.DataFrame({"model": _models(d)[:1], "value": [0.0]}), _models(d)[:1])
+    extra = [style_handle("o", "dot: one head", alpha=0.6), *([band_handle()] if has_interval(d) else []),
+             style_handle("--", "black dashed: uniform attention", color=UNIFORM_COLOR, lw=1.4)]
     legend_outside(fig, extra=extra)
-    return [("Attention collapse: NMI between queries and keys per layer (mean over heads) "
-             f"[{cite('park2023')}]", fig)]
+    return [("Attention collapse: NMI between queries and keys per layer (mean over heads); black dashed: uniform "
+             f"attention, 0 (every query attends alike) [{cite('park2023')}]", fig)]
 
 
 def saliency_iou(df: pd.DataFrame) -> Figures:
