@@ -34,7 +34,10 @@ def test_run_writes_tidy_tables_manifest_and_report(config, tmp_path, capsys):
     assert "report.html" in capsys.readouterr().out
     dist = pd.read_parquet(out / "results" / "attention_distance.parquet")
     assert set(dist.model) == {"tiny-vit", "tiny-beit"}
-    assert len(dist) == 2 * 2 * 3 * 2  # models x layers x heads x (unit, px)
+    heads = dist[dist.metric.isin(["distance", "distance_px"])]
+    assert len(heads) == 2 * 2 * 3 * 2  # models x layers x heads x (unit, px)
+    uniform = dist[dist.metric.str.endswith("_uniform")]  # the uniform-attention reference, per model and unit
+    assert len(uniform) == 2 * 2 and uniform.layer.isna().all() and len(dist) == len(heads) + len(uniform)
     cka = pd.read_parquet(out / "results" / "cka.parquet")
     assert {("tiny-vit", "tiny-beit")} <= set(zip(cka.model, cka.model_b, strict=True))
     manifest = json.loads((out / "manifest.json").read_text())
