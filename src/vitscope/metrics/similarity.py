@@ -171,13 +171,8 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         var = np.cumsum(p.s ** 2) / np.sum(p.s ** 2)
         p.keep_svcca = int(min(np.searchsorted(var, keep - 1e-12) + 1, r))
     if "mutual_knn" in measures or "cknna" in measures:
-        if not 1 <= k <= n - 1:
-            raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {n - 1}")
-        z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
-        sim = z @ z.T
-        np.fill_diagonal(sim, -np.inf)
-        idx = _top_k(sim, k)
-        p.knn, p.knn_sim = idx, np.take_along_axis(sim, idx, axis=1)
+        _check_k(k, n)
+        _, p.knn, p.knn_sim = _neighbour_lists(a, k)
     if "rsa" in measures:
         m = n if rsa_images is None else min(int(rsa_images), n)
         if m < 4:
@@ -185,6 +180,21 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         p.rdm_n, p.rdm = m, correlation_rdm(a[:m])
         p.rdm_ranks = scipy.stats.rankdata(p.rdm)
     return p
+
+
+def _check_k(k: int, n: int) -> None:
+    if not 1 <= k <= n - 1:
+        raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {n - 1}")
+
+
+def _neighbour_lists(a: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(z, idx, sim)``: the rows of ``a`` at unit norm, each row's ``length`` nearest neighbours by cosine
+    (itself excluded, `_top_k`'s order) and the cosines to them."""
+    z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
+    sim = z @ z.T
+    np.fill_diagonal(sim, -np.inf)
+    idx = _top_k(sim, length)
+    return z, idx, np.take_along_axis(sim, idx, axis=1)
 
 
 def _top_k(sim: np.ndarray, k: int) -> np.ndarray:
@@ -599,8 +609,7 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
         def prep(key: tuple[str, int], keep: np.ndarray = keep, kw: dict = kw) -> Prepared:
             p = prepare(mats[key][keep], rest, name=f"{key[0]}{key[1]}", **kw) if rest else Prepared(n=len(keep))
             if neighbours:
-                if not 1 <= k <= len(keep) - 1:
-                    raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {len(keep) - 1}")
+                _check_k(k, len(keep))
                 p.knn, p.knn_sim = _lists_without(*lists[key], keep, k)
             return p
 
@@ -615,14 +624,8 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
 
 
 def _long_lists(a: np.ndarray, k: int, groups: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(z, idx, sim)``: the rows of ``a`` at unit norm and each row's nearest neighbours by cosine, in
-    `_top_k`'s order, about twice as many as k plus what a group's deletion takes from a list."""
-    n = a.shape[0]
-    z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
-    sim = z @ z.T
-    np.fill_diagonal(sim, -np.inf)
-    idx = _top_k(sim, min(n - 1, 2 * int(np.ceil(k * groups / max(groups - 1, 1))) + 8))
-    return z, idx, np.take_along_axis(sim, idx, axis=1)
+    """`_neighbour_lists` about twice as long as k plus what a group's deletion takes from a list."""
+    return _neighbour_lists(a, min(a.shape[0] - 1, 2 * int(np.ceil(k * groups / max(groups - 1, 1))) + 8))
 
 
 def _lists_without(z: np.ndarray, idx: np.ndarray, sim: np.ndarray, keep: np.ndarray,
