@@ -298,6 +298,48 @@ def coverage_retrieval(draws: int, seed: int, queries: int = 8, mean: float = 0.
                    {"former ± 1.96 stderr": _covered(m - Z95 * se, m + Z95 * se, mean)})
 
 
+# ------------------------------------------------------------------------------------------------- robustness drops
+
+
+def coverage_drop(draws: int, seed: int, images: int = 64, clean: float = 0.7, perturbed: float = 0.5,
+                  pairing: str = "independent") -> dict[str, Any]:
+    """band_noise's and corruptions' accuracy-drop interval (`metrics.robustness.drop_interval`: Newcombe's paired
+    interval at the least correlation the two accuracies allow) on ``images`` images seen clean and perturbed.
+    Each image's two decisions are drawn jointly with P(both right) at the ``pairing``: 'least' (the Fréchet
+    bound the interval assumes: coverage near nominal), 'independent', or 'most' (min of the accuracies: a
+    perturbation that only takes right answers away, the usual case: conservative). Truth clean - perturbed."""
+    rng = np.random.default_rng(seed)
+    low, high = max(0.0, clean + perturbed - 1.0), min(clean, perturbed)
+    both = {"least": low, "independent": clean * perturbed, "most": high}[pairing]
+    probs = [both, clean - both, perturbed - both, 1.0 - clean - perturbed + both]
+    n = rng.multinomial(images, probs, size=draws)
+    c, q = (n[:, 0] + n[:, 1]) / images, (n[:, 0] + n[:, 2]) / images
+    iv = [R.drop_interval(float(a), float(b), images) for a, b in zip(c, q, strict=True)]
+    se = np.sqrt(c * (1 - c) / images + q * (1 - q) / images)  # as if the two were independent samples
+    d = c - q
+    return _result("drop", f"{images} images, accuracy {clean:g} -> {perturbed:g}, {pairing} pairing",
+                   "Newcombe paired, least correlation",
+                   _covered([v["value_lo"] for v in iv], [v["value_hi"] for v in iv], clean - perturbed),
+                   {"d ± 1.96 unpaired se": _covered(d - Z95 * se, d + Z95 * se, clean - perturbed)})
+
+
+def coverage_mean_of_views(draws: int, seed: int, images: int = 64,
+                           accuracies: tuple[float, ...] = (0.6, 0.5, 0.4, 0.3, 0.2),
+                           together: bool = True) -> dict[str, Any]:
+    """The mean corruption accuracy's interval (`metrics.robustness.accuracy_interval` of the mean over views of
+    the same ``images`` images: Wilson at the mean): view v right on an image when its difficulty u < the view's
+    accuracy (``together``: one u per image for every view, the most a mean can vary) or with its own u per view.
+    Truth the mean of ``accuracies``."""
+    rng = np.random.default_rng(seed)
+    acc = np.asarray(accuracies, dtype=np.float64)
+    u = rng.random((draws, images, 1 if together else len(acc)))
+    mean = (u < acc).mean((1, 2))
+    iv = [R.accuracy_interval(float(m), images) for m in mean]
+    return _result("mean_of_views", f"{images} images, {len(acc)} views, {'one' if together else 'own'} difficulty "
+                   "per image", "Wilson at the mean accuracy",
+                   _covered([v["value_lo"] for v in iv], [v["value_hi"] for v in iv], float(acc.mean())))
+
+
 # ------------------------------------------------------------------------------------------------- STIR, means
 
 
@@ -485,7 +527,7 @@ def _latent_pair(rng: np.random.Generator, n: int, a: np.ndarray, b: np.ndarray,
             np.tanh(z @ b) + noise * rng.standard_normal((n, b.shape[1])))
 
 
-def coverage_similarity(draws: int, seed: int, n: int = 120, dim: int = 16, groups: int = 20, k: int = 5,
+def coverage_similarity(draws: int, seed: int, n: int = 120, dim: int = 16, groups: int = 10, k: int = 5,
                         rsa_images: int = 40, truth_draws: int | None = None,
                         measures: Iterable[str] | None = None) -> list[dict[str, Any]]:
     """The similarity analysis' jackknife intervals (`metrics.similarity.jackknife_replicates` over ``groups``
@@ -537,6 +579,9 @@ SUITE: list[tuple[Callable[..., dict[str, Any]], list[dict[str, Any]]]] = [
     (coverage_stir, [dict(), dict(repeats=2), dict(gamma_shape=8.0), dict(repeats=5, gamma_shape=8.0),
                      dict(gamma_shape=2.0)]),
     (coverage_image_mean, [dict(), dict(images=32)]),
+    (coverage_drop, [dict(), dict(pairing="least"), dict(pairing="most"), dict(images=500, clean=0.9, perturbed=0.85,
+                                                                             pairing="least")]),
+    (coverage_mean_of_views, [dict(), dict(together=False)]),
     (coverage_similarity, [dict()]),
     (false_finding_semantics_chance, [dict(layers=1), dict(layers=8), dict(layers=8, rho=0.5)]),
     (false_finding_semantics_untrained, [dict()]),

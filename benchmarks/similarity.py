@@ -25,6 +25,7 @@ import torch
 
 import vitscope as vs
 from vitscope.analyses import get_analysis
+from vitscope.analyses.similarity import WITHOUT_NULL
 from vitscope.metrics import similarity as M
 
 TAPS = ["embed"] + [f"block{i}.out" for i in range(12)]
@@ -70,8 +71,9 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--subset", type=int, default=2000)
     p.add_argument("--permutations", type=int, default=99)
-    p.add_argument("--groups", type=int, default=20)
+    p.add_argument("--groups", type=int, default=10)
     p.add_argument("--null-pairs", default="last")
+    p.add_argument("--no-split", action="store_true", help="stop after the totals and the cross stage's split")
     p.add_argument("--grid", default="matched", choices=["matched", "cross", "full"],
                    help="the layer pairs the measures are computed for (the analysis's default: matched)")
     args = p.parse_args()
@@ -114,33 +116,39 @@ def main() -> None:
     ratio = times["similarity"]["total"] / times["cka"]["total"]
     print(f"  similarity / cka: {ratio:.2f}x; beyond cka: {times['similarity']['total'] - times['cka']['total']:.1f} s")
 
+    if args.no_split:
+        return
     # the floor: mean CCA alone (one SVD per tap, a cross product and one decomposition per pair) over the grid's
     # pairs, with the tested pair's permutations and jackknife: what any measure of the CCA family costs at least
     x = [[a.feats[t] for t in TAPS] for a in sim]
     within = [(i, j) for i in range(13) for j in range(i, 13)] if args.grid == "full" else []
     across, tested = sim[0]._grid_pairs(sim[1]), sim[0]._tested_pairs(sim[1])
 
+    alphas = sim[0].alphas
+
     def floor(measures=("mean_cca",), rev=()):
         prep = [[M.prepare(f, measures, rsa_images=200) for f in fs] for fs in x]
         for pa, pb, pairs in ((prep[0], prep[0], within), (prep[1], prep[1], within), (prep[0], prep[1], across)):
             if pairs:
-                M.compare_grid(pa, pb, pairs, measures, reverse=rev)
+                M.compare_grid(pa, pb, pairs, measures, reverse=rev, alphas=alphas)
         n = len(sim[0].ids)
         for i, j in tested:
-            if args.permutations:
+            if args.permutations and not set(measures) <= set(WITHOUT_NULL):
                 g, m = np.random.default_rng(0), min(200, n)  # as the analysis: the RDM's images among themselves
                 shuffled = [prep[1][j].single().permuted(np.concatenate([g.permutation(m), m + g.permutation(n - m)]))
                             for _ in range(args.permutations)]
                 M.compare_grid([prep[0][i].single()], shuffled, [(0, p) for p in range(len(shuffled))], measures,
-                               reverse=rev)
+                               reverse=rev, alphas=alphas)
         if args.groups and tested:
-            M.jackknife_replicates(x[0], x[1], tested, args.groups, measures, rsa_images=200, reverse=rev)
+            M.jackknife_replicates(x[0], x[1], tested, args.groups, measures, rsa_images=200, reverse=rev,
+                                   alphas=alphas)
     _, fl = timed(floor)
     print(f"  floor (mean CCA alone, the same pairs, permutations and jackknife): {fl:.2f} s = "
           f"{fl / times['cka']['total']:.1f}x cka")
 
     # per measure: the same work for each measure alone
-    print("  per measure (prepare, the pairs, the permutations and the jackknife):")
+    print("  per measure (prepare, the pairs, the permutations (none for ridge R²) and the jackknife; "
+          f"alphas {', '.join(f'{a:g}' for a in alphas)}):")
     per = {}
     for m in M.MEASURES:
         _, per[m] = timed(lambda m=m: floor((m,), [m] if m in M.ASYMMETRIC else []))

@@ -49,6 +49,7 @@ FAST = [
     (cb.coverage_retrieval, {}),
     (cb.coverage_stir, {}),
     (cb.coverage_image_mean, {}),
+    (cb.coverage_drop, {"pairing": "least"}),
 ]
 
 
@@ -57,6 +58,20 @@ def test_each_interval_kind_covers_its_truth_on_a_small_simulation(fn, setting):
     r = fn(200, 11, **setting)
     assert r["draws"] == 200
     assert _accepted(r), r
+
+
+def test_robustness_drops_and_mean_accuracies_are_never_too_narrow_and_exact_at_the_worst_pairing():
+    """The drop interval assumes the least correlation the two accuracies allow, since the tallies do not keep
+    the pairing: there it covers near 95 %, with any other pairing more (never less); the unpaired interval
+    under-covers at that pairing, so the harness sees the difference. The mean corruption accuracy's Wilson
+    interval at the mean is conservative for views of the same images."""
+    least = cb.coverage_drop(300, 12, pairing="least")
+    assert _accepted(least), least
+    assert least["compare"]["d ± 1.96 unpaired se"] < ACCEPT[0]
+    for pairing in ("independent", "most"):
+        assert cb.coverage_drop(300, 13, pairing=pairing)["coverage"] >= least["coverage"]
+    for together in (True, False):
+        assert cb.coverage_mean_of_views(300, 14, together=together)["coverage"] >= ACCEPT[0]
 
 
 def test_the_harness_catches_intervals_that_under_cover():
@@ -191,6 +206,10 @@ SLOW = [(fn, s) for fn, settings in cb.SUITE if fn.__name__.startswith("coverage
 #: settings where the tables' own interval is known to miss (docs/CALIBRATION.md): a strongly skewed STIR repeat
 #: distribution (3 draws: 92.2 % at 1,000 draws)
 KNOWN_MISS = {("coverage_stir", "gamma_shape=2.0")}
+#: settings where the tables' interval is conservative by design (docs/CALIBRATION.md): a drop's interval at any
+#: pairing but the least correlation it assumes, a mean over views of the same images
+CONSERVATIVE_SETTINGS = {("coverage_drop", ""), ("coverage_drop", "pairing=most"),
+                         ("coverage_mean_of_views", ""), ("coverage_mean_of_views", "together=False")}
 
 
 def _key(fn, setting) -> tuple[str, str]:
@@ -230,6 +249,9 @@ def test_every_setting_of_every_kind_covers_its_truth(fn, setting):
             assert r["coverage"] >= 0.90 if name in CONSERVATIVE else _accepted(r), r
         return
     r = fn(400, 21, **setting)
+    if _key(fn, setting) in CONSERVATIVE_SETTINGS:
+        assert r["coverage"] >= ACCEPT[0], r
+        return
     if not _accepted(r) and _key(fn, setting) in KNOWN_MISS:
         pytest.xfail(f"known under-coverage ({r['coverage']:.1%}): docs/CALIBRATION.md")
     assert _accepted(r), r

@@ -246,6 +246,9 @@ def test_permuted_prepared_equals_prepared_permuted():
     a = S.compare(S.prepare(x, k=4), py.permuted(perm))
     b = S.compare(S.prepare(x, k=4), S.prepare(y[perm], k=4))
     assert a.keys() == b.keys()
+    moved, fresh = py.permuted(perm), S.prepare(y[perm], k=4)
+    np.testing.assert_allclose(moved.rdm, fresh.rdm, atol=1e-12)
+    np.testing.assert_array_equal(moved.rdm_ranks, scipy.stats.rankdata(moved.rdm))  # the ranks moved with them
     for name in a:
         assert a[name] == pytest.approx(b[name], abs=1e-9), name
 
@@ -307,6 +310,35 @@ def test_top_k_equals_the_first_k_of_a_stable_sort_with_ties():
         sim = rng.integers(0, 3, (n, n)).astype(float) if trial % 2 else rng.standard_normal((n, n))
         np.fill_diagonal(sim, -np.inf)
         assert np.array_equal(S._top_k(sim, k), np.argsort(-sim, axis=1, kind="stable")[:, :k]), trial
+
+
+def test_neighbour_lists_from_float32_candidates_equal_a_float64_stable_sort(monkeypatch):
+    """The float32 candidate search against a plain float64 search (every cosine by the same summation, a
+    stable sort): random rows, duplicated rows (exact ties), pairs of rows 1e-9 apart and a cluster of rows
+    1e-9 apart (more near-ties than candidates: float32 cannot order them, the rows are searched again at
+    float64), across widths where the candidates cover every row or not."""
+    rng = np.random.default_rng(11)
+    searched_again = []
+    cosines = S._cosines
+    monkeypatch.setattr(S, "_cosines", lambda r, o: (searched_again.append(r.ndim == 1), cosines(r, o))[1])
+    for t in range(40):
+        n, d = int(rng.integers(12, 300)), int(rng.integers(2, 80))
+        length = int(rng.integers(1, min(40, n - 1)))
+        a = rng.standard_normal((n, d))
+        dup = rng.choice(n, size=n // 4, replace=False)
+        if t % 4 == 1:
+            a[dup] = a[dup[::-1]]  # exact ties
+        elif t % 4 == 2:
+            a[dup] = a[dup[::-1]] + 1e-9 * rng.standard_normal((len(dup), d))  # below float32's resolution
+        elif t % 4 == 3:
+            a[dup] = a[dup[0]] + 1e-9 * rng.standard_normal((len(dup), d))
+        z, idx, sim = S._neighbour_lists(a, length)
+        full = np.stack([cosines(z[r], z) for r in range(n)])
+        np.fill_diagonal(full, -np.inf)
+        want = np.argsort(-full, axis=1, kind="stable")[:, :length]
+        np.testing.assert_array_equal(idx, want, err_msg=str(t))
+        np.testing.assert_array_equal(sim, np.take_along_axis(full, want, axis=1), err_msg=str(t))
+    assert any(searched_again)  # the float64 fallback was exercised
 
 
 def test_a_jackknife_replicate_s_neighbour_lists_are_those_of_a_fresh_search_ties_included():

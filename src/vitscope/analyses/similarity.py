@@ -732,7 +732,9 @@ def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
 class Similarity(Analysis):
     """Representation similarity beyond CKA (math in `vitscope.metrics.similarity`) between the layers of every
     pair of models (`cross`): orthogonal Procrustes distance and the angular shape
-    metric at partial whitenings ``alphas`` (0 = CCA, 1 = Procrustes; Williams et al. 2021), mean CCA, SVCCA
+    metric at partial whitenings ``alphas`` (0 = CCA, 1 = Procrustes; Williams et al. 2021; 0 and 1 by default,
+    which come from the CCA and Procrustes decompositions; each other alpha, 0.5 say, adds a decomposition per
+    pair and permutation), mean CCA, SVCCA
     (Raghu et al. 2017), PWCCA (Morcos et al. 2018; weights from ``layer``), RSA of correlation-distance RDMs
     by Spearman and Kendall's tau_a (Kriegeskorte et al. 2008), mutual k-NN and CKNNA (Huh et al. 2024) and
     leave-one-out ridge R² (``layer`` predicts ``layer_b``; across models also the reverse, ``*_reverse``).
@@ -759,7 +761,9 @@ class Similarity(Analysis):
 
     * a permutation null: B's images shuffled ``n_permutations`` times (0, or at least 99 so that a p-value can
       reach 0.01): ``null_mean``, ``null_q05``, ``null_q95``, ``n_permutations`` and ``p_value`` = (1 + the
-      shuffles scoring at least as well) / (1 + n_permutations), in the direction the measure improves;
+      shuffles scoring at least as well) / (1 + n_permutations), in the direction the measure improves. Not
+      for ridge R² (`WITHOUT_NULL`): it is out of sample, so its chance level is 0 (unrelated features
+      score at most 0 in expectation), and its interval against 0 is the test;
     * a 95 % interval from a delete-a-group jackknife over images: the kept images are dealt into ``n_groups``
       groups G (0 for none; by their rank in the seeded subset, so the groups are random and the same for both
       models), the measure is computed again without each group, and ``stderr`` = sqrt((G - 1) / G · sum_g
@@ -775,25 +779,29 @@ class Similarity(Analysis):
       compare models at the same ``n_images``, as the analysis does. Coverage: `benchmarks/calibration.py`
       (docs/CALIBRATION.md).
 
-    Cost: each tap is prepared once (an SVD, its k-NN lists and RDM); a grid's cross products come from one matrix
-    product per tap (`metrics.similarity.compare_grid`); each pair then takes one eigendecomposition of an r x r
-    matrix with vectors (r = the layer's rank, 384 for ViT-S: CCA, and PWCCA both ways) and three values-only ones
-    (Procrustes, the shape metric at alpha 0.5, SVCCA), and ridge two products of n rows (both ways). A tested pair
-    adds ``n_permutations`` such comparisons (on float32 bases, `Prepared.single`) and ``n_groups`` of its two taps
-    prepared again without a group (their neighbour lists filtered from long lists searched once). Memory: the
-    subset (``n_subset`` x width x 2 bytes per tap); every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n
-    neighbour similarity at a time (32 MB) and products of n x 2048 (33 MB). `benchmarks/similarity.py` measures it
-    against CKA's time on the same features (two ViT-S/16, 13 taps, 2,048 images, one thread; 2026-11-28, nearly
-    quiet: load 1.8 on 2 cores): the default (13 matched pairs, 99 permutations and a 20-group jackknife of the last
-    pair) 23.9 s against CKA's 2.0 s (11.9x; it was 83 s with the full grids): the pairs with every tap prepared
-    5.9 s, the permutations 11.1 s, the jackknife 5.2 s. The floor, mean CCA alone over the same pairs,
-    permutations and jackknife (a cross product and one decomposition per pair and replicate), is 6.9 s (3.4x);
-    each linear measure alone costs 5.9-9.7 s, the neighbour and RDM measures 1.5-3.3 s. ``grid: full`` (both
-    models' 13 x 13 grids and the cross grid) took 74.9 s (``--grid full``, the same conditions)."""
+    Cost: each tap is prepared once (an SVD; its k-NN lists, from float32 candidates ordered at float64; its
+    RDM); a grid's cross products come from one matrix product per tap (`metrics.similarity.compare_grid`); each
+    pair then takes one eigendecomposition of an r x r matrix with vectors (r = the layer's rank, 384 for ViT-S:
+    CCA, and PWCCA both ways) and two values-only ones (Procrustes, SVCCA; one more per alpha other than 0 and 1),
+    and ridge two products of n rows (both ways). A tested pair adds ``n_permutations`` such comparisons without
+    ridge (on float32 bases, `Prepared.single`) and ``n_groups`` of its two taps prepared again without a group
+    (their neighbour lists filtered from long lists searched once). Memory: the subset (``n_subset`` x width x 2
+    bytes per tap); every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n neighbour score at a time
+    (16 MB) and products of n x 2048 (33 MB). `benchmarks/similarity.py` measures it against CKA's time on the
+    same features (two ViT-S/16, 13 taps, 2,048 images, one thread; 2026-11-28, quiet: load 0.5-0.9 on 2 cores):
+    the default (13 matched pairs, 99 permutations and a 10-group jackknife of the last pair) 12.7-13.3 s
+    against CKA's 1.42-1.43 s, 9.0-9.3x (9.1-9.8x over four runs; 23.9 s, 11.9x, with 20 groups, alpha 0.5
+    and ridge's null; 83 s with the full grids): the pairs with every tap prepared 3.8-4.1 s, the permutations
+    5.7-5.9 s, the jackknife 1.8-2.0 s. The floor, mean CCA alone over the same pairs, permutations and
+    jackknife (a cross product and one decomposition per pair and replicate), is 4.2-4.3 s (2.9-3.0x); each
+    linear measure alone costs 2.9-6.2 s (PWCCA the most), the neighbour and RDM measures 0.8-2.2 s. ``grid:
+    full`` (both models' 13 x 13 grids and the cross grid) took 52.5 s (``--grid full``, the same
+    conditions)."""
 
-    state_version = 4  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
+    state_version = 5  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
     # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default;
-    # 4: ``grid``, 'matched' by default (the full grids on request)
+    # 4: ``grid``, 'matched' by default (the full grids on request); 5: alphas 0 and 1 by default, 10 jackknife
+    # groups, no permutation null for ridge R² (its chance level is 0)
     replaced = {"n_bootstrap": "its bootstrap intervals missed their own estimates (a resample's duplicated "
                                "images change the CCA family, the shape metric, ridge and the neighbours); "
                                "a jackknife over n_groups groups of images gives the intervals now"}
@@ -805,9 +813,9 @@ class Similarity(Analysis):
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", view: str = "gap",
                  measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
-                 seed: int = 0, alphas: Sequence[Fraction] = (0.0, 0.5, 1.0), k: Count = 10,
+                 seed: int = 0, alphas: Sequence[Fraction] = (0.0, 1.0), k: Count = 10,
                  rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
-                 n_permutations: Permutations = 99, n_groups: Groups = 20, null_pairs: str = "last",
+                 n_permutations: Permutations = 99, n_groups: Groups = 10, null_pairs: str = "last",
                  grid: str = "matched"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
@@ -1002,8 +1010,11 @@ class Similarity(Analysis):
         for p in range(self.n_permutations):
             g = self._rng(1, i, j, p)
             shuffled.append(pb.permuted(np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)])))
-        grid = M.compare_grid([pa], shuffled, [(0, p) for p in range(len(shuffled))], self.measures,
-                              alphas=self.alphas, ridge=self.ridge, reverse=rev)
+        measures = [m for m in self.measures if m not in WITHOUT_NULL]
+        if not measures:
+            return {}
+        grid = M.compare_grid([pa], shuffled, [(0, p) for p in range(len(shuffled))], measures,
+                              alphas=self.alphas, ridge=self.ridge, reverse=[m for m in rev if m in measures])
         out: dict[str, list[float]] = {}
         for p in range(len(shuffled)):
             for metric, v in grid[0, p].items():
@@ -1024,6 +1035,13 @@ class Similarity(Analysis):
         return M.jackknife_replicates([self.feats[t] for t in self.taps], [other.feats[t] for t in other.taps],
                                       pairs, g_count, self.measures, k=self.k, rsa_images=self.rsa_images,
                                       alphas=self.alphas, ridge=self.ridge, reverse=rev)
+
+
+#: measures without a permutation null: leave-one-out ridge R² is out of sample, so unrelated features score
+#: at most 0 in expectation (each held-out image is predicted by a noisy mean: about -r / (n - r) for r
+#: directions) and 0 is its chance level; its jackknife interval against 0 is the test. Its shuffles
+#: cost two products of n rows each, a fifth of a permutation's time.
+WITHOUT_NULL = ("ridge_r2",)
 
 
 def _matched(na: int, nb: int) -> list[tuple[int, int]]:

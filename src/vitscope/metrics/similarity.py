@@ -41,6 +41,7 @@ recomputing it (permutation nulls). The pairwise functions below are `compare(pr
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -122,9 +123,11 @@ class Prepared:
 
     def single(self) -> Prepared:
         """The same matrix with its basis in float32: `compare_grid`'s products of n rows (the cross products and
-        ridge's residuals) then run at float32, about twice as fast, and every decomposition still at float64.
+        ridge's residuals) and PWCCA's weights then run at float32, about twice as fast, and every
+        decomposition still at float64.
         For permutation nulls, where a shuffled score needs a few digits (errors of about 1e-6 here)."""
-        return replace(self, u=None if self.u is None else self.u.astype(np.float32))
+        return replace(self, u=None if self.u is None else self.u.astype(np.float32),
+                       vt=None if self.vt is None else self.vt.astype(np.float32))
 
     def permuted(self, perm: np.ndarray) -> Prepared:
         """The same matrix with its examples reordered (row i of the new one is row perm[i]), without a new SVD
@@ -141,15 +144,22 @@ class Prepared:
         if self.rdm is not None:
             p = perm[:self.rdm_n]
             if np.array_equal(np.sort(p), np.arange(self.rdm_n)):
-                iu = np.triu_indices(self.rdm_n, 1)
-                full = np.zeros((self.rdm_n, self.rdm_n))
-                full[iu] = self.rdm
-                full = full + full.T
-                out.rdm = full[np.ix_(p, p)][iu]
-                out.rdm_ranks = scipy.stats.rankdata(out.rdm)
+                at = _triangle_positions(self.rdm_n)[np.ix_(p, p)][np.triu_indices(self.rdm_n, 1)]
+                out.rdm, out.rdm_ranks = self.rdm[at], self.rdm_ranks[at]  # a rank moves with its entry
             else:
                 out.rdm = out.rdm_ranks = None
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def _triangle_positions(m: int) -> np.ndarray:
+    """(m, m): the position of entry (i, j) (or (j, i)) in the upper triangle ``np.triu_indices(m, 1)``."""
+    iu = np.triu_indices(m, 1)
+    pos = np.zeros((m, m), dtype=np.intp)
+    pos[iu] = np.arange(len(iu[0]))
+    pos += pos.T
+    pos.setflags(write=False)  # shared by every caller
+    return pos
 
 
 def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float = 0.99,
@@ -187,22 +197,75 @@ def _check_k(k: int, n: int) -> None:
         raise FeatureError(f"k = {k} neighbours needs between 1 and n - 1 = {n - 1}")
 
 
+CANDIDATES = 8  # neighbours searched beyond a list's length at float32, before float64 orders them
+F32_ERROR = 2.0 ** -23  # twice float32's unit roundoff: the margin of `_neighbour_lists`' error bounds
+
+
 def _neighbour_lists(a: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(z, idx, sim)``: the rows of ``a`` at unit norm, each row's ``length`` nearest neighbours by cosine
-    (itself excluded, `_top_k`'s order) and the cosines to them."""
+    (itself excluded, `_top_k`'s order) and the cosines to them.
+
+    The same lists as a float64 search, at about half its cost: float32 scores give each row ``length +
+    CANDIDATES`` candidates, their float64 cosines (`_cosines`) order them. The scores are the cosines less a
+    per-row constant, from the rows less their mean m (features share a large mean, which float32 would
+    otherwise resolve poorly): ``z_i·z_j = (z_i - m)·(z_j - m) + m·z_j + (m·z_i - m·m)``. Every row left out
+    scores at most the last candidate's score plus float32's error bound on the score ((d + 2) 2^-23 |z_i - m|
+    max_j |z_j - m|, and 2^-21 for the sum); a row whose length-th cosine does not clear that (near-ties,
+    duplicated images) is searched again at float64."""
     z = a / np.maximum(np.linalg.norm(a, axis=1, keepdims=True), 1e-300)
-    sim = z @ z.T
-    np.fill_diagonal(sim, -np.inf)
-    idx = _top_k(sim, length)
-    return z, idx, np.take_along_axis(sim, idx, axis=1)
+    n, d = z.shape
+    width = min(n - 1, length + CANDIDATES)
+    m = z.mean(0)
+    zc = z - m
+    mz = z @ m
+    zc32 = zc.astype(np.float32)
+    score = zc32 @ zc32.T
+    score += mz.astype(np.float32)[None, :]
+    np.fill_diagonal(score, -np.inf)
+    cand = _top_k(score, width)
+    last = np.take_along_axis(score, cand[:, -1:], axis=1)[:, 0].astype(np.float64)
+    del score
+    cos = np.empty(cand.shape)
+    for s in range(0, n, ROWS_AT_ONCE):
+        cos[s:s + ROWS_AT_ONCE] = _cosines(z[s:s + ROWS_AT_ONCE], z[cand[s:s + ROWS_AT_ONCE]])
+    order = np.lexsort((cand, -cos), axis=-1)
+    idx = np.take_along_axis(cand, order, axis=1)[:, :length]
+    sim = np.take_along_axis(cos, order, axis=1)[:, :length]
+    if width < n - 1:
+        spread = np.linalg.norm(zc, axis=1)
+        bound = (d + 2) * F32_ERROR * spread * spread.max() + 4 * F32_ERROR
+        for r in np.flatnonzero(sim[:, -1] <= last + (mz - m @ m) + bound):
+            row = _cosines(z[r], z)
+            row[r] = -np.inf
+            idx[r] = _top_k(row[None, :], length)[0]
+            sim[r] = row[idx[r]]
+    return z, idx, sim
+
+
+ROWS_AT_ONCE = 256  # rows whose candidates are gathered at once (256 x width x d float64)
+
+
+def _cosines(rows: np.ndarray, others: np.ndarray) -> np.ndarray:
+    """``rows · others`` along the last axis ((d,) with (m, d), or (b, d) with (b, m, d)), one summation order for
+    every caller, so equal pairs of vectors give equal bits whichever search computed them."""
+    if rows.ndim == 1:
+        return np.einsum("d,jd->j", rows, others)
+    return np.einsum("id,ijd->ij", rows, others)
 
 
 def _top_k(sim: np.ndarray, k: int) -> np.ndarray:
     """Per row, the columns of the ``k`` largest values, largest first and equal values by column: the first
-    ``k`` of a stable argsort of ``-sim``, from a partition (rows where the k-th value is tied take the sort)."""
-    idx = np.argpartition(-sim, k - 1, axis=1)[:, :k]
+    ``k`` of a stable argsort of ``-sim``, from each row's k-th largest value (a values-only partition, about 4x
+    faster than an index partition) and the entries at or above it (rows where the k-th value is tied take the
+    sort)."""
+    cols = sim.shape[1]
+    kth = np.partition(sim, cols - k, axis=1)[:, cols - k:cols - k + 1]
+    above = sim >= kth
+    tied = above.sum(1) > k
+    above[tied] = False
+    idx = np.zeros((sim.shape[0], k), dtype=np.intp)
+    idx[~tied] = (np.flatnonzero(above) % cols).reshape(-1, k)  # row-major: each untied row's k columns in order
     vals = np.take_along_axis(sim, idx, axis=1)
-    tied = (sim >= vals.min(1, keepdims=True)).sum(1) > k
     idx = np.take_along_axis(idx, np.lexsort((idx, -vals), axis=-1), axis=1)
     if tied.any():
         idx[tied] = np.argsort(-sim[tied], axis=1, kind="stable")[:, :k]
@@ -415,7 +478,8 @@ def _pwcca(px: Prepared, lam: np.ndarray, vec: np.ndarray, c: int) -> float:
     x's canonical directions are its eigenvectors of the ``c`` largest eigenvalues."""
     ua, rho_w = vec[:, ::-1][:, :c], np.sqrt(np.clip(lam[::-1][:c], 0.0, 1.0))
     # <h_i, x_j> for the canonical variates h = U_x a_i and the neurons x_j (columns of U_x S V_xᵀ)
-    w = np.abs((ua.T * px.s[None, :]) @ px.vt).sum(1)
+    dt = px.vt.dtype  # float32 for `Prepared.single` bases
+    w = np.abs((ua.T * px.s[None, :]).astype(dt, copy=False) @ px.vt).sum(1, dtype=np.float64)
     return float((w * rho_w).sum() / w.sum())
 
 
@@ -613,8 +677,10 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
                 p.knn, p.knn_sim = _lists_without(*lists[key], keep, k)
             return p
 
-        pa = [prep(("x", i)) for i in rows_a]
-        pb = [prep(("y", j)) for j in rows_b]
+        # a replicate's products of n rows at float32 (`Prepared.single`): replicates differ from each other by
+        # about the stderr / sqrt(groups) (1e-3 and more), the products' rounding by about 1e-6
+        pa = [prep(("x", i)).single() for i in rows_a]
+        pb = [prep(("y", j)).single() for j in rows_b]
         got = compare_grid(pa, pb, [(rows_a.index(i), rows_b.index(j)) for i, j in pairs], measures, alphas=alphas,
                            ridge=ridge, reverse=reverse)
         for i, j in pairs:
@@ -646,7 +712,7 @@ def _lists_without(z: np.ndarray, idx: np.ndarray, sim: np.ndarray, keep: np.nda
     knn[full] = cand[full][take[full]].reshape(-1, k)
     knn_sim[full] = sim[keep][full][take[full]].reshape(-1, k)
     for r in np.flatnonzero(short):  # rare: most of its list was deleted
-        row = z[keep[r]] @ z[keep].T
+        row = _cosines(z[keep[r]], z[keep])
         row[r] = -np.inf
         knn[r] = _top_k(row[None, :], k)[0]
         knn_sim[r] = row[knn[r]]
