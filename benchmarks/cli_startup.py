@@ -9,6 +9,7 @@ refusal must fail (exit code not 0) and a listing succeed, or the benchmark stop
     python benchmarks/cli_startup.py                   # --help, models, taps, datasets, analyses, the refusals
     python benchmarks/cli_startup.py --reps 9 --also "run --help" --also "taps vit_small_patch16_224"
     python benchmarks/cli_startup.py --no-refusals     # the listings only
+    python benchmarks/cli_startup.py --busy 2          # beside two busy loops (a loaded 2-core machine)
 
 `taps NAME` of a registry entry prints a shipped listing; of any other model it builds the model (torch and
 timm: seconds). What a command imports: `python -X importtime -m vitscope COMMAND 2> imports.txt`.
@@ -95,10 +96,29 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="fresh processes per command (default 5)")
     ap.add_argument("--also", action="append", default=[], metavar="COMMAND", help="another command to time")
     ap.add_argument("--no-refusals", action="store_true", help="time the listing commands only")
+    ap.add_argument("--busy", type=int, default=0, help="busy loops to run beside (default 0: as the machine is)")
+    ap.add_argument("--no-bytecode-cache", action="store_true",
+                    help="recompile vitscope at every start (PYTHONDONTWRITEBYTECODE=1)")
     args = ap.parse_args()
     src = str(Path(__file__).resolve().parents[1] / "src")  # this checkout's vitscope, whatever is installed
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.reps} fresh processes each")
+    # Python's default: a module's bytecode is cached on its first import, so a person's second command reads it
+    # (this machine's environment sets PYTHONDONTWRITEBYTECODE, which recompiles vitscope at every start)
+    unset = env.pop("PYTHONDONTWRITEBYTECODE", None) is not None and not args.no_bytecode_cache
+    if args.no_bytecode_cache:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.reps} fresh processes each"
+          f"{f'; {args.busy} busy loops beside' if args.busy else ''}"
+          f"{'; PYTHONDONTWRITEBYTECODE unset (bytecode cached, as by default)' if unset else ''}")
+    try:
+        _time_all(args, env)
+    finally:
+        for p in busy:
+            p.kill()
+
+
+def _time_all(args: argparse.Namespace, env: dict[str, str]) -> None:
     print(f"{'command':<36} {'median s':>9} {'min s':>7}  goal {GOAL_S} s")
 
     def time_it(label: str, argv: list[str], fails: bool = False) -> None:

@@ -420,19 +420,22 @@ def test_report_states_findings_with_numbers_and_cites_sources_by_name(run_dir):
 def test_summary_flags_results_within_noise_of_chance_or_of_the_untrained_model():
     from vitscope.report.summary import Study, summarize
 
-    study = Study(["good", "weak", "random"], ["random"])
+    study = Study(["good", "weak", "dead", "random"], ["random"])
     sem = pd.DataFrame([
         {"model": m, "metric": "knn20_top1", "token_view": "cls", "layer": 0, "value": v, "stderr": 0.02,
          "value_lo": v - 0.04, "value_hi": v + 0.04, "chance": 0.1}
-        for m, v in (("good", 0.6), ("weak", 0.12), ("random", 0.11))])
+        for m, v in (("good", 0.6), ("weak", 0.32), ("dead", 0.11), ("random", 0.3))])
     dist = pd.DataFrame([{"model": m, "metric": "distance_px", "layer": layer, "head": 0, "value": v, "stderr": se}
                          for m, v, se in (("good", 20.0, 0.1), ("weak", 16.6, 0.1), ("random", 16.5, 0.05))
                          for layer in range(3)])
     points = {p.analysis: p for p in summarize({"attention_distance": dist, "semantics": sem}, study)}
     s = points["semantics"]
     assert "good 0.6 [0.56, 0.64] at block 0" in s.text and "Chance (majority class) is 0.1" in s.text
-    assert "within noise of chance: weak, random" in s.text and "within noise of the untrained random: weak" in s.text
-    assert s.flags == ["chance", "the untrained model"] and s.not_above_chance == ["weak", "random"]
+    # the stars' rule (`is_finding`): weak's best lies above chance but not above the untrained model's best
+    # beyond its interval (0.32 - 1.96 x 0.02 <= 0.3)
+    assert "within noise of chance: dead" in s.text
+    assert "not above the untrained random (0.3) beyond the interval (simultaneous over the layers): weak" in s.text
+    assert s.flags == ["chance", "the untrained model"] and s.not_above_chance == ["dead"]
     d = points["attention_distance"]
     # 16.6 vs 16.5 px with standard errors 0.1 and 0.05: |0.1| <= 1.96 sqrt(0.1² + 0.05²) = 0.22 -> within noise
     assert "good 20.00 ± 0.20 px; weak 16.60 ± 0.20 px; random (untrained) 16.500 ± 0.098 px" in d.text  # every model

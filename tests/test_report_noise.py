@@ -443,3 +443,40 @@ def test_attention_distance_and_nmi_figures_draw_the_uniform_attention_reference
         assert len(lines) == 1 and lines[0].get_ydata()[0] == pytest.approx(level)
         assert "uniform" in caption
         plt.close(fig)
+
+
+def test_rollout_maps_share_one_scale_in_units_of_uniform_attention_and_export_uncrowded():
+    """A uniform rollout map reads 1 in every cell and a peaked one does not; both models on one norm; laid out
+    for a journal page, the mosaic of 2 and of 8 models keeps its texts apart and inside (its colour bar's label
+    is one line beside one or two rows of maps)."""
+    import matplotlib as mpl
+    from test_report_figures import _print_problems
+
+    from vitscope.report.export import RC, _relayout
+    from vitscope.report.figures import FIGURES
+
+    def table(models: list[str], R: int, peaks: list[float], layers: int = 2) -> pd.DataFrame:
+        rows = []
+        for model, peak in zip(models, peaks, strict=True):
+            for layer in range(layers):
+                for r in range(R):
+                    for c in range(R):
+                        v = peak if (r, c) == (1, 1) else (1 - peak) / (R * R - 1)
+                        rows.append({"model": model, "metric": "rollout_map", "layer": layer, "row": r, "col": c,
+                                     "value": v})
+        return pd.DataFrame(rows)
+
+    R = 3
+    caption, fig = FIGURES["attention_rollout"](table(["flat", "peaked"], R, [1 / (R * R), 0.5]))[-1]
+    im = next(a for a in fig.axes if a.images).images[0]
+    arr = np.asarray(im.get_array().filled(np.nan), dtype=float)
+    assert arr[:R, :R] == pytest.approx(np.ones((R, R)))  # the flat model's first block
+    assert arr[R + 1:2 * R + 1, :R][1, 1] == pytest.approx(min(0.5 * R * R, im.norm.vmax))
+    assert im.norm.vmin == pytest.approx(1 / im.norm.vmax) and "uniform" in caption
+    plt.close(fig)
+    for models in (["a", "b"], [f"m{i}" for i in range(8)]):
+        with mpl.rc_context(RC):
+            _, fig = FIGURES["attention_rollout"](table(models, 4, [0.2] * len(models), layers=12))[-1]
+            layout = _relayout(fig, None)
+            assert "crowded" not in layout and _print_problems(fig) == [], (len(models), layout)
+            plt.close(fig)

@@ -200,10 +200,16 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
             flags.append("chance")
     else:
         at_chance = []
-    close, base = _vs_untrained({m: (b[0], b[1]) for m, b in best.items()}, study)
-    if close:
-        text += f"; within noise of the untrained {base}: {', '.join(close)}"
-        flags.append("the untrained model")
+    # the rule of the stars and the best-layer table (`is_finding`): the best layer's lower bound, simultaneous
+    # over the layers, above the untrained model's best
+    base = next((m for m in study.untrained if m in best), None)
+    if base is not None:
+        close = [m for m in best if m != base and m not in at_chance
+                 and not is_finding(best_layer_low(d[d.model == m]), float("nan"), best[base][0])]
+        if close:
+            text += (f"; not above the untrained {base} ({best[base][0]:.3g}) beyond the interval (simultaneous "
+                     f"over the layers): {', '.join(close)}")
+            flags.append("the untrained model")
     points.append(Point("", text + ".", flags, at_chance))
     return points
 

@@ -176,9 +176,12 @@ def in_norm(ratios: np.ndarray, norm: LogNorm) -> np.ndarray:
     return np.where(np.isfinite(ratios), np.clip(ratios, norm.vmin, norm.vmax), np.nan)
 
 
-def uniform_colorbar(fig: plt.Figure, mappable: object, ax: plt.Axes, what: str, **kw: object) -> object:
-    """The colour bar of maps drawn with `uniform_norm`: ticks at its ends and at 1, the uniform level marked."""
-    cb = colorbar(fig, mappable, ax, f"{what} ÷ uniform attention's\n(log; 1 = uniform)", extend="both", **kw)
+def uniform_colorbar(fig: plt.Figure, mappable: object, ax: plt.Axes, what: str, short: bool = False,
+                     **kw: object) -> object:
+    """The colour bar of maps drawn with `uniform_norm`: ticks at its ends and at 1, the uniform level marked.
+    ``short``: a one-line label, for a bar beside a row or two of maps (the caption says the rest)."""
+    label = f"{what} ÷ uniform" if short else f"{what} ÷ uniform attention's\n(log; 1 = uniform)"
+    cb = colorbar(fig, mappable, ax, label, extend="both", **kw)
     lo, hi = mappable.norm.vmin, mappable.norm.vmax  # type: ignore[attr-defined]
     cb.set_ticks([lo, 1.0, hi], labels=[f"{lo:.2g}", "1 uniform", f"{hi:.3g}"])
     cb.minorticks_off()

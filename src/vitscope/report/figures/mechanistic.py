@@ -21,9 +21,11 @@ from vitscope.report.figures._common import (
 
 
 def _maps_mosaic(d: pd.DataFrame, title_models: list[str]) -> plt.Figure:
-    """One row per model, one column per block: each block's mean map (``row``, ``col`` cells) divided by its
-    own maximum, tiled into one image and drawn with a single imshow."""
-    from vitscope.report.figures._common import colorbar, model_label
+    """One row per model, one column per block: each block's mean map (``row``, ``col`` cells) in units of
+    uniform attention's (the map times its R C cells; 1 = uniform), tiled into one image and drawn with a single
+    imshow on one logarithmic scale for the figure (`uniform_norm`), so a near-uniform map reads flat."""
+    from vitscope.report.figures._common import model_label
+    from vitscope.report.figures.attention import in_norm, uniform_colorbar, uniform_norm
 
     layers = sorted(int(x) for x in d["layer"].unique())
     R, C = int(d["row"].max()) + 1, int(d["col"].max()) + 1
@@ -36,11 +38,11 @@ def _maps_mosaic(d: pd.DataFrame, title_models: list[str]) -> plt.Figure:
                 continue
             m = np.full((R, C), np.nan)
             m[cell["row"].astype(int), cell["col"].astype(int)] = cell["value"].astype(float)
-            mx = np.nanmax(m)
-            mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = m / (mx if mx > 0 else 1.0)
+            mosaic[i * (R + 1):i * (R + 1) + R, j * (C + 1):j * (C + 1) + C] = m / np.nansum(m) * (R * C)
+    norm = uniform_norm(mosaic)
     cell = min(0.75, 9.0 / max(len(layers), 1))
     fig, ax = plt.subplots(figsize=(len(layers) * cell + 2.2, len(title_models) * cell + 0.6), layout="constrained")
-    im = ax.imshow(mosaic, cmap=plt.get_cmap("viridis").with_extremes(bad="white"), vmin=0, vmax=1,
+    im = ax.imshow(in_norm(mosaic, norm), cmap=plt.get_cmap("viridis").with_extremes(bad="white"), norm=norm,
                    interpolation="nearest")
     ax.set_xticks([j * (C + 1) + (C - 1) / 2 for j in range(len(layers))], [f"b{b}" for b in layers], fontsize=6)
     ax.set_yticks([i * (R + 1) + (R - 1) / 2 for i in range(len(title_models))],
@@ -48,7 +50,7 @@ def _maps_mosaic(d: pd.DataFrame, title_models: list[str]) -> plt.Figure:
     ax.tick_params(length=0)
     for spine in ax.spines.values():
         spine.set_visible(False)
-    colorbar(fig, im, ax, "map ÷ its maximum", shrink=0.8)
+    uniform_colorbar(fig, im, ax, "map", short=True, shrink=0.8)
     return fig
 
 
@@ -75,7 +77,9 @@ def attention_rollout(df: pd.DataFrame) -> Figures:
                     f"per block [{cite('abnar2020')}; IoU as {cite('walmer2023', '§4.4')}]{ref}", fig))
     maps = df[df.metric == "rollout_map"]
     if not maps.empty:
-        out.append((f"Mean attention rollout map (CLS row) up to each block, one row per model [{cite('abnar2020')}]",
+        out.append(("Mean attention rollout map (CLS row) up to each block, one row per model, in units of uniform "
+                    "attention's on one logarithmic scale (1 = uniform: a map with no spatial preference is one flat "
+                    f"colour) [{cite('abnar2020')}]",
                     _maps_mosaic(maps, models_of(maps))))
     return out
 
