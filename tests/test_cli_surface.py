@@ -41,6 +41,19 @@ def test_listings_import_neither_torch_nor_timm(argv):
     assert len(p.stdout.splitlines()) > 5  # it listed something
 
 
+def test_the_light_metrics_and_the_light_model_checks_import_no_torch():
+    """`vitscope.metrics` imports its submodules on first use, so the numpy ones (intervals, similarity,
+    robustness' intervals) and the config checks' model names and weights files come without torch; the
+    package still gives every submodule."""
+    p = _python("import sys\n"
+                "import vitscope.metrics.intervals, vitscope.metrics.similarity, vitscope.models.names\n"
+                f"assert not [m for m in {HEAVY!r} if m in sys.modules], [m for m in {HEAVY!r} if m in sys.modules]\n"
+                "import vitscope.metrics as M\n"
+                "assert M.similarity.mean_cca and M.cka.linear_cka and M.attention.attention_distance\n"
+                "print('OK')\n")
+    assert p.returncode == 0 and p.stdout.strip() == "OK", p.stderr[-2000:]
+
+
 def test_import_vitscope_is_lazy_and_keeps_its_public_api():
     p = _python("import sys, vitscope as vs\n"
                 f"assert not [m for m in {HEAVY!r} if m in sys.modules], 'heavy at import'\n"

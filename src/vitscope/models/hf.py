@@ -35,6 +35,7 @@ from torch import nn
 from vitscope.errors import CheckpointError, VitscopeError, WeightsUnavailableError
 from vitscope.files import inside
 from vitscope.models.checkpoints import Converted, read_checkpoint
+from vitscope.models.names import HF_CONFIG, is_model_dir  # noqa: F401 - is_model_dir: also used from here
 from vitscope.models.registry import (
     CLIP_MEAN,
     CLIP_STD,
@@ -49,7 +50,7 @@ from vitscope.models.registry import (
 
 Tensor = torch.Tensor
 
-CONFIG = "config.json"
+CONFIG = HF_CONFIG
 PREPROCESSOR = "preprocessor_config.json"
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")
@@ -107,12 +108,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
 
 # --------------------------------------------------------------------------------------------------
 # Recognising and reading checkpoints
-
-def is_model_dir(path: str | Path) -> bool:
-    """A directory holding a transformers ``config.json``."""
-    p = Path(str(path))
-    return p.is_dir() and (p / CONFIG).is_file()
-
 
 def looks_like_hub_id(name: str) -> bool:
     """``org/name`` that is not a local path and not a checkpoint file name."""

@@ -23,7 +23,7 @@ from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
 from vitscope.models import hf
 from vitscope.models.adapter import ViTModel
-from vitscope.models.names import unknown_model
+from vitscope.models.names import file_given, random_init_takes_no_file, unknown_model  # noqa: F401 - also used from here
 from vitscope.models.registry import REGISTRY, ModelSpec, Preprocessing, WeightSource
 
 log = logging.getLogger(__name__)
@@ -122,23 +122,6 @@ def load_model(
             f"then pass weights='/path/to/file' (checkpoint_format={spec.weights.checkpoint_format!r}).")
     model.to(device)
     return ViTModel(model=model, name=spec.name, spec=replace(spec, model_kwargs=kwargs), load_report=report)
-
-
-def file_given(name_or_path: str | Path, weights: str | Path | None) -> str | None:
-    """The local weights a model entry names: ``weights`` (a file or a transformers directory), else the name
-    when it is a checkpoint file (a transformers directory as the name also gives its architecture, which a
-    random init can use), or None."""
-    if weights and "://" not in str(weights) and (Path(str(weights)).is_file() or hf.is_model_dir(weights)):
-        return str(weights)
-    return str(name_or_path) if name_or_path and Path(str(name_or_path)).is_file() else None
-
-
-def random_init_takes_no_file(file: str) -> str:
-    """The sentence for ``pretrained: false`` beside a file: a file is weights, a random init takes none (the
-    model would be the file's trained network recorded as untrained)."""
-    return (f"{file!r} is a weights file, and pretrained: false asks for a random init, which takes no file; "
-            "drop pretrained: false to load the file, or name the architecture (a timm or registry name) with "
-            "pretrained: false for a random init")
 
 
 def resolve_spec(name_or_path: str | Path) -> ModelSpec:

@@ -92,3 +92,30 @@ def check_name(name: str) -> None:
     if text is None or _in_timm_sources(name.partition(".")[0], text):
         return
     raise unknown_model(name, timm_models() or [])
+
+
+#: the file that makes a directory a transformers model (`vitscope.models.hf`)
+HF_CONFIG = "config.json"
+
+
+def is_model_dir(path: str | Path) -> bool:
+    """A directory holding a transformers ``config.json``."""
+    p = Path(str(path))
+    return p.is_dir() and (p / HF_CONFIG).is_file()
+
+
+def file_given(name_or_path: str | Path, weights: str | Path | None) -> str | None:
+    """The local weights a model entry names: ``weights`` (a file or a transformers directory), else the name
+    when it is a checkpoint file (a transformers directory as the name also gives its architecture, which a
+    random init can use), or None."""
+    if weights and "://" not in str(weights) and (Path(str(weights)).is_file() or is_model_dir(weights)):
+        return str(weights)
+    return str(name_or_path) if name_or_path and Path(str(name_or_path)).is_file() else None
+
+
+def random_init_takes_no_file(file: str) -> str:
+    """The sentence for ``pretrained: false`` beside a file: a file is weights, a random init takes none (the
+    model would be the file's trained network recorded as untrained)."""
+    return (f"{file!r} is a weights file, and pretrained: false asks for a random init, which takes no file; "
+            "drop pretrained: false to load the file, or name the architecture (a timm or registry name) with "
+            "pretrained: false for a random init")

@@ -18,6 +18,9 @@ from omegaconf.errors import OmegaConfBaseException
 from vitscope.errors import ConfigError, VitscopeError, close_matches
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a study can run its models (torch knows more: meta, xla, ...)
+#: the forward passes' precisions a study may name (`vitscope.capture.engine.DTYPES` maps them to torch's; a test
+#: keeps the two the same), here so that `check` refuses a wrong one before torch is imported
+DTYPE_NAMES = ("fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 
 @dataclass
@@ -236,9 +239,13 @@ def check(cfg: StudyConfig) -> None:
     if all(m.ablate is None for m in cfg.models):  # else labels are final once the ablations are read
         _check_labels(cfg)
     from vitscope.bounds import Range, check_arch
+    from vitscope.models.names import file_given, random_init_takes_no_file
 
     for i, m in enumerate(cfg.models):
         check_arch(m.kwargs or {}, f"models[{i}].kwargs")
+        file = file_given(m.name, m.weights) if not m.pretrained else None
+        if file:
+            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
         for key in m.kwargs or {}:
             if key in _LOAD_ARGS:
                 field_ = _LOAD_ARGS[key]
@@ -259,6 +266,7 @@ def check(cfg: StudyConfig) -> None:
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")
+    _check_dtype_and_device(cfg)
     from vitscope.analyses_listing import analysis_names, check_study_analysis
 
     if not cfg.analyses:
@@ -268,6 +276,25 @@ def check(cfg: StudyConfig) -> None:
             check_study_analysis(name, params or {})
         except VitscopeError as e:
             raise ConfigError(f"analyses.{name}: {e}") from None
+
+
+def _check_dtype_and_device(cfg: StudyConfig) -> None:
+    """``dtype`` one of `DTYPE_NAMES`; ``device`` a device vitscope runs on (`DEVICE_TYPES`, ``cuda:1`` picking a
+    GPU), read as torch reads ``type[:index]`` without importing it (whether that GPU exists is known when the
+    first model loads)."""
+    if cfg.dtype not in DTYPE_NAMES:
+        hint = close_matches(str(cfg.dtype), DTYPE_NAMES, n=2)
+        raise ConfigError(f"unknown dtype {cfg.dtype!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
+                          + f" Choose one of {', '.join(DTYPE_NAMES)}.")
+    m = re.fullmatch(r"([a-z_]+)(?::(\d+))?", str(cfg.device))
+    if m is None:
+        said = str(cfg.device).lower()
+        hint = ["cuda"] if said.startswith(("gpu", "nvidia")) else close_matches(said, DEVICE_TYPES, n=1)
+        raise ConfigError(f"device {cfg.device!r} is not a device name (cpu, cuda, cuda:1, mps, ...)"
+                          + (f"; did you mean {hint[0]}?" if hint else ""))
+    if m.group(1) not in DEVICE_TYPES:
+        raise ConfigError(f"device {cfg.device!r}: vitscope runs studies on {', '.join(DEVICE_TYPES)} (cuda:1 picks a "
+                          f"GPU), not on {m.group(1)}")
 
 
 def _check_labels(cfg: StudyConfig) -> None:
@@ -282,27 +309,6 @@ def _check_with_torch(cfg: StudyConfig) -> None:
     dtypes, devices, the analyses' parameter types and ranges, the plan)."""
     _check_ablations(cfg)
     _check_labels(cfg)
-    from vitscope.models.load import file_given, random_init_takes_no_file
-
-    for i, m in enumerate(cfg.models):
-        file = file_given(m.name, m.weights) if not m.pretrained else None
-        if file:
-            raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
-    from vitscope.capture.engine import DTYPES
-
-    if cfg.dtype not in DTYPES:
-        hint = close_matches(cfg.dtype, DTYPES, n=2)
-        raise ConfigError(f"unknown dtype {cfg.dtype!r}" + (f"; did you mean {', '.join(hint)}?" if hint else "")
-                          + f" Choose one of {', '.join(DTYPES)}.")
-    try:
-        import torch
-
-        kind = torch.device(cfg.device).type
-    except (RuntimeError, ValueError) as e:
-        raise ConfigError(f"device {cfg.device!r} is not a device name (cpu, cuda, cuda:1, mps, ...): {e}") from None
-    if kind not in DEVICE_TYPES:
-        raise ConfigError(f"device {cfg.device!r}: vitscope runs studies on {', '.join(DEVICE_TYPES)} (cuda:1 picks a "
-                          f"GPU), not on {kind}")
     from vitscope.analyses import get_analysis
     from vitscope.analyses.base import validate_params
 
