@@ -44,6 +44,13 @@ def test_config_mistakes_are_one_line_before_any_model_loads(config, tmp_path, c
     assert needle in err
 
 
+def test_the_dtype_names_config_checks_before_torch_are_the_engine_s():
+    from vitscope.capture.engine import DTYPES
+    from vitscope.study.config import DTYPE_NAMES
+
+    assert tuple(DTYPES) == DTYPE_NAMES
+
+
 def test_invalid_yaml_is_one_line_saying_where(tmp_path, capsys, no_model):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: vit_small_patch16_224\n analyses: [\n")
