@@ -51,6 +51,8 @@ REFUSALS = [
     ("run: batch_size 0", "batch_size=0"),
     ("run: empty folder", "dataset.name=imagefolder dataset.root={dir}/empty"),
     ("run: unknown parameter", "analyses.cka.viewz=[gap]"),
+    ("run: parameter value out of range", "analyses.similarity.n_permutations=50"),
+    ("run: parameter value of the wrong type", "analyses.similarity.n_permutations=many"),
     ("run: another run writing", "output_dir={dir}/busy"),
 ]
 

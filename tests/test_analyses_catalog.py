@@ -83,6 +83,62 @@ def test_shipped_listing_is_the_live_catalog():
     assert snapshot() == describe_all()
 
 
+def test_the_snapshot_checks_each_parameter_as_its_annotation_does():
+    """`vitscope run` checks values off the snapshot's specs before torch (`vitscope.bounds.to_spec`): for every
+    parameter of every analysis the spec's annotation takes the default and refuses what the annotation refuses,
+    with the same sentence."""
+    from vitscope.analyses.base import analysis_parameters
+    from vitscope.bounds import check_value, from_spec, to_spec
+    from vitscope.errors import ConfigError
+
+    def verdict(value, tp):
+        try:
+            check_value(value, tp, "p")
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    probes = [-1, 0, 1, 2, 4, 99, 0.5, 1.5, -0.5, 1e9, float("nan"), "x", "mean", "", [1, 2], [0.5, 2], ["a", "b"],
+              ["a", 1], [], None, True, False, {"a": 1}, {"a": "b"}, {1: 2.0}]
+    checked = 0
+    for name, cls in ANALYSES.items():
+        for param, p in analysis_parameters(cls).items():
+            spec = to_spec(p.annotation)
+            if spec == "any":
+                continue
+            checked += 1
+            tp = from_spec(spec)
+            if p.default is not inspect.Parameter.empty:
+                default = list(p.default) if isinstance(p.default, tuple) else p.default
+                assert verdict(default, tp) is None, (name, param, p.default)
+            for v in probes:
+                assert verdict(v, tp) == verdict(v, p.annotation), (name, param, v)
+    assert checked > 50
+    assert {a.name: dict(a.checks) for a in snapshot()}["similarity"]["n_permutations"] == \
+        to_spec(analysis_parameters(ANALYSES["similarity"])["n_permutations"].annotation)
+
+
+def test_a_spec_round_trips_what_it_can_say_and_leaves_the_rest_unchecked():
+    import json
+    from collections.abc import Callable, Mapping, Sequence
+    from typing import Annotated, Any, ForwardRef, Literal, Optional
+
+    from vitscope.bounds import Range, conforms, from_spec, to_spec
+
+    said = [int, float, bool, str, type(None), None, Any, list, dict, tuple[int, ...], Sequence[str] | None,
+            Optional[Annotated[int, Range(1)]], Literal["a", 1, 2.5, True], Mapping[str, float] | None,  # noqa: UP045
+            Annotated[float, Range(0, 1, open_lo=True, why="w"), Range(hi=0.5)], dict[str, Sequence[int]]]
+    for tp in said:
+        spec = to_spec(tp)
+        assert json.loads(json.dumps(spec)) == spec and to_spec(from_spec(spec)) == spec, tp
+    assert to_spec(Any) == to_spec(inspect.Parameter.empty) == "any" and from_spec("any") is Any
+    for unsaid in [torch.device, Callable[[int], int], ForwardRef("Foo"), "Foo", str | torch.device,
+                   Sequence[torch.device], Annotated[int, "a note"] | Path]:
+        assert to_spec(unsaid) == "any", unsaid  # a class, a callable, a forward reference: the analysis judges it
+    assert not conforms(2, from_spec(to_spec(Literal[1, True]))) and conforms(True, from_spec(to_spec(Literal[True])))
+    assert not conforms(True, from_spec(to_spec(Literal[1])))
+
+
 def test_docs_page_is_generated_from_the_code():
     assert DOCS.read_text() == format_markdown(describe_all()), \
         "docs/analyses.md is stale: regenerate it with `vitscope analyses --markdown > docs/analyses.md`"

@@ -63,6 +63,51 @@ def test_an_unknown_parameter_of_an_analysis_is_refused_before_torch(study):
                          "'viewz'; did you mean views?")
 
 
+#: (override, the sentence `vitscope.analyses.base.validate_params` says): a bad value of an analysis parameter
+BAD_VALUES = [
+    ("analyses.similarity.n_permutations=many",
+     "parameter 'n_permutations' of analysis 'similarity' must be an integer, got 'many' (str)"),
+    ("analyses.similarity.n_permutations=50",
+     "parameter 'n_permutations' of analysis 'similarity' must be 0 or at least 99 (a p-value needs 99 permutations "
+     "to reach 0.01); got 50"),
+    ("analyses.similarity.alphas=[0.5,2]",
+     "every item of parameter 'alphas' of analysis 'similarity' must be between 0 and 1; got 2"),
+    ("analyses.attention_rollout.head_fusion=median",
+     "parameter 'head_fusion' of analysis 'attention_rollout' must be one of 'mean', 'max', 'min', got 'median' (str)"),
+    ("analyses.cka.views=[gap,3]", "parameter 'views' of analysis 'cka' must be a string or a list of strings, "
+     "got ['gap', 3] (list)"),
+]
+
+
+@pytest.mark.parametrize("override,sentence", BAD_VALUES, ids=[o.split("=")[0] for o, _ in BAD_VALUES])
+def test_a_bad_value_of_an_analysis_parameter_is_refused_before_torch(study, override, sentence):
+    name = override.split(".")[1]
+    err = refused_before_torch([str(study), override], f"analyses.{name}: {sentence}")
+    assert err == f"vitscope: error: analyses.{name}: {sentence}", err
+
+
+def test_the_snapshot_refuses_parameter_values_as_the_analyses_do(monkeypatch):
+    import yaml
+
+    import vitscope.analyses_listing as listing
+    from vitscope.analyses import get_analysis
+    from vitscope.analyses.base import validate_params
+    from vitscope.errors import ConfigError
+
+    monkeypatch.setattr(listing, "_live", lambda: None)  # as `vitscope run` before torch: the snapshot's checks
+    for override, sentence in BAD_VALUES:
+        key, value = override.split("=")
+        _, name, param = key.split(".")
+        params = {param: yaml.safe_load(value), "dataset": "x"}
+        with pytest.raises(ConfigError) as light:
+            listing.check_study_analysis(name, params)
+        with pytest.raises(ConfigError) as full:
+            validate_params(get_analysis(name), params)
+        assert str(light.value) == str(full.value) == sentence, override
+    listing.check_study_analysis("similarity", {"n_permutations": 0, "alphas": [0.5, 1], "dataset": "x"})
+    listing.check_study_analysis("stir", {"anything": "at all"})  # open-ended: the analysis judges it
+
+
 def test_an_unknown_model_is_refused_before_torch_with_registry_and_timm_matches(study):
     refused_before_torch([str(study), "models.0.name=zoo-dnio"], "models[0] (tiny): unknown model 'zoo-dnio'",
                          "did you mean zoo-dino")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vitscope.bounds import check_value, from_spec
 from vitscope.errors import ConfigError, close_matches, unknown_name
 from vitscope.references import REFERENCES, SEEDS, short_citation
 
@@ -49,6 +50,9 @@ class AnalysisInfo:
     #: ``**`` last when it takes any other name too (`vitscope.analyses.base.analysis_parameters`)
     accepts: tuple[str, ...] = ()
     replaced: tuple[tuple[str, str], ...] = ()  # parameters it no longer takes, and the sentence saying why
+    #: (parameter, spec of its annotation: `vitscope.bounds.to_spec`) for every parameter of ``accepts`` whose
+    #: type or range is checked, so `vitscope run` refuses a bad value before it imports torch
+    checks: tuple[tuple[str, Any], ...] = ()
 
     @property
     def full_references(self) -> list[str]:
@@ -69,6 +73,7 @@ def snapshot(names: list[str] | None = None) -> list[AnalysisInfo]:
         d["references"] = tuple(d["references"])
         d["accepts"] = tuple(d.get("accepts", ()))
         d["replaced"] = tuple(tuple(r) for r in d.get("replaced", ()))
+        d["checks"] = tuple((c[0], c[1]) for c in d.get("checks", ()))
         infos[d["name"]] = AnalysisInfo(**d)
     for name in names or []:
         if name not in infos:
@@ -121,8 +126,9 @@ def analysis_names() -> list[str]:
 def check_study_analysis(name: str, params: Mapping[str, Any] | None) -> None:
     """``name`` an analysis and ``params`` only names it takes, read off the live registry where this process
     imported it, else off the snapshot, so `vitscope run` refuses a misspelt analysis or parameter before it
-    imports torch: one sentence (`unknown_name`, `check_parameter_names`). Types and ranges of the values are
-    `vitscope.analyses.base.validate_params`'s, when the config is validated in full."""
+    imports torch: one sentence (`unknown_name`, `check_parameter_names`). Off the snapshot the values' types and
+    ranges are checked too (its ``checks``, with the sentence of `vitscope.analyses.base.validate_params`, which
+    checks them off the live registry when the config is validated in full)."""
     live = _live()
     if live is not None:
         cls = live.get_analysis(name)
@@ -130,6 +136,10 @@ def check_study_analysis(name: str, params: Mapping[str, Any] | None) -> None:
         return
     info = snapshot([name])[0]
     check_parameter_names(name, params or {}, info.accepts, dict(info.replaced))
+    checks = dict(info.checks)
+    for key, value in (params or {}).items():
+        if not planner_key(str(key)) and key in checks:
+            check_value(value, from_spec(checks[key]), f"parameter {key!r} of analysis {name!r}")
 
 
 def format_text(infos: list[AnalysisInfo], full: bool = False) -> str:

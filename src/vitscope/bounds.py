@@ -9,12 +9,14 @@ the parameter, the range and the value (``k = 0`` would otherwise write a ``knn0
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from vitscope.errors import ConfigError
 
@@ -189,3 +191,150 @@ def _plausible(value: Any, tp: Any) -> bool:
     if origin in (Mapping, dict):
         return isinstance(value, Mapping)
     return False
+
+
+# -- the type of a value: checked against the annotation, or against its spec in the shipped snapshot ----------
+
+def _union_args(tp: Any) -> tuple[Any, ...] | None:
+    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else None
+
+
+def conforms(value: Any, tp: Any) -> bool:
+    """``value`` of the type ``tp`` (as a study config gives it: ints for ``int``, numbers for ``float``, lists
+    for ``Sequence[...]``; ``Any``, an unannotated parameter and what cannot be judged are not checked)."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if tp is Any or tp is inspect.Parameter.empty:
+        return True
+    if typing.get_origin(tp) is typing.Literal:
+        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
+    alts = _union_args(tp)
+    if alts is not None:
+        return any(conforms(value, a) for a in alts)
+    if tp is None or tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if origin in (Sequence, list, tuple):
+        item = args[0] if args else Any
+        return isinstance(value, list | tuple) and all(conforms(v, item) for v in value)
+    if origin in (Mapping, dict):
+        k, v = args if len(args) == 2 else (Any, Any)
+        return isinstance(value, Mapping) and all(conforms(a, k) and conforms(b, v) for a, b in value.items())
+    try:
+        return isinstance(value, origin)
+    except TypeError:
+        return True
+
+
+def describe(tp: Any) -> str:
+    """``an integer``, ``a list of strings or null``: what ``tp`` takes, in a sentence."""
+    if typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    if typing.get_origin(tp) is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    alts = _union_args(tp)
+    if alts is not None:
+        return " or ".join(describe(a) for a in alts)
+    if tp is None or tp is type(None):
+        return "null"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Any: "anything"}
+    if tp in names:
+        return names[tp]
+    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
+    if origin in (Sequence, list, tuple):
+        inner = describe(args[0]) if args else "anything"
+        return "a list" + ("" if inner == "anything" else f" of {inner.removeprefix('an ').removeprefix('a ')}s")
+    if origin in (Mapping, dict):
+        if len(args) == 2 and Any not in args:
+            k, v = (describe(a).removeprefix("an ").removeprefix("a ") for a in args)
+            return f"a mapping of {k}s to {v}s"
+        return "a mapping"
+    return getattr(tp, "__name__", str(tp))
+
+
+def check_value(value: Any, tp: Any, what: str) -> None:
+    """``value`` of the type ``tp`` and within every range it declares, else one ConfigError sentence naming
+    ``what`` (`vitscope.analyses.base.validate_params`; `vitscope run` checks the snapshot's specs before torch)."""
+    if not conforms(value, tp):
+        raise ConfigError(f"{what} must be {describe(tp)}, got {value!r} ({type(value).__name__})")
+    check_annotated(value, tp, what)
+
+
+class _Unchecked(Exception):
+    """An annotation (or a part of one) that a spec cannot say: a class, a callable, a forward reference."""
+
+
+_PLAIN = {bool: "bool", int: "int", float: "float", str: "str"}
+_JSON_SCALARS = (type(None), bool, int, float, str)
+
+
+def to_spec(tp: Any) -> Any:
+    """``tp`` as a JSON-able spec that `from_spec` turns back into an annotation checking values as ``tp`` does:
+    ``"any"`` (not checked), ``"null"``, ``"bool"``, ``"int"``, ``"float"``, ``"str"``, ``{"literal": [...]}``,
+    ``{"union": [...]}``, ``{"list": item}``, ``{"mapping": [key, value]}`` and ``{"annotated": spec, "ranges":
+    [Range fields]}``. An annotation that has a part no spec says (a class, a callable, a forward reference) is
+    ``"any"`` as a whole, so what is checked is checked with the sentence the annotation itself gives."""
+    try:
+        return _spec(tp)
+    except _Unchecked:
+        return "any"
+
+
+def _spec(tp: Any) -> Any:
+    if tp is Any or tp is inspect.Parameter.empty:
+        return "any"
+    if tp is None or tp is type(None):
+        return "null"
+    if isinstance(tp, type) and tp in _PLAIN:
+        return _PLAIN[tp]
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Annotated:
+        ranges = [{f.name: _scalar(getattr(r, f.name)) for f in dataclasses.fields(Range)} for r in ranges_of(tp)]
+        return {"annotated": _spec(args[0]), "ranges": ranges} if ranges else _spec(args[0])
+    if origin is Literal:
+        return {"literal": [_scalar(a) for a in args]}
+    if origin in (typing.Union, types.UnionType):
+        return {"union": [_spec(a) for a in args]}
+    origin = origin or tp
+    if origin in (Sequence, list, tuple):
+        return {"list": _spec(args[0]) if args else "any"}
+    if origin in (Mapping, dict):
+        k, v = args if len(args) == 2 else (Any, Any)
+        return {"mapping": [_spec(k), _spec(v)]}
+    raise _Unchecked(tp)
+
+
+def _scalar(x: Any) -> Any:
+    if type(x) not in _JSON_SCALARS:
+        raise _Unchecked(x)
+    return x
+
+
+def from_spec(spec: Any) -> Any:
+    """The annotation a `to_spec` spec stands for (``Any`` for ``"any"``, ``None`` or what it does not know)."""
+    if isinstance(spec, str):
+        return {"any": Any, "null": type(None), "bool": bool, "int": int, "float": float, "str": str}.get(spec, Any)
+    if not isinstance(spec, Mapping):
+        return Any
+    if "annotated" in spec:
+        ranges = tuple(Range(**r) for r in spec.get("ranges", ()))
+        base = from_spec(spec["annotated"])
+        return Annotated[(base, *ranges)] if ranges else base
+    if "literal" in spec:
+        return Literal[tuple(spec["literal"])]
+    if "union" in spec:
+        return typing.Union[tuple(from_spec(s) for s in spec["union"])]  # noqa: UP007 - built from a list
+    if "list" in spec:
+        return Sequence[from_spec(spec["list"])]
+    if "mapping" in spec:
+        k, v = spec["mapping"]
+        return Mapping[from_spec(k), from_spec(v)]
+    return Any

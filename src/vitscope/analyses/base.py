@@ -26,18 +26,17 @@ as representation inversion that cannot be computed from one model's activations
 from __future__ import annotations
 
 import inspect
-import types
 import typing
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 import torch
 
 from vitscope.analyses_listing import PLANNER_KEYS, check_parameter_names, planner_key  # noqa: F401 - its old home
-from vitscope.bounds import check_annotated
-from vitscope.errors import ConfigError, VitscopeError, unknown_name
+from vitscope.bounds import check_value
+from vitscope.errors import VitscopeError, unknown_name
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -321,70 +320,5 @@ def validate_params(cls: type[Analysis], params: Mapping[str, Any] | None) -> No
     for key, value in (params or {}).items():
         if planner_key(str(key)) or key not in accepted:  # the planner's, or taken by a **kw
             continue
-        tp = accepted[key].annotation
-        if not _conforms(value, tp):
-            raise ConfigError(f"parameter {key!r} of analysis {cls.name!r} must be {_describe(tp)}, "
-                              f"got {value!r} ({type(value).__name__})")
-        check_annotated(value, tp, f"parameter {key!r} of analysis {cls.name!r}")
+        check_value(value, accepted[key].annotation, f"parameter {key!r} of analysis {cls.name!r}")
 
-
-def _union_args(tp: Any) -> tuple[Any, ...] | None:
-    return typing.get_args(tp) if typing.get_origin(tp) in (typing.Union, types.UnionType) else None
-
-
-def _conforms(value: Any, tp: Any) -> bool:
-    if typing.get_origin(tp) is typing.Annotated:
-        tp = typing.get_args(tp)[0]
-    if tp is Any or tp is inspect.Parameter.empty:
-        return True
-    if typing.get_origin(tp) is typing.Literal:
-        return any(value == a and type(value) is type(a) for a in typing.get_args(tp))
-    alts = _union_args(tp)
-    if alts is not None:
-        return any(_conforms(value, a) for a in alts)
-    if tp is None or tp is type(None):
-        return value is None
-    if tp is bool:
-        return isinstance(value, bool)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if tp is str:
-        return isinstance(value, str)
-    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
-    if origin in (Sequence, list, tuple):
-        item = args[0] if args else Any
-        return isinstance(value, list | tuple) and all(_conforms(v, item) for v in value)
-    if origin in (Mapping, dict):
-        k, v = args if len(args) == 2 else (Any, Any)
-        return isinstance(value, Mapping) and all(_conforms(a, k) and _conforms(b, v) for a, b in value.items())
-    try:
-        return isinstance(value, origin)
-    except TypeError:
-        return True
-
-
-def _describe(tp: Any) -> str:
-    if typing.get_origin(tp) is typing.Annotated:
-        tp = typing.get_args(tp)[0]
-    if typing.get_origin(tp) is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    alts = _union_args(tp)
-    if alts is not None:
-        return " or ".join(_describe(a) for a in alts)
-    if tp is None or tp is type(None):
-        return "null"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string", Any: "anything"}
-    if tp in names:
-        return names[tp]
-    origin, args = typing.get_origin(tp) or tp, typing.get_args(tp)
-    if origin in (Sequence, list, tuple):
-        inner = _describe(args[0]) if args else "anything"
-        return "a list" + ("" if inner == "anything" else f" of {inner.removeprefix('an ').removeprefix('a ')}s")
-    if origin in (Mapping, dict):
-        if len(args) == 2 and Any not in args:
-            k, v = (_describe(a).removeprefix("an ").removeprefix("a ") for a in args)
-            return f"a mapping of {k}s to {v}s"
-        return "a mapping"
-    return getattr(tp, "__name__", str(tp))

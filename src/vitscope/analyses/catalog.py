@@ -13,7 +13,7 @@ from typing import Any
 
 from vitscope.analyses.base import ANALYSES, Analysis, analysis_parameters
 from vitscope.analyses_listing import AnalysisInfo, Param, format_markdown, format_text, to_json  # noqa: F401
-from vitscope.bounds import annotation_text
+from vitscope.bounds import annotation_text, to_spec
 from vitscope.models.adapter import ModelInfo
 from vitscope.references import ANALYSIS_REFERENCES
 
@@ -117,7 +117,15 @@ def describe(name: str) -> AnalysisInfo:
     return AnalysisInfo(name=name, description=cls.description or doc.split("\n\n")[0].replace("\n", " "),
                         doc=doc, module=cls.__module__, params=parameters(cls), taps=taps or "none",
                         data=_data_text(cls), references=tuple(ANALYSIS_REFERENCES.get(name, ())),
-                        accepts=tuple(analysis_parameters(cls)), replaced=tuple(cls.replaced.items()))
+                        accepts=tuple(analysis_parameters(cls)), replaced=tuple(cls.replaced.items()),
+                        checks=checks(cls))
+
+
+def checks(cls: type[Analysis]) -> tuple[tuple[str, Any], ...]:
+    """(parameter, `vitscope.bounds.to_spec` of its annotation) for every parameter whose value is checked:
+    what `vitscope run` checks before it imports torch (`vitscope.analyses_listing.check_study_analysis`)."""
+    specs = ((name, to_spec(p.annotation)) for name, p in analysis_parameters(cls).items() if name != "**")
+    return tuple((name, spec) for name, spec in specs if spec != "any")
 
 
 def describe_all() -> list[AnalysisInfo]:
