@@ -53,6 +53,8 @@ REFUSALS = [
     ("run: unknown parameter", "analyses.cka.viewz=[gap]"),
     ("run: parameter value out of range", "analyses.similarity.n_permutations=50"),
     ("run: parameter value of the wrong type", "analyses.similarity.n_permutations=many"),
+    ("run: unknown dtype", "dtype=fp8"),
+    ("run: not a device", "device=gpu0"),
     ("run: another run writing", "output_dir={dir}/busy"),
 ]
 

@@ -210,3 +210,20 @@ def test_the_lock_check_creates_nothing_and_leaves_the_directory_free(tmp_path):
     rundir.check_free(out)
     with FileLock(str(out / rundir.LOCK), timeout=0):
         pass
+
+
+@pytest.mark.parametrize("override,words", [
+    ("dtype=fp8", ("unknown dtype 'fp8'", "Choose one of fp32")),
+    ("device=gpu0", ("device 'gpu0' is not a device name", "did you mean cuda?")),
+    ("device=xla", ("vitscope runs studies on cpu, cuda, mps", "not on xla")),
+])
+def test_a_wrong_dtype_or_device_is_refused_before_torch(study, override, words):
+    refused_before_torch([str(study), override], *words)
+
+
+def test_a_random_init_beside_a_weights_file_is_refused_before_torch(study, tmp_path):
+    weights = tmp_path / "w.pth"
+    weights.write_bytes(b"not read")
+    refused_before_torch([str(study), f"models.0.weights={weights}", "models.0.pretrained=false"],
+                         "is a weights file, and pretrained: false asks for a random init")
+
