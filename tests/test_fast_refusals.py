@@ -227,3 +227,9 @@ def test_a_random_init_beside_a_weights_file_is_refused_before_torch(study, tmp_
     refused_before_torch([str(study), f"models.0.weights={weights}", "models.0.pretrained=false"],
                          "is a weights file, and pretrained: false asks for a random init")
 
+
+def test_an_analysis_naming_a_dataset_the_study_lacks_is_refused_before_torch(study):
+    refused_before_torch([str(study), "analyses.cka.dataset=shapez"],
+                         "analyses.cka.dataset: no dataset named 'shapez' in the study")
+    refused_before_torch([str(study), "analyses.cka.dataset=[1]"], "must name one of the study's datasets")
+

@@ -21,6 +21,7 @@ from vitscope.analyses import get_analysis
 from vitscope.data.catalog import FORMATS, get_format
 from vitscope.data.views import CLEAN, check_view
 from vitscope.errors import ConfigError, close_matches
+from vitscope.study.config import check_dataset_name
 
 MAIN = "data"
 PLANNER_KEYS = ("dataset", "pairs")  # analysis parameters the planner reads and strips (and `<slot>_dataset`)
@@ -113,11 +114,7 @@ def _match(analysis: str, slot: str, needs: frozenset[str], given: str | None, d
     what = "" if slot == MAIN else f" (its input {slot!r})"
     key = "dataset" if slot == MAIN else f"{slot}_dataset"
     if given is not None:
-        if given not in datasets:
-            hint = close_matches(str(given), datasets)
-            raise ConfigError(f"analyses.{analysis}.{key}: no dataset named {given!r} in the study"
-                              + (f"; did you mean {', '.join(hint)}?" if hint else "")
-                              + f" Datasets: {', '.join(datasets)}.")
+        check_dataset_name(analysis, key, given, datasets)
         missing = needs - get_format(datasets[given].name).provides
         if missing:
             raise ConfigError(f"analyses.{analysis}{what} needs {', '.join(sorted(missing))}, which dataset "
