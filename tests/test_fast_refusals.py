@@ -233,3 +233,12 @@ def test_an_analysis_naming_a_dataset_the_study_lacks_is_refused_before_torch(st
                          "analyses.cka.dataset: no dataset named 'shapez' in the study")
     refused_before_torch([str(study), "analyses.cka.dataset=[1]"], "must name one of the study's datasets")
 
+
+def test_an_analysis_whose_data_no_dataset_provides_is_refused_before_torch(study):
+    """The planner's matching (`vitscope.study.slots`) from the shipped listing: propagation needs videos with
+    objects, which generated shapes do not provide; a `*_dataset` key that names no input."""
+    refused_before_torch([str(study), "analyses.propagation={}"],
+                         "analyses.propagation needs a dataset with objects, videos", "synthetic-videos")
+    refused_before_torch([str(study), "analyses.cka.images_dataset=x"],
+                         "cka has no such input (its only input: dataset)")
+

@@ -53,6 +53,10 @@ class AnalysisInfo:
     #: (parameter, spec of its annotation: `vitscope.bounds.to_spec`) for every parameter of ``accepts`` whose
     #: type or range is checked, so `vitscope run` refuses a bad value before it imports torch
     checks: tuple[tuple[str, Any], ...] = ()
+    #: what its main dataset must provide, and its further inputs' (`vitscope.data.catalog.CAPABILITIES`), so
+    #: `vitscope run` matches the study's datasets with it (`vitscope.study.slots`) before it imports torch
+    needs: tuple[str, ...] = ()
+    inputs: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def full_references(self) -> list[str]:
@@ -74,6 +78,8 @@ def snapshot(names: list[str] | None = None) -> list[AnalysisInfo]:
         d["accepts"] = tuple(d.get("accepts", ()))
         d["replaced"] = tuple(tuple(r) for r in d.get("replaced", ()))
         d["checks"] = tuple((c[0], c[1]) for c in d.get("checks", ()))
+        d["needs"] = tuple(d.get("needs", ()))
+        d["inputs"] = tuple((slot, tuple(caps)) for slot, caps in d.get("inputs", ()))
         infos[d["name"]] = AnalysisInfo(**d)
     for name in names or []:
         if name not in infos:
@@ -121,6 +127,17 @@ def analysis_names() -> list[str]:
     (no torch)."""
     live = _live()
     return list(live.ANALYSES) if live is not None else [a.name for a in snapshot()]
+
+
+def data_needs(name: str) -> tuple[tuple[str, ...], dict[str, tuple[str, ...]]]:
+    """(what analysis ``name``'s main dataset must provide, {input: what it must provide}), off the live registry
+    where this process imported it, else off the snapshot (no torch)."""
+    live = _live()
+    if live is not None:
+        cls = live.get_analysis(name)
+        return tuple(sorted(cls.needs)), {slot: tuple(sorted(c)) for slot, c in (cls.inputs or {}).items()}
+    info = snapshot([name])[0]
+    return info.needs, dict(info.inputs)
 
 
 def check_study_analysis(name: str, params: Mapping[str, Any] | None) -> None:

@@ -118,7 +118,8 @@ def describe(name: str) -> AnalysisInfo:
                         doc=doc, module=cls.__module__, params=parameters(cls), taps=taps or "none",
                         data=_data_text(cls), references=tuple(ANALYSIS_REFERENCES.get(name, ())),
                         accepts=tuple(analysis_parameters(cls)), replaced=tuple(cls.replaced.items()),
-                        checks=checks(cls))
+                        checks=checks(cls), needs=tuple(sorted(cls.needs)),
+                        inputs=tuple((slot, tuple(sorted(c))) for slot, c in (cls.inputs or {}).items()))
 
 
 def checks(cls: type[Analysis]) -> tuple[tuple[str, Any], ...]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -267,32 +267,20 @@ def check(cfg: StudyConfig) -> None:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")
     _check_dtype_and_device(cfg)
-    from vitscope.analyses_listing import analysis_names, check_study_analysis
+    from vitscope.analyses_listing import analysis_names, check_study_analysis, data_needs
 
     if not cfg.analyses:
         raise ConfigError(f"the config lists no analyses; available: {', '.join(sorted(analysis_names()))}")
+    from vitscope.study.slots import match_slots
+
     datasets = study_datasets(cfg)
     for name, params in cfg.analyses.items():
         try:
             check_study_analysis(name, params or {})
         except VitscopeError as e:
             raise ConfigError(f"analyses.{name}: {e}") from None
-        for key, given in (params or {}).items():
-            if key == "dataset" or str(key).endswith("_dataset"):
-                check_dataset_name(name, str(key), given, datasets)
-
-
-def check_dataset_name(analysis: str, key: str, given: Any, datasets: Mapping[str, Any]) -> None:
-    """An analysis's ``dataset`` (or ``<input>_dataset``) one of the study's ``datasets``, else one sentence with
-    the close matches (`check` before torch; the planner, `vitscope.study.plan`, again for configs built in code)."""
-    if not isinstance(given, str):
-        raise ConfigError(f"analyses.{analysis}.{key} must name one of the study's datasets "
-                          f"({', '.join(datasets)}); got {given!r}")
-    if given not in datasets:
-        hint = close_matches(given, list(datasets))
-        raise ConfigError(f"analyses.{analysis}.{key}: no dataset named {given!r} in the study"
-                          + (f"; did you mean {', '.join(hint)}?" if hint else ".")
-                          + f" Datasets: {', '.join(datasets)}.")
+        needs, inputs = data_needs(name)
+        match_slots(name, needs, inputs, params or {}, datasets)  # the planner's matching, before torch
 
 
 def _check_dtype_and_device(cfg: StudyConfig) -> None:

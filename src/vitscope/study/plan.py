@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vitscope.analyses import get_analysis
-from vitscope.data.catalog import FORMATS, get_format
 from vitscope.data.views import CLEAN, check_view
 from vitscope.errors import ConfigError, close_matches
-from vitscope.study.config import check_dataset_name
+from vitscope.study.slots import MAIN, match_slots
 
-MAIN = "data"
 PLANNER_KEYS = ("dataset", "pairs")  # analysis parameters the planner reads and strips (and `<slot>_dataset`)
 
 
@@ -90,14 +88,9 @@ def make_plan(cfg: Any) -> Plan:
     for name, raw in cfg.analyses.items():
         cls = get_analysis(name)
         raw = dict(raw or {})
-        slots = {MAIN: _match(name, MAIN, frozenset(cls.needs), raw.pop("dataset", None), datasets)}
-        for slot, needs in (cls.inputs or {}).items():
-            slots[slot] = _match(name, slot, frozenset(needs), raw.pop(f"{slot}_dataset", None), datasets)
-        stray = [k for k in raw if k.endswith("_dataset")]
-        if stray:
-            slot_names = ", ".join(f"{s}_dataset" for s in cls.inputs) or "none"
-            raise ConfigError(f"analyses.{name}.{stray[0]}: {name} has no such input (its inputs: dataset, "
-                              f"{slot_names})")
+        slots = match_slots(name, cls.needs, cls.inputs or {}, raw, datasets)
+        for key in ["dataset", *(f"{slot}_dataset" for slot in cls.inputs or {})]:
+            raw.pop(key, None)
         pair = bool(getattr(cls, "pair", False))
         pairs: list[tuple[str, str]] = []
         if pair:
@@ -108,34 +101,6 @@ def make_plan(cfg: Any) -> Plan:
         plans.append(AnalysisPlan(name, cls, raw, slots, views, pair, pairs))
     used = {d for ap in plans for d in ap.slots.values()}
     return Plan({n: d for n, d in datasets.items() if n in used}, plans, models)
-
-
-def _match(analysis: str, slot: str, needs: frozenset[str], given: str | None, datasets: dict[str, Any]) -> str:
-    what = "" if slot == MAIN else f" (its input {slot!r})"
-    key = "dataset" if slot == MAIN else f"{slot}_dataset"
-    if given is not None:
-        check_dataset_name(analysis, key, given, datasets)
-        missing = needs - get_format(datasets[given].name).provides
-        if missing:
-            raise ConfigError(f"analyses.{analysis}{what} needs {', '.join(sorted(missing))}, which dataset "
-                              f"{given!r} ({datasets[given].name}) does not provide; {_who_has(needs, datasets)}")
-        return given
-    for dn, dc in datasets.items():
-        if needs <= get_format(dc.name).provides:
-            return dn
-    raise ConfigError(f"analyses.{analysis}{what} needs a dataset with {', '.join(sorted(needs))}, and none of the "
-                      f"study's datasets ({', '.join(datasets)}) has it; {_who_has(needs, datasets)}")
-
-
-def _who_has(needs: frozenset[str], datasets: dict[str, Any]) -> str:
-    configured = [dn for dn, dc in datasets.items() if needs <= get_format(dc.name).provides]
-    builtin = [f.name for f in FORMATS.values() if needs <= f.provides]
-    builtin.sort(key=lambda n: not FORMATS[n].generated)
-    parts = []
-    if configured:
-        parts.append(f"configured datasets that have it: {', '.join(configured)} (name one with `dataset:`)")
-    parts.append(f"formats that have it: {', '.join(builtin) or 'none'} (add one under `datasets:`)")
-    return "; ".join(parts) + "."
 
 
 def _pairs(analysis: str, given: Any, models: list[Any], labels: list[str]) -> list[tuple[str, str]]:

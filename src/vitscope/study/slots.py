@@ -1,0 +1,72 @@
+"""Which of the study's datasets each analysis reads, decided without torch: its main input (``needs``) and its
+named inputs (``inputs``) matched with the datasets by what their formats provide (`vitscope.data.catalog`).
+`vitscope.study.config.check` runs it from the shipped listing before torch is imported; the planner
+(`vitscope.study.plan`) runs it from the analysis classes. A mismatch is one sentence naming what is missing
+and which configured or built-in datasets have it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from vitscope.data.catalog import FORMATS, get_format
+from vitscope.errors import ConfigError, close_matches
+
+MAIN = "data"  # the slot of an analysis's main dataset
+
+
+def match_slots(analysis: str, needs: Iterable[str], inputs: Mapping[str, Iterable[str]], params: Mapping[str, Any],
+                datasets: Mapping[str, Any]) -> dict[str, str]:
+    """``{slot: dataset name}`` for ``analysis``: its main dataset (``params['dataset']`` or the first of
+    ``datasets`` that provides ``needs``) and each of its ``inputs`` (``params['<slot>_dataset']`` or the first
+    that provides what it needs); a ``*_dataset`` key that names no input is refused."""
+    slots = {MAIN: _match(analysis, MAIN, frozenset(needs), params.get("dataset"), datasets)}
+    for slot, wants in inputs.items():
+        slots[slot] = _match(analysis, slot, frozenset(wants), params.get(f"{slot}_dataset"), datasets)
+    stray = [k for k in params if str(k).endswith("_dataset") and str(k)[:-len("_dataset")] not in inputs]
+    if stray:
+        names = ", ".join(["dataset", *(f"{s}_dataset" for s in inputs)])
+        raise ConfigError(f"analyses.{analysis}.{stray[0]}: {analysis} has no such input "
+                          + (f"(its inputs: {names})" if inputs else "(its only input: dataset)"))
+    return slots
+
+
+def check_dataset_name(analysis: str, key: str, given: Any, datasets: Mapping[str, Any]) -> None:
+    """An analysis's ``dataset`` (or ``<input>_dataset``) one of the study's ``datasets``, else one sentence with
+    the close matches."""
+    if not isinstance(given, str):
+        raise ConfigError(f"analyses.{analysis}.{key} must name one of the study's datasets "
+                          f"({', '.join(datasets)}); got {given!r}")
+    if given not in datasets:
+        hint = close_matches(given, list(datasets))
+        raise ConfigError(f"analyses.{analysis}.{key}: no dataset named {given!r} in the study"
+                          + (f"; did you mean {', '.join(hint)}?" if hint else ".")
+                          + f" Datasets: {', '.join(datasets)}.")
+
+
+def _match(analysis: str, slot: str, needs: frozenset[str], given: str | None, datasets: Mapping[str, Any]) -> str:
+    what = "" if slot == MAIN else f" (its input {slot!r})"
+    key = "dataset" if slot == MAIN else f"{slot}_dataset"
+    if given is not None:
+        check_dataset_name(analysis, key, given, datasets)
+        missing = needs - get_format(datasets[given].name).provides
+        if missing:
+            raise ConfigError(f"analyses.{analysis}{what} needs {', '.join(sorted(missing))}, which dataset "
+                              f"{given!r} ({datasets[given].name}) does not provide; {_who_has(needs, datasets)}")
+        return given
+    for dn, dc in datasets.items():
+        if needs <= get_format(dc.name).provides:
+            return dn
+    raise ConfigError(f"analyses.{analysis}{what} needs a dataset with {', '.join(sorted(needs))}, and none of the "
+                      f"study's datasets ({', '.join(datasets)}) has it; {_who_has(needs, datasets)}")
+
+
+def _who_has(needs: frozenset[str], datasets: Mapping[str, Any]) -> str:
+    configured = [dn for dn, dc in datasets.items() if needs <= get_format(dc.name).provides]
+    builtin = [f.name for f in FORMATS.values() if needs <= f.provides]
+    builtin.sort(key=lambda n: not FORMATS[n].generated)
+    parts = []
+    if configured:
+        parts.append(f"configured datasets that have it: {', '.join(configured)} (name one with `dataset:`)")
+    parts.append(f"formats that have it: {', '.join(builtin) or 'none'} (add one under `datasets:`)")
+    return "; ".join(parts) + "."
