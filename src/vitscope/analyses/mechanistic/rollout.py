@@ -1,0 +1,218 @@
+"""Attention rollout, plain (`AttentionRollout`) and gradient-weighted (`GradientRollout`): part of the
+mechanistic lens (`vitscope.analyses.mechanistic`; math in `vitscope.metrics.mechanistic`)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal
+
+import pandas as pd
+import torch
+
+from vitscope.analyses.attention import _saliency_iou_of
+from vitscope.analyses.base import register_analysis
+from vitscope.analyses.mechanistic._common import _Means, _Mechanistic
+from vitscope.bounds import Range
+from vitscope.capture.engine import taps_paused
+from vitscope.errors import VitscopeError
+from vitscope.host import on_device
+from vitscope.metrics import attention as A
+from vitscope.metrics import mechanistic as M
+
+
+@register_analysis
+class AttentionRollout(_Mechanistic):
+    """Attention rollout (Abnar and Zuidema 2020) with the options of the public vit-explain code: per block
+    the heads' attention fused (``head_fusion``: mean, max or min), the ``discard_ratio`` smallest fused
+    weights of each image set to 0 (the first token's weight on itself kept), the residual added as
+    ``0.5 A + 0.5 I`` and every row renormalised; the rollout up to block l is the product of those factors
+    of blocks 0 .. l. Its CLS row over the patch tokens (prefix keys dropped, renormalised) is that block's
+    rollout map.
+
+    Beside ``saliency_iou`` and with its rule (the smallest set of tokens holding ``mass`` of the map, the mask
+    area-averaged to the grid, IoU at token resolution), each map is scored against the foreground mask, and
+    so is the head-averaged CLS attention of the same block (``saliency_iou``'s ``iou_merged``, CLS query):
+    the table answers whether the rollout finds the object better than that block's CLS attention.
+
+    Table (all rows carry ``n_images``, and ``n_masked`` = images with a mask):
+
+    * ``rollout_map``: per (layer, grid cell) (``row``, ``col``), the mean over images of the rollout map;
+    * ``iou_rollout`` / ``iou_cls_attention``: per layer, mean IoU of the rollout map / of the CLS attention
+      with the foreground; ``iou_gain``: the mean per-image difference (rollout minus CLS attention); each with
+      ``stderr`` over the images scored (``n``) and the 95 % interval ``value_lo``, ``value_hi``;
+    * ``iou_uniform``: no layer: the mean IoU uniform attention gets on the same masks, the reference level
+      (`vitscope.metrics.attention.uniform_saliency_iou`, as ``saliency_iou``'s).
+
+    A model without a CLS token has no CLS row to roll out: nothing is captured and the table is empty (with
+    a warning)."""
+
+    name = "attention_rollout"
+    in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
+    description = "attention rollout CLS maps per block and their foreground IoU beside the CLS attention's"
+    state_version = 2  # 2: the uniform-attention reference (iou_uniform)
+    _MEANS = ("iou_rollout", "iou_cls", "iou_gain", "iou_uniform")
+    _TENSORS = ("map_sum",)
+
+    def __init__(self, vm: Any, layers: Any = None, head_fusion: Literal["mean", "max", "min"] = "mean",
+                 discard_ratio: Annotated[float, Range(0, 0.99)] = 0.0,
+                 mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
+        super().__init__(vm)
+        self.layers = self.layers_param(layers)
+        if head_fusion not in M.HEAD_FUSIONS:
+            raise VitscopeError(f"{self.name}: head_fusion must be one of {', '.join(M.HEAD_FUSIONS)}, "
+                                f"got {head_fusion!r}")
+        if not 0.0 <= float(discard_ratio) < 1.0:
+            raise VitscopeError(f"{self.name}: discard_ratio must be in [0, 1), got {discard_ratio}")
+        if not 0.0 < float(mass) <= 1.0:
+            raise VitscopeError(f"{self.name}: mass must be in (0, 1], got {mass}")
+        self.head_fusion, self.discard_ratio, self.mass = head_fusion, float(discard_ratio), float(mass)
+        L = len(self.layers)
+        self.map_sum = torch.zeros(L, *self.grid_size, dtype=torch.float64)
+        self.iou_rollout, self.iou_cls, self.iou_gain = _Means(L), _Means(L), _Means(L)
+        self.iou_uniform = _Means(1)
+        self.n_masked = 0
+
+    def _settings(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
+                "mass": self.mass}
+
+    def required_taps(self) -> list[str]:
+        return [f"block{i}.attn" for i in range(max(self.layers) + 1)] if self.has_cls_token else []
+
+    def on_grid(self, grid: tuple[int, int]) -> None:
+        self.map_sum = torch.zeros(len(self.layers), *grid, dtype=torch.float64)
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if not self.has_cls_token:
+            self.n_images += len(batch)
+            return
+        g, p = self.pass_grid(batch), self.num_prefix_tokens
+        rows = self._rows(feats, batch)  # (B, L, T)
+        self._to_device(rows.device)
+        maps = rows[..., p:]
+        maps = maps / maps.sum(-1, keepdim=True).clamp_min(A.EPS)
+        self.map_sum += maps.sum(0, dtype=torch.float64).reshape(len(self.layers), *g)
+        self.n_images += len(batch)
+        if batch.masks is None:
+            return
+        cls = torch.stack([feats[f"block{i}.attn"][:, :, 0, p:].mean(1) for i in self.layers], 1)
+        masks = on_device(batch.masks, maps.device)
+        iou = _saliency_iou_of(torch.cat([maps, cls.to(maps.dtype)], 1), masks, g, self.mass).double()
+        L = len(self.layers)
+        self.iou_rollout.add(iou[:, :L])
+        self.iou_cls.add(iou[:, L:])
+        self.iou_gain.add(iou[:, :L] - iou[:, L:])
+        self.iou_uniform.add(A.uniform_saliency_iou(masks, g, self.mass)[:, None])
+        self.n_masked += len(batch)
+
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        """``(B, layers, T)``: the CLS row of the rollout up to each requested block."""
+        attns = [feats[f"block{i}.attn"] for i in range(max(self.layers) + 1)]
+        return M.attention_rollout(attns, self.head_fusion, self.discard_ratio)[:, self.layers]
+
+    def _columns(self) -> dict[str, Any]:
+        return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
+
+    def mean_maps(self) -> torch.Tensor:
+        """``(layers, h, w)`` float64 mean rollout map over the images seen (on the CPU)."""
+        return self.map_sum.cpu() / max(self.n_images, 1)
+
+    def finalize(self) -> pd.DataFrame:
+        if not self.has_cls_token:
+            warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS row to roll "
+                          "out; the table is empty", UserWarning, stacklevel=2)
+            return self.tidy([])
+        self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
+        rows: list[dict[str, Any]] = []
+        if self.n_images:
+            m = self.mean_maps()
+            h, w = self.grid_size
+            rows += [{"metric": "rollout_map", "layer": i, "row": r, "col": c, "value": float(m[j, r, c])}
+                     for j, i in enumerate(self.layers) for r in range(h) for c in range(w)]
+        for metric, means in (("iou_rollout", self.iou_rollout), ("iou_cls_attention", self.iou_cls),
+                              ("iou_gain", self.iou_gain)):
+            rows += [{"metric": metric, "layer": i, **means.row(j)} for j, i in enumerate(self.layers)]
+        if self.n_masked:
+            rows.append({"metric": "iou_uniform", "layer": None, **self.iou_uniform.row(0)})
+        df = self.tidy(rows)
+        df["n_images"], df["n_masked"] = self.n_images, self.n_masked
+        for k, v in self._columns().items():
+            df[k] = v
+        return df
+
+
+@register_analysis
+class GradientRollout(AttentionRollout):
+    """Gradient-weighted attention rollout (Chefer et al. 2021, generic attention-model explainability): the
+    relevance of each token for the model's predicted class, ``R <- R + mean_h((dy/dA) * A)^+ R`` from ``R = I``
+    over blocks 0 .. l (`vitscope.metrics.mechanistic.gradient_rollout`), its CLS row over the patch tokens
+    renormalised as the block's map. The gradients come from a second forward and backward of each batch with
+    the model's attention kept (the pass itself runs without gradients): about three forwards' time more. The
+    table is `attention_rollout`'s (``rollout_map``, ``iou_rollout`` beside ``iou_cls_attention``, ``iou_gain``),
+    with ``head_fusion`` = ``gradient``. A model without a classifier head or a CLS token has nothing to explain:
+    the table is empty, with a warning."""
+
+    name = "gradient_rollout"
+    in_default_study = False  # its own forward and backward pass per batch
+    description = "gradient-weighted rollout (Chefer et al.) of the predicted class per block, with foreground IoU"
+
+    def __init__(self, vm: Any, layers: Any = None, mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
+        super().__init__(vm, layers=layers, mass=mass)
+        self.head_fusion = "gradient"
+        self._vm = vm if getattr(vm, "model", None) is not None else None
+        self.has_head = self._vm is None or int(getattr(vm.model, "num_classes", 0) or 0) > 0
+
+    def _settings(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "mass": self.mass, "has_head": self.has_head}
+
+    def _columns(self) -> dict[str, Any]:
+        return {"head_fusion": "gradient"}
+
+    def required_taps(self) -> list[str]:
+        if not (self.has_cls_token and self.has_head):
+            return []
+        return [f"block{i}.attn" for i in self.layers] + ["logits"]  # logits: the pass runs to the end
+
+    def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
+        if not self.has_head:
+            self.n_images += len(batch)
+            return
+        super().update(feats, batch)
+
+    def finalize(self) -> pd.DataFrame:
+        if self.has_cls_token and not self.has_head:
+            warnings.warn(f"{self.name}: model {self.model_name!r} has no classifier head, so there is no predicted "
+                          "class to explain; the table is empty", UserWarning, stacklevel=2)
+            return self.tidy([])
+        return super().finalize()
+
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+        vm = self._vm
+        if vm is None:
+            raise VitscopeError(f"{self.name}: gradients need the loaded model, not a cached state")
+        model, last = vm.model, max(self.layers)
+        blocks = list(model.blocks)
+        kept: dict[int, torch.Tensor] = {}
+
+        def keep(i: int) -> Any:
+            return lambda module, args, out: kept.__setitem__(i, out)
+
+        handles = [blocks[i].attn.attn_drop.register_forward_hook(keep(i)) for i in range(last + 1)]
+        fused = [(b.attn, b.attn.fused_attn) for b in blocks if hasattr(b.attn, "fused_attn")]
+        try:
+            for module, _ in fused:
+                module.fused_attn = False  # the eager path, whose attention the hooks see
+            x = batch.images.detach().to(next(model.parameters()).device).clone().requires_grad_(True)
+            with torch.inference_mode(False), torch.enable_grad(), vm.input_size(*x.shape[-2:]), taps_paused():
+                logits = model(x)
+                score = logits.gather(1, logits.argmax(-1, keepdim=True)).sum()
+                attns = [kept[i] for i in range(last + 1)]
+                grads = torch.autograd.grad(score, attns)
+        finally:
+            for h in handles:
+                h.remove()
+            for module, flag in fused:
+                module.fused_attn = flag
+        rows = M.gradient_rollout([a.detach() for a in attns], grads)
+        return rows[:, self.layers]
