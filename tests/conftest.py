@@ -75,12 +75,12 @@ def _private_cache(tmp_path, monkeypatch):
 @pytest.fixture
 def no_model(monkeypatch):
     """Any model load fails the test: the error under test must come before one."""
-    import vitscope.study.run as run_mod
+    import vitscope.study.pool as pool_mod
 
     def refuse(*a, **k):
         raise AssertionError("the error must come before any model loads")
 
-    monkeypatch.setattr(run_mod, "load_model", refuse)
+    monkeypatch.setattr(pool_mod, "load_model", refuse)
 
 
 @pytest.fixture

@@ -188,17 +188,17 @@ def table(out):
 
 
 def test_a_study_runs_the_variant_beside_the_clean_model_caches_it_and_keeps_the_weights(tmp_path, monkeypatch):
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
     loaded = {}
-    real_load = run.load_model
+    real_load = pool.load_model
 
     def load(*a, **k):
         vm = real_load(*a, **k)
         loaded[len(loaded)] = (vm, copy.deepcopy(vm.model.state_dict()))
         return vm
 
-    monkeypatch.setattr(run, "load_model", load)
+    monkeypatch.setattr(pool, "load_model", load)
     cfg = write(tmp_path, STUDY)
     over = [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"]
     out = run_study(load_config(cfg, over))
@@ -219,14 +219,14 @@ def test_a_study_runs_the_variant_beside_the_clean_model_caches_it_and_keeps_the
         assert all(not m._forward_pre_hooks for m in vm.model.modules())
     assert "tiny-mean" in (out / "report.html").read_text()
     # a rerun reads every model back from the cache: no model is loaded, no forward runs
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     calls = []
     again = run_study(load_config(cfg, over), on_batch=lambda m, b: calls.append(m))
     assert calls == [] and json.loads((again / "manifest.json").read_text())["analyses_read_from_cache"] == [3, 3]
     assert json.loads((again / "manifest.json").read_text())["models"][ABLATED]["ablation"]["heads"] == ab["heads"]
     pd.testing.assert_frame_equal(table(again), df)
     # another head set is another model: only that variant runs again
-    monkeypatch.setattr(run, "load_model", real_load)
+    monkeypatch.setattr(pool, "load_model", real_load)
     other = STUDY.replace("[[0, 1], [1, 0]]", "[[0, 1]]")
     over[0] = f"output_dir={tmp_path / 'run2'}"
     run_study(load_config(write(tmp_path, other), over), on_batch=lambda m, b: calls.append(m))
@@ -268,9 +268,9 @@ def test_a_killed_ablation_pass_resumes_to_identical_tables(tmp_path):
     ("{heads: local, dataset: xyz}", r"no dataset named 'xyz' in the study; its datasets: synthetic-shapes"),
 ])
 def test_a_bad_ablation_spec_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch, ablate, message):
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     text = STUDY.replace("{heads: all, mode: zero}", ablate)
     with pytest.raises(ConfigError, match=message) as e:
         run_study(load_config(write(tmp_path, text), [f"output_dir={tmp_path / 'run'}"]))

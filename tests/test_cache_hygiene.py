@@ -167,9 +167,9 @@ def test_a_read_only_cache_is_one_sentence_for_prune_and_for_a_run_before_any_mo
     with pytest.raises(ConfigError, match="cannot be written to"):  # a dry run tells without writing
         dry_run(load_config(cfg, [f"output_dir={tmp_path / 'run3'}", f"cache_dir={tmp_path / 'cache'}"]))
     monkeypatch.setattr(os, "access", real_access)
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     real_write = Path.write_bytes
 
     def read_only(self, data):

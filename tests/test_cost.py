@@ -6,6 +6,7 @@ import re
 import pytest
 
 import vitscope.study.cost as cost
+import vitscope.study.pool as pool
 import vitscope.study.run as run
 from vitscope.capture.engine import Capture
 from vitscope.cli import main
@@ -37,7 +38,7 @@ def no_weights(monkeypatch):
     """Loading a model, or reading any checkpoint, fails the test."""
     import vitscope.models.checkpoints as ck
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     monkeypatch.setattr(ck, "read_checkpoint", lambda *a, **k: pytest.fail("a checkpoint was read"))
 
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny
-from vitscope.capture import extract
-from vitscope.data.tiling import assemble, cut_tiles, dense_features, plan_tiles, tiling_size
+from vitscope.capture import dense_features, extract
+from vitscope.data.tiling import assemble, cut_tiles, plan_tiles, tiling_size
 from vitscope.errors import InputError
 
 CASES = [(448, 448, 224, 16), (448, 672, 224, 16), (448, 720, 224, 16), (464, 448, 224, 16),

@@ -51,9 +51,9 @@ def test_a_bad_slice_is_one_sentence(text, words):
 
 
 def test_bad_slices_on_the_command_line_are_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     cfg = tmp_path / "study.yaml"
     cfg.write_text(STUDY.split("analyses:")[0] + "analyses: {cka: {}}\n")
     for arg, words in (("3/2", "between 1 and 2"), ("0/2", "between 1 and 2"), ("4/4", "holds none"),

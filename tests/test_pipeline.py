@@ -179,14 +179,14 @@ def test_num_workers_that_is_not_a_whole_number_of_processes_is_one_sentence(tmp
 
 
 def test_num_workers_set_in_code_is_checked_before_any_model_loads(tmp_path, monkeypatch):
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
     cfg_file = tmp_path / "s.yaml"
     cfg_file.write_text(f"models: [{{name: vit_small_patch16_224, pretrained: false, kwargs: {TINY}}}]\n"
                         "dataset: {name: synthetic-shapes, n_images: 8}\nanalyses: {attention_distance: {}}\n")
     cfg = load_config(cfg_file, [f"output_dir={tmp_path / 'run'}"])
     cfg.num_workers = -2
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ConfigError, match="num_workers"):
         run_study(cfg)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from study_fixtures import TINY_STUDY_KW, one_line_error, tiny_study_yaml
 
-import vitscope.study.run as run_mod
+import vitscope.study.pool as pool_mod
 from vitscope.analyses import ANALYSES
 from vitscope.analyses.base import analysis_parameters, validate_params
 from vitscope.bounds import Range, ranges_of
@@ -212,7 +212,7 @@ def test_a_manifest_marks_a_new_run_directory_as_vitscopes(config, tmp_path, mon
     def die(*a, **k):
         raise RuntimeError("killed")
 
-    monkeypatch.setattr(run_mod, "load_model", die)
+    monkeypatch.setattr(pool_mod, "load_model", die)
     with pytest.raises(RuntimeError):
         main(["run", str(config), f"output_dir={out}"])
     assert rundir.read_manifest(out) and rundir.foreign_entries(out) == []

@@ -67,7 +67,7 @@ def test_changing_a_parameter_recomputes_only_that_analysis(config, tmp_path):
 
 
 def test_cached_rerun_loads_no_model(config, tmp_path, monkeypatch):
-    import vitscope.study.run as run_mod
+    import vitscope.study.pool as pool_mod
 
     out = tmp_path / "run"
     run_study(load_config(config, [f"output_dir={out}"]))
@@ -76,7 +76,7 @@ def test_cached_rerun_loads_no_model(config, tmp_path, monkeypatch):
     def no_model(*a, **k):
         raise AssertionError("a finished study must not load any model")
 
-    monkeypatch.setattr(run_mod, "load_model", no_model)
+    monkeypatch.setattr(pool_mod, "load_model", no_model)
     run_study(load_config(config, [f"output_dir={out}"]))
     pd.testing.assert_frame_equal(pd.read_parquet(out / "results" / "attention_distance.parquet"), first)
 

@@ -125,9 +125,9 @@ def test_a_killed_pass_resumes_where_it_stopped_to_identical_tables(fixtures, tm
 
 
 def test_a_dataset_without_what_an_analysis_needs_fails_before_any_model_loads(fixtures, tmp_path, monkeypatch):
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
-    monkeypatch.setattr(run, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(pool, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     text = TWO_DATASETS.replace("seen_masked: {}", "seen_masked: {dataset: photos}")
     with pytest.raises(ConfigError, match=r"needs masks, which dataset 'photos' \(cifar10-test-1k\) does not provide;"
                                           r" configured datasets that have it: shapes"):
@@ -197,21 +197,21 @@ analyses:
 batch_size: 4
 progress: false
 """
-    import vitscope.study.run as run
+    import vitscope.study.pool as pool
 
     loads: list[str] = []
-    real = run.load_model
+    real = pool.load_model
 
     def counting(*a, **k):
         loads.append(k.get("seed"))
         return real(*a, **k)
 
     cfg = write(tmp_path, text)
-    run.load_model = counting
+    pool.load_model = counting
     try:
         out = run_study(load_config(cfg, [f"output_dir={tmp_path / 'run'}"]))
     finally:
-        run.load_model = real
+        pool.load_model = real
     assert sorted(loads) == [1, 2, 3, 4]  # every model loaded once, pt kept for both of its pairs
     df = seen(out, "pair_seen")
     assert set(zip(df.model, df.model_b, strict=True)) == {("pt", "ft1"), ("pt", "ft2")}

@@ -1,5 +1,6 @@
 """Writing files so that a kill or a full disk never leaves half of one behind, and says where it failed; and
-following a file name that a data file gives only within its folder (`inside`)."""
+following a file name that a data file gives only within its folder (`inside`); sizes as people read them
+(`human`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import IO
 
 from vitscope.errors import InputError, VitscopeError
 
-__all__ = ["disk_error", "inside", "keep_foreign", "swap_dir", "write_atomic"]
+__all__ = ["disk_error", "human", "inside", "keep_foreign", "swap_dir", "write_atomic"]
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -94,3 +95,12 @@ def disk_error(e: BaseException, directory: Path) -> BaseException:
     if code in (errno.EROFS, errno.EACCES, errno.EPERM):
         return VitscopeError(f"cannot write to {directory} ({os.strerror(code)}); choose a writable directory")
     return e
+
+
+def human(n: float) -> str:
+    """``n`` bytes as people read them: "512 B", "1.5 KiB", ..., "3.2 GiB" (GiB at most)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

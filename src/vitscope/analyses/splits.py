@@ -16,11 +16,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Annotated
 
-import numpy as np
 import torch
 
 from vitscope.bounds import Range
 from vitscope.errors import ConfigError, ResultWarning
+from vitscope.metrics.semantics import stratified_test  # also imported from here (its home: metrics, for data too)
 
 #: every test_every-th image of each class is a test image: 1 would leave no training image
 TestEvery = Annotated[int, Range(2, why="every test_every-th image of each class is held out for testing")]
@@ -40,23 +40,6 @@ def check_test_every(test_every: int, who: str) -> int:
         raise ConfigError(f"{who}: test_every must be at least 2 (every test_every-th image of each class is held "
                           f"out for testing); got {test_every}")
     return n
-
-
-def stratified_test(ids: Tensor, labels: Tensor, test_every: int) -> Tensor:
-    """(n,) bool, True = test row: within each label, rows ordered by id (ties: their order here), ranks
-    0, ``test_every``, 2 ``test_every``, ... are test rows; a label with one row keeps it for training."""
-    ids_np, y = ids.long().numpy(), labels.long().numpy()
-    n = len(y)
-    test = np.zeros(n, dtype=bool)
-    if n == 0:
-        return torch.from_numpy(test)
-    order = np.lexsort((np.arange(n), ids_np, y))  # by label, then id, then position
-    ys = y[order]
-    starts = np.r_[0, np.flatnonzero(ys[1:] != ys[:-1]) + 1]
-    sizes = np.diff(np.r_[starts, n])
-    rank = np.arange(n) - np.repeat(starts, sizes)
-    test[order] = (rank % int(test_every) == 0) & (np.repeat(sizes, sizes) > 1)
-    return torch.from_numpy(test)
 
 
 def test_rows(ids: Tensor, labels: Tensor, own: Tensor | None, test_every: int) -> Tensor:

@@ -9,8 +9,8 @@ for bit). Switching SDPA off only where an ``attn`` tap was requested made cache
 study wrote them. The price: a feature-only pass pays eager attention instead of SDPA (up to ~15 % of a
 CPU forward at 224 px; on a GPU the (B, H, T, T) probabilities are materialised). Each pass also checks
 that what it captured is finite, and names the first tap that is not.
-`extract` gathers taps for small interactive use; `stream` is the streaming driver that every study pass
-goes through.
+`extract` gathers taps for small interactive use (`dense_features`: over the tiles of one image of any size,
+`vitscope.data.tiling`); `stream` is the streaming driver that every study pass goes through.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from vitscope.errors import STOPPED_BY, VitscopeError
 if TYPE_CHECKING:
     from vitscope.analyses.base import Analysis
     from vitscope.data.base import Batch
+    from vitscope.data.tiling import DenseFeatures
     from vitscope.models.adapter import ViTModel
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
@@ -243,6 +244,34 @@ def extract(
     if not any(parts.values()):
         raise VitscopeError("no images were given")
     return {t: torch.cat(v) for t, v in parts.items()}
+
+
+def dense_features(vm: ViTModel, image: Any, tap: str | None = None, scale: int = 2, batch_size: int = 16,
+                   dtype: str = "fp32") -> DenseFeatures:
+    """Dense features of one image of any size (`vitscope.data.tiling`): resized (`tiling_size`), tiled, one
+    forward per tile (`extract`, ``view='spatial'``), assembled. ``image``: a `Sample`, PIL image, (H, W, 3)
+    array (uint8 or float in [0, 1]) or (3, H, W) tensor in [0, 1]; ``tap``: default the last block's output."""
+    import numpy as np
+
+    from vitscope.data.tiling import DenseFeatures, as_sample, assemble, cut_tiles, plan_tiles, tiling_size
+    from vitscope.data.transforms import as_float, normalize, resize
+    from vitscope.errors import InputError
+
+    tile, patch = vm.img_size[0], vm.patch_size
+    if vm.img_size[0] != vm.img_size[1]:
+        raise InputError(f"tiling needs a square model input; {vm.name} takes {vm.img_size}")
+    tap = tap or f"block{vm.depth - 1}.out"
+    s = as_sample(image)
+    h, w = tiling_size(*s.size, tile, patch, scale)
+    s = resize(s, h, w, vm.preprocessing.interpolation)
+    x = normalize(torch.from_numpy(np.ascontiguousarray(as_float(s.image))).permute(2, 0, 1)[None],
+                  vm.preprocessing)[0]
+    plan = plan_tiles(h, w, tile, patch)
+    tokens = extract(vm, cut_tiles(x, plan), [tap], view="spatial", batch_size=batch_size, dtype=dtype)[tap]
+    gh, gw = vm.grid_size
+    if tokens.ndim != 3 or tokens.shape[1] != gh * gw:
+        raise InputError(f"tap {tap!r} does not give one token per patch (shape {tuple(tokens.shape)})")
+    return DenseFeatures(assemble(plan, tokens.reshape(len(plan.tiles), gh, gw, -1)), patch, plan, s.geometry)
 
 
 def stream(

@@ -323,11 +323,10 @@ def random_feature_map(x: np.ndarray, channels: int = 256, seed: int = 0) -> np.
 def probe_accuracy(features: np.ndarray, labels: np.ndarray, test_every: int = 5) -> tuple[float, int]:
     """(held-out accuracy, test images) of the default study's shape-bias probe (`fit_probe`: standardised
     features, weight decay 1e-4, 100 L-BFGS iterations) fitted on a set's features, scored on its stratified
-    test split (`vitscope.analyses.splits.stratified_test`: every ``test_every``-th image of each class)."""
+    test split (`vitscope.metrics.semantics.stratified_test`: every ``test_every``-th image of each class)."""
     import torch
 
-    from vitscope.analyses.splits import stratified_test
-    from vitscope.metrics.semantics import fit_probe
+    from vitscope.metrics.semantics import fit_probe, stratified_test
 
     y = torch.as_tensor(labels).long()
     test = stratified_test(torch.arange(len(y)), y, test_every)

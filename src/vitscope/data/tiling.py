@@ -5,8 +5,9 @@ extra tile aligned to the image edge, and drop that tile's tokens that overlap t
 Every token of the resulting (H_tok, W_tok, D) grid comes from exactly one tile.
 
 Pure parts (no model): `tiling_size`, `plan_tiles`, `cut_tiles`, `assemble`. With a model:
-`dense_features`, which returns the grid with its pixel geometry back to the original image. For a study
-pass: `TiledDataset`, a dataset whose batches are the tiles of its items (the dense analyses assemble them).
+`vitscope.capture.dense_features` (the engine runs the tiles), which returns the grid with its pixel geometry
+back to the original image (`DenseFeatures`). For a study pass: `TiledDataset`, a dataset whose batches are
+the tiles of its items (the dense analyses assemble them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from vitscope.errors import InputError
 
 if TYPE_CHECKING:
     from vitscope.data.transforms import Geometry
-    from vitscope.models.adapter import ViTModel
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,8 @@ class DenseFeatures:
                          np.clip(np.floor(p[:, 0] / self.patch), 0, gw - 1)], axis=1).astype(np.int64)
 
 
-def _as_sample(image: Any) -> Any:
+def as_sample(image: Any) -> Any:
+    """``image`` (a `Sample`, PIL image, (H, W, 3) array or (3, H, W) tensor in [0, 1]) as a `Sample`."""
     from vitscope.data.base import Sample
 
     if isinstance(image, Sample):
@@ -155,32 +156,6 @@ def _as_sample(image: Any) -> Any:
     if arr.ndim != 3 or arr.shape[2] != 3:
         raise InputError(f"expected an (H, W, 3) image; got shape {arr.shape}")
     return Sample(image=arr)
-
-
-def dense_features(vm: ViTModel, image: Any, tap: str | None = None, scale: int = 2, batch_size: int = 16,
-                   dtype: str = "fp32") -> DenseFeatures:
-    """Dense features of one image of any size: resized (`tiling_size`), tiled, one forward per tile
-    (`vitscope.capture.extract`, ``view='spatial'``), assembled. ``image``: a `Sample`, PIL image,
-    (H, W, 3) array (uint8 or float in [0, 1]) or (3, H, W) tensor in [0, 1]; ``tap``: default the last
-    block's output."""
-    from vitscope.capture import extract
-    from vitscope.data.transforms import as_float, normalize, resize
-
-    tile, patch = vm.img_size[0], vm.patch_size
-    if vm.img_size[0] != vm.img_size[1]:
-        raise InputError(f"tiling needs a square model input; {vm.name} takes {vm.img_size}")
-    tap = tap or f"block{vm.depth - 1}.out"
-    s = _as_sample(image)
-    h, w = tiling_size(*s.size, tile, patch, scale)
-    s = resize(s, h, w, vm.preprocessing.interpolation)
-    x = normalize(torch.from_numpy(np.ascontiguousarray(as_float(s.image))).permute(2, 0, 1)[None],
-                  vm.preprocessing)[0]
-    plan = plan_tiles(h, w, tile, patch)
-    tokens = extract(vm, cut_tiles(x, plan), [tap], view="spatial", batch_size=batch_size, dtype=dtype)[tap]
-    gh, gw = vm.grid_size
-    if tokens.ndim != 3 or tokens.shape[1] != gh * gw:
-        raise InputError(f"tap {tap!r} does not give one token per patch (shape {tuple(tokens.shape)})")
-    return DenseFeatures(assemble(plan, tokens.reshape(len(plan.tiles), gh, gw, -1)), patch, plan, s.geometry)
 
 
 # ------------------------------------------------------------------------------------------------ tiled datasets

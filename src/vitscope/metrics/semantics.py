@@ -139,6 +139,23 @@ def class_folds(labels: np.ndarray, folds: int) -> np.ndarray:
     return out
 
 
+def stratified_test(ids: Tensor, labels: Tensor, test_every: int) -> Tensor:
+    """(n,) bool, True = test row: within each label, rows ordered by id (ties: their order here), ranks
+    0, ``test_every``, 2 ``test_every``, ... are test rows; a label with one row keeps it for training."""
+    ids_np, y = ids.long().numpy(), labels.long().numpy()
+    n = len(y)
+    test = np.zeros(n, dtype=bool)
+    if n == 0:
+        return torch.from_numpy(test)
+    order = np.lexsort((np.arange(n), ids_np, y))  # by label, then id, then position
+    ys = y[order]
+    starts = np.r_[0, np.flatnonzero(ys[1:] != ys[:-1]) + 1]
+    sizes = np.diff(np.r_[starts, n])
+    rank = np.arange(n) - np.repeat(starts, sizes)
+    test[order] = (rank % int(test_every) == 0) & (np.repeat(sizes, sizes) > 1)
+    return torch.from_numpy(test)
+
+
 def _softmax_loss_grad(p: np.ndarray, x: np.ndarray | Tensor, onehot: np.ndarray | Tensor, weight_decay: float
                        ) -> tuple[float, np.ndarray]:
     """Mean cross-entropy of a multinomial logistic regression + weight_decay |W|^2 (bias not penalised), and its

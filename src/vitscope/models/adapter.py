@@ -11,8 +11,8 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from vitscope.capture import taps as _taps
 from vitscope.errors import InputError, VitscopeError
+from vitscope.models import taps as _taps
 from vitscope.models.checkpoints import LoadReport
 from vitscope.models.registry import ModelInput, ModelSpec, Preprocessing
 

@@ -580,7 +580,7 @@ def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = Non
     overrides: the caller's own arguments (``load_model(..., img_size=448)``), which win over both.
     strict: as `load_model`'s; the config's sizes are checked against the weights' shapes first (`check_sizes`).
     """
-    from vitscope.models.load import check_arch
+    from vitscope.bounds import check_arch
 
     cfg = read_config(directory)
     check_sizes(directory, cfg, strict)

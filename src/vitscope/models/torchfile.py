@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vitscope.errors import CheckpointError, first_line
+from vitscope.files import human
 
 #: what loading may allocate, as a multiple of the file's size (plus `SLACK` bytes): a saved tensor's storage is
 #: at most the file, a quantized tensor's rebuild allocates its size once more
@@ -182,8 +183,8 @@ def _read(path: Path) -> tuple[Any, dict[str, _Storage]]:
             unpacked = sum(i.file_size for i in infos)
             if unpacked > size:
                 raise CheckpointError(
-                    f"{str(path)!r} is not a checkpoint to load: its archive unpacks to {_human(unpacked)} from a "
-                    f"file of {_human(size)} (torch.save writes its records uncompressed); the file is corrupt "
+                    f"{str(path)!r} is not a checkpoint to load: its archive unpacks to {human(unpacked)} from a "
+                    f"file of {human(size)} (torch.save writes its records uncompressed); the file is corrupt "
                     "or made to exhaust memory")
             pkl = [i for i in infos if i.filename.endswith("data.pkl")]
             if not pkl:
@@ -197,12 +198,6 @@ def _read(path: Path) -> tuple[Any, dict[str, _Storage]]:
             _Inert(f, legacy=True).load()
         u = _Inert(f, legacy=True)
         return u.load(), u.storages
-
-
-def _human(n: int) -> str:
-    from vitscope.study.cache import human
-
-    return human(n)
 
 
 #: the globals through which a zip-format file can ask for more memory than its records hold (elsewhere torch
@@ -239,8 +234,8 @@ def check_memory(path: str | Path, quick: bool = False) -> Any:
     asked = _asked_bytes(root, storages)
     if asked > FACTOR * size + SLACK:
         raise CheckpointError(
-            f"{str(path)!r} is not a checkpoint to load: its tensors ask for {_human(asked)} of memory from a file "
-            f"of {_human(size)}, more than saved tensors ever need; the file is corrupt or made to exhaust memory")
+            f"{str(path)!r} is not a checkpoint to load: its tensors ask for {human(asked)} of memory from a file "
+            f"of {human(size)}, more than saved tensors ever need; the file is corrupt or made to exhaust memory")
     return root
 
 

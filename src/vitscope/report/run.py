@@ -18,21 +18,7 @@ import pandas as pd
 from vitscope.errors import VitscopeError, first_line
 from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context, wrap_labels
-
-
-def model_families(manifest: dict[str, Any]) -> dict[str, str]:
-    """``{model: family}`` as a reader should see it (`vitscope.models.registry.describe_family`): "untrained" for
-    a random initialisation, "untrained → classification" for one fine-tuned from it."""
-    from vitscope.models.registry import describe_family
-
-    return {m: describe_family(meta.get("objective_family"), meta.get("supervision"), meta.get("finetuned_from"))
-            for m, meta in manifest.get("models", {}).items()}
-
-
-def untrained_models(manifest: dict[str, Any]) -> list[str]:
-    """The models the manifest records as untrained (random initialisation, not fine-tuned): the baselines."""
-    return [m for m, family in model_families(manifest).items() if family == "untrained"]
-
+from vitscope.report.summary import model_families, untrained_models  # also imported from here
 
 BEST_LAYERS = "best_layers"
 """The report's figure of the dense tasks' best layers (a summary over their tables, not an analysis)."""

@@ -22,6 +22,20 @@ import pandas as pd
 from vitscope.metrics.intervals import Z95
 
 
+def model_families(manifest: dict[str, Any]) -> dict[str, str]:
+    """``{model: family}`` as a reader should see it (`vitscope.models.registry.describe_family`): "untrained" for
+    a random initialisation, "untrained → classification" for one fine-tuned from it."""
+    from vitscope.models.registry import describe_family
+
+    return {m: describe_family(meta.get("objective_family"), meta.get("supervision"), meta.get("finetuned_from"))
+            for m, meta in manifest.get("models", {}).items()}
+
+
+def untrained_models(manifest: dict[str, Any]) -> list[str]:
+    """The models the manifest records as untrained (random initialisation, not fine-tuned): the baselines."""
+    return [m for m, family in model_families(manifest).items() if family == "untrained"]
+
+
 @dataclass
 class Study:
     """What a summary needs to know besides one table: the models in order and which are untrained."""

@@ -42,7 +42,7 @@ from typing import Any
 from filelock import FileLock, Timeout
 
 from vitscope.errors import ConfigError, VitscopeError, first_line
-from vitscope.files import disk_error, write_atomic
+from vitscope.files import disk_error, human, write_atomic  # human: also imported from here
 from vitscope.models.registry import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -336,14 +336,6 @@ def units(root: str | Path) -> list[Unit]:
             except OSError:  # removed meanwhile
                 continue
     return found
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _unrecorded(root: Path) -> int:

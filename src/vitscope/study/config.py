@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitscope.errors import ConfigError, VitscopeError, close_matches
+from vitscope.study.slots import DatasetConfig, check_dataset_formats, study_datasets  # also imported from here
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a study can run its models (torch knows more: meta, xla, ...)
 #: the forward passes' precisions a study may name (`vitscope.capture.engine.DTYPES` maps them to torch's; a test
@@ -36,21 +37,6 @@ class ModelConfig:
     checkpoints: Any = None                # list of checkpoint files, or a run directory: one model per epoch
     epoch: int | None = None               # the fine-tuning epoch of this checkpoint (set by `checkpoints`)
     ablate: dict[str, Any] | None = None   # heads ablated by a write-hook (see "Ablated variants" below)
-
-
-@dataclass
-class DatasetConfig:
-    name: str = "synthetic-shapes"         # the format: `vitscope datasets` lists them
-    n_images: int = 256                    # generated items, or at most this many of a real dataset
-    seed: int = 0
-    size: int | None = None                # pixels: generated sets, or whole frames' resized side (davis 480)
-    root: str | None = None                # real formats: the dataset's folder
-    split: str | None = None               # davis: train | val; spair71k: trn | val | test; cifar10: train | test
-    annotations: str | None = None         # coco / partimagenet: the annotation json
-    classes: str | None = None             # imagefolder: class-list file (e.g. the ImageNet-50 ids)
-    per_class: int | None = None           # imagefolder: first N sorted files per class
-    test_root: str | None = None           # imagefolder: same classes, the test split (default root/test|val)
-    options: dict[str, Any] = field(default_factory=dict)  # further arguments of the format's loader
 
 
 @dataclass
@@ -353,23 +339,6 @@ def _check_ablations(cfg: StudyConfig) -> None:
             m.label = default_label(m.name, spec)
 
 
-def check_dataset_formats(cfg: StudyConfig) -> None:
-    """Every dataset of the study names a format, and gives the `root` and annotation file the format reads
-    (`check`; the plan checks it too, `vitscope.study.plan.make_plan`): one ConfigError sentence otherwise."""
-    from vitscope.data.catalog import get_format
-
-    for dn, dc in study_datasets(cfg).items():
-        where = "dataset" if cfg.dataset is not None and cfg.dataset is dc else f"datasets.{dn}"
-        try:
-            fmt = get_format(dc.name)
-        except ConfigError as e:
-            raise ConfigError(f"{where}.name: {e}") from None
-        if "root" in fmt.options and not dc.root:
-            raise ConfigError(f"{where}.root: the {dc.name} format reads its files from `root`, and none is given")
-        if "annotations" in fmt.options and not dc.annotations:
-            raise ConfigError(f"{where}.annotations: the {dc.name} format needs its annotation file")
-
-
 #: the DatasetConfig fields that name a folder, and those that name a file, of the formats that read them
 _DATA_FOLDERS, _DATA_FILES = ("root", "test_root"), ("annotations", "classes")
 
@@ -536,19 +505,6 @@ def slice_models(models: list[ModelConfig], k: int, n: int) -> list[ModelConfig]
     return got
 
 
-def study_datasets(cfg: StudyConfig) -> dict[str, DatasetConfig]:
-    """The study's named datasets: ``datasets`` in order, after the ``dataset`` shorthand (named after its
-    format); the generated shapes when neither is given."""
-    out: dict[str, DatasetConfig] = {}
-    if cfg.dataset is not None:
-        out[cfg.dataset.name] = cfg.dataset
-    for name, d in cfg.datasets.items():
-        if name in out:
-            raise ConfigError(f"dataset name {name!r} is given twice (as `dataset:` and under `datasets:`)")
-        out[name] = d
-    return out or {"synthetic-shapes": DatasetConfig()}
-
-
 _EPOCH = re.compile(r"epoch[_-]?(\d+)", re.IGNORECASE)
 CHECKPOINT_SUFFIXES = (".safetensors", ".pth", ".pt", ".bin", ".ckpt")
 
@@ -619,8 +575,9 @@ def schema_markdown() -> str:
 
     out = ["# Study configuration", "",
            "Every key of a study YAML (`vitscope run study.yaml key=value ...`), generated from the dataclasses in "
-           "`src/vitscope/study/config.py` (`python tools/config_schema.py > docs/CONFIG.md`; a test keeps the two "
-           "equal). Analysis parameters are listed by `vitscope analyses`; dataset formats by `vitscope datasets`.",
+           "`src/vitscope/study/config.py` (`DatasetConfig`: `study/slots.py`; `python tools/config_schema.py > "
+           "docs/CONFIG.md`; a test keeps the two equal). Analysis parameters are listed by `vitscope analyses`; "
+           "dataset formats by `vitscope datasets`.",
            "",
            "Beside the keys, `vitscope run` takes `--dry-run` (what the run would cost: passes, forwards, cache "
            "growth, the memory of the largest batch's captured taps, superlinear finalize steps, the hours of "

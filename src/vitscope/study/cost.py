@@ -190,7 +190,8 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
              notes: Iterable[str] = ()) -> Estimate:
     """The cost of running ``plan`` now: only the (model, analysis) results ``cache`` lacks (all of them for
     an empty cache), of the models ``labels`` (all by default; a slice, which runs no pair stage)."""
-    from vitscope.study.run import _analysis_key, _model_key
+    from vitscope.study.keys import analysis_key as _analysis_key
+    from vitscope.study.keys import model_key as _model_key
 
     est = Estimate(notes=list(notes), device=str(getattr(cfg, "device", "cpu")))
     wanted = set(labels) if labels is not None else None
@@ -261,7 +262,7 @@ def _statistics_images(mc: Any, sources: dict[str, Any]) -> int:
     if getattr(mc, "ablate", None) is None:
         return 0
     from vitscope.models.ablation import parse_spec
-    from vitscope.study.run import _statistics_dataset
+    from vitscope.study.keys import statistics_dataset as _statistics_dataset
 
     spec = parse_spec(mc.ablate, "ablate")
     if not spec.needs_statistics:
@@ -336,8 +337,9 @@ def dry_run(cfg: Any, models: tuple[int, int] | None = None) -> Estimate:
     from vitscope.study.cache import Cache, default_cache_dir, human
     from vitscope.study.config import preflight, slice_models
     from vitscope.study.distributed import Dist
+    from vitscope.study.keys import check_batch_sizes
+    from vitscope.study.keys import source as _source
     from vitscope.study.plan import make_plan
-    from vitscope.study.run import _source, check_batch_sizes
 
     notes = preflight(cfg, dry_run=True)
     plan = make_plan(cfg)

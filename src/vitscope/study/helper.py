@@ -241,10 +241,13 @@ def _main(inbox: Any, out: Any, counter: Any) -> None:
     from vitscope.threads import die_with_parent, one_thread
 
     die_with_parent()  # first: a study that dies while this process imports takes it along
-    from vitscope.study import run as R  # the study's imports (torch, timm), while the study makes its own
+    # the study's imports (torch, timm), while the study makes its own
     from vitscope.study.cache import Cache, default_cache_dir
     from vitscope.study.distributed import Dist
+    from vitscope.study.keys import source
+    from vitscope.study.passes import run_model
     from vitscope.study.plan import label_of, make_plan
+    from vitscope.study.pool import ModelPool
 
     out.put(("ready", None, None))
     cfg, labels = inbox.get()  # a helper not needed is ended (`dismiss`) while it waits here
@@ -254,14 +257,14 @@ def _main(inbox: Any, out: Any, counter: Any) -> None:
         plan = make_plan(cfg)
         dist = Dist()
         cache = Cache(cfg.cache_dir or default_cache_dir(Path(cfg.output_dir)))
-        sources = {name: R._source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
+        sources = {name: source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
         single = [ap for ap in plan.analyses if not ap.pair]
         by_label = {label_of(m): m for m in plan.models}
-        pool = R._ModelPool(cfg, plan, sources)
+        pool = ModelPool(cfg, plan, sources)
         while (claimed := _claim(counter, labels)) is not None:  # until the shared list is all claimed
             label = claimed
             t0 = time.perf_counter()
-            _info, _jobs, mmeta = R._run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)
+            _info, _jobs, mmeta = run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)
             pool.clear()
             out.put(("done", label, {"seconds": round(time.perf_counter() - t0, 2),
                                      "timings": mmeta.get("timings", {})}))

@@ -20,7 +20,7 @@ from typing import Any
 from vitscope.analyses import get_analysis
 from vitscope.data.views import CLEAN, check_view
 from vitscope.errors import ConfigError, close_matches
-from vitscope.study.slots import MAIN, match_slots
+from vitscope.study.slots import MAIN, check_dataset_formats, match_slots, study_datasets
 
 PLANNER_KEYS = ("dataset", "pairs")  # analysis parameters the planner reads and strips (and `<slot>_dataset`)
 
@@ -78,8 +78,6 @@ def label_of(m: Any) -> str:
 
 
 def make_plan(cfg: Any) -> Plan:
-    from vitscope.study.config import check_dataset_formats, study_datasets
-
     datasets = study_datasets(cfg)
     check_dataset_formats(cfg)  # `vitscope run` checks them before it imports torch too
     models = _order_models(cfg.models)

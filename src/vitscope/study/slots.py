@@ -1,5 +1,7 @@
-"""Which of the study's datasets each analysis reads, decided without torch: its main input (``needs``) and its
-named inputs (``inputs``) matched with the datasets by what their formats provide (`vitscope.data.catalog`).
+"""The study's datasets (`DatasetConfig`, `study_datasets`; `vitscope.study.config` re-exports them, and the
+planner reads them here) and which of them each analysis reads, decided without torch: its main input
+(``needs``) and its named inputs (``inputs``) matched with the datasets by what their formats provide
+(`vitscope.data.catalog`).
 `vitscope.study.config.check` runs it from the shipped listing before torch is imported; the planner
 (`vitscope.study.plan`) runs it from the analysis classes. A mismatch is one sentence naming what is missing
 and which configured or built-in datasets have it."""
@@ -7,12 +9,57 @@ and which configured or built-in datasets have it."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from vitscope.data.catalog import FORMATS, get_format
 from vitscope.errors import ConfigError, close_matches
 
 MAIN = "data"  # the slot of an analysis's main dataset
+
+
+@dataclass
+class DatasetConfig:
+    name: str = "synthetic-shapes"         # the format: `vitscope datasets` lists them
+    n_images: int = 256                    # generated items, or at most this many of a real dataset
+    seed: int = 0
+    size: int | None = None                # pixels: generated sets, or whole frames' resized side (davis 480)
+    root: str | None = None                # real formats: the dataset's folder
+    split: str | None = None               # davis: train | val; spair71k: trn | val | test; cifar10: train | test
+    annotations: str | None = None         # coco / partimagenet: the annotation json
+    classes: str | None = None             # imagefolder: class-list file (e.g. the ImageNet-50 ids)
+    per_class: int | None = None           # imagefolder: first N sorted files per class
+    test_root: str | None = None           # imagefolder: same classes, the test split (default root/test|val)
+    options: dict[str, Any] = field(default_factory=dict)  # further arguments of the format's loader
+
+
+def study_datasets(cfg: Any) -> dict[str, DatasetConfig]:
+    """The study's named datasets: ``datasets`` in order, after the ``dataset`` shorthand (named after its
+    format); the generated shapes when neither is given."""
+    out: dict[str, DatasetConfig] = {}
+    if cfg.dataset is not None:
+        out[cfg.dataset.name] = cfg.dataset
+    for name, d in cfg.datasets.items():
+        if name in out:
+            raise ConfigError(f"dataset name {name!r} is given twice (as `dataset:` and under `datasets:`)")
+        out[name] = d
+    return out or {"synthetic-shapes": DatasetConfig()}
+
+
+def check_dataset_formats(cfg: Any) -> None:
+    """Every dataset of the study names a format, and gives the `root` and annotation file the format reads
+    (`vitscope.study.config.check`; the plan checks it too, `vitscope.study.plan.make_plan`): one ConfigError
+    sentence otherwise."""
+    for dn, dc in study_datasets(cfg).items():
+        where = "dataset" if cfg.dataset is not None and cfg.dataset is dc else f"datasets.{dn}"
+        try:
+            fmt = get_format(dc.name)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.name: {e}") from None
+        if "root" in fmt.options and not dc.root:
+            raise ConfigError(f"{where}.root: the {dc.name} format reads its files from `root`, and none is given")
+        if "annotations" in fmt.options and not dc.annotations:
+            raise ConfigError(f"{where}.annotations: the {dc.name} format needs its annotation file")
 
 
 def match_slots(analysis: str, needs: Iterable[str], inputs: Mapping[str, Iterable[str]], params: Mapping[str, Any],

@@ -11,7 +11,14 @@ import numpy as np
 import pandas as pd
 
 from vitscope.report.figures._common import Figures, colorbar, current, grid_layout, layer_lines, legend_outside, plt
-from vitscope.report.summary import DENSE_TASKS, best_above_chance, best_row_is_finding, best_row_low, is_finding
+from vitscope.report.summary import (
+    DENSE_TASKS,
+    best_above_chance,
+    best_row_is_finding,
+    best_row_low,
+    is_finding,
+    untrained_models,
+)
 
 TASKS = DENSE_TASKS  # analysis -> (headline metric, label)
 
@@ -112,7 +119,7 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
     size, ...), from the ``best_*`` rows of each task's table; ``models`` (the manifest's) adds each model's
     supervision and, for every trained model, the best score of a random-init model of the same architecture
     (depth, heads, grid, patch) in the same study. ``untrained``: whether the model is an untrained baseline (the
-    manifest's family, as `vitscope.report.run.untrained_models`, or the figure context's); ``untrained_score``:
+    manifest's family, as `vitscope.report.summary.untrained_models`, or the figure context's); ``untrained_score``:
     the score a trained model is judged against (the same-architecture random-init model's, else the best of the
     task's untrained models); ``finding``: above chance and above that score beyond the interval
     (`vitscope.report.summary.best_row_is_finding`), what the heat table colours; ``best`` says
@@ -150,8 +157,6 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
         s = out[(out.task == r.task) & out.model.isin(peers)].score
         random_score.append(float(s.max()) if len(s) and r.supervision != "random init" else np.nan)
     out["random_init_score"] = random_score
-    from vitscope.report.run import untrained_models
-
     untrained = set(untrained_models({"models": models})) | current().untrained
     out["untrained"] = out.model.isin(untrained)
     base = []

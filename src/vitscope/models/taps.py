@@ -1,0 +1,161 @@
+"""Tap points: every place an activation can be read, by a stable name, on each supported architecture.
+
+Per block i (0-based):
+  block{i}.norm1      output of the first LayerNorm                            (B, T, D)
+  block{i}.qkv        output of the fused q/k/v projection                     (B, T, 3*D)
+  block{i}.attn       softmax attention probabilities, the real ones           (B, H, T, T)
+  block{i}.heads      per-head attention outputs (attn @ v), heads concatenated (B, T, D)
+                      before the output projection: head h is [..., h*D/H:(h+1)*D/H]
+  block{i}.attn_out   attention branch as added to the residual stream         (B, T, D)
+                      (after proj and layer scale, if any)
+  block{i}.resid_mid  residual stream between the attention and MLP sub-blocks (B, T, D)
+  block{i}.norm2      output of the second LayerNorm                           (B, T, D)
+  block{i}.fc1        first MLP linear, before the activation                  (B, T, 4*D)
+  block{i}.fc2        second MLP linear                                        (B, T, D)
+  block{i}.mlp_out    MLP branch as added to the residual stream (after layer scale)
+  block{i}.out        residual stream after the block                          (B, T, D)
+plus embed (the residual stream entering block 0: patches + prefix tokens + position embedding, after
+any pre-norm), final_norm (after the last norm) and logits (the model's output: class logits, or the
+pooled feature for headless models).
+
+Identities that hold exactly (and are tested): resid_mid = block input + attn_out, out = resid_mid +
+mlp_out. Each tap is a forward (or pre-forward) hook on a real module of the timm model; nothing is
+recomputed except BEiT's qkv (timm calls F.linear directly there) and its layer-scaled branches
+(gamma is a bare parameter), which are recomputed from the hooked tensors with the model's own weights.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vitscope.errors import UnknownTapError, close_matches, preview
+
+BLOCK_TAPS = ("norm1", "qkv", "attn", "heads", "attn_out", "resid_mid", "norm2", "fc1", "fc2", "mlp_out", "out")
+GLOBAL_TAPS = ("embed", "final_norm", "logits")
+_BLOCK_RX = re.compile(r"^block(-?\d+)\.(\w+)$")
+
+Getter = Callable[[tuple, object], torch.Tensor]  # (forward args, output) -> tensor
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    """Where and how a tap is read: a module, pre- or post-forward, and how to get the tensor."""
+
+    module: nn.Module
+    when: Literal["pre", "post"]
+    get: Getter
+    needs_unfused: nn.Module | None = None  # attention module whose fused (SDPA) path must be off
+
+
+def tap_names(depth: int) -> list[str]:
+    return ["embed"] + [f"block{i}.{t}" for i in range(depth) for t in BLOCK_TAPS] + ["final_norm", "logits"]
+
+
+def parse_tap(name: str) -> tuple[int | None, str]:
+    """``'block3.attn'`` -> (3, 'attn'); ``'embed'`` -> (None, 'embed')."""
+    m = _BLOCK_RX.match(name)
+    if m:
+        return int(m.group(1)), m.group(2)
+    return None, name
+
+
+def expand_taps(patterns: list[str] | str, depth: int) -> list[str]:
+    """Expand ``'*.out'``/``'block*.attn'``-style patterns (fnmatch) to tap names, keeping order.
+    Negative block indices count from the end: ``'block-1.out'`` is the last block's output."""
+    import fnmatch
+
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    names = tap_names(depth)
+    out: list[str] = []
+    for p in patterns:
+        if any(c in p for c in "*?["):
+            hits = [n for n in names if fnmatch.fnmatchcase(n, p)]
+            if not hits:
+                raise UnknownTapError(f"tap pattern {p!r} matches no tap of this model")
+            out.extend(h for h in hits if h not in out)
+        else:
+            idx, kind = parse_tap(p)
+            if idx is not None and idx < 0:
+                p = f"block{idx + depth}.{kind}"
+            if p not in out:
+                out.append(p)
+    return out
+
+
+def _arg0(args: tuple, out: object) -> torch.Tensor:
+    return args[0]
+
+
+def _output(args: tuple, out: object) -> torch.Tensor:
+    return out  # type: ignore[return-value]
+
+
+def _scaled(gamma: nn.Parameter | None) -> Getter:
+    if gamma is None:
+        return _output
+    return lambda args, out: gamma * out  # type: ignore[operator]
+
+
+def _beit_qkv(attn: nn.Module) -> Getter:
+    def get(args: tuple, out: object) -> torch.Tensor:
+        x = args[0]
+        if attn.q_bias is None:
+            return attn.qkv(x)
+        bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+        return F.linear(x, attn.qkv.weight, bias)
+    return get
+
+
+def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
+    """The hook that reads ``tap`` on ``model`` (family 'vit' = timm VisionTransformer, 'beit' = Beit)."""
+    idx, kind = parse_tap(tap)
+    if idx is None:
+        if kind == "embed":
+            return HookPoint(model.blocks[0], "pre", _arg0)
+        if kind == "final_norm":
+            return HookPoint(model.norm, "post", _output)
+        if kind == "logits":
+            return HookPoint(model, "post", _output)
+        raise KeyError(tap)
+    if idx >= len(model.blocks) or kind not in BLOCK_TAPS:
+        raise KeyError(tap)
+    blk = model.blocks[idx]
+    attn = blk.attn
+    beit = family == "beit"
+    table: dict[str, HookPoint] = {
+        "norm1": HookPoint(blk.norm1, "post", _output),
+        "qkv": (HookPoint(attn, "pre", _beit_qkv(attn)) if beit and getattr(attn, "q_bias", None) is not None
+                else HookPoint(attn.qkv, "post", _output)),
+        "attn": HookPoint(attn.attn_drop, "post", _output, needs_unfused=attn),
+        "heads": HookPoint(attn.proj, "pre", _arg0),
+        "attn_out": (HookPoint(attn, "post", _scaled(blk.gamma_1)) if beit
+                     else HookPoint(blk.ls1, "post", _output)),
+        "resid_mid": HookPoint(blk.norm2, "pre", _arg0),
+        "norm2": HookPoint(blk.norm2, "post", _output),
+        "fc1": HookPoint(blk.mlp.fc1, "post", _output),
+        "fc2": HookPoint(blk.mlp.fc2, "post", _output),
+        "mlp_out": (HookPoint(blk.mlp, "post", _scaled(blk.gamma_2)) if beit
+                    else HookPoint(blk.ls2, "post", _output)),
+        "out": HookPoint(blk, "post", _output),
+    }
+    return table[kind]
+
+
+def check_taps(taps: list[str], valid: list[str]) -> None:
+    valid_set = set(valid)
+    for t in taps:
+        if t not in valid_set:
+            hint = close_matches(t, valid, n=4)
+            msg = f"unknown tap {t!r}"
+            if hint:
+                msg += f"; did you mean {', '.join(hint)}?"
+            raise UnknownTapError(f"{msg} Valid taps for this model: {preview(valid, 14)} "
+                                  "(`vitscope taps MODEL` lists them all).")

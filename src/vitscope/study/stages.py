@@ -1,0 +1,124 @@
+"""The stages after the models' passes: the pair stages (one analysis of two related models at once, `run_pair`)
+and the cross-model stage (each analysis's table across the models, from their states: `cross_stage`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import pandas as pd
+
+from vitscope.data.base import batch_parts
+from vitscope.data.views import CLEAN
+from vitscope.errors import InputError
+from vitscope.models.adapter import ModelInfo
+from vitscope.study.cache import Cache, digest
+from vitscope.study.config import StudyConfig
+from vitscope.study.distributed import Dist
+from vitscope.study.keys import Source, dataset_keys
+from vitscope.study.passes import (
+    Job,
+    chunk_signature,
+    device_of,
+    gather_skipped,
+    pass_batches,
+    pass_key,
+    relabel,
+    save_parts,
+    unusable,
+)
+from vitscope.study.plan import AnalysisPlan
+from vitscope.study.pool import ModelPool
+
+# ---------------------------------------------------------------- pair stages
+
+
+def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str, ModelInfo],
+             mkeys: dict[str, str], sources: dict[str, Source], cache: Cache, dist: Dist, pool: ModelPool,
+             on_batch: Callable[[str, int], None] | None) -> Job:
+    """A pair analysis of models (a, b): cached, resumable per chunk and sharded like a pass."""
+    mc_b = pool.by_label[b]
+    pkey = digest(mkeys[a], mkeys[b])
+    akey = digest(pkey, dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, cfg.dtype, cfg.seed)
+    job = Job(ap, akey, cache.path(pkey, ap.name, akey), cache.path(pkey, ap.name, akey, (dist.rank, dist.world)))
+
+    def make(info_a: ModelInfo, info_b: ModelInfo) -> Any:
+        x = ap.cls(info_a, info_b, **ap.params)
+        x.datasets, x.epoch = dict(ap.slots), mc_b.epoch
+        main = ap.slots["data"]
+        x._store = lambda key: cache.store_dir(mkeys[a], digest(dataset_keys(ap, sources, cfg)["data"], main),
+                                               ap.name, key)
+        return x
+
+    entry = cache.load(job.final)
+    if entry is not None and entry.get("finished"):
+        try:
+            analysis = make(ModelInfo(**{**entry["info_a"], "name": a}), ModelInfo(**{**entry["info_b"], "name": b}))
+            analysis.load_state_dict(entry["state"])
+            frame = relabel(relabel(entry.get("frame"), entry.get("label_a"), a), entry.get("label_b"), b)
+        except Exception as e:  # noqa: BLE001 - recomputed, not trusted
+            unusable(job.final, e)
+        else:
+            job.analysis, job.frame = analysis, frame
+            job.finished, job.meta = True, {"from_cache": True}
+            return job
+    vm_a, vm_b = pool.get(a), pool.get(b)
+    if tuple(vm_a.img_size) != tuple(vm_b.img_size) or vm_a.preprocessing != vm_b.preprocessing:
+        raise InputError(f"analysis {ap.name} compares {a!r} and {b!r}, whose inputs differ (size {vm_a.img_size} "
+                         f"vs {vm_b.img_size}, or preprocessing): pair analyses need models with the same input")
+    job.analysis = make(vm_a.info(), vm_b.info())
+    part = cache.load(job.part)
+    if part is not None and part.get("chunks") == chunk_signature(job, sources):
+        try:
+            job.analysis.load_state_dict(part["state"])
+            job.done = {str(k): int(v) for k, v in part["done"].items()}
+        except Exception as e:  # noqa: BLE001 - started again from the first chunk
+            unusable(job.part, e)
+            job.analysis, job.done = make(vm_a.info(), vm_b.info()), {}
+    src = sources[ap.slots["data"]]
+    key = pass_key((src.name, CLEAN))
+    start = job.done.get(key, 0)
+    last_save = time.monotonic()
+    try:
+        batches = pass_batches(src, CLEAN, vm_a.preprocessing, cfg.seed, start, None, cfg.num_workers, device_of(vm_a))
+        for c, batch in enumerate(batches, start=start):
+            if batch is not None:
+                for part in batch_parts(batch):
+                    job.analysis.update(vm_a, vm_b, part)
+            job.done[key] = c + 1
+            if (c + 1) % cfg.save_every == 0 or time.monotonic() - last_save > 120:
+                save_parts([job], cache, pkey, sources)
+                last_save = time.monotonic()
+            if on_batch is not None:
+                on_batch(f"{a}->{b}", c)
+    except BaseException:
+        batches.close()
+        save_parts([job], cache, pkey, sources)
+        raise
+    gather_skipped(sources, dist)
+    merged = dist.gather_states([job])[0]
+    if dist.is_main:
+        for state in merged[1:]:
+            other = make(vm_a.info(), vm_b.info())
+            other.load_state_dict(state)
+            job.analysis.merge(other)
+        job.frame = job.analysis.finalize()
+        with cache.lock(pkey):
+            cache.note(pkey, pair=[a, b])
+            cache.save(job.final, {"finished": True, "state": job.analysis.state_dict(), "info_a": asdict(vm_a.info()),
+                                   "info_b": asdict(vm_b.info()), "frame": job.frame, "label_a": a, "label_b": b})
+    dist.barrier()
+    job.part.unlink(missing_ok=True)
+    job.meta = {"from_cache": False}
+    return job
+
+
+def cross_stage(by_analysis: dict[str, list[Any]], frames: dict[str, list[pd.DataFrame]]) -> None:
+    """The cross-model stage: each analysis's cross-model table, from its per-model states, after its frames."""
+    for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
+        cross = type(group[0]).cross(group)
+        if cross is not None and len(cross):
+            frames[name].append(cross)
