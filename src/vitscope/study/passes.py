@@ -182,18 +182,15 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
             _relate(job.analysis, job.plan, mc, cfg.device)
             job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
                                     for slot, d in job.plan.slots.items()})
-            part = cache.load(job.part)
-            if part is not None and part.get("chunks") == chunk_signature(job, sources):
-                try:
-                    job.analysis.load_state_dict(part["state"])
-                    job.done = {str(k): int(v) for k, v in part["done"].items()}
-                except Exception as e:  # noqa: BLE001 - started again from the first chunk
-                    unusable(job.part, e)
-                    job.analysis, job.done = job.plan.cls(vm, **job.plan.params), {}
-                    _relate(job.analysis, job.plan, mc, cfg.device)
-                    job.analysis.configure({slot: getattr(sources[d].dataset, "classes", None)
-                                            for slot, d in job.plan.slots.items()})
-                    continue
+
+            def fresh(job: Job = job) -> Any:
+                a = job.plan.cls(vm, **job.plan.params)
+                _relate(a, job.plan, mc, cfg.device)
+                a.configure({slot: getattr(sources[d].dataset, "classes", None) for slot, d in job.plan.slots.items()})
+                return a
+
+            part = load_part(job, cache, sources, fresh)
+            if part is not None:
                 _restore_skipped(part, sources, job.plan)
         for job in todo:
             if not isinstance(job.analysis, PairAnalysis):
@@ -244,6 +241,23 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def load_part(job: Job, cache: Cache, sources: dict[str, Source], fresh: Callable[[], Any]) -> dict | None:
+    """``job``'s saved part loaded into ``job.analysis`` when it was made from the same chunks (returned); a part
+    that cannot be loaded is said (`unusable`) and the job starts again from the first chunk with ``fresh()``'s
+    analysis (None, as without a part)."""
+    part = cache.load(job.part)
+    if part is None or part.get("chunks") != chunk_signature(job, sources):
+        return None
+    try:
+        job.analysis.load_state_dict(part["state"])
+        job.done = {str(k): int(v) for k, v in part["done"].items()}
+    except Exception as e:  # noqa: BLE001 - started again from the first chunk
+        unusable(job.part, e)
+        job.analysis, job.done = fresh(), {}
+        return None
+    return part
 
 
 def unusable(path: Path, e: Exception) -> None:

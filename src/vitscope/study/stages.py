@@ -21,9 +21,9 @@ from vitscope.study.distributed import Dist
 from vitscope.study.keys import Source, dataset_keys
 from vitscope.study.passes import (
     Job,
-    chunk_signature,
     device_of,
     gather_skipped,
+    load_part,
     pass_batches,
     pass_key,
     relabel,
@@ -70,14 +70,7 @@ def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str
         raise InputError(f"analysis {ap.name} compares {a!r} and {b!r}, whose inputs differ (size {vm_a.img_size} "
                          f"vs {vm_b.img_size}, or preprocessing): pair analyses need models with the same input")
     job.analysis = make(vm_a.info(), vm_b.info())
-    part = cache.load(job.part)
-    if part is not None and part.get("chunks") == chunk_signature(job, sources):
-        try:
-            job.analysis.load_state_dict(part["state"])
-            job.done = {str(k): int(v) for k, v in part["done"].items()}
-        except Exception as e:  # noqa: BLE001 - started again from the first chunk
-            unusable(job.part, e)
-            job.analysis, job.done = make(vm_a.info(), vm_b.info()), {}
+    load_part(job, cache, sources, lambda: make(vm_a.info(), vm_b.info()))
     src = sources[ap.slots["data"]]
     key = pass_key((src.name, CLEAN))
     start = job.done.get(key, 0)
