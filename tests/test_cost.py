@@ -96,7 +96,7 @@ def test_a_run_whose_batch_of_taps_does_not_fit_is_refused_before_any_model_load
     need = cost.dry_run(config(tmp_path)).tap_bytes
     # the tiny model's parameters (452 KiB) take more than its batch of taps (40 KiB): their own check, tested in
     # test_reliability_round2, is left out here so the free memory can fall just below the taps
-    monkeypatch.setattr(cost, "check_build", lambda mc: None)
+    monkeypatch.setattr("vitscope.models.load.check_build", lambda mc: None)
     monkeypatch.setattr(cost, "free_memory", lambda device: need - 1)
     with pytest.raises(ConfigError, match=r"captured taps .* more than the .* free on cpu: lower batch_size"):
         run_study(config(tmp_path))

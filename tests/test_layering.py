@@ -18,17 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 DOC = ROOT / "docs" / "ARCHITECTURE.md"
 
-#: (importer, imported) arrows tolerated for now: they lie in modules two engineers are splitting right now
-#: (study/run.py, study/cost.py, analyses/mechanistic*), to be removed there. A name covers its submodules. Each
-#: entry must still be a violation (an upward arrow, or an arrow on a circle), so a fixed one fails the test
-#: until it is deleted here: the engineers splitting those modules empty this set.
-KNOWN_VIOLATIONS_IN_SPLIT_MODULES: set[tuple[str, str]] = {
-    # a circle through study/cost.py: config's `preflight` calls `cost.check_build`, while cost imports config
-    # (`dry_run`: `preflight`, `slice_models`; and through study/keys.py). Move `check_build` below config (it
-    # builds a model on the meta device, beside `models.load._create`), import it from there in config.py, and
-    # delete this entry
-    ("vitscope.study.config", "vitscope.study.cost"),
-}
+#: (importer, imported) arrows tolerated for now: none. A name covers its submodules. An entry must still be a
+#: violation (an upward arrow, or an arrow on a circle), so a fixed one fails the test until it is deleted here.
+KNOWN_VIOLATIONS_IN_SPLIT_MODULES: set[tuple[str, str]] = set()
 
 
 # ---------------------------------------------------------------------------------------------- the checker

@@ -94,3 +94,29 @@ def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of a state tensor on the CPU (the cache is device-independent: a state saved on a GPU loads on a
     CPU machine); a copy also when it is on the CPU already, so the state handed out is not the live one."""
     return t.detach().to("cpu", copy=True)
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on ``device`` now: a GPU's free memory (``torch.cuda.mem_get_info``), else the machine's
+    available RAM (psutil, or /proc/meminfo); None when it cannot be told."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev.index or 0)[0])
+    if dev.type != "cpu":
+        return None
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

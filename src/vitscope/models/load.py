@@ -15,6 +15,7 @@ import torch
 from vitscope.bounds import ARCH_RANGES, check_arch  # noqa: F401 - ARCH_RANGES: its old home (no torch there)
 from vitscope.errors import (
     CheckpointError,
+    ConfigError,
     VitscopeError,
     WeightsUnavailableError,
     first_line,
@@ -281,3 +282,42 @@ def read_vitscope_metadata(path: Path) -> ModelSpec | None:
         raise ck.CheckpointError(f"{str(path)!r}: its vitscope.spec names {spec.arch!r}, which is not a timm "
                                  "architecture (files name architectures, never hub repositories)")
     return spec
+
+
+#: what a failed build says about its arguments (timm's checks are asserts, TypeErrors and ValueErrors); any other
+#: exception on the meta device is not taken as the config's fault
+_BUILD_ERRORS = (TypeError, ValueError, AssertionError, KeyError)
+
+
+def check_build(mc: Any) -> None:
+    """Before any model loads (`vitscope.study.config.preflight`): a model that timm builds from its name and
+    ``kwargs`` alone (random init, timm's own weights) is built on the meta device (shapes, no storage) with the
+    arguments the load will use, so arguments timm refuses (``embed_dim`` not divisible by ``num_heads``, an
+    unknown or mistyped keyword) are one ConfigError sentence, and a model whose float32 parameters exceed the
+    memory free here (each size within its bound, their product not) is refused instead of allocated. Models
+    whose architecture comes from a file (a checkpoint, a transformers directory, a registry entry's weights) are
+    checked against that file elsewhere."""
+    from vitscope.files import human
+    from vitscope.host import free_memory
+
+    if file_given(mc.name, mc.weights) or mc.weights:
+        return
+    spec = resolve_spec(mc.name)
+    if not spec.arch or (mc.pretrained and spec.weights.kind not in ("none", "timm")):
+        return
+    kwargs = {**spec.model_kwargs, **(mc.kwargs or {})}
+    try:
+        with torch.device("meta"):
+            model = _create(spec.arch, kwargs, 0)
+    except ConfigError:
+        raise
+    except (VitscopeError, *_BUILD_ERRORS) as e:
+        cause = e.__cause__ if e.__cause__ is not None else e  # _create's "timm could not build" wraps TypeErrors
+        raise ConfigError(f"timm cannot build {spec.arch} with kwargs {kwargs}: {first_line(cause)}") from None
+    except Exception:  # noqa: BLE001 - the meta device itself, not the arguments: the load says what is wrong
+        return
+    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    free = free_memory("cpu")
+    if free is not None and n * 4 > free:
+        raise ConfigError(f"{spec.arch} with kwargs {kwargs} has {n:,} parameters, {human(n * 4)} in float32, more "
+                          f"than the {human(free)} of memory free here: choose a smaller embed_dim, depth or mlp_ratio")

@@ -414,8 +414,7 @@ def preflight(cfg: StudyConfig, dry_run: bool = False) -> list[str]:
         raise ConfigError(f"device {cfg.device!r} was asked for but MPS is not available here; set device=cpu")
     from vitscope.models import checkpoints as ck
     from vitscope.models import hf
-    from vitscope.models.load import resolve_spec
-    from vitscope.study.cost import check_build
+    from vitscope.models.load import check_build, resolve_spec
 
     for i, m in enumerate(cfg.models):
         try:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vitscope.errors import ConfigError
+from vitscope.host import free_memory  # noqa: F401 - the tap-memory checks here; its home is host.py
+from vitscope.models.load import check_build  # noqa: F401 - its old home
 from vitscope.study.plan import Plan, label_of
 
 #: bytes of a captured element (taps are handed out as float32, whatever the forward's dtype)
@@ -127,48 +129,6 @@ def architecture(mc: Any, builds: dict[str, Any] | None = None) -> Any:
     return ViTModel(model=model, name=label_of(mc), spec=replace(spec, model_kwargs=kwargs))
 
 
-#: what a failed build says about its arguments (timm's checks are asserts, TypeErrors and ValueErrors); any other
-#: exception on the meta device is not taken as the config's fault
-_BUILD_ERRORS = (TypeError, ValueError, AssertionError, KeyError)
-
-
-def check_build(mc: Any) -> None:
-    """Before any model loads (`vitscope.study.config.preflight`): a model that timm builds from its name and
-    ``kwargs`` alone (random init, timm's own weights) is built on the meta device (shapes, no storage) with the
-    arguments the load will use, so arguments timm refuses (``embed_dim`` not divisible by ``num_heads``, an
-    unknown or mistyped keyword) are one ConfigError sentence, and a model whose float32 parameters exceed the
-    memory free here (each size within its bound, their product not) is refused instead of allocated. Models
-    whose architecture comes from a file (a checkpoint, a transformers directory, a registry entry's weights) are
-    checked against that file elsewhere."""
-    import torch
-
-    from vitscope.errors import VitscopeError, first_line
-    from vitscope.models.load import _create, file_given, resolve_spec
-    from vitscope.study.cache import human
-
-    if file_given(mc.name, mc.weights) or mc.weights:
-        return
-    spec = resolve_spec(mc.name)
-    if not spec.arch or (mc.pretrained and spec.weights.kind not in ("none", "timm")):
-        return
-    kwargs = {**spec.model_kwargs, **(mc.kwargs or {})}
-    try:
-        with torch.device("meta"):
-            model = _create(spec.arch, kwargs, 0)
-    except ConfigError:
-        raise
-    except (VitscopeError, *_BUILD_ERRORS) as e:
-        cause = e.__cause__ if e.__cause__ is not None else e  # _create's "timm could not build" wraps TypeErrors
-        raise ConfigError(f"timm cannot build {spec.arch} with kwargs {kwargs}: {first_line(cause)}") from None
-    except Exception:  # noqa: BLE001 - the meta device itself, not the arguments: the load says what is wrong
-        return
-    n = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
-    free = free_memory("cpu")
-    if free is not None and n * 4 > free:
-        raise ConfigError(f"{spec.arch} with kwargs {kwargs} has {n:,} parameters, {human(n * 4)} in float32, more "
-                          f"than the {human(free)} of memory free here: choose a smaller embed_dim, depth or mlp_ratio")
-
-
 def tap_elements(vm: Any, tap: str) -> int:
     """Numbers one image's ``tap`` holds (`capture/taps.py` lists the shapes)."""
     from vitscope.capture.taps import parse_tap
@@ -268,32 +228,6 @@ def _statistics_images(mc: Any, sources: dict[str, Any]) -> int:
     if not spec.needs_statistics:
         return 0
     return min(spec.images, sources[_statistics_dataset(spec, sources)].n_selected)
-
-
-def free_memory(device: str) -> int | None:
-    """Bytes free on ``device`` now: a GPU's free memory (``torch.cuda.mem_get_info``), else the machine's
-    available RAM (psutil, or /proc/meminfo); None when it cannot be told."""
-    import torch
-
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return int(torch.cuda.mem_get_info(dev.index or 0)[0])
-    if dev.type != "cpu":
-        return None
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except ImportError:
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def announce(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, dist: Any,
