@@ -320,7 +320,8 @@ def test_neighbour_lists_from_float32_candidates_equal_a_float64_stable_sort(mon
     rng = np.random.default_rng(11)
     searched_again = []
     cosines = S._cosines
-    monkeypatch.setattr(S, "_cosines", lambda r, o: (searched_again.append(r.ndim == 1), cosines(r, o))[1])
+    monkeypatch.setattr("vitscope.metrics.similarity.prepared._cosines",  # where `_neighbour_lists` reads it
+                        lambda r, o: (searched_again.append(r.ndim == 1), cosines(r, o))[1])
     for t in range(40):
         n, d = int(rng.integers(12, 300)), int(rng.integers(2, 80))
         length = int(rng.integers(1, min(40, n - 1)))
