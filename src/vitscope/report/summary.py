@@ -204,11 +204,12 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
     parts = [f"{m} {v:.3g} [{lo:.3g}, {hi:.3g}] at block {layer}" for m, (v, _, layer, _, lo, hi) in best.items()]
     text = f"Best {k}-NN top-1 ({view} token, 95 % binomial interval): " + "; ".join(parts)
     flags = []
+    # the low end of each model's best layer, simultaneous over the layers it was chosen from (Bonferroni), else
+    # models at chance at every layer were called above chance 23-27 % of the time (benchmarks/calibration.py)
+    low = {m: best_layer_low(d[d.model == m]) for m in best}
     if np.isfinite(chance):
         text += f". Chance (majority class) is {chance:.3g}"
-        # the best of L layers: its interval is simultaneous over the L it was chosen from (Bonferroni), else
-        # models at chance at every layer were called above chance 23-27 % of the time (benchmarks/calibration.py)
-        at_chance = [m for m, b in best.items() if _best_of_layers_at_chance(d[d.model == m], b[3])]
+        at_chance = [m for m, b in best.items() if np.isfinite(b[3]) and not is_finding(low[m], b[3])]
         if at_chance:
             text += f"; within noise of chance: {', '.join(at_chance)}"
             flags.append("chance")
@@ -219,7 +220,7 @@ def semantics(df: pd.DataFrame, study: Study) -> list[Point]:
     base = next((m for m in study.untrained if m in best), None)
     if base is not None:
         close = [m for m in best if m != base and m not in at_chance
-                 and not is_finding(best_layer_low(d[d.model == m]), float("nan"), best[base][0])]
+                 and not is_finding(low[m], float("nan"), best[base][0])]
         if close:
             text += (f"; not above the untrained {base} ({best[base][0]:.3g}) beyond the interval (simultaneous "
                      f"over the layers): {', '.join(close)}")
@@ -267,12 +268,6 @@ def is_finding(low: float, chance: float, baseline: float = float("nan")) -> boo
     if not np.isfinite(low):
         return False
     return not (np.isfinite(chance) and low <= chance) and not (np.isfinite(baseline) and low <= baseline)
-
-
-def _best_of_layers_at_chance(rows: pd.DataFrame, chance: float) -> bool:
-    """Whether the best of a model's layer accuracies (``rows``: one per layer, with ``n_test``) is within noise of
-    ``chance``: the low end of its interval simultaneous over the layers (`best_layer_low`) reaches chance."""
-    return bool(np.isfinite(chance)) and not is_finding(best_layer_low(rows), chance)
 
 
 def best_above_chance(row: Mapping[str, Any]) -> bool:

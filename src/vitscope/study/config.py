@@ -296,8 +296,8 @@ def _check_labels(cfg: StudyConfig) -> None:
 
 
 def _check_with_torch(cfg: StudyConfig) -> None:
-    """`validate`'s checks after `check`: those whose rules live beside torch code (ablations, weights files,
-    dtypes, devices, the analyses' parameter types and ranges, the plan)."""
+    """`validate`'s checks after `check`: those whose rules live beside torch code (ablations, the analyses'
+    parameter types and ranges off the live classes, the plan)."""
     _check_ablations(cfg)
     _check_labels(cfg)
     from vitscope.analyses import get_analysis
