@@ -242,3 +242,26 @@ def test_an_analysis_whose_data_no_dataset_provides_is_refused_before_torch(stud
     refused_before_torch([str(study), "analyses.cka.images_dataset=x"],
                          "cka has no such input (its only input: dataset)")
 
+
+
+#: issue 42's bad input: (arguments after the study, words of the one sentence)
+BAD_RUNS = [
+    (["num_workers=-1"], ("num_workers must be a whole number of processes, 0 or more",)),
+    (["num_workers=two"], ("num_workers must be an integer (or null), not 'two'",)),
+    (["dtype=fp9"], ("unknown dtype 'fp9'",)),
+    (["--models", "0/2"], ("--models 0/2", "between 1 and 2")),
+    (["--models", "a/b"], ("--models 'a/b' is not K/N",)),
+    (["--models", "3/2"], ("--models 3/2", "between 1 and 2")),
+    (["--models", "2/2"], ("slice 2 of 2 holds none",)),  # the study has one model
+]
+
+
+@pytest.mark.parametrize("argv, words", BAD_RUNS, ids=[" ".join(a) for a, _ in BAD_RUNS])
+def test_bad_workers_dtype_and_slices_are_refused_before_torch(study, argv, words):
+    refused_before_torch([str(study), *argv], *words)
+
+
+@pytest.mark.skipif(Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists() or Path("/dev/dxg").exists()
+                    or Path("/proc/driver/nvidia").exists(), reason="this machine has a GPU driver: torch decides")
+def test_cuda_on_a_machine_without_a_gpu_driver_is_refused_before_torch(study):
+    refused_before_torch([str(study), "device=cuda"], "device 'cuda' was asked for", "set device=cpu")

@@ -11,6 +11,7 @@ import pytest
 import torch
 from study_fixtures import one_line_error, tiny_study_yaml
 
+from vitscope.errors import ConfigError
 from vitscope.study import load_config, run_study
 
 YAML = tiny_study_yaml(depth=3)
@@ -66,7 +67,19 @@ def test_invalid_yaml_is_one_line_saying_where(tmp_path, capsys, no_model):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_is_one_line(config, tmp_path, capsys, no_model):
     err = one_line_error(capsys, ["run", str(config), f"output_dir={tmp_path / 'out'}", "device=cuda"])
-    assert "0 usable CUDA GPU(s)" in err and "device=cpu" in err
+    # no driver at all: said before torch is imported (config._gpu_driver); a driver without a GPU: torch says
+    assert ("no GPU driver" in err or "0 usable CUDA GPU(s)" in err) and "device=cpu" in err
+
+
+def test_cuda_on_a_machine_without_a_gpu_driver_is_refused_before_torch(monkeypatch):
+    import vitscope.study.config as config_mod
+
+    cfg = config_mod.StudyConfig(device="cuda:1")
+    monkeypatch.setattr(config_mod, "_gpu_driver", lambda: False)
+    with pytest.raises(ConfigError, match=r"device 'cuda:1' was asked for but this machine has no GPU driver"):
+        config_mod._check_dtype_and_device(cfg)
+    monkeypatch.setattr(config_mod, "_gpu_driver", lambda: True)  # a driver: torch decides, later
+    config_mod._check_dtype_and_device(cfg)
 
 
 def test_an_output_dir_that_is_a_file_or_read_only_is_one_line(config, tmp_path, capsys, no_model):

@@ -133,6 +133,8 @@ def _run(args: argparse.Namespace, config: str | None, overrides: list[str], mod
         missing or empty data folder, a run directory another run is writing into (a slice takes no lock; a dry
         run notes a model it cannot resolve); then the helper started, importing torch on the core this
         process leaves idle."""
+        if models is not None:
+            slice_models(cfg.models, *models)  # a slice with no models: one sentence before torch
         early_refusals(cfg, names=not args.dry_run,
                        lock=models is None and not args.dry_run and os.environ.get("RANK", "0") == "0")
         if models is None and not args.dry_run:
@@ -141,8 +143,6 @@ def _run(args: argparse.Namespace, config: str | None, overrides: list[str], mod
             prespawn(config)
 
     cfg = load_config(config, overrides, early=early)  # the config's own checks that need no torch come first
-    if models is not None:
-        slice_models(cfg.models, *models)  # a slice with no models: one sentence before anything loads
     if args.quiet:
         cfg.progress = False
     if args.dry_run:
@@ -349,18 +349,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line_result_warnings() -> None:
-    """A ResultWarning reaches the command line as one line, ``vitscope: warning: ...`` (not Python's file, line
-    and source-line preamble); other warnings keep Python's format."""
+    """A VitscopeWarning (a result that means little, images skipped) reaches the command line as one line,
+    ``vitscope: warning: ...`` (not Python's file, line and source-line preamble); other warnings keep Python's
+    format."""
     import warnings
 
-    from vitscope.errors import ResultWarning
+    from vitscope.errors import VitscopeWarning
 
     if getattr(warnings.formatwarning, "_vitscope", False):  # installed already (main called again)
         return
     python_format = warnings.formatwarning
 
     def fmt(message, category, filename, lineno, line=None):  # noqa: ANN001, ANN202 - warnings' signature
-        if issubclass(category, ResultWarning):
+        if issubclass(category, VitscopeWarning):
             return f"vitscope: warning: {message}\n"
         return python_format(message, category, filename, lineno, line)
 

@@ -44,12 +44,21 @@ class ConfigError(VitscopeError, ValueError):
 STOPPED_BY: list[int] = []
 
 
+class WorkerDied(VitscopeError):
+    """A process reading images for a pass died (the kernel's out-of-memory killer, a kill): one sentence naming
+    it and the batch; a study adds what its cache kept and that rerunning resumes."""
+
+
 class StudyInterrupted(KeyboardInterrupt):
     """Ctrl-C during a study, with what the cache holds by then (``str(e)``: one sentence for the command line,
     which rerunning the same command resumes from)."""
 
 
-class ResultWarning(UserWarning):
+class VitscopeWarning(UserWarning):
+    """A warning meant for a person: the command line prints it as one line, ``vitscope: warning: ...``."""
+
+
+class ResultWarning(VitscopeWarning):
     """A result was computed but means little: one class (every accuracy is 1.0, which is chance), fewer test
     images than classes, a probe trained on a single class."""
 

@@ -27,11 +27,39 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
             f.flush()
         tmp.replace(path)
     except BaseException as e:
-        tmp.unlink(missing_ok=True)
         err = disk_error(e, path.parent)
+        if err is e and isinstance(e, Exception) and not isinstance(e, VitscopeError):
+            # a serializer may hide the system's reason (torch's zip writer says "unexpected pos 704 vs 598"
+            # when the disk fills under it): ask the file system by writing more to the same file
+            refused = _refused_write(tmp)
+            err = e if refused is None else disk_error(refused, path.parent)
+        tmp.unlink(missing_ok=True)
         if err is e:
             raise
         raise err from e
+
+
+#: bytes `_refused_write` tries to add: more than a serializer's pending record, so a full disk refuses them
+PROBE_BYTES = 1 << 20
+
+
+def _refused_write(path: Path) -> OSError | None:
+    """The file system's own error for appending `PROBE_BYTES` to ``path`` (and syncing them), or None when it
+    takes them: after a writer failed with an error that names no system error, whether the disk was full."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as e:
+        return e
+    try:
+        left = memoryview(bytes(PROBE_BYTES))
+        while len(left):  # a nearly full disk takes part of a write without an error; the next part fails
+            left = left[os.write(fd, left):]
+        os.fsync(fd)
+    except OSError as e:
+        return e
+    finally:
+        os.close(fd)
+    return None
 
 
 def swap_dir(fresh: Path, target: Path, owned: set[str], trash: Path) -> None:

@@ -28,17 +28,18 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from vitscope.data.base import batch_parts
-from vitscope.errors import VitscopeError
+from vitscope.errors import VitscopeError, WorkerDied
 
 
 def usable_cores() -> int:
@@ -165,13 +166,51 @@ def _worker_init(_worker_id: int) -> None:
     exit_with_parent()
 
 
+_WORKER_DIED = re.compile(r"DataLoader worker \(pids?(?:\(s\))? ([\d, ]+)\) "
+                          r"(is killed by signal: [^.]+|exited unexpectedly(?: with exit code -?\d+)?)")
+
+
+def worker_death(e: BaseException, where: str) -> WorkerDied | None:
+    """The DataLoader's error for a reading worker that died (the kernel's out-of-memory killer, a kill: "exited
+    unexpectedly" when the batch is awaited, "is killed by signal" from its SIGCHLD handler anywhere else) as one
+    sentence naming the worker and ``where`` (the batch); None for any other error."""
+    m = _WORKER_DIED.search(str(e)) if isinstance(e, RuntimeError) else None
+    if m is None:
+        return None
+    how = m.group(2)
+    if how.startswith("is killed by signal: "):
+        how = f"was killed by a signal ({how.removeprefix('is killed by signal: ')})"
+    return WorkerDied(f"an image-reading worker (pid {m.group(1).strip()}) {how} {where} (the kernel's "
+                      "out-of-memory killer ends workers when memory runs out: fewer num_workers or a smaller "
+                      "batch_size need less)")
+
+
+def _worker_deaths(it: Iterator[Chunk], order: list[int], n_chunks: int, name: str) -> Iterator[Chunk]:
+    """``it``'s chunks; a reading worker that died while one was read becomes `worker_death`'s sentence."""
+    for k in order:
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        except RuntimeError as e:
+            died = worker_death(e, f"while batch {k + 1} of {n_chunks} of {name} was read")
+            if died is None:
+                raise
+            raise died from None
+        yield item
+
+
 def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: Any, start: int = 0,
                   num_workers: int = 0, pin_memory: bool = False,
-                  transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> Iterator[Chunk]:
+                  transform: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                  known_skips: Container[str] | None = None) -> Iterator[Chunk]:
     """Chunks ``start``.. of a pass, in order, read (and ``transform``-ed, `Chunks`) by ``num_workers`` worker
     processes (0: in this process);
-    the images each chunk skipped are added to ``dataset.skipped`` here and its warnings re-emitted; an
+    the images each chunk skipped are added to ``dataset.skipped`` here and its warnings re-emitted (a skipped-image
+    warning only when it names an image not in ``known_skips``: a study says each once, not once per model); an
     error raised while reading is raised here. Workers are shut down when the iterator ends or is closed."""
+    from vitscope.data.formats.common import SkippedImagesWarning
+
     order = list(range(start, len(chunks)))
     workers = max(0, min(int(num_workers), len(order)))
     loader = torch.utils.data.DataLoader(
@@ -181,12 +220,15 @@ def chunk_batches(dataset: Any, chunks: Sequence[Sequence[int]], preprocessing: 
         multiprocessing_context=_CONTEXT if workers else None)
     it = iter(loader)
     try:
-        for item in it:
+        for item in _worker_deaths(it, order, len(chunks), getattr(dataset, "name", "the dataset")):
             note = getattr(dataset, "note_skipped", None)
             if workers and note is not None:
                 for path, reason in item.skipped:  # what the worker's copy of the dataset recorded
                     note(path, reason)
             for category, message in item.warned:  # recorded while reading: said here, in reading order
+                if known_skips is not None and issubclass(category, SkippedImagesWarning) \
+                        and all(path in known_skips for path, _ in item.skipped):
+                    continue  # said by an earlier pass over the same images (another model's)
                 warnings.warn(message, category, stacklevel=2)
             if item.error is not None:
                 raise item.error

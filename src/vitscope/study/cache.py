@@ -250,6 +250,16 @@ def _written(model_dir: Path) -> set[str] | None:
         return set()
 
 
+def model_folders(root: str | Path) -> list[Path]:
+    """The model folders under ``root`` vitscope keeps a record in (`WRITTEN`): a run directory that is also its
+    cache holds these as its own."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return [d for d in sorted(root.iterdir()) if d.is_dir() and re.fullmatch(r"[0-9a-f]{16}", d.name)
+            and _written(d) is not None]
+
+
 def _sweep_temporaries(d: Path, older_than: float = 3600.0) -> None:
     """Remove temporary files a killed writer left behind (an hour old: no write in progress takes that long)."""
     import time

@@ -4,6 +4,7 @@ before any model is loaded."""
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -249,6 +250,15 @@ def check(cfg: StudyConfig) -> None:
         raise ConfigError(f"num_workers must be a whole number of processes, 0 or more (0 reads images in the "
                           f"study's process; null: the usable cores minus one where images are read from files); got "
                           f"{cfg.num_workers!r}")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if cfg.num_workers is not None and cfg.num_workers > cores:  # more would only wait for each other
+        import warnings
+
+        from vitscope.errors import ResultWarning
+
+        warnings.warn(f"num_workers {cfg.num_workers} is more than the {cores} cores this process may use: {cores} "
+                      "image-reading processes are started", ResultWarning, stacklevel=2)
+        cfg.num_workers = cores
     if cfg.save_every < 1:
         raise ConfigError(f"save_every must be at least 1 (partial states are saved every save_every batches); "
                           f"got {cfg.save_every}")
@@ -286,6 +296,23 @@ def _check_dtype_and_device(cfg: StudyConfig) -> None:
     if m.group(1) not in DEVICE_TYPES:
         raise ConfigError(f"device {cfg.device!r}: vitscope runs studies on {', '.join(DEVICE_TYPES)} (cuda:1 picks a "
                           f"GPU), not on {m.group(1)}")
+    if m.group(1) == "cuda" and not _gpu_driver():
+        raise ConfigError(f"device {cfg.device!r} was asked for but this machine has no GPU driver (no /dev/nvidia*, "
+                          "/dev/kfd or /dev/dxg); set device=cpu")
+
+
+def _gpu_driver() -> bool:
+    """Whether a GPU driver torch's ``cuda`` could use may be present (NVIDIA, ROCm's /dev/kfd, WSL's /dev/dxg),
+    known without importing torch; True off Linux and inside a container that hides /dev, where only torch can
+    tell (`preflight` asks it)."""
+    import sys
+    from pathlib import Path
+
+    if not sys.platform.startswith("linux") or not Path("/dev").is_dir() or not os.listdir("/dev"):
+        return True
+    dev = Path("/dev")
+    return any(dev.glob("nvidia*")) or (dev / "kfd").exists() or (dev / "dxg").exists() \
+        or Path("/proc/driver/nvidia").exists()
 
 
 def _check_labels(cfg: StudyConfig) -> None:

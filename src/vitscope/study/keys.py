@@ -217,12 +217,14 @@ def analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: S
 
 
 def dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> dict[str, Any]:
-    """What decides each slot's pixels: the dataset's spec, the ids selected and how images are resized
-    (`vitscope.data.transforms.PIXELS_VERSION`: results computed from other pixels are not reused)."""
+    """What decides each slot's pixels and batches: the dataset's spec, the ids selected, how images are resized
+    (`vitscope.data.transforms.PIXELS_VERSION`: results computed from other pixels are not reused) and the
+    batch size that cuts them into chunks (a forward's rounding depends on its batch: entries computed in other
+    batches would differ in the last bits, so a cache entry is bit for bit what this study would compute)."""
     from vitscope.data.transforms import PIXELS_VERSION
     from vitscope.study.config import study_datasets
 
     dcs = study_datasets(cfg)
     return {slot: {**asdict(dcs[name]), "selected": sources[name].selection if name in sources else None,
-                   "pixels": PIXELS_VERSION}
+                   "pixels": PIXELS_VERSION, "batch_size": cfg.batch_size}
             for slot, name in ap.slots.items()}

@@ -19,6 +19,7 @@ import torch
 from vitscope.analyses.base import PairAnalysis
 from vitscope.capture import stream
 from vitscope.data.base import batch_parts
+from vitscope.data.pipeline import worker_death
 from vitscope.data.views import CLEAN, apply_view
 from vitscope.errors import InputError
 from vitscope.models.adapter import ModelInfo
@@ -89,7 +90,8 @@ def pass_batches(src: Source, view: str, pre: Any, seed: int, start: int, timing
     size = len(src.chunks[0]) if src.chunks else 0
     viewed = None if view == CLEAN else functools.partial(apply_view, spec=view, mean=pre.mean, std=pre.std, seed=seed)
     chunks = chunk_batches(src.dataset, src.chunks, pre, start, workers, pin_memory=gpu,  # in the batch's buffer
-                           transform=functools.partial(viewed, inplace=True) if on_host and viewed else None)
+                           transform=functools.partial(viewed, inplace=True) if on_host and viewed else None,
+                           known_skips=src.skipped)
     try:
         for item in chunks:
             k, batch = item.k, item.batch
@@ -346,9 +348,13 @@ def _pass(cfg: StudyConfig, vm: Any, p: PassKey, sources: dict[str, Source], job
         stream(vm, batches, [j.analysis for j in jobs], dtype=cfg.dtype, progress=cfg.progress,
                total=sum(len(c) for c in src.chunks[start:]), on_batch=after, first=start, seen=seen, desc=desc,
                timings=timings)
-    except BaseException:
+    except BaseException as e:
         batches.close()  # the reading workers end first
         record()  # what is done: `run_model` saves every started job of the model, this pass's too
+        # a reading worker's death said by torch's SIGCHLD handler wherever the pass stood: named with the batch
+        died = worker_death(e, f"during batch {max(seen) + 1} of {n_chunks} of {src.name}")
+        if died is not None:
+            raise died from None
         raise
     record()
     n = sum(len(c) for c in src.chunks)

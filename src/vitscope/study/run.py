@@ -32,12 +32,12 @@ from typing import Any
 import pandas as pd
 import torch
 
-from vitscope.errors import StudyInterrupted
+from vitscope.errors import StudyInterrupted, WorkerDied
 from vitscope.files import write_atomic
 from vitscope.models.adapter import ModelInfo
 from vitscope.study import helper as helpers
 from vitscope.study import rundir
-from vitscope.study.cache import Cache, default_cache_dir, digest
+from vitscope.study.cache import Cache, default_cache_dir, digest, model_folders
 from vitscope.study.config import StudyConfig, preflight, to_yaml
 from vitscope.study.cost import announce
 from vitscope.study.distributed import Dist
@@ -82,15 +82,24 @@ def run_study(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None = No
     except KeyboardInterrupt as e:
         if isinstance(e, StudyInterrupted):
             raise
-        raise StudyInterrupted(_what_is_saved(cfg, progress)) from None
+        raise StudyInterrupted(f"interrupted: {_what_is_saved(cfg, progress)}") from None
+    except (WorkerDied, RuntimeError) as e:  # a reading worker died: the pass saved its partial states as it
+        # died (`passes.run_model`); said as after Ctrl-C (its SIGCHLD error can surface outside the reading loop)
+        from vitscope.data.pipeline import worker_death
+
+        died = e if isinstance(e, WorkerDied) else worker_death(e, "during a pass")
+        if died is None:
+            raise
+        raise WorkerDied(f"{died}; {_what_is_saved(cfg, progress)}") from None
 
 
 def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
-    """One sentence after Ctrl-C: how many of the study's models have every analysis in the cache, which hold
-    partial states, and that the same command resumes (a pass saves its partial states when it dies)."""
+    """What the cache keeps when a run dies (Ctrl-C, a stop signal, a reading worker killed), as the rest of one
+    sentence: how many of the study's models have every analysis in the cache, which hold partial states, and
+    that the same command resumes (a pass saves its partial states when it dies)."""
     resume = "rerun the same command to resume from there"
     if "sources" not in progress:
-        return "interrupted before any model ran: nothing was computed yet"
+        return "no model had run yet, so nothing was computed"
     plan, sources, cache = progress["plan"], progress["sources"], progress["cache"]
     single = [ap for ap in plan.analyses if not ap.pair]
     done, partial = [], []
@@ -107,13 +116,13 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
                 images = sum(KEPT.get(mkey, {}).values())
                 partial.append(label_of(mc) + (f" ({images:,} images of its passes kept)" if images else ""))
     except Exception:  # noqa: BLE001 - the message must not fail: say the general case
-        return f"interrupted; what was finished is in the cache ({cache.root}): {resume}"
+        return f"what was finished is in the cache ({cache.root}): {resume}"
     said = f"{len(done)} of {len(plan.models)} models' results are in the cache ({cache.root})"
     if partial:
         said += f", with partial states of {', '.join(partial)}"
     if len(done) == len(plan.models):
         said += f" (the {'report was' if progress.get('tables') else 'tables and report were'} not written)"
-    return f"interrupted: {said}; {resume}"
+    return f"{said}; {resume}"
 
 
 def _locked_run(cfg: StudyConfig, on_batch: Callable[[str, int], None] | None, overwrite: bool,
@@ -163,7 +172,9 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
     plan = make_plan(cfg)
     config_key = _config_key(cfg)
     cache_root = Path(cfg.cache_dir or default_cache_dir(out))
-    claimed = rundir.claim(out, config_key, overwrite, keep=(cache_root,)) if dist.is_main else {}
+    # the cache's folders are vitscope's own, also where the cache is the run directory itself
+    keep = (cache_root, *(model_folders(cache_root) if cache_root.resolve() == out.resolve() else ()))
+    claimed = rundir.claim(out, config_key, overwrite, keep=keep) if dist.is_main else {}
     cache = Cache(cache_root)
     sources = {name: _source(name, dc, cfg, plan, dist) for name, dc in plan.datasets.items()}
     check_batch_sizes(cfg, plan, sources, dist.world)

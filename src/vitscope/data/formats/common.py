@@ -22,14 +22,15 @@ import torch
 from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
 from vitscope.data.preprocess import to_rgb
 from vitscope.data.transforms import Framing, collate
-from vitscope.errors import InputError
+from vitscope.errors import InputError, VitscopeWarning
 from vitscope.models.registry import Preprocessing
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 
 
-class SkippedImagesWarning(UserWarning):
-    """Some images of a pass could not be read and were left out (listed in ``dataset.skipped``)."""
+class SkippedImagesWarning(VitscopeWarning):
+    """Some images of a pass could not be read and were left out (listed in ``dataset.skipped``, and in a study's
+    manifest.json under ``skipped_images``)."""
 
 
 class NothingReadable(InputError):
@@ -222,7 +223,8 @@ class FileDataset:
             shown = "; ".join(f"{p} ({r})" for p, r in new[:3]) + (f"; ... ({len(new) - 3} more)"
                                                                     if len(new) > 3 else "")
             warnings.warn(f"{self.name}: {len(new)} of {tried} images could not be read and were skipped: {shown}. "
-                          "The full list is in .skipped", SkippedImagesWarning, stacklevel=3)
+                          "A study's manifest.json lists every one (skipped_images); code reads the dataset's .skipped",
+                          SkippedImagesWarning, stacklevel=3)
         if finished and tried and not read:
             raise NothingReadable(f"{self.name}: none of the {tried} images could be read (first: {new[0][0]}: "
                              f"{new[0][1]})")
