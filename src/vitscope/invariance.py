@@ -202,6 +202,28 @@ def _start_noise(init: str, ids: torch.Tensor, shape: tuple[int, ...], seed: int
     return out
 
 
+def inversion_chunks(n_taps: int, n_images: int, max_rows: int | None = None) -> list[list[tuple[int, int, int]]]:
+    """How `invert` splits its ``n_taps x n_images`` rows (one group of rows per tap, in depth order) into the
+    chunks it optimises one after the other, each with one forward per step: whole groups where ``max_rows``
+    (None: all rows) allows, else rows within each group; a chunk is a list of (group, first row, rows)."""
+    max_rows = max(int(max_rows or n_taps * n_images), 1)
+    pieces: list[tuple[int, int, int]] = []  # (group, first row, n rows)
+    per = max(1, min(n_images, max_rows))
+    for g in range(n_taps):
+        for s in range(0, n_images, per):
+            pieces.append((g, s, min(per, n_images - s)))
+    chunks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    for p in pieces:
+        if cur and sum(q[2] for q in cur) + p[2] > max_rows:
+            chunks.append(cur)
+            cur = []
+        cur.append(p)
+    if cur:
+        chunks.append(cur)
+    return chunks
+
+
 def invert(
     vm: ViTModel,
     images: torch.Tensor,
@@ -270,22 +292,7 @@ def invert(
 
     start = _start_noise(init, ids, tuple(x.shape[1:]), seed, repeat).to(device)
     n_l = len(sorted_taps)
-    max_rows = max(int(max_rows or n_l * b), 1)
-    # chunks of whole groups where possible, else of rows within each group
-    pieces: list[tuple[int, int, int]] = []  # (group, first row, n rows)
-    per = max(1, min(b, max_rows))
-    for g in range(n_l):
-        for s in range(0, b, per):
-            pieces.append((g, s, min(per, b - s)))
-    chunks: list[list[tuple[int, int, int]]] = []
-    cur: list[tuple[int, int, int]] = []
-    for p in pieces:
-        if cur and sum(q[2] for q in cur) + p[2] > max_rows:
-            chunks.append(cur)
-            cur = []
-        cur.append(p)
-    if cur:
-        chunks.append(cur)
+    chunks = inversion_chunks(n_l, b, max_rows)
 
     best_u = start.unsqueeze(0).repeat(n_l, 1, 1, 1, 1)
     best_err = torch.full((n_l, b), math.inf)

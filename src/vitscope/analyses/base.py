@@ -21,6 +21,12 @@ which pass it belongs to (``batch.dataset``, ``batch.view``); the planner sets `
 
 `PairAnalysis` is the same protocol over two models at once (both loaded, gradients allowed), for lenses such
 as representation inversion that cannot be computed from one model's activations.
+
+Forward calls an analysis makes itself, beside the passes the study streams (a statistics pass in ``prepare``, a
+forward and backward per batch, inversions, reruns of later blocks), are declared by ``own_forwards`` (a list
+of `Forwards`, computed from its parameters, the model's architecture and the sizes of its data, `DataSizes`),
+so the estimate before a run (`vitscope.study.cost`) counts them without running anything; a pair analysis
+declares every forward of its stage.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import inspect
 import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
@@ -46,6 +53,47 @@ if TYPE_CHECKING:
 
 COLUMNS = ["model", "analysis", "metric", "layer", "head", "token_view", "value"]
 PAIR_COLUMNS = ["model_b", "layer_b"]
+
+
+@dataclass(frozen=True)
+class Forwards:
+    """Forward calls an analysis makes itself, beside the passes the study streams (`Analysis.own_forwards`,
+    `PairAnalysis.own_forwards`), as the estimate before a run counts them (`vitscope.study.cost`).
+
+    ``calls`` forward calls of ``images`` images in all (the rows of every call together); ``gradients``: each
+    call is followed by a backward (about two forwards' work more). ``blocks``: the block passes (images x
+    blocks) of all of them, where fewer than every image through every block (rows that leave after an earlier
+    block, a pass that stops after its deepest tap, a rerun from a later block); None: every block. ``model``:
+    in a pair analysis the model that runs them, ``"a"`` or ``"b"`` (an analysis of one model: ``""``).
+    ``once``: a name for products kept in the study cache and read back by every later stage that asks for
+    them (model A's inversions, which every pair (A, B) shares): calls with the same ``once`` of the same model,
+    analysis and dataset are made once per run."""
+
+    calls: int
+    images: int
+    gradients: bool = False
+    blocks: int | None = None
+    model: str = ""
+    once: str = ""
+
+
+@dataclass(frozen=True)
+class DataSizes:
+    """What the estimate before a run knows of an analysis's main dataset without reading an image: the images
+    of each batch of a pass over it (``batches``, the study's chunks), how many images are selected
+    (``selected``), the study's ``batch_size``, and ``classes``: how many classes its labels name (0 where the
+    dataset does not say), None for a dataset without labels."""
+
+    batches: tuple[int, ...]
+    selected: int
+    batch_size: int
+    classes: int | None = None
+
+    def first(self, n: int) -> list[int]:
+        """The images of each batch ``first_images(n)`` yields (`Analysis.prepare`): the first ``n`` selected
+        images (all of them when fewer are selected) in batches of ``batch_size``."""
+        k, size = min(int(n), self.selected), max(int(self.batch_size), 1)
+        return [min(size, k - s) for s in range(0, k, size)]
 
 
 class _Lifecycle(ABC):
@@ -182,6 +230,12 @@ class Analysis(_Lifecycle):
         """Its finalize steps that grow faster than linearly in the images, each with its size (`study/cost.py`)."""
         return []
 
+    def own_forwards(self, vm: ViTModel, data: DataSizes) -> list[Forwards]:
+        """The forward calls it makes itself on ``vm`` (the architecture; its weights are never read), beside the
+        streamed passes, when its passes run over ``data`` (`Forwards`; the statistics pass of ``prepare`` among
+        them), for the estimate before a run (`study/cost.py`). Default: none."""
+        return []
+
     @abstractmethod
     def update(self, feats: Mapping[str, torch.Tensor], batch: Batch) -> None: ...
 
@@ -239,6 +293,13 @@ class PairAnalysis(_Lifecycle):
 
     @abstractmethod
     def update(self, vm_a: ViTModel, vm_b: ViTModel, batch: Batch) -> None: ...
+
+    def own_forwards(self, vm_a: ViTModel, vm_b: ViTModel, data: DataSizes) -> list[Forwards]:
+        """Every forward call of its stage over ``data`` (the stage's pass over its main dataset, clean: one
+        ``update`` per batch of ``data.batches``) on ``vm_a`` and ``vm_b`` (the architectures; their weights are
+        never read), for the estimate before a run (`study/cost.py`): `Forwards` with ``model`` ``"a"`` or
+        ``"b"``. Default: none."""
+        return []
 
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
         df = tidy_frame(rows, self.model_a, self.name)

@@ -51,10 +51,11 @@ from vitscope.metrics import intervals as I
 from vitscope.metrics import invariance as M
 
 if TYPE_CHECKING:
+    from vitscope.analyses.base import DataSizes
     from vitscope.data.base import Batch
     from vitscope.models.adapter import ModelInfo, ViTModel
 
-from vitscope.analyses.base import PairAnalysis, register_analysis
+from vitscope.analyses.base import Forwards, PairAnalysis, register_analysis
 
 # corruptions of the dynamics: the robustness lens's (`vitscope.data.perturb`), with CIFAR-10-C's constants
 # (made for 32-px images); default Gaussian noise, Gaussian blur and contrast at severities 3 and 5
@@ -245,6 +246,49 @@ class Stir(PairAnalysis):
         p = pix.float()
         return INV.Inversion(images=(p - mean) / std, pixels=p, rel_error=err.float(),
                              diverged=~torch.isfinite(err), taps=[])
+
+    # -- cost ------------------------------------------------------------------------------------------------
+    def own_forwards(self, vm_a: ViTModel, vm_b: ViTModel, data: DataSizes) -> list[Forwards]:
+        """Per batch of B images, with L taps: each model reads the batch (one forward each); per repeat, A is
+        inverted (a forward of its targets, then per chunk of rows, `vitscope.invariance.inversion_chunks`,
+        ``iterations`` steps with gradients and a last forward without; the rows of a tap leave after its block),
+        its inversions are measured by both models (one forward of L x B images each), and B is inverted and
+        measured the same way; where B's classifier head covers the dataset's classes, one forward of the clean
+        and the corrupted images gives its accuracy. A's inversions are kept in the study cache (``once``): every
+        B compared with A reads them back. B's are counted even where B has A's encoder (and reuses A's
+        inversions), which only its weights tell."""
+        n_taps, deep = len(self.taps), max(self.layers) + 1  # a pass that reads the taps stops after the deepest
+        n_out = getattr(getattr(vm_b.model, "head", None), "out_features", None)
+        accuracy = data.classes is not None and bool(n_out) and int(data.classes) <= int(n_out)
+        sums: dict[tuple[str, bool, str], list[int]] = {}
+
+        def add(model: str, calls: int, images: int, blocks: int | None, gradients: bool = False,
+                once: str = "") -> None:
+            row = sums.setdefault((model, gradients, once), [0, 0, 0])
+            row[0] += calls
+            row[1] += images
+            row[2] += images * (vm_a if model == "a" else vm_b).depth if blocks is None else blocks
+
+        once = self._inv_key()
+        for b in data.batches:
+            for side in ("a", "b"):
+                add(side, 1, b, b * deep)  # the clean features
+            chunks = INV.inversion_chunks(n_taps, b, self.max_rows)
+            for _ in range(self.repeats):
+                for side, kept in (("a", once), ("b", "")):
+                    add(side, 1, b, b * deep, once=kept)  # the inversion's targets
+                    for chunk in chunks:
+                        rows = sum(n for _, _, n in chunk)
+                        blocks = sum(n * (self.layers[g] + 1) for g, _, n in chunk)
+                        if self.iterations:
+                            add(side, self.iterations, self.iterations * rows, self.iterations * blocks,
+                                gradients=True, once=kept)
+                        add(side, 1, rows, blocks, once=kept)  # the error of the last iterate
+                    for measured in ("a", "b"):
+                        add(measured, 1, n_taps * b, n_taps * b * deep)
+            if accuracy:
+                add("b", 1, b * (1 + len(self.corruptions)), None)
+        return [Forwards(c, i, gradients=g, blocks=k, model=m, once=o) for (m, g, o), (c, i, k) in sums.items()]
 
     # -- accumulation ------------------------------------------------------------------------------------------
     def _measure_all(self, vm: ViTModel, inv: INV.Inversion) -> list[list[torch.Tensor]]:

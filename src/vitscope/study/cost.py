@@ -2,6 +2,13 @@
 first forward): passes, images per pass, forwards, how much the cache grows, the memory of the largest batch's
 captured taps, and the finalize steps that grow faster than linearly.
 
+The forwards are every forward call of the run: one per chunk of each (model, dataset, view) pass, an ablated
+variant's statistics pass, the calls the analyses make themselves (statistics passes in ``prepare``, a forward
+and backward per batch, reruns of later blocks: `Analysis.own_forwards`) and every call of the pair stages
+(inversions with gradients among them: `PairAnalysis.own_forwards`), each declared by its analysis from its
+parameters, the architecture and the sizes of its data. A call followed by a backward counts as `1 + BACKWARD`
+forwards' work in the hours; rows that leave the forward after an earlier block count only the blocks they pass.
+
 No weights are read: each model's architecture is built by timm on the meta device (shapes, no storage), from
 the registry entry, the timm name and the config's ``kwargs``, or the metadata a vitscope checkpoint stores;
 the analyses are instantiated on that model, so the taps and sizes are theirs (`Analysis.required_taps`,
@@ -30,6 +37,9 @@ TAP_BYTES = 4
 #: a run estimated to take longer than this many hours of forwards is warned about before it starts (not refused)
 MAX_HOURS = 24
 
+#: forwards' work of a backward pass (a forward call with gradients costs 1 + BACKWARD forwards)
+BACKWARD = 2
+
 #: sustained multiply-adds x 2 per second of a ViT forward, by device type: a time estimate's throughput (an order of
 #: magnitude: a few CPU cores in float32, one recent GPU in half precision)
 FLOPS_PER_SECOND = {"cpu": 1e11, "cuda": 5e13, "mps": 5e12}
@@ -44,19 +54,29 @@ def forward_flops(vm: Any) -> int:
     return int(vm.depth * per_block)
 
 
+def forwards_flops(vm: Any, f: Any) -> int:
+    """Floating-point operations of the forward calls ``f`` (a `vitscope.analyses.base.Forwards`) on ``vm``: their
+    block passes at `forward_flops` per image and block, times 1 + `BACKWARD` when each has a backward."""
+    work = forward_flops(vm) * f.images if f.blocks is None else forward_flops(vm) * f.blocks // max(vm.depth, 1)
+    return int(work * (1 + BACKWARD if f.gradients else 1))
+
+
 @dataclass
 class Estimate:
     passes: int = 0                                    # (model, dataset, view) passes left to run
     images: dict[str, int] = field(default_factory=dict)  # "dataset view" -> images per pass
-    forwards: int = 0                                  # forward batches in total
+    forwards: int = 0                                  # forward calls in total (passes, statistics, analyses, pairs)
+    forward_images: int = 0                            # images through them, every call together
+    gradients: int = 0                                 # of those calls, the ones followed by a backward
+    own: dict[str, list[int]] = field(default_factory=dict)  # analysis -> its own [calls, images, with gradients]
     cache_bytes: int = 0                               # what the cache grows by
     tap_bytes: int = 0                                 # captured taps of the largest batch
     largest: str = ""                                  # which batch that is
     largest_batch: int = 0                             # its images
     superlinear: list[str] = field(default_factory=list)
-    pairs: list[str] = field(default_factory=list)
+    pairs: list[str] = field(default_factory=list)    # each pair stage in words: what it costs, or cached
     notes: list[str] = field(default_factory=list)
-    flops: int = 0                                     # of every forward, `forward_flops` per image
+    flops: int = 0                                     # of every forward (and backward): `forwards_flops`
     device: str = "cpu"
     n_models: int = 0
     cached: int = 0                                    # (model, analysis) results already in the cache
@@ -82,7 +102,8 @@ class Estimate:
 
         views = ", ".join(f"{k}: {v}" for k, v in self.images.items())
         said = [f"cost: {self.passes} passes (models x datasets x views; images per pass: {views or 'none'}), "
-                f"{self.forwards} forwards in total"]
+                f"{self.forwards} forwards in total over {self.forward_images:,} images"
+                + (f" ({self.gradients} of them with gradients)" if self.gradients else "")]
         if self.cached:
             said.append(f"{self.cached} of {self.total} model x analysis results already in the cache")
         if self.flops:
@@ -92,11 +113,22 @@ class Estimate:
             said.append(f"the largest batch's captured taps take {human(self.tap_bytes)} ({self.largest})")
         if self.superlinear:
             said.append("finalize steps that grow faster than linearly: " + "; ".join(self.superlinear))
+        if self.own:
+            said.append("forwards the analyses make themselves, beside the passes: " + "; ".join(
+                f"{name}: {_calls(c, i, g)}" for name, (c, i, g) in self.own.items()))
         if self.pairs:
             said.append("pair stages (after both models' passes): " + "; ".join(self.pairs))
         warning = self.warning()
         return (", ".join(said[:2]) + "; " + "; ".join(said[2:]) + "." + "".join(f" Note: {n}." for n in self.notes)
                 + (f" Warning: {warning}." if warning else ""))
+
+
+def _calls(calls: int, images: int, gradients: int) -> str:
+    """Forward calls in words: '222 forward calls over 82,112 images, 200 of them with gradients'."""
+    said = f"{calls:,} forward call{'s' if calls != 1 else ''} over {images:,} images"
+    if gradients:
+        said += ", with gradients" if gradients == calls else f", {gradients:,} of them with gradients"
+    return said
 
 
 def architecture(mc: Any, builds: dict[str, Any] | None = None) -> Any:
@@ -148,8 +180,9 @@ def tap_elements(vm: Any, tap: str) -> int:
 
 def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: Iterable[str] | None = None,
              notes: Iterable[str] = ()) -> Estimate:
-    """The cost of running ``plan`` now: only the (model, analysis) results ``cache`` lacks (all of them for
-    an empty cache), of the models ``labels`` (all by default; a slice, which runs no pair stage)."""
+    """The cost of running ``plan`` now: only the (model, analysis) results and the pair stages ``cache`` lacks
+    (all of them for an empty cache), of the models ``labels`` (all by default; a slice, which runs no pair
+    stage)."""
     from vitscope.study.keys import analysis_key as _analysis_key
     from vitscope.study.keys import model_key as _model_key
 
@@ -182,11 +215,13 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
         for d, v in passes:
             est.images[f"{d} {v}"] = n_of[d]
             est.forwards += len(sources[d].chunks)
+            est.forward_images += n_of[d]
         if not todo:
             continue
         stats = _statistics_images(mc, sources)  # an ablated variant's statistics pass, when it has one
         if stats:
             est.forwards += math.ceil(stats / max(int(getattr(cfg, "batch_size", 1)), 1))
+            est.forward_images += stats
         vm = architecture(mc, builds)
         if isinstance(vm, str):
             if not any(vm in n for n in est.notes):
@@ -198,6 +233,10 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             for step in analyses[ap.name].superlinear(n_of[ap.slots["data"]]):
                 if f"{step} ({ap.name})" not in est.superlinear:
                     est.superlinear.append(f"{step} ({ap.name})")
+            own = analyses[ap.name].own_forwards(vm, data_sizes(ap.slots["data"], plan, sources, cfg))
+            if own:
+                counted = _count(est, own, {"": vm})
+                est.own[ap.name] = [x + y for x, y in zip(est.own.get(ap.name, [0, 0, 0]), counted, strict=True)]
         est.flops += stats * forward_flops(vm)
         for d, v in passes:
             est.flops += n_of[d] * forward_flops(vm)
@@ -210,10 +249,83 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
                 est.tap_bytes = size
                 est.largest = f"{label} on {d} {v}: {batch_of[d]} images x {len(taps)} taps"
                 est.largest_batch = batch_of[d]
-    for ap in plan.analyses if wanted is None else []:  # a slice of the models runs no pair stage
-        for a, b in ap.pairs:
-            est.pairs.append(f"{ap.name} {a} -> {b} on {n_of[ap.slots['data']]} images")
+    if wanted is None:  # a slice of the models runs no pair stage
+        _pair_stages(est, cfg, plan, sources, cache, builds)
     return est
+
+
+def data_sizes(name: str, plan: Plan, sources: dict[str, Any], cfg: Any) -> Any:
+    """What an analysis whose main dataset is ``name`` declares its own forwards from (`DataSizes`): the images
+    of each chunk, the images selected, the batch size, and the number of classes of a dataset with labels."""
+    from vitscope.analyses.base import DataSizes
+    from vitscope.data.catalog import get_format
+
+    src = sources[name]
+    classes = None
+    if "labels" in get_format(plan.datasets[name].name).provides:
+        classes = len(getattr(src.dataset, "classes", None) or ())
+    return DataSizes(tuple(len(c) for c in src.chunks), int(src.n_selected),
+                     int(getattr(cfg, "batch_size", 1) or 1), classes)
+
+
+def _count(est: Estimate, forwards: Iterable[Any], models: dict[str, Any]) -> tuple[int, int, int]:
+    """Add ``forwards`` (`Forwards`, each run on ``models[f.model]``) to ``est``: calls, images, flops; returns
+    (calls, images, calls with gradients)."""
+    calls = images = gradients = 0
+    for f in forwards:
+        calls += f.calls
+        images += f.images
+        gradients += f.calls if f.gradients else 0
+        est.flops += forwards_flops(models[f.model], f)
+    est.forwards += calls
+    est.forward_images += images
+    est.gradients += gradients
+    return calls, images, gradients
+
+
+def _pair_stages(est: Estimate, cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any,
+                 builds: dict[str, Any]) -> None:
+    """Every pair stage the cache lacks: its forward calls (`PairAnalysis.own_forwards` over its pass of the
+    main dataset) into ``est``, and a sentence each in ``est.pairs``. Products a stage keeps for later ones
+    (`Forwards.once`: model A's inversions) count at their first stage, and not at all where a stage that made
+    them is in the cache (the study cache kept them beside it)."""
+    by_label = {label_of(m): m for m in plan.models}
+    made: set[tuple[str, ...]] = set()
+    for ap in plan.analyses:
+        for a, b in ap.pairs:
+            d = ap.slots["data"]
+            said = f"{ap.name} {a} -> {b} on the {sum(len(c) for c in sources[d].chunks):,} images of {d}"
+            finished = _pair_finished(cfg, ap, by_label[a], by_label[b], sources, cache)
+            vm_a, vm_b = architecture(by_label[a], builds), architecture(by_label[b], builds)
+            unknown = [vm for vm in (vm_a, vm_b) if isinstance(vm, str)]
+            if unknown:
+                if not finished:
+                    est.notes += [vm for vm in unknown if not any(vm in n for n in est.notes)]
+                est.pairs.append(f"{said}: {'in the cache' if finished else 'not estimated'}")
+                continue
+            stage = ap.cls(vm_a.info(), vm_b.info(), **ap.params)
+            stage.datasets = dict(ap.slots)
+            forwards = stage.own_forwards(vm_a, vm_b, data_sizes(d, plan, sources, cfg))
+            kept = {f: (ap.name, a if f.model == "a" else b, d, f.once) for f in forwards if f.once}
+            forwards = [f for f in forwards if kept.get(f) not in made]  # made by an earlier stage
+            made.update(kept.values())  # a finished stage kept its products in the same cache
+            if finished:
+                est.pairs.append(f"{said}: in the cache")
+                continue
+            calls, images, gradients = _count(est, forwards, {"a": vm_a, "b": vm_b})
+            est.pairs.append(f"{said}: {_calls(calls, images, gradients)}")
+
+
+def _pair_finished(cfg: Any, ap: Any, mc_a: Any, mc_b: Any, sources: dict[str, Any], cache: Any) -> bool:
+    """Whether ``cache`` holds the finished pair stage (``ap``, A, B), under the key `stages.run_pair` gives it."""
+    from vitscope.study.keys import model_key as _model_key
+    from vitscope.study.keys import pair_keys
+
+    try:
+        pkey, akey = pair_keys(_model_key(mc_a, sources)[1], _model_key(mc_b, sources)[1], ap, sources, cfg)
+    except Exception:  # noqa: BLE001 - a file that is not there (a dry run notes it): nothing cached
+        return False
+    return bool(cache.finished(pkey, ap.name, akey))
 
 
 def _statistics_images(mc: Any, sources: dict[str, Any]) -> int:

@@ -216,6 +216,14 @@ def analysis_key(mkey: str, ap: AnalysisPlan, sources: dict[str, Source], cfg: S
                   cfg.dtype, cfg.seed)
 
 
+def pair_keys(mkey_a: str, mkey_b: str, ap: AnalysisPlan, sources: dict[str, Source],
+              cfg: StudyConfig) -> tuple[str, str]:
+    """The cache keys of a pair stage of models (a, b): its folder's (both models' keys) and its entry's."""
+    pkey = digest(mkey_a, mkey_b)
+    return pkey, digest(pkey, dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, cfg.dtype,
+                        cfg.seed)
+
+
 def dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig) -> dict[str, Any]:
     """What decides each slot's pixels and batches: the dataset's spec, the ids selected, how images are resized
     (`vitscope.data.transforms.PIXELS_VERSION`: results computed from other pixels are not reused) and the

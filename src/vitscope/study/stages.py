@@ -18,7 +18,7 @@ from vitscope.models.adapter import ModelInfo
 from vitscope.study.cache import Cache, digest
 from vitscope.study.config import StudyConfig
 from vitscope.study.distributed import Dist
-from vitscope.study.keys import Source, dataset_keys
+from vitscope.study.keys import Source, dataset_keys, pair_keys
 from vitscope.study.passes import (
     Job,
     device_of,
@@ -41,8 +41,7 @@ def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str
              on_batch: Callable[[str, int], None] | None) -> Job:
     """A pair analysis of models (a, b): cached, resumable per chunk and sharded like a pass."""
     mc_b = pool.by_label[b]
-    pkey = digest(mkeys[a], mkeys[b])
-    akey = digest(pkey, dataset_keys(ap, sources, cfg), ap.name, ap.cls.state_version, ap.params, cfg.dtype, cfg.seed)
+    pkey, akey = pair_keys(mkeys[a], mkeys[b], ap, sources, cfg)
     job = Job(ap, akey, cache.path(pkey, ap.name, akey), cache.path(pkey, ap.name, akey, (dist.rank, dist.world)))
 
     def make(info_a: ModelInfo, info_b: ModelInfo) -> Any:

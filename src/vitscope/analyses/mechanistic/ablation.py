@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 import pandas as pd
 import torch
 
-from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.base import Analysis, DataSizes, Forwards, register_analysis
 from vitscope.analyses.mechanistic._common import _Means, _Mechanistic
 from vitscope.analyses.mechanistic.logit_lens import LogitLens
 from vitscope.bounds import Count
@@ -119,6 +119,19 @@ class HeadAblation(_Mechanistic):
         from vitscope.models.ablation import head_means
 
         self.head_mean, self.mean_n = head_means(vm, self.layers, first_images, self.mean_images, self.name)
+
+    def own_forwards(self, vm: Any, data: DataSizes) -> list[Forwards]:
+        """Per batch of B images and per ablated block i, one rerun of the blocks from i on for its ablation sets
+        (sets x B images, ``depth - i`` blocks each); mode ``mean`` adds the statistics pass over the first
+        ``mean_images`` images, up to the last ablated block."""
+        n, batches = sum(data.batches), len(data.batches)
+        G, layers = self.n_sets, self.layers
+        out = [Forwards(batches * len(layers), G * n * len(layers),
+                        blocks=G * n * sum(self.depth - i for i in layers))]
+        if self.mode == "mean":
+            first = data.first(self.mean_images)
+            out.append(Forwards(len(first), sum(first), blocks=sum(first) * (max(layers, default=-1) + 1)))
+        return out
 
     def _ablated(self, x: torch.Tensor, layer: int) -> torch.Tensor:
         """``(G, B, ...)`` model outputs with ablation set g of block ``layer`` (head g, or every head) in group g."""

@@ -9,7 +9,7 @@ from typing import Any, Literal, cast
 import pandas as pd
 import torch
 
-from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.base import Analysis, DataSizes, Forwards, register_analysis
 from vitscope.analyses.mechanistic._common import _Means, _Mechanistic
 from vitscope.analyses.splits import TestEvery
 from vitscope.bounds import Count, Positive
@@ -158,6 +158,14 @@ class HighNormTokens(_Mechanistic):
         fits = [M.bimodal_threshold(torch.cat([v.flatten() for v in lv])) for lv in logs]
         self.thresholds = torch.tensor(fits, dtype=torch.float64).T.contiguous()  # (3, L)
         self.threshold_n = n
+
+    def own_forwards(self, vm: Any, data: DataSizes) -> list[Forwards]:
+        """Rule ``bimodal``: the statistics pass over the first ``threshold_images`` images, up to the last block
+        it reads."""
+        if self.rule != "bimodal":
+            return []
+        first = data.first(self.threshold_images)
+        return [Forwards(len(first), sum(first), blocks=sum(first) * (max(self.layers, default=-1) + 1))]
 
     def _rule_text(self) -> str:
         if self.rule == "bimodal":

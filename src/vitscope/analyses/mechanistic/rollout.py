@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 from vitscope.analyses.attention import _saliency_iou_of
-from vitscope.analyses.base import register_analysis
+from vitscope.analyses.base import DataSizes, Forwards, register_analysis
 from vitscope.analyses.mechanistic._common import _Means, _Mechanistic
 from vitscope.bounds import Range
 from vitscope.capture.engine import taps_paused
@@ -173,6 +173,13 @@ class GradientRollout(AttentionRollout):
         if not (self.has_cls_token and self.has_head):
             return []
         return [f"block{i}.attn" for i in self.layers] + ["logits"]  # logits: the pass runs to the end
+
+    def own_forwards(self, vm: Any, data: DataSizes) -> list[Forwards]:
+        """One forward (to the logits) and backward (to the attention maps) per batch of its clean pass, for a
+        model with a CLS token and a classifier head."""
+        if not (self.has_cls_token and self.has_head):
+            return []
+        return [Forwards(len(data.batches), sum(data.batches), gradients=True)]
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         if not self.has_head:
