@@ -10,12 +10,27 @@ before the clock starts: that is study work; measured before and after the study
     python benchmarks/study.py [--images 512] [--batch 32] [--size s|ti|zoo]
 
 For the zoo the goal is study / bare forwards <= 2.5x.
+
+``--imagefolder ROOT`` measures instead what the helper process (study/helper.py) gives a study that reads files:
+the default study with its ``cifar10`` dataset read from ROOT, an ImageFolder (``--images`` of its images, 1000
+unless given), run by `vitscope run` in a new process, nothing cached: without the helper (``VITSCOPE_WORKERS=1``),
+with it, and with it and ``num_workers=0`` (no reading worker in the study's process either). Prints each run's
+wall seconds (the command's, imports and report included), its model stage (the manifest's ``seconds``), its CPU
+seconds (every process of the run), the models the helper computed, the tables that differ from those of the run
+without the helper (and by how much: one process uses two threads, a process beside a helper one, which moves the
+last bits of a few tables), the ratios, and the load averages around each run (a shared machine shows there). A
+missing ROOT is said and skipped.
+
+    python benchmarks/study.py --imagefolder ../shared/data/cifar10/test --images 1000
 """
 
 from __future__ import annotations  # noqa: I001 - vitscope is imported before torch, on purpose
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -79,13 +94,101 @@ def print_where_time_went(manifest: dict, n_models: int) -> None:
     print(f"    cross-model stage and tables {t.get('cross_and_tables', 0):.1f} s, report {t.get('report', 0):.1f} s")
 
 
+def _load() -> str:
+    return "load " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _differences(tables: dict, alone: dict) -> str:
+    """The tables of ``tables`` that are not exactly those of ``alone``, each with its largest relative difference."""
+    import numpy as np
+
+    out = []
+    for name, t in tables.items():
+        other = alone.get(name)
+        if other is not None and t.equals(other):
+            continue
+        if other is None or t.shape != other.shape or list(t.columns) != list(other.columns):
+            out.append(f"{name} (other rows or columns)")
+            continue
+        rel = 0.0
+        for c in t.columns:
+            if not t[c].equals(other[c]):
+                if not np.issubdtype(t[c].dtype, np.number):
+                    rel = float("inf")
+                    break
+                a, b = t[c].to_numpy(float), other[c].to_numpy(float)
+                rel = max(rel, float(np.nanmax(np.abs(a - b) / np.maximum(np.abs(b), 1e-300))))
+        out.append(f"{name} (largest relative difference {rel:.1g})")
+    return "equal" if not out else "differ: " + ", ".join(out)
+
+
+def helper_speedup(root: Path, images: int) -> None:
+    """The default study with its ``cifar10`` dataset read from the ImageFolder ``root`` (``images`` of it), by
+    `vitscope run` in a new process, cold, without the helper process, with it, and with it and ``num_workers=0``:
+    wall, model stage and CPU seconds, ratios, load (module docstring)."""
+    import resource
+
+    import pandas as pd
+    import yaml
+
+    from vitscope.study.config import default_config_path
+    from vitscope.threads import workers
+
+    if not root.is_dir():
+        print(f"helper speed-up: skipped, {root} does not exist (an ImageFolder: root/<class>/<images>)")
+        return
+    if workers() < 2:
+        print("helper speed-up: skipped, this machine runs no helper (one usable core, or VITSCOPE_WORKERS=1)")
+        return
+    study = yaml.safe_load(default_config_path().read_text(encoding="utf-8"))
+    study["datasets"]["cifar10"] = {"name": "imagefolder", "root": str(root.resolve()), "n_images": images}
+    arms = {"alone": ("1", []), "helper": ("2", []), "helper, num_workers=0": ("2", ["num_workers=0"])}
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Path(tmp) / "study.yaml"
+        cfg.write_text(yaml.safe_dump(study, sort_keys=False))
+        for arm, (n_workers, over) in arms.items():
+            out = Path(tmp) / arm.replace(", ", "-").replace("=", "")
+            before, r0 = _load(), resource.getrusage(resource.RUSAGE_CHILDREN)
+            t0 = time.perf_counter()
+            done = subprocess.run([sys.executable, "-m", "vitscope", "run", str(cfg), f"output_dir={out}",
+                                   f"cache_dir={out}-cache", "progress=false", *over],
+                                  env={**os.environ, "VITSCOPE_WORKERS": n_workers}, capture_output=True, text=True)
+            wall = time.perf_counter() - t0
+            r1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the run, its helper and its reading workers
+            cpu = r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime
+            if done.returncode != 0:
+                raise SystemExit(f"{arm}: vitscope run failed\n{done.stdout}{done.stderr}")
+            manifest = json.loads((out / "manifest.json").read_text())
+            helped = [m for m, meta in manifest["models"].items() if meta.get("helper_process")]
+            tables = {f.name: pd.read_parquet(f) for f in sorted((out / "results").glob("*.parquet"))}
+            runs[arm] = (wall, manifest["seconds"], cpu, helped, tables, before, _load())
+    print(f"the default study ({len(study['models'])} models), its cifar10 dataset read from {root} "
+          f"({images} images), by `vitscope run`, nothing cached, one run each, in this order:")
+    for arm, (wall, stage, cpu, helped, tables, before, after) in runs.items():
+        print(f"  {arm:21s} {wall:6.1f} s wall, model stage {stage:6.1f} s, CPU {cpu:6.1f} s; {before} before, "
+              f"{after} after")
+        if arm != "alone":
+            print(f"    the helper computed {len(helped)} models ({', '.join(helped) or 'none'}); tables against "
+                  f"'alone': {_differences(tables, runs['alone'][4])}")
+    for a, b in (("alone", "helper"), ("alone", "helper, num_workers=0"), ("helper, num_workers=0", "helper")):
+        print(f"  {a} / {b}: {runs[a][0] / runs[b][0]:.2f}x wall, {runs[a][1] / runs[b][1]:.2f}x model stage")
+    print(f"  this machine: {os.cpu_count()} cores, shared with other work (see the load averages)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--images", type=int, default=None, help="512 (1000 with --imagefolder)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--size", choices=[*sorted(PAIRS), "zoo"], default="s",
                     help="the model pair (ViT + BEiT, S or Ti), or zoo: the default study as shipped")
+    ap.add_argument("--imagefolder", type=Path, default=None,
+                    help="measure the helper process's speed-up on the default study reading this ImageFolder")
     args = ap.parse_args()
+    if args.imagefolder is not None:
+        helper_speedup(args.imagefolder, args.images or 1000)
+        return
+    args.images = args.images or 512
     default = load_config()
     if args.size == "zoo":
         MODELS = [(m.name, m.label or m.name, {}) for m in default.models]

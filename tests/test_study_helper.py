@@ -244,3 +244,84 @@ def test_an_early_helper_says_when_its_imports_are_done_and_ends_when_dismissed(
     finally:
         H.dismiss()
     assert H._WAITING is None and not waiting._proc.is_alive()
+
+
+def _png_folder(root, n_per_class=24, size=32):
+    """An ImageFolder of generated PNGs: two classes (dark and light), ``n_per_class`` images of ``size`` px each."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c, name in enumerate(("dark", "light")):
+        (root / name).mkdir(parents=True)
+        for i in range(n_per_class):
+            pixels = rng.integers(0, 128, (size, size, 3)) + 127 * c
+            Image.fromarray(pixels.astype(np.uint8)).save(root / name / f"{i:03d}.png")
+    return root
+
+
+def _descendants(pid):
+    """The processes below ``pid`` (children, their children, ...), as {pid: command line}, read from /proc."""
+    parents = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in found:
+                try:
+                    with open(f"/proc/{child}/cmdline", "rb") as f:
+                        found[child] = f.read().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    found[child] = ""
+                todo.append(child)
+    return found
+
+
+def test_an_imagefolder_study_with_a_helper_writes_the_tables_of_one_process_and_leaves_no_process(tmp_path,
+                                                                                                  monkeypatch):
+    """A dataset that reads files: ``num_workers: null`` gives its passes reading workers (the usable cores minus
+    one), which a daemonic helper could not start ("daemonic processes are not allowed to have children"), so the
+    study computed every model itself. The helper computes models of such a study too, the tables equal one
+    process's bit for bit, and no process is left behind."""
+    if not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("reading workers need two usable cores (num_workers: null is 0 on one)")
+    root = _png_folder(tmp_path / "pngs")
+    monkeypatch.setattr(H, "MIN_IMAGES", 0)
+    _helper_claims_first(monkeypatch)
+    pids = []
+    real_init = H.Helper.__init__
+    monkeypatch.setattr(H.Helper, "__init__", lambda self: (real_init(self), pids.append(self._proc.pid))[0])
+    yaml = YAML.format(models="\n".join(MODEL.format(i=i) for i in range(4))).replace(
+        "{name: synthetic-shapes, n_images: 24}", f"{{name: imagefolder, root: '{root}', n_images: 48}}")
+
+    def config(name):
+        cfg = tmp_path / f"{name}.yaml"
+        cfg.write_text(yaml)
+        return load_config(cfg, [f"output_dir={tmp_path / name}", f"cache_dir={tmp_path / (name + '-cache')}"])
+
+    before = set(_descendants(os.getpid()))
+    monkeypatch.setenv("VITSCOPE_WORKERS", "2")
+    helped = run_study(config("helped"))
+    manifest = json.loads((helped / "manifest.json").read_text())
+    by_helper = [m for m, meta in manifest["models"].items() if meta.get("helper_process")]
+    assert by_helper and set(by_helper) < {"m0", "m1", "m2", "m3"}
+    assert manifest["analyses_read_from_cache"] == [0, 12] and not manifest["skipped_images"]
+    left = {p: cmd for p, cmd in _descendants(os.getpid()).items()
+            if p not in before and "resource_tracker" not in cmd}  # multiprocessing's tracker lives as long as this
+    assert len(pids) == 1 and not left, left
+    monkeypatch.setenv("VITSCOPE_WORKERS", "1")
+    alone = run_study(config("alone"))
+    assert not any(m.get("helper_process") for m in json.loads((alone / "manifest.json").read_text())["models"]
+                   .values())
+    for name in ("attention_distance", "cka", "semantics"):
+        a = pd.read_parquet(helped / "results" / f"{name}.parquet")
+        b = pd.read_parquet(alone / "results" / f"{name}.parquet")
+        assert len(a) > 0 and set(a.model) == {"m0", "m1", "m2", "m3"}
+        pd.testing.assert_frame_equal(a, b, check_exact=True)  # bit for bit

@@ -16,6 +16,17 @@ When: `vitscope.threads.workers()` is 2 (two usable cores; ``VITSCOPE_WORKERS=1`
 work left whose passes cover at least `MIN_IMAGES` images each: below that, starting a process (importing
 torch and vitscope, a few seconds) costs more than it saves.
 
+Reading: the helper reads its passes' images itself (``num_workers: 0`` in its copy of the config,
+`helper_config`), also for datasets that read files, where ``num_workers: null`` gives a pass reading workers
+(`vitscope.data.pipeline.auto_workers`). A daemonic process may not start children, and a helper that started its
+own workers would put four busy processes on two cores for a small gain: reading is about a tenth of a model's pass
+(the default study with 1,000 CIFAR-10 JPEGs from an image folder). Reading in its one thread keeps the helper
+daemonic, so it still ends with the study in every path (`close`, `dismiss`, the kernel's ``PR_SET_PDEATHSIG``,
+multiprocessing's exit handler), with no worker of its own to end. The study's process keeps its ``num_workers``:
+without its worker while a helper runs, that study took the same time within the machine's noise
+(`benchmarks/study.py --imagefolder`). Which process read which images does not change a result: the chunks of a
+pass are fixed, and a chunk's pixels do not depend on where it is read (`vitscope.data.pipeline`).
+
 Started early: `vitscope run` starts the helper (`prespawn`) before it imports torch and timm itself, when
 the config lists at least `MIN_MODELS` models, so the helper's imports run on the core the study's own imports
 leave idle; the study then hands it its models (`start`) or dismisses it (`dismiss`). A run that starts no
@@ -69,6 +80,7 @@ class Helper:
 
         # spawn, not fork: the study's process has torch's thread pools running
         ctx = mp.get_context("spawn")
+        _quiet_resource_tracker()
         self.labels: list[str] = []  # the shared list: each process claims its next model from it
         self._next: Any = ctx.Value("i", 0)  # the first unclaimed position of ``labels``
         self._inbox: Any = ctx.Queue()
@@ -104,7 +116,7 @@ class Helper:
         """Give the helper the shared list of models: it claims them one at a time, in this order, as the study's
         process does with `claim` once its own models are done (whoever is free takes the next)."""
         self.labels = list(labels)
-        self._inbox.put((dataclasses.replace(cfg, progress=False), self.labels))
+        self._inbox.put((helper_config(cfg), self.labels))
         return self
 
     def finished(self) -> list[str]:
@@ -169,6 +181,29 @@ class Helper:
 
 
 _WAITING: Helper | None = None  # started by `prespawn`, not yet given its models
+
+#: the warning filter `_quiet_resource_tracker` hands multiprocessing's resource tracker
+_TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
+
+
+def _quiet_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (a process of its own, which outlives a killed study to unlink the
+    helper's queue and counter semaphores) with its warnings off: after a SIGKILL of the study it would print
+    "There appear to be 7 leaked semaphore objects to clean up at shutdown" on the study's stderr, the only
+    line of a run that said nothing else, about a cleanup it does anyway. The tracker takes Python's ``-W``
+    options from ``sys.warnoptions`` when it starts (this process's own warning filters are unchanged)."""
+    import sys
+    from multiprocessing import resource_tracker
+
+    if _TRACKER_QUIET not in sys.warnoptions:
+        sys.warnoptions.append(_TRACKER_QUIET)
+    resource_tracker.ensure_running()
+
+
+def helper_config(cfg: Any) -> Any:
+    """The helper's copy of the study's config: no progress bars, and its passes read their images in the helper
+    itself (``num_workers: 0``; a daemonic process cannot start reading workers, and the two cores are taken)."""
+    return dataclasses.replace(cfg, progress=False, num_workers=0)
 
 
 def _is_stopped(pid: int | None) -> bool:
