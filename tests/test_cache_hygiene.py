@@ -89,7 +89,8 @@ def test_prune_older_than_removes_only_old_entries_and_a_rerun_recomputes_only_t
     found = units(tmp_path / "cache")
     first = found[0].model_dir
     age([u.path for u in found if u.model_dir == first], days=40)
-    assert main(["cache", "prune", str(tmp_path / "cache"), "--older-than", "30d"]) == 0
+    # the options before the folder, as `vitscope cache prune --older-than 30d DIR` is written too
+    assert main(["cache", "prune", "--older-than", "30d", str(tmp_path / "cache")]) == 0
     assert "removed 2 entries" in capsys.readouterr().out
     assert not first.exists()
     assert {u.path for u in units(tmp_path / "cache")} == {u.path for u in found if u.model_dir != first}

@@ -230,3 +230,23 @@ num_workers: 0
     assert "manifest.json" in lines[0] and ".skipped" in lines[0]
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert [p for p, _ in next(iter(manifest["skipped_images"].values()))] == [str(images / "c0" / "broken.png")]
+
+
+@pytest.mark.parametrize("error, where", [
+    (RuntimeError("unable to write to file </torch_4242_1_0>: No space left on device (28)"), "/dev/shm"),
+    (OSError(28, "No space left on device", "/scratch/tmp/vitscope-pooled-x"), "/scratch/tmp"),
+])
+def test_a_full_disk_met_elsewhere_names_the_folder_it_was_met_in(tmp_path, capsys, monkeypatch, error, where):
+    """Shared memory between the reading workers (torch's own error), or a temporary file: the sentence names
+    that folder, not the run directory."""
+    import vitscope.study.passes as passes
+
+    def full(*a, **k):
+        raise error
+
+    monkeypatch.setattr(passes, "stream", full)
+    study = tmp_path / "study.yaml"
+    study.write_text(tiny_study_yaml())
+    assert main(["-q", "run", str(study), f"output_dir={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"vitscope: error: no space left on the device of {where} ") and err.count("\n") == 1, err

@@ -154,10 +154,14 @@ def _run(args: argparse.Namespace, config: str | None, overrides: list[str], mod
 
     try:
         out = run_study(cfg, overwrite=args.overwrite, models=models)
-    except OSError as e:  # a write the cache did not already explain: the run directory's
-        from vitscope.study.cache import disk_error
+    except (OSError, RuntimeError) as e:  # a write nothing explained yet: the file's own folder, the shared
+        # memory the reading workers hand batches over in (torch says "unable to write to file </torch_...>"),
+        # else the run directory's
+        from vitscope.files import disk_error
 
-        err = disk_error(e, Path(cfg.output_dir))
+        name = getattr(e, "filename", None)
+        where = Path(name).parent if name else Path("/dev/shm") if "</torch_" in str(e) else Path(cfg.output_dir)
+        err = disk_error(e, where)
         if err is e:
             raise
         raise err from e
@@ -381,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     # list at the first flag); anything else left over is an error, as argparse would say
     if extra and getattr(args, "func", None) is _cmd_run and all("=" in a or a.startswith("~") for a in extra):
         args.overrides = [*args.overrides, *extra]
+    elif extra and getattr(args, "func", None) is _cmd_cache and not any(a.startswith("-") for a in extra):
+        args.args = [*args.args, *extra]  # `vitscope cache prune --older-than 30d DIR`: the folder after the options
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     level = logging.ERROR if args.quiet else logging.INFO if args.verbose else logging.WARNING
