@@ -293,8 +293,8 @@ def test_a_run_dying_of_each_fault_at_each_point_says_one_line_leaves_no_process
     faulted, rerun = said["faulted"], said["rerun"]
 
     rc, line = EXPECTED[fault]
-    if fault == "cache-disk" and point == "report":
-        rc, line = 0, None  # drawing the report writes nothing more into the cache: the run finishes
+    if fault == "cache-disk" and point != "pass":
+        rc, line = 0, None  # the cross-model stage and the report write nothing more into the cache: the run finishes
     lines = [ln for ln in faulted["stderr"].splitlines() if ln.strip()]
     assert "Traceback" not in faulted["stderr"] and len(lines) <= 1, faulted["stderr"][-3000:]
     assert faulted["rc"] == rc, faulted["stderr"][-3000:]
