@@ -50,6 +50,27 @@ def test_each_way_torch_says_a_worker_died_becomes_one_sentence_naming_it_and_th
     assert worker_death(ValueError(text), "x") is None
 
 
+def test_a_worker_killed_mid_handover_is_the_same_sentence_not_a_broken_connection():
+    """A batch in flight from a worker killed while handing it over fails as ConnectionResetError (its tensors'
+    file descriptors are fetched from the dead process): the worker's exit code tells what happened."""
+    from types import SimpleNamespace
+
+    from vitscope.data import pipeline
+
+    class Loader:  # the DataLoader iterator's shape: next() fails as the handover does, its workers are listed
+        def __init__(self, *exitcodes):
+            self._workers = [SimpleNamespace(pid=41 + i, exitcode=c) for i, c in enumerate(exitcodes)]
+
+        def __next__(self):
+            raise ConnectionResetError(104, "Connection reset by peer")
+
+    with pytest.raises(VitscopeError, match=r"an image-reading worker \(pid 42\) was killed by a signal \(SIGKILL\) "
+                                            r"while batch 3 of 5 of images was read"):
+        next(pipeline._worker_deaths(Loader(None, -9), [2, 3, 4], 5, "images"))
+    with pytest.raises(ConnectionResetError):  # no worker died: the error is what it was
+        next(pipeline._worker_deaths(Loader(None), [0], 1, "images"))
+
+
 KILLING_DRIVER = r'''
 import os, signal, sys
 import vitscope.data.formats.imagefolder as f

@@ -180,9 +180,31 @@ def worker_death(e: BaseException, where: str) -> WorkerDied | None:
     how = m.group(2)
     if how.startswith("is killed by signal: "):
         how = f"was killed by a signal ({how.removeprefix('is killed by signal: ')})"
-    return WorkerDied(f"an image-reading worker (pid {m.group(1).strip()}) {how} {where} (the kernel's "
-                      "out-of-memory killer ends workers when memory runs out: fewer num_workers or a smaller "
-                      "batch_size need less)")
+    return _died(m.group(1).strip(), how, where)
+
+
+def _died(pid: Any, how: str, where: str) -> WorkerDied:
+    return WorkerDied(f"an image-reading worker (pid {pid}) {how} {where} (the kernel's out-of-memory killer ends "
+                      "workers when memory runs out: fewer num_workers or a smaller batch_size need less)")
+
+
+def _dead_worker(it: Any, where: str) -> WorkerDied | None:
+    """A worker of the DataLoader iterator ``it`` that has ended with a failure, as `_died`'s sentence: a batch
+    in flight from a worker killed mid-handover fails as a broken connection (its tensors' file descriptors
+    are fetched from the dead process), not as the DataLoader's own error."""
+    import signal
+
+    end = time.monotonic() + 1.0
+    while True:  # the worker may not be reaped yet when its connection breaks
+        for w in getattr(it, "_workers", None) or []:
+            code = w.exitcode
+            if code:
+                name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
+                return _died(w.pid, f"was killed by a signal ({name})" if name else f"exited with code {code}",
+                             where)
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.05)
 
 
 def _worker_deaths(it: Iterator[Chunk], order: list[int], n_chunks: int, name: str) -> Iterator[Chunk]:
@@ -192,8 +214,9 @@ def _worker_deaths(it: Iterator[Chunk], order: list[int], n_chunks: int, name: s
             item = next(it)
         except StopIteration:
             return
-        except RuntimeError as e:
-            died = worker_death(e, f"while batch {k + 1} of {n_chunks} of {name} was read")
+        except (RuntimeError, OSError, EOFError) as e:
+            where = f"while batch {k + 1} of {n_chunks} of {name} was read"
+            died = worker_death(e, where) or _dead_worker(it, where)
             if died is None:
                 raise
             raise died from None
