@@ -215,6 +215,23 @@ class Capture:
                                      "weights are likely broken")
 
 
+def check_view(vm: ViTModel, view: str) -> None:
+    """A token view ``vm`` can give, checked before any forward pass: one sentence otherwise, naming the views it
+    can give (a model without a CLS token, such as an Eva built with ``class_token=False``, has no 'cls')."""
+    from vitscope.capture.views import VIEWS
+
+    if view == "cls" and not (vm.has_cls_token and vm.num_prefix_tokens > 0):
+        npt = vm.num_prefix_tokens
+        if npt == 0:
+            what = "it has no prefix tokens"
+        else:
+            what = f"its {npt} prefix token{' is a register' if npt == 1 else 's are registers'}"
+        raise VitscopeError(f"{vm.name} has no CLS token ({what}); the token views it gives are "
+                            f"{', '.join(repr(v) for v in VIEWS if v != 'cls')}")
+    if view not in VIEWS:
+        raise VitscopeError(f"unknown token view {view!r}; choose one of {', '.join(VIEWS)}")
+
+
 def extract(
     vm: ViTModel,
     images: Any,
@@ -234,6 +251,8 @@ def extract(
     """
     if isinstance(taps, str):
         taps = [taps]
+    if view is not None:
+        check_view(vm, view)
     parts: dict[str, list[torch.Tensor]] = {t: [] for t in taps}
     with Capture(vm, taps, dtype=dtype) as cap:
         for x in _progress(_image_batches(vm, images, batch_size), progress, vm.name):

@@ -1,4 +1,4 @@
-"""`ViTModel`: one timm ViT (or BEiT) with uniform facts and tap points, whatever trained it."""
+"""`ViTModel`: one timm ViT (BEiT, or Eva) with uniform facts and tap points, whatever trained it."""
 
 from __future__ import annotations
 
@@ -16,17 +16,25 @@ from vitscope.models import taps as _taps
 from vitscope.models.checkpoints import LoadReport
 from vitscope.models.registry import ModelInput, ModelSpec, Preprocessing
 
-SUPPORTED = "timm VisionTransformer (ViT, DeiT, CLIP, DINO, MAE, DINOv2 with registers) and Beit"
+SUPPORTED = ("timm VisionTransformer (ViT, DeiT, CLIP, DINO, MAE, DINOv2 with registers), Beit and Eva "
+             "(EVA-02, DINOv3, Perception Encoder, timm's RoPE ViTs; pre-norm blocks)")
 
 
 def model_family(model: nn.Module) -> str:
     from timm.models.beit import Beit
+    from timm.models.eva import Eva, EvaBlock
     from timm.models.vision_transformer import VisionTransformer
 
     if isinstance(model, Beit):
         return "beit"
     if isinstance(model, VisionTransformer):
         return "vit"
+    if isinstance(model, Eva):
+        if not all(isinstance(b, EvaBlock) for b in model.blocks):
+            raise VitscopeError(f"{type(model.blocks[0]).__name__} blocks (Eva with use_post_norm, such as "
+                                "eva02_enormous) are not supported: the taps are defined on pre-norm blocks; "
+                                f"vitscope adapts {SUPPORTED}")
+        return "eva"
     raise VitscopeError(f"{type(model).__name__} is not supported; vitscope adapts {SUPPORTED}")
 
 
@@ -50,7 +58,7 @@ class ViTModel:
     """A loaded model and what vitscope needs to know about it.
 
     Attributes: ``model`` (the timm module, in eval mode), ``name``, ``spec`` (the registry entry or an
-    ad-hoc one), ``family`` ('vit' or 'beit'), ``load_report`` (key accounting, None for random init).
+    ad-hoc one), ``family`` ('vit', 'beit' or 'eva'), ``load_report`` (key accounting, None for random init).
     """
 
     model: nn.Module
@@ -77,7 +85,7 @@ class ViTModel:
 
     @property
     def num_prefix_tokens(self) -> int:
-        """CLS plus register tokens, at the front of the sequence."""
+        """CLS plus register tokens, at the front of the sequence (0 for an Eva with neither)."""
         if self.family == "beit":
             return 1
         return int(self.model.num_prefix_tokens)
@@ -123,7 +131,15 @@ class ViTModel:
         the patch size, position embeddings interpolated to the token grid). ViTs do (timm's
         ``dynamic_img_size`` path, switched on per forward by `input_size`); BEiT does not: its relative
         position bias tables are built for one window, and timm can only rebuild them in place
-        (``set_input_size``), which would change the model for every later pass."""
+        (``set_input_size``), which would change the model for every later pass. An Eva does when it was
+        built with ``dynamic_img_size=True`` (DINOv3 is, by default): timm's own forward then resamples any
+        absolute position embedding and asks the rotary embedding for the input's grid on every pass
+        (``rope.get_embed(shape=(H, W))``), the path the model was built for. An Eva built without it does
+        not: switching the flag on for one pass is not enough, as its RoPE module then holds a table cached for
+        the native grid (``feat_shape``), ignores the shape asked for, and only ``set_input_size`` rebuilds it,
+        in place."""
+        if self.family == "eva":
+            return bool(self.model.dynamic_img_size)
         return self.family == "vit"
 
     def grid_of(self, height: int, width: int) -> tuple[int, int]:
@@ -185,10 +201,12 @@ class ViTModel:
         if (h, w) != self.img_size:
             ih, iw = self.img_size
             if not self.any_size:
+                why = ("its rotary position embedding is built for one token grid (it was built without "
+                       "dynamic_img_size=True)" if self.family == "eva"
+                       else "its relative position bias is built for one token grid")
                 raise InputError(
-                    f"{self.name} ({self.family}) takes {ih}x{iw} images only, got {h}x{w}: its relative position "
-                    "bias is built for one token grid (use the dataset option crop: center, or load the model "
-                    f"with img_size={h} when the input is square)")
+                    f"{self.name} ({self.family}) takes {ih}x{iw} images only, got {h}x{w}: {why} (use the dataset "
+                    f"option crop: center, or load the model with img_size={h} when the input is square)")
             if h % self.patch_size or w % self.patch_size:
                 raise InputError(f"{self.name} takes images whose sides are multiples of the patch size "
                                  f"{self.patch_size} (position embeddings are interpolated to the token grid); "

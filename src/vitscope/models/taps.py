@@ -22,6 +22,25 @@ Identities that hold exactly (and are tested): resid_mid = block input + attn_ou
 mlp_out. Each tap is a forward (or pre-forward) hook on a real module of the timm model; nothing is
 recomputed except BEiT's qkv (timm calls F.linear directly there) and its layer-scaled branches
 (gamma is a bare parameter), which are recomputed from the hooked tensors with the model's own weights.
+
+Eva (EVA-02, DINOv3, Perception Encoder; family 'eva') has every tap, with these differences:
+  qkv       q, k, v before the q/k norms and RoPE, concatenated as a fused projection lays them out
+            (B, T, (H + 2 * H_kv) * d): with q/v biases as bare parameters, the F.linear timm calls,
+            recomputed with the model's weights (the bias added to the projection's output when
+            ``qkv_bias_separate``); with separate q_proj/k_proj/v_proj (EVA-02 B/L, GQA), their three
+            outputs recomputed from the attention input and concatenated.
+  attn      the softmax output, RoPE applied to q and k of the patch tokens as the model applies it (prefix
+            tokens are not rotated), eager path.
+  heads     attn @ v, heads concatenated, before the attention's inner norm (EVA-02's scale_attn_inner),
+            its output gate and proj (the input of ``attn.norm``, an Identity when there is no inner norm).
+  attn_out, mlp_out  the branches times gamma_1 / gamma_2 (layer scale as bare parameters, as BEiT).
+  fc1       the first MLP linear before the activation: (B, T, hidden) for a plain MLP; for a gated MLP
+            (SwiGLU) the gate half then the value half (B, T, 2 * hidden): GluMlp's packed fc1 as it is,
+            SwiGLU's fc1_g and fc1_x recomputed from the MLP input and concatenated in that order.
+  embed     the residual stream entering block 0 (after norm_pre, PE's pre-LayerNorm); RoPE is not in it (it
+            acts inside attention only).
+  final_norm  ``model.norm``: an Identity where the model normalises after pooling instead (EVA-02, avg
+            pool: ``fc_norm``), so there it equals the last block's output.
 """
 
 from __future__ import annotations
@@ -114,8 +133,57 @@ def _beit_qkv(attn: nn.Module) -> Getter:
     return get
 
 
+def _eva_qkv(attn: nn.Module) -> Getter:
+    """q, k, v as EvaAttention / AttentionRope compute them from the attention input, before q/k norm and RoPE."""
+    def fused_bias(args: tuple, out: object) -> torch.Tensor:
+        bias = torch.cat((attn.q_bias, attn.k_bias, attn.v_bias))
+        return F.linear(args[0], attn.qkv.weight, bias)
+
+    def separate(args: tuple, out: object) -> torch.Tensor:
+        x = args[0]
+        return torch.cat((attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)), dim=-1)
+    return separate if attn.qkv is None else fused_bias
+
+
+def _eva_swiglu_fc1(mlp: nn.Module) -> Getter:
+    def get(args: tuple, out: object) -> torch.Tensor:
+        x = args[0]
+        return torch.cat((mlp.fc1_g(x), mlp.fc1_x(x)), dim=-1)
+    return get
+
+
+def _eva_hook_point(blk: nn.Module, kind: str) -> HookPoint:
+    """Block taps on a timm Eva pre-norm block (`timm.models.eva.EvaBlock`): see the module doc."""
+    attn, mlp = blk.attn, blk.mlp
+    if kind == "qkv":
+        if attn.qkv is not None and getattr(attn, "q_bias", None) is None:
+            return HookPoint(attn.qkv, "post", _output)
+        if attn.qkv is not None and getattr(attn, "qkv_bias_separate", False):
+            # timm adds the bias in place (qkv += bias) after the projection's forward hook has run
+            return HookPoint(attn.qkv, "post",
+                             lambda args, out: out + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
+        return HookPoint(attn, "pre", _eva_qkv(attn))
+    if kind == "fc1":
+        if getattr(mlp, "fc1", None) is not None:
+            return HookPoint(mlp.fc1, "post", _output)
+        return HookPoint(mlp, "pre", _eva_swiglu_fc1(mlp))
+    table: dict[str, Callable[[], HookPoint]] = {
+        "norm1": lambda: HookPoint(blk.norm1, "post", _output),
+        "attn": lambda: HookPoint(attn.attn_drop, "post", _output, needs_unfused=attn),
+        "heads": lambda: HookPoint(attn.norm, "pre", _arg0),
+        "attn_out": lambda: HookPoint(attn, "post", _scaled(blk.gamma_1)),
+        "resid_mid": lambda: HookPoint(blk.norm2, "pre", _arg0),
+        "norm2": lambda: HookPoint(blk.norm2, "post", _output),
+        "fc2": lambda: HookPoint(mlp.fc2, "post", _output),
+        "mlp_out": lambda: HookPoint(mlp, "post", _scaled(blk.gamma_2)),
+        "out": lambda: HookPoint(blk, "post", _output),
+    }
+    return table[kind]()
+
+
 def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
-    """The hook that reads ``tap`` on ``model`` (family 'vit' = timm VisionTransformer, 'beit' = Beit)."""
+    """The hook that reads ``tap`` on ``model`` (family 'vit' = timm VisionTransformer, 'beit' = Beit, 'eva' =
+    Eva)."""
     idx, kind = parse_tap(tap)
     if idx is None:
         if kind == "embed":
@@ -128,6 +196,8 @@ def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
     if idx >= len(model.blocks) or kind not in BLOCK_TAPS:
         raise KeyError(tap)
     blk = model.blocks[idx]
+    if family == "eva":
+        return _eva_hook_point(blk, kind)
     attn = blk.attn
     beit = family == "beit"
     table: dict[str, HookPoint] = {
