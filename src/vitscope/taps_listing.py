@@ -26,8 +26,16 @@ def live_text(model: str, weights: str | None = None) -> str:
     h, w = vm.img_size
     feats = extract(vm, torch.zeros(1, 3, h, w), vm.taps)
     lines = [repr(vm), *(f"  {tap:<22} {tuple(feats[tap].shape)}" for tap in vm.taps),
-             f"token views: cls, spatial, gap, gap_spatial (prefix tokens: {vm.num_prefix_tokens})"]
+             _views_line(vm.num_prefix_tokens, vm.has_cls_token)]
     return "\n".join(lines) + "\n"
+
+
+def _views_line(num_prefix_tokens: int, has_cls_token: bool) -> str:
+    """The token views a model gives: 'cls' only for a model with a CLS token (token 0 of a model with registers
+    and no CLS token is a register, not a CLS token)."""
+    if has_cls_token and num_prefix_tokens > 0:
+        return f"token views: cls, spatial, gap, gap_spatial (prefix tokens: {num_prefix_tokens})"
+    return f"token views: spatial, gap, gap_spatial (prefix tokens: {num_prefix_tokens}, no CLS token)"
 
 
 def snapshot() -> dict[str, str]:

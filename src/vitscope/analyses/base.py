@@ -96,6 +96,23 @@ class DataSizes:
         return [min(size, k - s) for s in range(0, k, size)]
 
 
+def views_with_cls(analysis: Any, views: str | Iterable[str]) -> list[str]:
+    """``views`` (a token view or several) less ``cls`` on a model without a CLS token (token 0 of a model with
+    registers is a register, never read as CLS); when that leaves none, one ResultWarning says so, so an
+    analysis that would compute nothing never does so silently."""
+    import warnings
+
+    from vitscope.errors import ResultWarning
+
+    asked = [views] if isinstance(views, str) else list(views)
+    kept = [v for v in asked if v != "cls" or analysis.has_cls_token]
+    if asked and not kept:
+        warnings.warn(f"{analysis.name}: model {analysis.model_name!r} has no CLS token, and the only token view "
+                      "asked for is 'cls', so it computes nothing for this model; ask for 'gap' or 'gap_spatial' too",
+                      ResultWarning, stacklevel=3)
+    return kept
+
+
 class _Lifecycle(ABC):
     """What the study engine needs of every analysis, of one model (`Analysis`) or of a pair (`PairAnalysis`):
     what data it is fed, and a state that merges (resume, shards), saves, loads and finalizes into a table."""

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.base import Analysis, register_analysis, views_with_cls
 from vitscope.analyses.pooled import PooledTable
 from vitscope.analyses.splits import ProbeFolds, TestEvery, check_test_every, split_warnings, stratified_test
 from vitscope.bounds import Count, Fraction, Iterations, Positive, Restarts
@@ -89,8 +89,7 @@ class Semantics(Analysis):
                  probe_max_iter: Iterations = 1000, probe_weight_decay: Positive = 1e-4):
         super().__init__(vm)
         self.layers = self.layers_param(layers)
-        views = [views] if isinstance(views, str) else list(views)
-        self.views = [v for v in views if v != "cls" or self.has_cls_token]
+        self.views = views_with_cls(self, views)
         self.max_images, self.ks = int(max_images), tuple(int(k) for k in ks)
         self.temperature = float(temperature)
         if not self.temperature > 0:

@@ -70,7 +70,9 @@ def rollout_step(fused: Tensor, discard_ratio: float = 0.0) -> Tensor:
 
 def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max", "min"] = "mean",
                       discard_ratio: float = 0.0, query: int = 0) -> Tensor:
-    """The rollout up to each block, row ``query`` (the CLS token by default): ``(B, L, T)``.
+    """The rollout up to each block, row ``query`` (token 0 by default, the CLS token of a model that has one;
+    the caller checks ``has_cls_token``, as token 0 of a model with registers and no CLS token is a register):
+    ``(B, L, T)``.
 
     ``attns`` are the attention probabilities ``(B, H, T, T)`` of blocks 0 .. L-1 in order. The rollout up to
     block l is ``R_l = F_l F_{l-1} ... F_0`` (`rollout_step` factors); row ``query`` of it is computed from

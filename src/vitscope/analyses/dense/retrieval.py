@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 
-from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.base import Analysis, register_analysis, views_with_cls
 from vitscope.analyses.dense._common import _Dense, _interval
 from vitscope.analyses.pooled import PooledTable
 from vitscope.bounds import Count
@@ -57,8 +57,7 @@ class Retrieval(_Dense):
     def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: Count = 32,
                  seed: int = 0, final_norm: bool = True):
         super().__init__(vm, layers, final_norm)
-        views = [views] if isinstance(views, str) else list(views)
-        self.views = [v for v in views if v != "cls" or self.has_cls_token]
+        self.views = views_with_cls(self, views)
         self.chance_repeats, self.seed = int(chance_repeats), int(seed)
         # one store for all views, view-major: view v's layer j is the store's layer v * len(layers) + j
         self.table = PooledTable(len(self.views) * len(self.layers))

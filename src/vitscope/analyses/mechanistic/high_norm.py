@@ -70,7 +70,8 @@ class HighNormTokens(_Mechanistic):
 
     * ``norm_quantile``: per (layer, ``quantile``), the distribution of patch-token norms over every token of
       every image (a 0.01-decade histogram; ``quantile`` 0 and 1 are the exact minimum and maximum); with
-      registers (more than one prefix token), the register tokens' norms too (``token_view`` = ``register``);
+      registers (the prefix tokens other than the CLS token: tokens 1 .. p-1 of a model with a CLS token, every
+      prefix token of one without), the register tokens' norms too (``token_view`` = ``register``);
     * ``outliers_per_image``: mean count per image (``stderr``, interval); ``images_with_outliers``: share of
       images with at least one (Wilson interval);
     * ``outlier_position``: per (layer, ``row``, ``col``), how many images have an outlier at that patch;
@@ -92,7 +93,8 @@ class HighNormTokens(_Mechanistic):
     """
 
     name = "high_norm_tokens"
-    state_version = 2  # the rule and the bimodal thresholds in the state
+    state_version = 3  # 3: every register of a model without a CLS token (token 0 was left out); 2: the rule and
+    # the bimodal thresholds in the state
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "high-norm artifact tokens per block: norm quantiles, outliers, where they sit, attention, k-NN"
     _MEANS = ("count", "var_out", "var_all", "fg_out", "fg_all", "absorbed", "uniform", "registers")
@@ -209,8 +211,9 @@ class HighNormTokens(_Mechanistic):
             out = M.robust_outliers(norms, self.k)
         self.hist += self._hist(norms)
         lo_hi = [norms.amin((1, 2)), -norms.amax((1, 2))]
-        if p > 1:
-            rn = torch.stack([torch.linalg.vector_norm(t[:, 1:p], dim=-1) for t in xs]).double()
+        r0 = self._first_register()
+        if p > r0:
+            rn = torch.stack([torch.linalg.vector_norm(t[:, r0:p], dim=-1) for t in xs]).double()
             self.reg_hist += self._hist(rn)
             lo_hi += [rn.amin((1, 2)), -rn.amax((1, 2))]
         else:
@@ -237,6 +240,11 @@ class HighNormTokens(_Mechanistic):
         if self.knn and batch.labels is not None:
             self._keep_tokens(xs, out, n_out, batch, S)
         self.n_images += B
+
+    def _first_register(self) -> int:
+        """The first register's position: 1 after a CLS token, 0 in a model without one (its prefix tokens are
+        all registers)."""
+        return 1 if self.has_cls_token else 0
 
     def _add_cls_attention(self, feats: Mapping[str, torch.Tensor], outf: torch.Tensor, n_out: torch.Tensor) -> None:
         """Per image and block, the CLS attention mass the next block puts on the outliers, what uniform attention
@@ -322,7 +330,8 @@ class HighNormTokens(_Mechanistic):
     def finalize(self) -> pd.DataFrame:
         self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows: list[dict[str, Any]] = []
-        views = [("spatial", self.hist, 0)] + ([("register", self.reg_hist, 2)] if self.num_prefix_tokens > 1 else [])
+        views = [("spatial", self.hist, 0)] + ([("register", self.reg_hist, 2)]
+                                               if self.num_prefix_tokens > self._first_register() else [])
         h, w = self.grid_size
         for j, i in enumerate(self.layers):
             for view, hist, col in views:

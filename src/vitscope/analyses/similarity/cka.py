@@ -17,7 +17,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from vitscope.analyses.base import Analysis, register_analysis
+from vitscope.analyses.base import Analysis, register_analysis, views_with_cls
 from vitscope.analyses.similarity.grams import CkaBatch, GramGroups, _host_split
 from vitscope.capture.taps import expand_taps, parse_tap
 from vitscope.capture.views import token_view
@@ -156,10 +156,7 @@ class CKA(_GramAnalysis):
                  views: str | Sequence[str] = ("cls", "gap"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
-        views = [views] if isinstance(views, str) else list(views)
-        if not self.has_cls_token:
-            views = [v for v in views if v != "cls"]
-        self.views = views
+        self.views = views_with_cls(self, views)
 
     def required_taps(self) -> list[str]:
         return list(self.taps)
@@ -237,8 +234,7 @@ class ResidualCKA(_GramAnalysis):
 
     def __init__(self, vm: Any, views: str | Sequence[str] = ("cls", "gap_spatial"), batch_size: CkaBatch = 32):
         super().__init__(vm, batch_size)
-        views = [views] if isinstance(views, str) else list(views)
-        self.views = [v for v in views if v != "cls" or self.has_cls_token]
+        self.views = views_with_cls(self, views)
 
     def _skip_taps(self) -> list[str]:
         return ["embed"] + [f"block{i}.out" for i in range(self.depth - 1)]

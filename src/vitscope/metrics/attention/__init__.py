@@ -4,9 +4,13 @@ Conventions shared by every function in this module:
 
 * ``attn`` is a floating-point tensor of shape ``(B, H, T, T)`` holding softmax probabilities: row ``q``
   (a query) is a distribution over the keys ``k`` and sums to 1.
-* The token sequence is ``num_prefix_tokens`` prefix tokens (CLS first, then registers if any; 0 when the
-  model has no CLS token) followed by ``h * w`` spatial patch tokens in row-major order, so spatial token
-  ``s`` sits at row ``s // w`` and column ``s % w`` of the patch grid ``grid_size = (h, w)``.
+* The token sequence is ``num_prefix_tokens`` prefix tokens (the CLS token first where the model has one,
+  then its registers if any; 0 when the model has neither) followed by ``h * w`` spatial patch tokens in
+  row-major order, so spatial token ``s`` sits at row ``s // w`` and column ``s % w`` of the patch grid
+  ``grid_size = (h, w)``. A prefix token is not by itself a CLS token: a model can have registers and no CLS
+  token (``num_prefix_tokens >= 1``, ``ViTModel.has_cls_token`` false). ``num_prefix_tokens`` cannot tell the
+  two apart, so a function that reads token 0 as the CLS token (`cls_attention_maps`, ``query="cls"``) is
+  called only for a model with a CLS token; the caller checks ``has_cls_token``.
 * "Spatial attention" means a spatial query's row restricted to the spatial keys (prefix keys dropped) and
   renormalised to sum to 1. A row whose spatial mass is zero stays zero (the renormalisation divides by
   ``max(row_sum, EPS)``).

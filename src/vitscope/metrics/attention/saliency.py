@@ -125,13 +125,15 @@ def saliency_iou(
 ) -> Tensor:
     """IoU between the top-mass attention set and a ground-truth foreground, per image and head.
 
-    The attention weights over the spatial tokens are the CLS row (``query="cls"``; spatial keys,
-    renormalised; needs ``num_prefix_tokens >= 1``) or the mean of all renormalised spatial query rows
-    (``query="mean"``). The predicted set is :func:`top_mass_mask` of those weights at ``mass``. The ground
-    truth ``masks`` is either ``(B, h, w)`` at token resolution (bool; a float mask is thresholded at 0.5)
-    or ``(B, Hpx, Wpx)`` at pixel resolution (bool or float in [0, 1]), which is area-averaged to ``(h, w)``
-    (``adaptive_avg_pool2d``; exact block means when the sizes divide) and a token is foreground iff its
-    covered fraction is ``>= 0.5``. IoU is computed at token resolution; NaN when both sets are empty.
+    The attention weights over the spatial tokens are the CLS row (``query="cls"``: row 0, spatial keys,
+    renormalised; needs ``num_prefix_tokens >= 1`` and a model whose token 0 is a CLS token, which the caller
+    checks: in a model with registers and no CLS token it is a register) or the mean of all renormalised
+    spatial query rows (``query="mean"``). The predicted set is :func:`top_mass_mask` of those weights at
+    ``mass``. The ground truth ``masks`` is either ``(B, h, w)`` at token resolution (bool; a float mask is
+    thresholded at 0.5) or ``(B, Hpx, Wpx)`` at pixel resolution (bool or float in [0, 1]), which is
+    area-averaged to ``(h, w)`` (``adaptive_avg_pool2d``; exact block means when the sizes divide) and a token
+    is foreground iff its covered fraction is ``>= 0.5``. IoU is computed at token resolution; NaN when both
+    sets are empty.
 
     Returns:
         ``(B, H)`` in the dtype of ``attn``.

@@ -84,7 +84,8 @@ def spatial_attention(attn: Tensor, num_prefix_tokens: int) -> Tensor:
 
     Args:
         attn: ``(B, H, T, T)`` attention probabilities.
-        num_prefix_tokens: number of leading prefix tokens (CLS + registers), ``0 <= p < T``.
+        num_prefix_tokens: number of leading prefix tokens (the CLS token if any, and the registers if any),
+            ``0 <= p < T``.
 
     Returns:
         ``(B, H, S, S)`` with ``S = T - p`` in the dtype of ``attn``. Prefix queries and prefix keys are
@@ -103,14 +104,16 @@ def cls_attention_maps(attn: Tensor, grid_size: tuple[int, int], num_prefix_toke
     Args:
         attn: ``(B, H, T, T)`` attention probabilities, ``T = num_prefix_tokens + h * w``.
         grid_size: patch grid ``(h, w)``.
-        num_prefix_tokens: prefix tokens; the CLS token is token 0 so this must be ``>= 1``.
+        num_prefix_tokens: prefix tokens, ``>= 1``. Row 0 is read as the CLS query: the model must have a
+            CLS token (``ViTModel.has_cls_token``), which the caller checks; in a model with registers and no
+            CLS token, token 0 is a register and its row is not a CLS map.
 
     Returns:
         ``(B, H, h, w)`` in the dtype of ``attn``: row 0 restricted to the spatial keys (CLS and register keys
         dropped), renormalised to sum to 1 over the grid.
 
     Raises:
-        ValueError: if ``num_prefix_tokens == 0`` (the model has no CLS token) or the shapes disagree.
+        ValueError: if ``num_prefix_tokens == 0`` (no prefix token, so no CLS token) or the shapes disagree.
     """
     h, w = _check_grid(attn, grid_size, num_prefix_tokens)
     if num_prefix_tokens == 0:
