@@ -38,13 +38,18 @@ def set_wait_policy() -> None:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def workers() -> int:
     """Processes a study may use on this machine: 2 where two cores are usable (a helper process for the models,
     two for drawing the report), else 1. ``VITSCOPE_WORKERS`` overrides (1 = everything in one process)."""
     env = os.environ.get("VITSCOPE_WORKERS", "").strip()
     if env:
         return max(1, int(env)) if env.isdigit() else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     return max(1, min(2, cores))
 
 

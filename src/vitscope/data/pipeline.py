@@ -40,11 +40,7 @@ import torch
 
 from vitscope.data.base import batch_parts
 from vitscope.errors import VitscopeError, WorkerDied
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask, e.g. under taskset or a container's cpuset)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from vitscope.threads import usable_cores
 
 
 def reads_files(dataset: Any) -> bool:

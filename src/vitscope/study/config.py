@@ -250,7 +250,9 @@ def check(cfg: StudyConfig) -> None:
         raise ConfigError(f"num_workers must be a whole number of processes, 0 or more (0 reads images in the "
                           f"study's process; null: the usable cores minus one where images are read from files); got "
                           f"{cfg.num_workers!r}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    from vitscope.threads import usable_cores
+
+    cores = usable_cores()
     if cfg.num_workers is not None and cfg.num_workers > cores:  # more would only wait for each other
         import warnings
 
