@@ -76,8 +76,10 @@ import os, signal, sys
 import vitscope.data.formats.imagefolder as f
 MAIN = os.getpid()
 load = f.ImageFolder.load
-def dying_load(self, i):  # a worker (not the study's process) dies reading the 10th image, on the first run
-    if i == 9 and os.getpid() != MAIN and not os.path.exists(sys.argv[1] + ".died"):
+# a worker (not the study's process) dies reading the 26th image (batch 7 of 8), on the first run: the worker reads
+# at most 2 batches ahead, so batches 1-5 are through the model and saved by then, however loaded the machine is
+def dying_load(self, i):
+    if i == 25 and os.getpid() != MAIN and not os.path.exists(sys.argv[1] + ".died"):
         open(sys.argv[1] + ".died", "w").close()
         os.kill(os.getpid(), signal.SIGKILL)
     return load(self, i)
