@@ -145,11 +145,18 @@ def _eva_qkv(attn: nn.Module) -> Getter:
     return separate if attn.qkv is None else fused_bias
 
 
-def _eva_swiglu_fc1(mlp: nn.Module) -> Getter:
+def _swiglu_fc1(mlp: nn.Module) -> Getter:
+    """timm's SwiGLU (separate fc1_g and fc1_x): the gate half then the value half, as GluMlp packs them."""
     def get(args: tuple, out: object) -> torch.Tensor:
         x = args[0]
         return torch.cat((mlp.fc1_g(x), mlp.fc1_x(x)), dim=-1)
     return get
+
+
+def _fc1(mlp: nn.Module) -> HookPoint:
+    if getattr(mlp, "fc1", None) is not None:
+        return HookPoint(mlp.fc1, "post", _output)
+    return HookPoint(mlp, "pre", _swiglu_fc1(mlp))
 
 
 def _eva_hook_point(blk: nn.Module, kind: str) -> HookPoint:
@@ -164,9 +171,7 @@ def _eva_hook_point(blk: nn.Module, kind: str) -> HookPoint:
                              lambda args, out: out + torch.cat((attn.q_bias, attn.k_bias, attn.v_bias)))
         return HookPoint(attn, "pre", _eva_qkv(attn))
     if kind == "fc1":
-        if getattr(mlp, "fc1", None) is not None:
-            return HookPoint(mlp.fc1, "post", _output)
-        return HookPoint(mlp, "pre", _eva_swiglu_fc1(mlp))
+        return _fc1(mlp)
     table: dict[str, Callable[[], HookPoint]] = {
         "norm1": lambda: HookPoint(blk.norm1, "post", _output),
         "attn": lambda: HookPoint(attn.attn_drop, "post", _output, needs_unfused=attn),
@@ -210,7 +215,7 @@ def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
                      else HookPoint(blk.ls1, "post", _output)),
         "resid_mid": HookPoint(blk.norm2, "pre", _arg0),
         "norm2": HookPoint(blk.norm2, "post", _output),
-        "fc1": HookPoint(blk.mlp.fc1, "post", _output),
+        "fc1": _fc1(blk.mlp),
         "fc2": HookPoint(blk.mlp.fc2, "post", _output),
         "mlp_out": (HookPoint(blk.mlp, "post", _scaled(blk.gamma_2)) if beit
                     else HookPoint(blk.ls2, "post", _output)),
