@@ -189,16 +189,16 @@ def test_rollout_refuses_bad_parameters_in_one_sentence():
         get_analysis("attention_rollout")(vm, discard_ratio=1.0)
 
 
-def test_rollout_of_a_model_without_cls_token_is_empty_with_a_warning():
+def test_rollout_of_a_model_without_cls_token_reads_the_mean_of_its_patch_tokens():
+    """No CLS row to roll out: the query is the model's own readout, the mean of the patch tokens (the rows are
+    checked against whole products in tests/test_pool_taps.py); no CLS metric is reported."""
     vm = vs.load_model("vit_small_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=48, depth=2,
                        num_heads=3, class_token=False, global_pool="avg")
     a = get_analysis("attention_rollout")(vm)
-    assert a.required_taps() == []
+    assert a.required_taps() == ["block0.attn", "block1.attn"]
     stream(vm, _batches(vm, n=2, bs=2), [a], progress=False)
-    with pytest.warns(UserWarning, match="no CLS token"):
-        assert len(a.finalize()) == 0
-
-
+    df = a.finalize()
+    assert set(df["query"]) == {"mean of patch tokens"} and "iou_cls_attention" not in set(df.metric)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ MODELS = {
 
 # what each analysis gives such a model: 'empty' (a table without rows, with a warning that says why), 'runs' (a
 # table computed from the spatial tokens, the registers or the model's own pooling, never from token 0 as a CLS)
-EMPTY = {"cls_attention_maps", "attention_rollout", "gradient_rollout"}
+EMPTY = {"cls_attention_maps"}
 NO_TABLE = {"similarity"}  # a cross-model analysis: one model alone gives no table
 
 # analyses whose default reads the CLS token where there is one, and the view they fall back to without one
@@ -100,6 +100,8 @@ def test_no_analysis_reads_a_register_as_the_cls_token(case, kind, tmp_path):
         assert set(df["query"]) == {"mean"} and any("query 'cls' is skipped" in s for s in said)
     if name == "high_norm_tokens":  # every prefix token is a register: their norms are reported apart
         assert "register" in set(df.token_view)
+    if name in ("attention_rollout", "gradient_rollout"):  # rolled out from the model's readout: the patch mean
+        assert set(df["query"]) == {"mean of patch tokens"} and "iou_query_attention" in set(df.metric)
     if name == "logit_lens":  # the model's own pooling (the mean of the patch tokens), not token 0
         assert set(df.readout) == {"head"}
 

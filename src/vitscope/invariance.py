@@ -86,7 +86,7 @@ def _stop_key(tap: str, depth: int) -> int:
     idx, kind = parse_tap(tap)
     if idx is not None:
         return idx
-    return {"embed": -1, "final_norm": depth, "logits": depth + 1}[kind]
+    return {"embed": -1, "final_norm": depth, "pool_attn": depth + 1, "pool": depth + 1, "logits": depth + 2}[kind]
 
 
 def _norm_consts(vm: ViTModel, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

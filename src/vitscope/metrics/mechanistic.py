@@ -69,10 +69,11 @@ def rollout_step(fused: Tensor, discard_ratio: float = 0.0) -> Tensor:
 
 
 def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max", "min"] = "mean",
-                      discard_ratio: float = 0.0, query: int = 0) -> Tensor:
+                      discard_ratio: float = 0.0, query: int | Tensor = 0) -> Tensor:
     """The rollout up to each block, row ``query`` (token 0 by default, the CLS token of a model that has one;
-    the caller checks ``has_cls_token``, as token 0 of a model with registers and no CLS token is a register):
-    ``(B, L, T)``.
+    the caller checks ``has_cls_token``, as token 0 of a model with registers and no CLS token is a register), or
+    a query given as weights over the tokens ``(B, T)`` (the row ``w^T R_l``: a model without a CLS token read
+    through its pooling): ``(B, L, T)``.
 
     ``attns`` are the attention probabilities ``(B, H, T, T)`` of blocks 0 .. L-1 in order. The rollout up to
     block l is ``R_l = F_l F_{l-1} ... F_0`` (`rollout_step` factors); row ``query`` of it is computed from
@@ -84,20 +85,26 @@ def attention_rollout(attns: Sequence[Tensor], head_fusion: Literal["mean", "max
     return product_rows(factors, query)
 
 
-def product_rows(factors: Sequence[Tensor], query: int = 0) -> Tensor:
+def product_rows(factors: Sequence[Tensor], query: int | Tensor = 0) -> Tensor:
     """``(B, L, T)``: row ``query`` of ``F_l F_{l-1} ... F_0`` for every l, from ``(B, T, T)`` factors F_0 ..
-    F_{L-1}. Row l is advanced from the left (``e_q^T F_l``, then times F_{l-1}, ...), every block's row at
-    once: L batched vector-matrix products, never a T x T matrix product."""
+    F_{L-1}, or with ``query`` weights ``(B, T)`` the row ``w^T F_l ... F_0``. Row l is advanced from the left
+    (``e_q^T F_l``, then times F_{l-1}, ...), every block's row at once: L batched vector-matrix products, never a
+    T x T matrix product."""
     B, T = factors[0].shape[:2]
     rows = factors[0].new_zeros(B, len(factors), T)
+    if isinstance(query, Tensor) and query.shape != (B, T):
+        raise ValueError(f"query weights must be (B, T) = {(B, T)}, got {tuple(query.shape)}")
     for m in range(len(factors) - 1, -1, -1):
         if m + 1 < len(factors):
             rows[:, m + 1:] = torch.bmm(rows[:, m + 1:], factors[m])
-        rows[:, m] = factors[m][:, query]
+        if isinstance(query, Tensor):
+            rows[:, m] = torch.bmm(query[:, None, :].to(factors[m].dtype), factors[m])[:, 0]
+        else:
+            rows[:, m] = factors[m][:, query]
     return rows
 
 
-def gradient_rollout(attns: Sequence[Tensor], grads: Sequence[Tensor], query: int = 0) -> Tensor:
+def gradient_rollout(attns: Sequence[Tensor], grads: Sequence[Tensor], query: int | Tensor = 0) -> Tensor:
     """Chefer et al. 2021 (generic attention-model explainability) relevance up to each block, row ``query``:
     ``(B, L, T)``. Per block ``Ā = mean_h (∇A ⊙ A)^+`` (the attention weighted by the gradient of the explained
     score, negative parts dropped, heads averaged) and ``R_l = (I + Ā_l) R_{l-1}`` from ``R = I``: the rows are

@@ -38,6 +38,20 @@ def model_family(model: nn.Module) -> str:
     raise VitscopeError(f"{type(model).__name__} is not supported; vitscope adapts {SUPPORTED}")
 
 
+def describe_readout(model: nn.Module) -> str:
+    """'CLS token', 'mean of patch tokens', 'attention pool (N queries)', ... : what ``model``'s head reads."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    if isinstance(model, VisionTransformerDistilled):
+        return "CLS and distillation tokens (two heads)"
+    if getattr(model, "attn_pool", None) is not None:
+        q = int(model.attn_pool.latent_len)
+        return "attention pool" + (f" ({q} queries)" if q > 1 else "")
+    pool = str(getattr(model, "global_pool", "") or "")
+    return {"token": "CLS token", "avg": "mean of patch tokens", "max": "max of patch tokens",
+            "avgmax": "mean and max of patch tokens", "": "every token (no pooling)"}.get(pool, pool)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What an analysis needs to know of a model, without the model: saved with cached states so results
@@ -174,7 +188,17 @@ class ViTModel:
     @cached_property
     def taps(self) -> list[str]:
         """Tap names valid for this model, in forward order."""
-        return _taps.tap_names(self.depth)
+        return _taps.tap_names(self.depth, pool=_taps.has_pool(self.model), pool_attn=self.has_attention_pool)
+
+    @property
+    def has_attention_pool(self) -> bool:
+        """Whether the model pools with attention (SigLIP's MAP head, PE's attention pool): the ``pool_attn`` tap."""
+        return getattr(self.model, "attn_pool", None) is not None
+
+    @property
+    def readout(self) -> str:
+        """What the model's head reads, in words: the ``pool`` tap's content (see `models.taps`)."""
+        return describe_readout(self.model)
 
     def hook_point(self, tap: str) -> _taps.HookPoint:
         _taps.check_taps([tap], self.taps)

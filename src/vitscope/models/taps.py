@@ -15,8 +15,17 @@ Per block i (0-based):
   block{i}.mlp_out    MLP branch as added to the residual stream (after layer scale)
   block{i}.out        residual stream after the block                          (B, T, D)
 plus embed (the residual stream entering block 0: patches + prefix tokens + position embedding, after
-any pre-norm), final_norm (after the last norm) and logits (the model's output: class logits, or the
-pooled feature for headless models).
+any pre-norm), final_norm (after the last norm), pool and logits (the model's output: class logits, or the
+pooled feature for headless models), and on a model with an attention-pool head pool_attn:
+  pool       the image vector the model's head reads (B, D), as its own pooling gives it, before fc_norm and the
+             classifier: the CLS token ('token' pooling), the mean of the patch tokens ('avg'), or the attention
+             pool's output (SigLIP's MAP head, PE's attention pool; timm's ``AttentionPoolLatent``). Which one is
+             the model's *readout* (`ViTModel.readout`). Not on a model that pools in its head (``global_pool=''``)
+             or on a distilled DeiT (two tokens, two heads).
+  pool_attn  the attention pool's query attention over the tokens it pools (B, H, Q, T), Q its learned queries
+             (1 for SigLIP and PE): softmax(q kᵀ scale) recomputed from the pool's input with its own weights
+             (timm fuses it); key index t is token t of the sequence, the prefix tokens a pool does not see
+             (a ViT's pool_include_prefix=False) given weight 0, so rows sum to 1 over the tokens it reads.
 
 Identities that hold exactly (and are tested): resid_mid = block input + attn_out, out = resid_mid +
 mlp_out. Each tap is a forward (or pre-forward) hook on a real module of the timm model; nothing is
@@ -57,7 +66,8 @@ from torch import nn
 from vitscope.errors import UnknownTapError, close_matches, preview
 
 BLOCK_TAPS = ("norm1", "qkv", "attn", "heads", "attn_out", "resid_mid", "norm2", "fc1", "fc2", "mlp_out", "out")
-GLOBAL_TAPS = ("embed", "final_norm", "logits")
+GLOBAL_TAPS = ("embed", "final_norm", "pool", "logits")
+POOL_ATTN = "pool_attn"  # only on a model with an attention-pool head
 _BLOCK_RX = re.compile(r"^block(-?\d+)\.(\w+)$")
 
 Getter = Callable[[tuple, object], torch.Tensor]  # (forward args, output) -> tensor
@@ -73,8 +83,12 @@ class HookPoint:
     needs_unfused: nn.Module | None = None  # attention module whose fused (SDPA) path must be off
 
 
-def tap_names(depth: int) -> list[str]:
-    return ["embed"] + [f"block{i}.{t}" for i in range(depth) for t in BLOCK_TAPS] + ["final_norm", "logits"]
+def tap_names(depth: int, pool: bool = True, pool_attn: bool = False) -> list[str]:
+    """Every tap of a model of ``depth`` blocks, in forward order; ``pool``: whether it has the ``pool`` tap (a
+    model whose head reads one pooled vector), ``pool_attn``: whether it has an attention-pool head."""
+    blocks = [f"block{i}.{t}" for i in range(depth) for t in BLOCK_TAPS]
+    return ["embed", *blocks, "final_norm", *([POOL_ATTN] if pool_attn else []), *(["pool"] if pool else []),
+            "logits"]
 
 
 def parse_tap(name: str) -> tuple[int | None, str]:
@@ -159,6 +173,34 @@ def _fc1(mlp: nn.Module) -> HookPoint:
     return HookPoint(mlp, "pre", _swiglu_fc1(mlp))
 
 
+def has_pool(model: nn.Module) -> bool:
+    """Whether ``model``'s head reads one pooled vector through ``fc_norm`` (the ``pool`` tap)."""
+    from timm.models.deit import VisionTransformerDistilled
+
+    if isinstance(model, VisionTransformerDistilled) or not hasattr(model, "fc_norm"):
+        return False
+    return getattr(model, "attn_pool", None) is not None or bool(getattr(model, "global_pool", ""))
+
+
+def _pool_attention(model: nn.Module) -> Getter:
+    """timm's ``AttentionPoolLatent``: its queries' attention over its input, (B, H, Q, T), prefix keys it does not
+    see padded with 0 (see the module doc)."""
+    pool = model.attn_pool
+    skipped = 0 if getattr(model, "pool_include_prefix", True) else int(model.num_prefix_tokens)
+
+    def get(args: tuple, out: object) -> torch.Tensor:
+        x = args[0]
+        B, N, _ = x.shape
+        if pool.pos_embed is not None:
+            x = x + pool.pos_embed.unsqueeze(0).to(x.dtype)
+        q = pool.q(pool.latent.expand(B, -1, -1)).reshape(B, pool.latent_len, pool.num_heads, pool.head_dim)
+        k = pool.kv(x).reshape(B, N, 2, pool.num_heads, pool.head_dim)[:, :, 0]
+        q, k = pool.q_norm(q.transpose(1, 2)), pool.k_norm(k.transpose(1, 2))
+        attn = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        return F.pad(attn, (skipped, 0)) if skipped else attn
+    return get
+
+
 def _eva_hook_point(blk: nn.Module, kind: str) -> HookPoint:
     """Block taps on a timm Eva pre-norm block (`timm.models.eva.EvaBlock`): see the module doc."""
     attn, mlp = blk.attn, blk.mlp
@@ -195,6 +237,10 @@ def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
             return HookPoint(model.blocks[0], "pre", _arg0)
         if kind == "final_norm":
             return HookPoint(model.norm, "post", _output)
+        if kind == "pool" and has_pool(model):
+            return HookPoint(model.fc_norm, "pre", _arg0)
+        if kind == POOL_ATTN and getattr(model, "attn_pool", None) is not None:
+            return HookPoint(model.attn_pool, "pre", _pool_attention(model))
         if kind == "logits":
             return HookPoint(model, "post", _output)
         raise KeyError(tap)

@@ -20,6 +20,15 @@ from vitscope.host import on_device
 from vitscope.metrics import attention as A
 from vitscope.metrics import mechanistic as M
 
+CLS_QUERY, POOL_QUERY, MEAN_QUERY = "cls", "attention pool", "mean of patch tokens"
+
+
+def rollout_query(vm: Any) -> str:
+    """The row a rollout reads: the CLS token's, else the attention pool's weights, else the patch tokens' mean."""
+    if vm.has_cls_token:
+        return CLS_QUERY
+    return POOL_QUERY if getattr(vm, "has_attention_pool", False) else MEAN_QUERY
+
 
 @register_analysis
 class AttentionRollout(_Mechanistic):
@@ -44,13 +53,17 @@ class AttentionRollout(_Mechanistic):
     * ``iou_uniform``: no layer: the mean IoU uniform attention gets on the same masks, the reference level
       (`vitscope.metrics.attention.uniform_saliency_iou`, as ``saliency_iou``'s).
 
-    A model without a CLS token has no CLS row to roll out: nothing is captured and the table is empty (with
-    a warning)."""
+    A model without a CLS token is rolled out from what its head reads instead (column ``query``): the attention
+    pool's weights over the tokens (SigLIP's MAP head, PE; the ``pool_attn`` tap, its heads and queries averaged)
+    where it pools with attention, else the mean over the patch tokens (a model that reads their mean: I-JEPA,
+    AIMv2, DINOv3 in timm). The map of block l is then the row ``w^T R_l`` for those weights w, and the reference
+    beside it, ``iou_query_attention`` (in place of ``iou_cls_attention``), is that query's own attention at block
+    l, ``w^T A_l`` (heads averaged), as the CLS row of ``A_l`` is for a model with a CLS token (w = e_0)."""
 
     name = "attention_rollout"
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
     description = "attention rollout CLS maps per block and their foreground IoU beside the CLS attention's"
-    state_version = 2  # 2: the uniform-attention reference (iou_uniform)
+    state_version = 3  # 2: the uniform-attention reference (iou_uniform); 3: the query of a model without CLS
     _MEANS = ("iou_rollout", "iou_cls", "iou_gain", "iou_uniform")
     _TENSORS = ("map_sum",)
 
@@ -72,21 +85,30 @@ class AttentionRollout(_Mechanistic):
         self.iou_rollout, self.iou_cls, self.iou_gain = _Means(L), _Means(L), _Means(L)
         self.iou_uniform = _Means(1)
         self.n_masked = 0
+        self.query = rollout_query(vm)
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio,
-                "mass": self.mass}
+                "mass": self.mass, "query": self.query}
 
     def required_taps(self) -> list[str]:
-        return [f"block{i}.attn" for i in range(max(self.layers) + 1)] if self.has_cls_token else []
+        return ([f"block{i}.attn" for i in range(max(self.layers) + 1)]
+                + (["pool_attn"] if self.query == POOL_QUERY else []))
+
+    def _weights(self, feats: Mapping[str, torch.Tensor], like: torch.Tensor) -> int | torch.Tensor:
+        """The query: token 0 (the CLS token), or weights over the tokens ``(B, T)`` (see the class doc)."""
+        if self.query == CLS_QUERY:
+            return 0
+        if self.query == POOL_QUERY:
+            return feats["pool_attn"].mean((1, 2)).to(like.dtype)
+        w = torch.zeros(like.shape[0], like.shape[-1], dtype=like.dtype, device=like.device)
+        w[:, self.num_prefix_tokens:] = 1.0 / (like.shape[-1] - self.num_prefix_tokens)
+        return w
 
     def on_grid(self, grid: tuple[int, int]) -> None:
         self.map_sum = torch.zeros(len(self.layers), *grid, dtype=torch.float64)
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
-        if not self.has_cls_token:
-            self.n_images += len(batch)
-            return
         g, p = self.pass_grid(batch), self.num_prefix_tokens
         rows = self._rows(feats, batch)  # (B, L, T)
         self._to_device(rows.device)
@@ -96,7 +118,14 @@ class AttentionRollout(_Mechanistic):
         self.n_images += len(batch)
         if batch.masks is None:
             return
-        cls = torch.stack([feats[f"block{i}.attn"][:, :, 0, p:].mean(1) for i in self.layers], 1)
+        first = feats[f"block{self.layers[0]}.attn"]
+        w = self._weights(feats, first[:, 0, 0])
+        if isinstance(w, int):
+            own = [feats[f"block{i}.attn"][:, :, w].mean(1) for i in self.layers]
+        else:
+            own = [torch.bmm(w[:, None, :], feats[f"block{i}.attn"].mean(1).to(w.dtype))[:, 0] for i in self.layers]
+        cls = torch.stack(own, 1)[..., p:]
+        cls = cls / cls.sum(-1, keepdim=True).clamp_min(A.EPS)
         masks = on_device(batch.masks, maps.device)
         iou = _saliency_iou_of(torch.cat([maps, cls.to(maps.dtype)], 1), masks, g, self.mass).double()
         L = len(self.layers)
@@ -109,20 +138,17 @@ class AttentionRollout(_Mechanistic):
     def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
         """``(B, layers, T)``: the CLS row of the rollout up to each requested block."""
         attns = [feats[f"block{i}.attn"] for i in range(max(self.layers) + 1)]
-        return M.attention_rollout(attns, self.head_fusion, self.discard_ratio)[:, self.layers]
+        w = self._weights(feats, attns[0][:, 0, 0])
+        return M.attention_rollout(attns, self.head_fusion, self.discard_ratio, query=w)[:, self.layers]
 
     def _columns(self) -> dict[str, Any]:
-        return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio}
+        return {"head_fusion": self.head_fusion, "discard_ratio": self.discard_ratio, "query": self.query}
 
     def mean_maps(self) -> torch.Tensor:
         """``(layers, h, w)`` float64 mean rollout map over the images seen (on the CPU)."""
         return self.map_sum.cpu() / max(self.n_images, 1)
 
     def finalize(self) -> pd.DataFrame:
-        if not self.has_cls_token:
-            warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS row to roll "
-                          "out; the table is empty", UserWarning, stacklevel=2)
-            return self.tidy([])
         self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
         rows: list[dict[str, Any]] = []
         if self.n_images:
@@ -130,7 +156,8 @@ class AttentionRollout(_Mechanistic):
             h, w = self.grid_size
             rows += [{"metric": "rollout_map", "layer": i, "row": r, "col": c, "value": float(m[j, r, c])}
                      for j, i in enumerate(self.layers) for r in range(h) for c in range(w)]
-        for metric, means in (("iou_rollout", self.iou_rollout), ("iou_cls_attention", self.iou_cls),
+        own = "iou_cls_attention" if self.query == CLS_QUERY else "iou_query_attention"
+        for metric, means in (("iou_rollout", self.iou_rollout), (own, self.iou_cls),
                               ("iou_gain", self.iou_gain)):
             rows += [{"metric": metric, "layer": i, **means.row(j)} for j, i in enumerate(self.layers)]
         if self.n_masked:
@@ -150,8 +177,9 @@ class GradientRollout(AttentionRollout):
     renormalised as the block's map. The gradients come from a second forward and backward of each batch with
     the model's attention kept (the pass itself runs without gradients): about three forwards' time more. The
     table is `attention_rollout`'s (``rollout_map``, ``iou_rollout`` beside ``iou_cls_attention``, ``iou_gain``),
-    with ``head_fusion`` = ``gradient``. A model without a classifier head or a CLS token has nothing to explain:
-    the table is empty, with a warning."""
+    with ``head_fusion`` = ``gradient``; a model without a CLS token is read from its pooling, as
+    `attention_rollout` says. A model without a classifier head has nothing to explain: the table is empty, with
+    a warning."""
 
     name = "gradient_rollout"
     in_default_study = False  # its own forward and backward pass per batch
@@ -164,20 +192,21 @@ class GradientRollout(AttentionRollout):
         self.has_head = self._vm is None or int(getattr(vm.model, "num_classes", 0) or 0) > 0
 
     def _settings(self) -> dict[str, Any]:
-        return {"layers": list(self.layers), "mass": self.mass, "has_head": self.has_head}
+        return {"layers": list(self.layers), "mass": self.mass, "has_head": self.has_head, "query": self.query}
 
     def _columns(self) -> dict[str, Any]:
-        return {"head_fusion": "gradient"}
+        return {"head_fusion": "gradient", "query": self.query}
 
     def required_taps(self) -> list[str]:
-        if not (self.has_cls_token and self.has_head):
+        if not self.has_head:
             return []
-        return [f"block{i}.attn" for i in self.layers] + ["logits"]  # logits: the pass runs to the end
+        return ([f"block{i}.attn" for i in self.layers] + (["pool_attn"] if self.query == POOL_QUERY else [])
+                + ["logits"])  # logits: the pass runs to the end
 
     def own_forwards(self, vm: Any, data: DataSizes) -> list[Forwards]:
         """One forward (to the logits) and backward (to the attention maps) per batch of its clean pass, for a
-        model with a CLS token and a classifier head."""
-        if not (self.has_cls_token and self.has_head):
+        model with a classifier head."""
+        if not self.has_head:
             return []
         return [Forwards(len(data.batches), sum(data.batches), gradients=True)]
 
@@ -188,7 +217,7 @@ class GradientRollout(AttentionRollout):
         super().update(feats, batch)
 
     def finalize(self) -> pd.DataFrame:
-        if self.has_cls_token and not self.has_head:
+        if not self.has_head:
             warnings.warn(f"{self.name}: model {self.model_name!r} has no classifier head, so there is no predicted "
                           "class to explain; the table is empty", UserWarning, stacklevel=2)
             return self.tidy([])
@@ -221,5 +250,5 @@ class GradientRollout(AttentionRollout):
                 h.remove()
             for module, flag in fused:
                 module.fused_attn = flag
-        rows = M.gradient_rollout([a.detach() for a in attns], grads)
+        rows = M.gradient_rollout([a.detach() for a in attns], grads, query=self._weights(feats, attns[0][:, 0, 0]))
         return rows[:, self.layers]

@@ -12,6 +12,7 @@ from vitscope.report.figures._common import (
     layer_lines,
     legend_outside,
     model_color,
+    model_label,
     models_of,
     panels,
     plt,
@@ -54,11 +55,26 @@ def _maps_mosaic(d: pd.DataFrame, title_models: list[str]) -> plt.Figure:
     return fig
 
 
+def _queries(df: pd.DataFrame) -> str:
+    """A title's clause naming the models rolled out from another query than the CLS token (models without one)."""
+    if "query" not in df.columns:
+        return ""
+    other = df[df["query"].notna() & (df["query"] != "cls")].drop_duplicates("model")
+    if other.empty:
+        return ""
+    return ("; without a CLS token, the row of the model's readout (CLS attention: that query's): "
+            + ", ".join(f"{model_label(m)} ({q})" for m, q in zip(other.model, other["query"], strict=True)))
+
+
 def attention_rollout(df: pd.DataFrame) -> Figures:
     """Foreground IoU of the rollout map (solid) and of the same block's CLS attention, heads averaged
     (dashed), per block with 95 % bands; then the mean rollout map of every block, one row per model
     [Abnar and Zuidema 2020; IoU rule of Walmer et al. 2023 §4.4]."""
     out: Figures = []
+    # a model without a CLS token is rolled out from its readout's query (column 'query'): its reference is that
+    # query's attention (iou_query_attention), drawn as the CLS attention is
+    df = df.assign(metric=df.metric.replace({"iou_query_attention": "iou_cls_attention"}))
+    queries = _queries(df)
     iou = df[df.metric.isin(["iou_rollout", "iou_cls_attention"])]
     if not iou.empty and iou["value"].notna().any():
         fig, axes = panels(1, 2, panel=(3.6, 3.0))
@@ -74,10 +90,11 @@ def attention_rollout(df: pd.DataFrame) -> Figures:
         ref = ("; black dashed: uniform attention on the same masks, the level of a map with no spatial preference"
                if not uniform.empty else "; no uniform-attention reference in this table (rerun attention_rollout)")
         out.append(("Does rollout find the object better than the CLS attention of the same block? Foreground IoU "
-                    f"per block [{cite('abnar2020')}; IoU as {cite('walmer2023', '§4.4')}]{ref}", fig))
+                    f"per block [{cite('abnar2020')}; IoU as {cite('walmer2023', '§4.4')}]{ref}{queries}", fig))
     maps = df[df.metric == "rollout_map"]
     if not maps.empty:
-        out.append(("Mean attention rollout map (CLS row) up to each block, one row per model, in units of uniform "
+        out.append((f"Mean attention rollout map (CLS row{queries and ', or the readout query'}) up to each block, "
+                    "one row per model, in units of uniform "
                     "attention's on one logarithmic scale (1 = uniform: a map with no spatial preference is one flat "
                     f"colour) [{cite('abnar2020')}]",
                     _maps_mosaic(maps, models_of(maps))))
