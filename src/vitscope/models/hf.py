@@ -2,9 +2,10 @@
 
 A checkpoint is a directory as ``save_pretrained`` writes it (``config.json``, ``model.safetensors`` or
 ``pytorch_model.bin``, possibly sharded, and ``preprocessor_config.json``) or a hub id (``org/name``). The
-family comes from ``config.json`` (``model_type``, ``architectures``); the timm architecture is built with
-the config's numbers; the weights are renamed to timm's keys (q/k/v joined, heads kept) and loaded with the
-same strict key accounting as every other layout (`checkpoints.load_into`). `transformers` is never imported.
+family comes from ``config.json`` (``model_type``, ``architectures``; an image-text model's vision tower from
+its ``vision_config``); the timm architecture is built with the config's numbers; the weights are renamed to
+timm's keys (q/k/v joined, heads kept) and loaded with the same strict key accounting as every other layout
+(`checkpoints.load_into`). `transformers` is never imported.
 
   model_type                timm model                      what the checkpoint implies
   vit, vit_mae              VisionTransformer               LayerNorm eps 1e-12; HF pooler (dense+tanh) dropped
@@ -15,6 +16,28 @@ same strict key accounting as every other layout (`checkpoints.load_into`). `tra
   clip, clip_vision_model   VisionTransformer               pre-norm, QuickGELU, projection as the head
   beit, data2vec-vision     Beit                            q/v biases, relative position bias (per block or
                                                             shared), layer scale, mean pooling into fc_norm
+  dinov3_vit                Eva (timm's *_dinov3[_qkvb])    CLS + storage tokens (``reg_token``), RoPE on the
+                                                            patch tokens ('dinov3' type, rotate-half, any input
+                                                            size), layer scale, q/v biases (no key bias), SwiGLU
+                                                            for the gated ones; CLS after the final norm pools
+  siglip, siglip_vision_model VisionTransformer             no class token, GELU (tanh), the MAP head as timm's
+                            (global_pool='map')             AttentionPoolLatent (``attn_pool``: in_proj split into
+                                                            q and kv); full SiglipModel: the text tower dropped;
+                                                            the classifier: mean of the normalised tokens
+  siglip2, siglip2_vision_model  as SigLIP                  NaFlex: see below
+  aimv2, aimv2_vision_model VisionTransformer (timm aimv2)  RMSNorm, SwiGLU (fc1_g/fc1_x), no class token, mean
+                                                            pooling; the attention-pooling head, the image
+                                                            projection and the text tower are dropped; native
+                                                            resolution: the sine-cosine position embedding is
+                                                            computed for the grid the model is built at
+
+SigLIP 2 in transformers is the NaFlex variant: the processor cuts each image, resized to keep its aspect ratio
+within ``max_num_patches``, into patches flattened as (row, column, channel) that an nn.Linear embeds, and the
+stored square grid of position embeddings is resized to each image's patch grid. The conversion is to a fixed
+square input at the stored grid (``sqrt(num_patches) * patch_size`` pixels a side), where the linear layer is
+exactly a stride-``patch_size`` convolution and the position embeddings are used as stored. Not reproduced:
+variable aspect ratios and sequence lengths (other square sizes interpolate the position embeddings bicubically,
+not with NaFlex's antialiased bilinear resize), and padding masks.
 
 Two architecture arguments are vitscope's own, applied after timm builds the model (`finish_build`):
 ``layer_norm_eps`` (transformers' ViTs use 1e-12 where timm uses 1e-6) and ``head_input='cls+mean'``.
@@ -36,16 +59,23 @@ from vitscope.errors import CheckpointError, VitscopeError, WeightsUnavailableEr
 from vitscope.files import inside
 from vitscope.models.checkpoints import Converted, read_checkpoint
 from vitscope.models.hf_keys import (  # noqa: F401 - the key tables, re-exported here
+    _AIMV2_RULES,
     _BASE_PREFIXES,
     _BEIT_RULES,
     _CLIP_RULES,
+    _DINOV3_GATED_MLP,
+    _DINOV3_MLP,
+    _DINOV3_RULES,
     _DROP_BASE,
     _L,
     _QKV,
+    _SIGLIP_RULES,
     _VIT_RULES,
     _join_qkv,
     _rename,
     _split_prefix,
+    linear_patches_to_conv,
+    split_in_proj,
 )
 from vitscope.models.names import HF_CONFIG, is_model_dir  # noqa: F401 - is_model_dir: also used from here
 from vitscope.models.registry import (
@@ -75,12 +105,33 @@ _DINOV2 = dict(_VIT, intermediate_size=None, mlp_ratio=4.0, layer_norm_eps=1e-6,
 _CLIP = dict(_VIT, hidden_act="quick_gelu", layer_norm_eps=1e-5, patch_size=32, projection_dim=512)
 _BEIT = dict(_VIT, use_absolute_position_embeddings=False, use_relative_position_bias=False,
              use_shared_relative_position_bias=False, layer_scale_init_value=0.1, use_mean_pooling=True)
+_DINOV3 = dict(_VIT, hidden_size=384, num_attention_heads=6, intermediate_size=1536, layer_norm_eps=1e-5,
+               rope_theta=100.0, query_bias=True, key_bias=False, value_bias=True, proj_bias=True, mlp_bias=True,
+               layerscale_value=1.0, use_gated_mlp=False, num_register_tokens=0)
+_SIGLIP = dict(_VIT, hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6, vision_use_head=True)
+_SIGLIP2 = dict(_SIGLIP, num_patches=256)
+_AIMV2 = dict(_VIT, hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=8,
+              hidden_act="silu", patch_size=14, rms_norm_eps=1e-5, qkv_bias=False, mlp_bias=False, use_head=True,
+              is_native=False)
 DEFAULTS: dict[str, dict[str, Any]] = {
     "vit": _VIT, "deit": _VIT, "vit_mae": _VIT, "dinov2": _DINOV2,
     "dinov2_with_registers": dict(_DINOV2, patch_size=16, num_register_tokens=4),
     "clip": _CLIP, "clip_vision_model": _CLIP, "beit": _BEIT, "data2vec-vision": _BEIT,
+    "dinov3_vit": _DINOV3, "siglip": _SIGLIP, "siglip_vision_model": _SIGLIP, "siglip2": _SIGLIP2,
+    "siglip2_vision_model": _SIGLIP2, "aimv2": _AIMV2, "aimv2_vision_model": _AIMV2,
 }
 SUPPORTED = tuple(DEFAULTS)
+#: families whose config.json nests the vision tower's numbers in ``vision_config`` (image-text models)
+_NESTED = ("clip", "siglip", "siglip2", "aimv2")
+_SIGLIPS = ("siglip", "siglip_vision_model", "siglip2", "siglip2_vision_model")
+_AIMV2S = ("aimv2", "aimv2_vision_model")
+#: text towers saved on their own: (the model they belong to, what to pass instead)
+_TEXT_TOWERS = {
+    "clip_text_model": ("CLIP", "clip_vision_model or clip"),
+    "siglip_text_model": ("SigLIP", "siglip_vision_model or siglip"),
+    "siglip2_text_model": ("SigLIP 2", "siglip2_vision_model or siglip2"),
+    "aimv2_text_model": ("AIMv2", "aimv2_vision_model or aimv2"),
+}
 
 # Preprocessing when the checkpoint has no preprocessor_config.json: the family's image processor defaults
 # (DINOv2 and ViT-MAE: the normalisation they were trained with).
@@ -94,6 +145,13 @@ _FAMILY_PRE: dict[str, tuple[tuple[float, ...], tuple[float, ...], float, str]] 
     "clip_vision_model": (CLIP_MEAN, CLIP_STD, 1.0, "bicubic"),
     "beit": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
     "data2vec-vision": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
+    "dinov3_vit": (IMAGENET_MEAN, IMAGENET_STD, 1.0, "bilinear"),
+    "siglip": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
+    "siglip_vision_model": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bicubic"),
+    "siglip2": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bilinear"),
+    "siglip2_vision_model": (INCEPTION_MEAN, INCEPTION_STD, 1.0, "bilinear"),
+    "aimv2": (CLIP_MEAN, CLIP_STD, 1.0, "bicubic"),
+    "aimv2_vision_model": (CLIP_MEAN, CLIP_STD, 1.0, "bicubic"),
 }
 _PIL_RESAMPLE = {0: "nearest", 2: "bilinear", 3: "bicubic"}
 
@@ -111,7 +169,15 @@ _CITATIONS = {
     "data2vec-vision": "Baevski et al., data2vec: A General Framework for Self-supervised Learning in Speech, "
                        "Vision and Language (ICML 2022)",
 }
-_CITATIONS["clip_vision_model"] = _CITATIONS["clip"]
+_CITATIONS.update({
+    "dinov3_vit": "Siméoni et al., DINOv3 (2025)",
+    "siglip": "Zhai et al., Sigmoid Loss for Language Image Pre-Training (ICCV 2023)",
+    "siglip2": "Tschannen et al., SigLIP 2: Multilingual Vision-Language Encoders with Improved Semantic "
+               "Understanding, Localization, and Dense Features (2025)",
+    "aimv2": "Fini et al., Multimodal Autoregressive Pre-training of Large Vision Encoders (CVPR 2025)",
+})
+for _mt in ("clip", "siglip", "siglip2", "aimv2"):
+    _CITATIONS[f"{_mt}_vision_model"] = _CITATIONS[_mt]
 
 _ACT = {"gelu": "gelu", "quick_gelu": "quick_gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
         "relu": "relu", "silu": "silu", "swish": "silu"}
@@ -135,16 +201,31 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"could not read {directory / CONFIG}: {e}") from e
     model_type = raw.get("model_type")
+    if model_type in _TEXT_TOWERS:
+        arch = ", ".join(raw.get("architectures") or []) or "no architectures listed"
+        family, instead = _TEXT_TOWERS[model_type]
+        raise CheckpointError(
+            f"{directory}: model_type {model_type!r} ({arch}) is {family}'s text tower, which takes no images; "
+            f"pass a {family} vision tower or full model directory instead (model_type {instead}), whose vision "
+            "tower vitscope converts.")
     if model_type not in DEFAULTS:
         arch = ", ".join(raw.get("architectures") or []) or "no architectures listed"
         raise CheckpointError(
             f"{directory}: model_type {model_type!r} ({arch}) is not a Vision Transformer vitscope can convert; "
             f"the supported transformers families are {', '.join(SUPPORTED)}.")
-    vision = raw.get("vision_config") if model_type == "clip" else raw
+    vision = raw.get("vision_config", {}) if model_type in _NESTED else raw  # transformers' defaults if absent
     if not isinstance(vision, Mapping):
-        raise CheckpointError(f"{directory / CONFIG}: a CLIP config without a vision_config")
+        raise CheckpointError(f"{directory / CONFIG}: vision_config is not a mapping ({type(vision).__name__})")
     cfg = {**DEFAULTS[model_type], **vision}
     cfg["model_type"] = model_type
+    for key in ("image_size", "patch_size"):  # DINOv3 and AIMv2 configs may give [height, width]
+        if isinstance(cfg[key], list | tuple):
+            if len(set(cfg[key])) != 1:
+                raise CheckpointError(f"{directory / CONFIG}: {key} {list(cfg[key])} is not square; vitscope "
+                                      "converts square image and patch sizes")
+            cfg[key] = cfg[key][0]
+    if model_type.startswith("siglip2"):  # NaFlex: no image size, a square grid of num_patches position embeddings
+        cfg["image_size"] = math.isqrt(max(int(cfg["num_patches"]), 0)) * int(cfg["patch_size"])
     cfg["architectures"] = list(raw.get("architectures") or [])
     cfg["id2label"] = raw.get("id2label")
     cfg["num_labels"] = raw.get("num_labels")
@@ -205,6 +286,12 @@ def weight_shapes(directory: str | Path) -> dict[str, tuple[int, ...]]:
 
 #: sizes a config may give that its weights do not hold, with strict=False: the blocks or MLP widths that fit load
 _PARTIAL = ("num_hidden_layers", "intermediate_size", "mlp_ratio")
+#: where `check_sizes` reads the sizes: patch projections, blocks, first MLP layers (per family)
+_PATCH_KEYS = ("embeddings.patch_embeddings.projection.weight", "embeddings.patch_embedding.weight",
+               "embeddings.patch_embeddings.weight", "embeddings.patch_embed.weight")
+_LAYER = r"^(?:encoder\.layers?|(?:model\.)?layer)\.(\d+)\."
+_LAYER_PREFIXES = ("encoder.layer.", "encoder.layers.", "layer.", "model.layer.")
+_FC1_KEYS = ("intermediate.dense", "mlp.fc1", "mlp.weights_in", "mlp.up_proj", "ffn.gate_proj")
 
 
 def check_sizes(directory: str | Path, cfg: Mapping[str, Any], strict: bool = True) -> None:
@@ -224,16 +311,20 @@ def check_sizes(directory: str | Path, cfg: Mapping[str, Any], strict: bool = Tr
                                   ) from None
 
     held: dict[str, int] = {}
-    proj = base.get("embeddings.patch_embeddings.projection.weight", base.get("embeddings.patch_embedding.weight"))
+    proj = next((base[k] for k in _PATCH_KEYS if k in base), None)
     if proj is not None and len(proj) == 4:
         held.update(hidden_size=proj[0], num_channels=proj[1], patch_size=proj[2])
-    layers = {int(m.group(1)) for k in base if (m := re.match(_L, k))}
+    elif proj is not None and len(proj) == 2:  # SigLIP 2: a linear layer over flattened patches
+        held["hidden_size"] = proj[0]
+    layers = {int(m.group(1)) for k in base if (m := re.match(_LAYER, k))}
     if layers:
         held["num_hidden_layers"] = max(layers) + 1
-    fc1 = next((base[k] for k in (f"encoder.{layer}.0.{mlp}.weight" for layer in ("layer", "layers")
-                                  for mlp in ("intermediate.dense", "mlp.fc1", "mlp.weights_in")) if k in base), None)
+    fc1 = next((base[k] for k in (f"{layer}0.{mlp}.weight" for layer in _LAYER_PREFIXES for mlp in _FC1_KEYS)
+                if k in base), None)
     pos = base.get("embeddings.position_embeddings", base.get("embeddings.position_embedding.weight"))
     said: list[tuple[str, Any, int]] = [(k, num(k), v) for k, v in held.items() if num(k) != v]
+    if proj is not None and len(proj) == 2 and not said and num("num_channels") * num("patch_size") ** 2 != proj[1]:
+        said.append(("patch_size", num("patch_size"), f"{proj[1]} values per patch"))
     if fc1 is not None and len(fc1) == 2 and "hidden_size" not in {k for k, _, _ in said}:
         dinov2 = cfg["model_type"].startswith("dinov2")
         kw = architecture(cfg)[1]
@@ -242,8 +333,12 @@ def check_sizes(directory: str | Path, cfg: Mapping[str, Any], strict: bool = Tr
             said.append(("mlp_ratio" if dinov2 else "intermediate_size",
                          f"{cfg['mlp_ratio']} (an MLP {width} wide)" if dinov2 else num("intermediate_size"),
                          fc1[0]))
-    if pos is not None and len(pos) >= 2 and "patch_size" not in {k for k, _, _ in said}:
-        tokens = pos[-2] - (2 if cfg["model_type"] == "deit" else 1)  # the class (and distillation) token's
+    if pos is not None and len(pos) >= 2 and cfg["model_type"].startswith("siglip2"):
+        if pos[-2] != num("num_patches"):
+            said.append(("num_patches", num("num_patches"), pos[-2]))
+    elif pos is not None and len(pos) >= 2 and "patch_size" not in {k for k, _, _ in said}:
+        # the class (and distillation) token's; SigLIP and AIMv2 have none
+        tokens = pos[-2] - {"deit": 2, **dict.fromkeys(_SIGLIPS + _AIMV2S, 0)}.get(cfg["model_type"], 1)
         side = math.isqrt(max(tokens, 0))
         patch = num("patch_size")
         if side * side != tokens or side != num("image_size") // patch:
@@ -313,6 +408,10 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
                   init_values=ls if ls > 0 else 0.0, global_pool="avg" if mean_pool else "token",
                   num_classes=_num_labels(cfg) if _has(cfg, "ForImageClassification") else 0)
         return "beit_base_patch16_224", kw
+    if mt == "dinov3_vit":
+        return _dinov3_architecture(cfg, kw)
+    if mt in _AIMV2S:
+        return _aimv2_architecture(cfg, kw)
     kw.update(act_layer=_activation(cfg), qkv_bias=bool(cfg.get("qkv_bias", True)), class_token=True,
               global_pool="token", num_classes=0)
     arch = "vit_base_patch16_224"
@@ -337,6 +436,11 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         elif _has(cfg, "WithProjection") or "CLIPModel" in cfg["architectures"]:
             kw["num_classes"] = int(cfg["projection_dim"])
         return arch, kw
+    if mt in _SIGLIPS:  # no class token; the MAP head pools, or the classifier averages the normalised tokens
+        classifier = _has(cfg, "ForImageClassification")
+        kw.update(class_token=False, global_pool="map" if cfg["vision_use_head"] and not classifier else "avg",
+                  fc_norm=False, num_classes=_num_labels(cfg) if classifier else 0)
+        return "vit_base_patch16_siglip_224", kw
     if mt == "deit":
         if _has(cfg, "WithTeacher"):
             kw["num_classes"] = _num_labels(cfg)
@@ -345,6 +449,56 @@ def architecture(cfg: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
     if _has(cfg, "ForImageClassification"):
         kw["num_classes"] = _num_labels(cfg)
     return arch, kw
+
+
+#: timm's DINOv3 names by (width, gated MLP); the arguments `_dinov3_architecture` passes decide the model
+_DINOV3_ARCH = {(384, False): "vit_small_patch16_dinov3", (384, True): "vit_small_plus_patch16_dinov3",
+                (768, False): "vit_base_patch16_dinov3", (1024, False): "vit_large_patch16_dinov3",
+                (1280, True): "vit_huge_plus_patch16_dinov3", (4096, True): "vit_7b_patch16_dinov3"}
+
+
+def _dinov3_architecture(cfg: Mapping[str, Any], kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """DINOv3 as timm's Eva: a class token and ``num_register_tokens`` storage tokens (timm's ``reg_token``), no
+    absolute position embedding, RoPE on the patch tokens only (timm's 'dinov3' type: patch centres in [-1, 1],
+    rotate-half pairs, period ``rope_theta``; any input size), layer scale, q and v biases (timm's Eva has no key
+    bias), pooling on the class token after the final norm (``pooler_output``)."""
+    dim = int(cfg["hidden_size"])
+    gated = bool(cfg["use_gated_mlp"])
+    if cfg["key_bias"]:
+        raise CheckpointError("a DINOv3 with key_bias=True has no timm counterpart (timm's Eva has no key bias, "
+                              "and under RoPE it changes the attention)")
+    act = cfg["hidden_act"]
+    if act not in (("silu", "swish") if gated else ("gelu",)):
+        raise CheckpointError(f"a DINOv3 with {'a gated' if gated else 'a plain'} MLP and hidden_act {act!r} has no "
+                              f"timm counterpart (timm's Eva uses {'SiLU' if gated else 'GELU'} there)")
+    qkv_bias = bool(cfg["query_bias"] or cfg["value_bias"])  # one that is absent is loaded as zeros
+    kw.update(qkv_bias=qkv_bias, class_token=True, num_reg_tokens=int(cfg["num_register_tokens"]),
+              use_abs_pos_emb=False, use_rot_pos_emb=True, rope_type="dinov3",
+              rope_temperature=float(cfg["rope_theta"]), rope_rotate_half=True, dynamic_img_size=True,
+              init_values=float(cfg["layerscale_value"]) or 1e-5,  # always there (0 or None would drop it)
+              mlp_ratio=_ratio(int(cfg["intermediate_size"]), dim), swiglu_mlp=gated,
+              # align_to=1: timm's SwiGLU with separate fc1_g/fc1_x at exactly intermediate_size
+              swiglu_align_to=1 if gated else 0,
+              use_fc_norm=False, global_pool="token", num_classes=0)
+    arch = _DINOV3_ARCH.get((dim, gated), "vit_small_plus_patch16_dinov3" if gated else "vit_small_patch16_dinov3")
+    return (arch + "_qkvb" if qkv_bias and not arch.startswith("vit_7b") else arch), kw
+
+
+def _aimv2_architecture(cfg: Mapping[str, Any], kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """AIMv2's vision tower as timm's aimv2 VisionTransformer: RMSNorm (after the patch projection, in the
+    blocks, at the end), SwiGLU, no class token, mean pooling (timm's; transformers' attention-pooling head has
+    no timm counterpart and is dropped). A native-resolution AIMv2 (``is_native``) computes its position
+    embedding; `load_dir` computes it for the grid the model is built at (`aimv2_sincos`)."""
+    if cfg["is_native"] and int(cfg["hidden_size"]) % 4:
+        raise CheckpointError(f"a native-resolution AIMv2 needs a hidden_size divisible by 4 (its sine-cosine "
+                              f"position embedding); got {cfg['hidden_size']}")
+    if cfg["hidden_act"] not in ("silu", "swish"):
+        raise CheckpointError(f"an AIMv2 with hidden_act {cfg['hidden_act']!r} has no timm counterpart (SwiGLU)")
+    kw.update(layer_norm_eps=float(cfg["rms_norm_eps"]), qkv_bias=bool(cfg["qkv_bias"]),
+              proj_bias=bool(cfg["qkv_bias"] or cfg["mlp_bias"]),  # one that is absent is loaded as zeros
+              class_token=False, fc_norm=False, global_pool="avg", num_classes=0,
+              mlp_ratio=_ratio(int(cfg["intermediate_size"]), int(cfg["hidden_size"])))
+    return "aimv2_large_patch14_224", kw
 
 
 def preprocessing(cfg: Mapping[str, Any], pre: Mapping[str, Any] | None) -> Preprocessing:
@@ -405,6 +559,11 @@ def convert(sd: Mapping[str, Tensor], cfg: Mapping[str, Any]) -> tuple[str, Conv
         for k in [k for k in base if rx.search(k)]:
             dropped[prefix + k] = reason
             del base[k]
+    family = _FAMILY_CONVERTERS.get(mt)
+    if family is not None:
+        out = family(base, cfg, kw, prefix, dropped)
+        _top_keys(top, out, dropped, mt)
+        return arch, Converted(out, f"transformers {mt}", dropped, kw)
     beit = mt in ("beit", "data2vec-vision")
     clip = mt in ("clip", "clip_vision_model")
     out = _rename(base, _BEIT_RULES if beit else _CLIP_RULES if clip else _VIT_RULES)
@@ -464,11 +623,104 @@ def convert(sd: Mapping[str, Tensor], cfg: Mapping[str, Any]) -> tuple[str, Conv
     return arch, Converted(out, f"transformers {mt}", dropped, kw)
 
 
+def _zeros_for(out: dict[str, Tensor], keys: list[str]) -> None:
+    """Biases a checkpoint's config says it has not (``*_bias: false``) where the timm model has one: zeros,
+    which compute the same (the key accounting then lists them as loaded)."""
+    for k in keys:
+        w = out.get(k.rsplit(".", 1)[0] + ".weight")
+        if k not in out and w is not None:
+            out[k] = torch.zeros(w.shape[0], dtype=w.dtype)
+
+
+def _layers(out: Mapping[str, Tensor]) -> list[int]:
+    return sorted({int(m.group(1)) for k in out if (m := re.match(r"^blocks\.(\d+)\.", k))})
+
+
+def _convert_dinov3(base: dict[str, Tensor], cfg: Mapping[str, Any], kw: dict[str, Any], prefix: str,
+                    dropped: dict[str, str]) -> dict[str, Tensor]:
+    """DINOv3 -> timm's Eva names: q/k/v joined into ``qkv`` with the q and v biases as Eva's ``q_bias`` and
+    ``v_bias``, layer scales as ``gamma_1``/``gamma_2``, storage tokens as ``reg_token``."""
+    out = _rename(base, _DINOV3_RULES + (_DINOV3_GATED_MLP if kw["swiglu_mlp"] else _DINOV3_MLP))
+    blocks = _layers(out)
+    absent = [c for c, key in (("q", "query_bias"), ("v", "value_bias")) if kw["qkv_bias"] and not cfg[key]]
+    _zeros_for(out, [f"blocks.{i}.attn.{c}.bias" for i in blocks for c in absent])
+    if not cfg["proj_bias"]:
+        _zeros_for(out, [f"blocks.{i}.attn.proj.bias" for i in blocks])
+    if not cfg["mlp_bias"]:
+        _zeros_for(out, [f"blocks.{i}.mlp.{fc}.bias" for i in blocks for fc in ("fc1", "fc1_g", "fc1_x", "fc2")])
+    return _join_qkv(out, beit=True)  # no key bias: q and v biases kept apart, as Eva holds them
+
+
+def _convert_siglip(base: dict[str, Tensor], cfg: Mapping[str, Any], kw: dict[str, Any], prefix: str,
+                    dropped: dict[str, str]) -> dict[str, Tensor]:
+    """SigLIP and SigLIP 2 vision towers -> timm's VisionTransformer names (no class token; the MAP head as
+    ``attn_pool``). SigLIP 2's linear patch embedding becomes the equivalent convolution kernel, and its
+    position embedding grid is used as stored (the size the model is built at)."""
+    out = split_in_proj(_join_qkv(_rename(base, _SIGLIP_RULES), beit=False))
+    if "pos_embed" in out and out["pos_embed"].ndim == 2:
+        out["pos_embed"] = out["pos_embed"].unsqueeze(0)
+    if "attn_pool.latent" in out and kw["global_pool"] != "map":  # the classifier averages the tokens instead
+        for k in [k for k in out if k.startswith("attn_pool.")]:
+            del out[k]
+        for k in [k for k in base if k.startswith("head.")]:
+            dropped[prefix + k] = "MAP head (unused by the classifier, which averages the tokens)"
+    w = out.get("patch_embed.proj.weight")
+    if w is not None and w.ndim == 2:
+        out["patch_embed.proj.weight"] = linear_patches_to_conv(w, int(cfg["patch_size"]), int(cfg["num_channels"]))
+    return out
+
+
+def _convert_aimv2(base: dict[str, Tensor], cfg: Mapping[str, Any], kw: dict[str, Any], prefix: str,
+                   dropped: dict[str, str]) -> dict[str, Tensor]:
+    """AIMv2 vision towers -> timm's aimv2 names (gate_proj/up_proj/down_proj as SwiGLU's fc1_g/fc1_x/fc2)."""
+    for k in [k for k in base if k.startswith("head.")]:
+        dropped[prefix + k] = ("AIMv2 attention-pooling head (a learned query over the tokens; timm's aimv2 has "
+                               "no counterpart and pools by mean)")
+        del base[k]
+    out = _join_qkv(_rename(base, _AIMV2_RULES), beit=False)
+    if "pos_embed" in out and out["pos_embed"].ndim == 2:
+        out["pos_embed"] = out["pos_embed"].unsqueeze(0)
+    blocks = _layers(out)
+    if kw["proj_bias"] and not cfg["qkv_bias"]:
+        _zeros_for(out, [f"blocks.{i}.attn.proj.bias" for i in blocks])
+    if kw["proj_bias"] and not cfg["mlp_bias"]:
+        _zeros_for(out, [f"blocks.{i}.mlp.{fc}.bias" for i in blocks for fc in ("fc1_g", "fc1_x", "fc2")])
+    return out
+
+
+_FAMILY_CONVERTERS = {"dinov3_vit": _convert_dinov3, **dict.fromkeys(_SIGLIPS, _convert_siglip),
+                      **dict.fromkeys(_AIMV2S, _convert_aimv2)}
+
+
+def _top_keys(top: Mapping[str, Tensor], out: dict[str, Tensor], dropped: dict[str, str], mt: str) -> None:
+    """The keys of an image-text model or classifier outside its vision tower (SigLIP, AIMv2)."""
+    family = "SigLIP 2" if mt.startswith("siglip2") else "SigLIP" if mt.startswith("siglip") else "AIMv2"
+    for k, v in top.items():
+        if re.match(r"^classifier\.(weight|bias)$", k):
+            out["head." + k.split(".")[-1]] = v
+        elif k.startswith(("text_model.", "text_projection.")) or k in ("logit_scale", "logit_bias"):
+            dropped[k] = f"{family} text tower"
+        elif k.startswith("visual_projection."):
+            dropped[k] = "AIMv2 image projection (of the attention-pooling head's output, dropped with it)"
+        else:
+            out[k] = v  # reported as unexpected
+
+
 def implied_kwargs(cfg: Mapping[str, Any], pre: Preprocessing) -> dict[str, Any]:
     """The architecture a checkpoint implies before its weights are read: the config's, built at the size its
     preprocessing produces (DINOv2's config says 518 px, its processor crops 224, where transformers
     interpolates the position embeddings on the fly)."""
     return {**architecture(cfg)[1], "img_size": pre.input_size}
+
+
+def aimv2_sincos(grid: int, dim: int) -> Tensor:
+    """A native-resolution AIMv2's position embedding, which transformers computes per image and does not store
+    (``build_2d_sinusoidal_position_embedding``, period 10000, float64, in the layout AIMv2 was trained with:
+    [sin w | cos w | sin h | cos h], rows outer), for a grid x grid patch grid as timm's (1, N, D) pos_embed."""
+    omega = 1.0 / 10000.0 ** (torch.arange(dim // 4, dtype=torch.float64) / (dim // 4))
+    axis = torch.arange(grid, dtype=torch.float64)
+    rows, cols = (a.flatten().outer(omega) for a in torch.meshgrid(axis, axis, indexing="ij"))
+    return torch.cat([cols.sin(), cols.cos(), rows.sin(), rows.cos()], dim=1).float().unsqueeze(0)
 
 
 def resample_pos_embed(pos: Tensor, old: int, new: int, antialias: bool = False) -> Tensor:
@@ -503,7 +755,9 @@ def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = Non
     conv.model_kwargs.update({"img_size": pre.input_size, **departures, **(overrides or {})})
     size, patch = conv.model_kwargs["img_size"], int(cfg["patch_size"])
     pos = conv.state_dict.get("pos_embed")
-    if pos is not None and isinstance(size, int) and size != int(cfg["image_size"]):
+    if cfg["model_type"] in _AIMV2S and cfg["is_native"] and isinstance(size, int):  # computed, at the built grid
+        conv.state_dict["pos_embed"] = aimv2_sincos(size // patch, int(cfg["hidden_size"]))
+    elif pos is not None and isinstance(size, int) and size != int(cfg["image_size"]):
         conv.state_dict["pos_embed"] = resample_pos_embed(pos, int(cfg["image_size"]) // patch, size // patch,
                                                           antialias=cfg["model_type"] == "dinov2_with_registers")
         conv.resampled.append("pos_embed")
@@ -536,8 +790,10 @@ def split_build_kwargs(kwargs: Mapping[str, Any]) -> tuple[dict[str, Any], dict[
 def finish_build(model: nn.Module, extra: Mapping[str, Any]) -> nn.Module:
     eps = extra.get("layer_norm_eps")
     if eps is not None:
+        from timm.layers import RmsNorm  # AIMv2's norms
+
         for m in model.modules():
-            if isinstance(m, nn.LayerNorm):
+            if isinstance(m, nn.LayerNorm | RmsNorm):
                 m.eps = float(eps)
     head_input = extra.get("head_input")
     if head_input == "cls+mean":
