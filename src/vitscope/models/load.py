@@ -89,7 +89,7 @@ def load_model(
         ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
         conv = ck.convert(ckpt, fmt, dino_key=checkpoint_key)
         if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
-            arch, inferred, notes = ck.infer_architecture(conv.state_dict)
+            arch, inferred, notes = ck.infer_architecture(conv.state_dict, conv.format)
             spec = replace(spec, arch=arch, notes="; ".join(notes))
             log.warning("%s: architecture inferred from the checkpoint (%s); %s", spec.name, arch, notes[0])
             kwargs = {**inferred, **conv.model_kwargs, **model_kwargs}
