@@ -164,3 +164,38 @@ def test_a_model_without_a_cls_token_is_rolled_out_from_its_readout(kind, query)
     expected = (rows / rows.sum(-1, keepdim=True)).mean(0).reshape(vm.grid_size)
     m = df[(df.metric == "rollout_map") & (df.layer == vm.depth - 1)].sort_values(["row", "col"])
     np.testing.assert_allclose(m["value"].to_numpy().reshape(vm.grid_size), expected.numpy(), rtol=1e-5, atol=1e-7)
+
+
+def test_the_report_says_each_models_readout_and_labels_models_by_it_where_they_differ(tmp_path):
+    from matplotlib import pyplot as plt
+
+    from vitscope.report.figures._common import model_label
+    from vitscope.report.run import load_run
+    from vitscope.study import load_config, run_study
+
+    kw = "{img_size: 32, patch_size: 8, embed_dim: 48, depth: 2, num_heads: 3}"
+    (tmp_path / "study.yaml").write_text(f"""models:
+  - {{name: vit_small_patch16_224, label: vit, pretrained: false, kwargs: {kw}}}
+  - {{name: vit_base_patch16_siglip_224, label: siglip, pretrained: false, kwargs: {kw}}}
+datasets:
+  shapes: {{name: synthetic-shapes, n_images: 8}}
+analyses:
+  attention_rollout: {{}}
+batch_size: 4
+progress: false
+""")
+    cfg = load_config(tmp_path / "study.yaml", [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
+    run_study(cfg)
+    html = (tmp_path / "run" / "report.html").read_text()
+    models = html[html.index("id='models'"):]
+    assert "<td>vit, 1 prefix token (CLS first)</td><td>CLS token</td>" in models
+    assert "<td>vit, 0 prefix tokens</td><td>attention pool</td>" in models
+    run = load_run(tmp_path / "run")
+    with run.figure_context():
+        assert model_label("siglip") == "siglip [attention pool] (untrained)"
+        assert model_label("vit") == "vit [CLS token] (untrained)"
+    (caption, fig), *_ = run.figures("attention_rollout")
+    assert "without a CLS token, the row of the model's readout" in caption and "siglip (attention pool)" in caption
+    labels = [t.get_text() for leg in fig.legends for t in leg.get_texts()]
+    assert "siglip [attention pool] (untrained)" in labels
+    plt.close("all")

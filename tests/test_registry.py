@@ -1,13 +1,15 @@
 """The model registry: every entry builds, matches timm's own configs, and fails clearly offline."""
 
 import re
+from typing import get_args
 
 import pytest
 import timm
 import torch
 
 import vitscope as vs
-from vitscope.models.registry import REGISTRY
+from vitscope.findings import FAMILIES
+from vitscope.models.registry import REGISTRY, Family
 
 SIZES = {"s": (384, 12), "b": (768, 12), "l": (1024, 24), "h": (1280, 32)}
 
@@ -21,17 +23,17 @@ def test_entry_builds_with_the_size_its_name_says(name):
     spec = REGISTRY[name]
     with torch.device("meta"):
         model = timm.create_model(spec.arch, pretrained=False, **spec.model_kwargs)
-    size, patch = re.match(r"^[a-z0-9]+-([slbh])(\d+)", name).groups()
+    size, patch = re.match(r"^[a-z0-9-]+?-([slbh])(\d+)", name).groups()
     dim, depth = SIZES[size]
     assert model.embed_dim == dim and len(model.blocks) == depth
     assert model.patch_embed.patch_size[0] == int(patch)
-    assert spec.family in {"explicit", "language", "contrastive", "reconstructive", "hybrid"}
+    assert spec.family in set(get_args(Family)) - {"none"}
     assert spec.citation
 
 
 # Deliberate departures from timm's configs: OpenAI's CLIP preprocessing resizes to 224 and crops 224
-# (crop_pct 1.0), where timm evaluates at 0.9.
-CROP_AS_TRAINED = {"clip-b16", "clip-b32", "clip-l14"}
+# (crop_pct 1.0), where timm evaluates at 0.9; SigLIP's processor resizes the whole image to 224 x 224 (no crop).
+CROP_AS_TRAINED = {"clip-b16", "clip-b32", "clip-l14", "siglip2-b16"}
 
 
 @pytest.mark.parametrize("name", sorted(n for n, s in REGISTRY.items() if s.weights.kind == "timm"))
@@ -58,6 +60,33 @@ def test_sources_families_are_all_there():
     # language supervision is a family of its own (findings group it apart from explicit labels)
     assert {REGISTRY[n].family for n in REGISTRY if n.startswith("clip-")} == {"language"}
     assert REGISTRY["sup-b16"].family == "explicit"
+
+
+def test_the_registry_covers_every_objective_family_researchers_compare():
+    """Supervised, language-supervised (CLIP, SigLIP 2, PE), self-distillation (DINO v1-v3), contrastive (MoCo v3),
+    masked modelling (MAE, BEiT, SimMIM, EVA-02), autoregressive (AIMv2) and latent prediction (I-JEPA): one
+    findings list of families, the registry's."""
+    assert set(FAMILIES) == set(get_args(Family))
+    want = {"dinov3-s16": "hybrid", "dinov3-b16": "hybrid", "dinov3-l16": "hybrid", "eva02-b14": "reconstructive",
+            "eva02-l14": "reconstructive", "pe-core-b16": "language", "pe-core-l14": "language",
+            "siglip2-b16": "language", "aimv2-l14": "autoregressive", "ijepa-h14": "latent",
+            "deit3-b16": "explicit", "clip-b16-openclip": "language"}
+    assert {n: REGISTRY[n].family for n in want} == want
+    assert {s.family for s in REGISTRY.values()} == set(get_args(Family))
+    assert REGISTRY["clip-b16-openclip"].weights.checkpoint_format == "open_clip"
+
+
+@pytest.mark.parametrize("name, family, readout, prefix", [
+    ("dinov3-s16", "eva", "mean of patch tokens", 5), ("eva02-b14", "eva", "mean of patch tokens", 1),
+    ("pe-core-b16", "eva", "attention pool", 1), ("siglip2-b16", "vit", "attention pool", 0),
+    ("aimv2-l14", "vit", "mean of patch tokens", 0), ("ijepa-h14", "vit", "mean of patch tokens", 0),
+    ("deit3-b16", "vit", "CLS token", 1), ("clip-b16-openclip", "vit", "CLS token", 1)])
+def test_the_new_families_build_with_their_prefix_tokens_and_readout(name, family, readout, prefix):
+    spec = REGISTRY[name]
+    with torch.device("meta"):
+        model = timm.create_model(spec.arch, pretrained=False, **spec.model_kwargs)
+    vm = vs.ViTModel(model, name, spec)
+    assert (vm.family, vm.readout, vm.num_prefix_tokens) == (family, readout, prefix)
 
 
 def test_beit_entry_is_the_pretrained_not_finetuned_architecture():

@@ -7,9 +7,10 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, get_args
 
 from vitscope.errors import STOPPED_BY, VitscopeError
+from vitscope.models.registry import Family
 from vitscope.zoo.cli import add_zoo_parser
 
 EPILOG = """examples:
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("models", help="list the model registry", parents=[common])
-    m.add_argument("--family", choices=["explicit", "language", "contrastive", "reconstructive", "hybrid"])
+    m.add_argument("--family", choices=[f for f in get_args(Family) if f != "none"])
     m.set_defaults(func=_cmd_models)
 
     t = sub.add_parser("taps", help="list the tap points of a model, with shapes for one image", parents=[common])

@@ -40,9 +40,11 @@ from vitscope.references import cite
 from vitscope.study.rundir import FINDINGS_TABLE
 
 CL, MIM = "contrastive", "reconstructive"
-FAMILIES = ("explicit", "language", "contrastive", "reconstructive", "hybrid", "none")  # models.registry.Family
+FAMILIES = ("explicit", "language", "contrastive", "reconstructive", "hybrid", "autoregressive", "latent",
+            "none")  # models.registry.Family
 Z95 = 1.959964  # metrics.intervals.Z95; not imported: vitscope.metrics loads torch, `vitscope findings` must not
-SHORT = {CL: "CL", MIM: "MIM", "explicit": "SUP", "language": "LANG", "hybrid": "HYB", "none": "none"}
+SHORT = {CL: "CL", MIM: "MIM", "explicit": "SUP", "language": "LANG", "hybrid": "HYB", "autoregressive": "AR",
+         "latent": "JEPA", "none": "none"}
 HOLDS, FAILS, INCONCLUSIVE = "holds", "fails", "inconclusive"
 #: where the similarity tables are, and which of their metrics are measures of a pair of models
 TABLES = {"cka": ("cka_minibatch",), "similarity": None}  # None: every metric `vitscope.measures` declares

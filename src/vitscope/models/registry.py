@@ -43,8 +43,10 @@ def zoo_pretrained_cfg_overlay(img_size: int = 32, num_classes: int = 0) -> dict
 
 #: objective families: explicit labels (supervised), language supervision (CLIP, SigLIP, PE: image-text
 #: contrastive, a family of its own in findings and figures), self-supervised contrastive / self-distillation,
-#: masked reconstruction, both, or none (an untrained network)
-Family = Literal["explicit", "language", "contrastive", "reconstructive", "hybrid", "none"]
+#: masked reconstruction (MAE, BEiT, SimMIM, EVA-02's masked modelling of CLIP features), both (DINOv2/v3: DINO with
+#: iBOT's masked modelling), autoregressive prediction of patches (AIMv2), prediction in latent space (I-JEPA), or
+#: none (an untrained network). `vitscope.findings.FAMILIES` lists the same names (kept torch-free there).
+Family = Literal["explicit", "language", "contrastive", "reconstructive", "hybrid", "autoregressive", "latent", "none"]
 SourceKind = Literal["timm", "hf", "url", "file", "manual", "none"]
 
 
@@ -238,6 +240,68 @@ for _size, _arch in [("s14", "vit_small_patch14"), ("b14", "vit_base_patch14"), 
         f"dinov2-{_size}-reg", f"{_arch}_reg4_dinov2", "hybrid", "dinov2",
         WeightSource("timm", "lvd142m"), _DINOV2_PRE, {"num_classes": 0, "img_size": 224},
         citation=f"{_DINOV2}; {_REG}", notes="With 4 register tokens (5 prefix tokens in all)."))
+
+# The families researchers reach for now (issue 45's registry): timm hosts every one's weights except the CLIP
+# tower read in open_clip's own layout. Built at the released size unless said; DINOv3 at 224 px (its RoPE takes any
+# size; timm's config says 256) so its grid matches the /16 models'.
+_DINOV3 = "Siméoni et al., DINOv3 (arXiv:2508.10104, 2025)"
+_EVA02 = "Fang et al., EVA-02: A Visual Representation for Neon Genesis (Image and Vision Computing 2024)"
+_PE = ("Bolya et al., Perception Encoder: The best visual embeddings are not at the output of the network "
+       "(arXiv:2504.13181, 2025)")
+_SIGLIP2 = ("Tschannen et al., SigLIP 2: Multilingual Vision-Language Encoders with Improved Semantic Understanding, "
+            "Localization, and Dense Features (arXiv:2502.14786, 2025)")
+_AIMV2 = "Fini et al., Multimodal Autoregressive Pre-training of Large Vision Encoders (CVPR 2025)"
+_IJEPA = ("Assran et al., Self-Supervised Learning from Images with a Joint-Embedding Predictive Architecture "
+          "(CVPR 2023)")
+_DEIT3 = "Touvron, Cord, Jégou, DeiT III: Revenge of the ViT (ECCV 2022)"
+_OPENCLIP = "Ilharco et al., OpenCLIP (software, 2021); Cherti et al., Reproducible scaling laws for CLIP (CVPR 2023)"
+_HALF = Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 224, 1.0, "bicubic")
+
+for _size, _arch in [("s16", "vit_small_patch16_dinov3"), ("b16", "vit_base_patch16_dinov3"),
+                     ("l16", "vit_large_patch16_dinov3")]:
+    register(ModelSpec(
+        f"dinov3-{_size}", _arch, "hybrid", "dinov3", WeightSource("timm", "lvd1689m"),
+        Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 1.0, "bicubic"), {"num_classes": 0, "img_size": 224},
+        citation=_DINOV3,
+        notes="timm Eva: RoPE, 4 storage (register) tokens beside CLS, layer scale; LVD-1689M data; the S/B/L are "
+              "distilled from the 7B. Official files (facebookresearch/dinov3 layout) load with weights=PATH."))
+for _size, _arch in [("b14", "eva02_base_patch14_224"), ("l14", "eva02_large_patch14_224")]:
+    register(ModelSpec(
+        f"eva02-{_size}", _arch, "reconstructive", "eva02-mim", WeightSource("timm", "mim_in22k"),
+        Preprocessing(CLIP_MEAN, CLIP_STD, 224, 0.9, "bicubic"), {"num_classes": 0}, citation=_EVA02,
+        notes="timm Eva: RoPE, SwiGLU, sub-LN; the masked-image-modelling stage (EVA-CLIP features as targets, "
+              "ImageNet-22k), before any fine-tuning."))
+for _size, _arch, _px in [("b16", "vit_pe_core_base_patch16_224", 224), ("l14", "vit_pe_core_large_patch14_336", 336)]:
+    register(ModelSpec(
+        f"pe-core-{_size}", _arch, "language", "pe-core", WeightSource("timm", "fb"),
+        Preprocessing(INCEPTION_MEAN, INCEPTION_STD, _px, 1.0, "bicubic"), {"num_classes": 0}, citation=_PE,
+        notes=f"Perception Encoder core image tower (timm Eva, RoPE, CLS token, attention-pool head) at {_px} px; "
+              "the CLIP projection head is dropped (the pool's output is the readout)."))
+register(ModelSpec(
+    "siglip2-b16", "vit_base_patch16_siglip_224", "language", "siglip2", WeightSource("timm", "v2_webli"),
+    _HALF, {"num_classes": 0}, citation=_SIGLIP2,
+    notes="No CLS token: the MAP attention-pool head is the readout (taps pool, pool_attn). Fixed 224 px "
+          "variant (not NaFlex)."))
+register(ModelSpec(
+    "aimv2-l14", "aimv2_large_patch14_224", "autoregressive", "aimv2", WeightSource("timm", "apple_pt"),
+    _CLIP_PRE, {"num_classes": 0}, citation=_AIMV2,
+    notes="No CLS token, RMSNorm, SwiGLU; pretrained with a causal multimodal decoder (pixels and text); timm pools "
+          "the mean of the patch tokens."))
+register(ModelSpec(
+    "ijepa-h14", "vit_huge_patch14_gap_224", "latent", "ijepa", WeightSource("timm", "in1k_ijepa"),
+    Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 0.9, "bicubic"), {"num_classes": 0}, citation=_IJEPA,
+    notes="Target encoder, ImageNet-1k; no CLS token (the mean of the patch tokens is the readout)."))
+register(ModelSpec(
+    "deit3-b16", "deit3_base_patch16_224", "explicit", "supervised", WeightSource("timm", "fb_in22k_ft_in1k"),
+    Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 1.0, "bicubic"), citation=_DEIT3,
+    notes="Supervised with DeiT III's recipe (3-Augment, layer scale), ImageNet-21k then 1k; ImageNet head kept."))
+register(ModelSpec(
+    "clip-b16-openclip", "vit_base_patch16_clip_quickgelu_224", "language", "clip",
+    WeightSource("url", "https://huggingface.co/timm/vit_base_patch16_clip_224.openai/resolve/main/"
+                        "open_clip_pytorch_model.bin", "open_clip"),
+    _CLIP_PRE, {"num_classes": 512}, citation=f"{_CLIP}; {_OPENCLIP}",
+    notes="OpenAI's ViT-B/16 read from open_clip's own state_dict (visual.transformer.resblocks.*; text tower "
+          "dropped; visual.proj as the head); the same weights as clip-b16."))
 
 # The controlled zoo (`vitscope zoo`, docs/ZOO.md): one small ViT per objective, same data (CIFAR-10) and
 # budget; the weights ship with the package (float16 safetensors), paths relative to the package.

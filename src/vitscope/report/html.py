@@ -290,11 +290,19 @@ def write_report(run_dir: str | Path) -> Path:
     parts += _summary(run)
     if models:
         parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>family</th><th>source</th>"
-                     "<th>blocks</th><th>heads</th><th>grid</th><th>patch</th><th>weights</th><th>from cache</th></tr>")
+                     "<th>architecture</th><th>readout</th><th>blocks</th><th>heads</th><th>grid</th><th>patch</th>"
+                     "<th>weights</th><th>from cache</th></tr>")
         families = run.families
         for label, m in models.items():
+            prefix = m.get("prefix_tokens")
+            arch = m.get("family", "")
+            if arch and prefix is not None:  # timm class family, and its prefix tokens (CLS, registers)
+                cls = m.get("cls_token")
+                arch += f", {prefix} prefix token{'s' if prefix != 1 else ''}" + (
+                    "" if cls is None or not prefix else " (CLS first)" if cls else " (registers, no CLS)")
             parts.append(f"<tr><td>{_esc(label)}</td><td>{_esc(families.get(label, ''))}</td>"
-                         f"<td><code>{_esc(m.get('source'))}</code></td>"
+                         f"<td><code>{_esc(m.get('source'))}</code></td><td>{_esc(arch)}</td>"
+                         f"<td>{_esc(m.get('readout', ''))}</td>"
                          f"<td>{_esc(m.get('depth', ''))}</td><td>{_esc(m.get('heads', ''))}</td>"
                          f"<td>{_esc(m.get('grid', ''))}</td><td>{_esc(m.get('patch', ''))}</td>"
                          f"<td>{_esc(m.get('load_report', ''))}</td>"

@@ -26,6 +26,7 @@ from vitscope.errors import VitscopeError
 from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context
 from vitscope.report.run import load_run
+from vitscope.report.summary import model_readouts
 
 
 def _select(df: pd.DataFrame, models: Iterable[str] | None, where: dict[str, Any]) -> pd.DataFrame:
@@ -122,7 +123,8 @@ def figures(source: str | Path | pd.DataFrame, analysis: str | None = None, *,
     order = run.models if run is not None else list(dict.fromkeys(df["model"].dropna()))
     base = set(run.untrained if run is not None else []) | set(untrained or [])
     tables = {k: _select(v, models, {}) for k, v in run.tables.items()} if run is not None else {}
-    with context(order, base, tables, run.families if run is not None else None):
+    readouts = model_readouts(run.manifest) if run is not None else None
+    with context(order, base, tables, run.families if run is not None else None, readouts):
         drawn = FIGURES[analysis](df)
     for caption, fig in drawn:
         fig.set_label(caption)

@@ -18,7 +18,7 @@ import pandas as pd
 from vitscope.errors import VitscopeError, first_line
 from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context, wrap_labels
-from vitscope.report.summary import model_families, untrained_models  # also imported from here
+from vitscope.report.summary import model_families, model_readouts, untrained_models  # also imported from here
 
 BEST_LAYERS = "best_layers"
 """The report's figure of the dense tasks' best layers (a summary over their tables, not an analysis)."""
@@ -45,7 +45,7 @@ class Run:
 
     @contextmanager
     def figure_context(self) -> Iterator[None]:
-        with context(self.models, self.untrained, self.tables, self.families):
+        with context(self.models, self.untrained, self.tables, self.families, model_readouts(self.manifest)):
             yield
 
     def best_layers(self) -> pd.DataFrame:

@@ -31,6 +31,12 @@ def model_families(manifest: dict[str, Any]) -> dict[str, str]:
             for m, meta in manifest.get("models", {}).items()}
 
 
+def model_readouts(manifest: dict[str, Any]) -> dict[str, str]:
+    """``{model: what its head reads}`` ('CLS token', 'mean of patch tokens', 'attention pool'; `ViTModel.readout`)
+    for the models whose manifest records it."""
+    return {m: str(meta["readout"]) for m, meta in manifest.get("models", {}).items() if meta.get("readout")}
+
+
 def untrained_models(manifest: dict[str, Any]) -> list[str]:
     """The models the manifest records as untrained (random initialisation, not fine-tuned): the baselines."""
     return [m for m, family in model_families(manifest).items() if family == "untrained"]

@@ -175,7 +175,7 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
         info = vm.info()
         mmeta.update({"weights_digest": vm.weights_digest, "family": vm.family, "depth": vm.depth,
                       "heads": vm.num_heads, "grid": list(vm.grid_size), "patch": vm.patch_size,
-                      "prefix_tokens": vm.num_prefix_tokens,
+                      "prefix_tokens": vm.num_prefix_tokens, "cls_token": vm.has_cls_token, "readout": vm.readout,
                       "load_report": vm.load_report.summary() if vm.load_report else "random initialisation"})
         if getattr(vm, "ablation", None) is not None:  # the resolved heads, with the spec and statistics images
             mmeta["ablation"] = vm.ablation.meta

@@ -69,6 +69,7 @@ class Context:
     untrained: set[str] = field(default_factory=set)
     tables: Mapping[str, pd.DataFrame] = field(default_factory=dict)
     families: Mapping[str, str] = field(default_factory=dict)  # model -> what it is (`models.registry.describe_family`)
+    readouts: Mapping[str, str] = field(default_factory=dict)  # model -> what its head reads (`ViTModel.readout`)
 
 
 _CONTEXT = Context()
@@ -81,13 +82,13 @@ def current() -> Context:
 
 @contextmanager
 def context(models: Sequence[str] = (), untrained: Iterable[str] = (),
-            tables: Mapping[str, pd.DataFrame] | None = None, families: Mapping[str, str] | None = None
-            ) -> Iterator[Context]:
+            tables: Mapping[str, pd.DataFrame] | None = None, families: Mapping[str, str] | None = None,
+            readouts: Mapping[str, str] | None = None) -> Iterator[Context]:
     """Draw figures knowing the study's model order, its untrained models, the other tables and what each model
-    is (its family)."""
+    is (its family, and what its head reads)."""
     global _CONTEXT
     previous = _CONTEXT
-    _CONTEXT = Context(list(models), set(untrained), dict(tables or {}), dict(families or {}))
+    _CONTEXT = Context(list(models), set(untrained), dict(tables or {}), dict(families or {}), dict(readouts or {}))
     try:
         yield _CONTEXT
     finally:
@@ -115,12 +116,15 @@ def model_color(model: str, models: Sequence[str] | None = None) -> object:
 
 def model_label(model: str, lines: bool = False) -> str:
     """The model's name, with "(untrained)" for a baseline and its family for a fine-tuned model (its start's
-    family and what it was tuned for, e.g. "untrained → classification"); ``lines``: the family on a line of its
-    own (a panel's title)."""
+    family and what it was tuned for, e.g. "untrained → classification"), and, in a study whose models read out
+    differently (a CLS token beside an attention pool or a patch mean), its readout in brackets ("[attention
+    pool]"); ``lines``: the family on a line of its own (a panel's title)."""
     family = "untrained" if model in _CONTEXT.untrained else _CONTEXT.families.get(model, "")
+    readouts = {r for m, r in _CONTEXT.readouts.items() if not _CONTEXT.models or m in _CONTEXT.models}
+    readout = f" [{_CONTEXT.readouts[model]}]" if len(readouts) > 1 and model in _CONTEXT.readouts else ""
     if family != "untrained" and "→" not in family:
-        return str(model)
-    return f"{model}{chr(10) if lines else ' '}({family})"
+        return f"{model}{readout}"
+    return f"{model}{readout}{chr(10) if lines else ' '}({family})"
 
 
 def wrap_labels(fig: plt.Figure) -> None:

@@ -12,7 +12,6 @@ from vitscope.report.figures._common import (
     layer_lines,
     legend_outside,
     model_color,
-    model_label,
     models_of,
     panels,
     plt,
@@ -63,7 +62,7 @@ def _queries(df: pd.DataFrame) -> str:
     if other.empty:
         return ""
     return ("; without a CLS token, the row of the model's readout (CLS attention: that query's): "
-            + ", ".join(f"{model_label(m)} ({q})" for m, q in zip(other.model, other["query"], strict=True)))
+            + ", ".join(f"{m} ({q})" for m, q in zip(other.model, other["query"], strict=True)))
 
 
 def attention_rollout(df: pd.DataFrame) -> Figures:
