@@ -282,3 +282,15 @@ def test_qkv_with_the_bias_added_separately(images):
         ref = vm.model.forward_intermediates(images, indices=[1], output_fmt="NLC", intermediates_only=True,
                                              return_prefix_tokens=True)[0]
     assert torch.equal(f["block1.out"], torch.cat([ref[1], ref[0]], dim=1))
+
+
+def test_a_saved_eva_with_registers_loads_back_as_it_was(eva, images, tmp_path):
+    """save_checkpoint then load_model(file): the register tokens a ViT state dict implies (reg_tokens) are an Eva's
+    num_reg_tokens; the reloaded model computes what the saved one did, bit for bit."""
+    _, eva = eva
+    path = tmp_path / "eva.safetensors"
+    vs.save_checkpoint(eva.model, path, eva.spec)
+    back = vs.load_model(str(path))
+    assert back.family == "eva" and back.num_prefix_tokens == eva.num_prefix_tokens and back.load_report.ok
+    with torch.no_grad():
+        assert torch.equal(back.model(images), eva.model(images))

@@ -86,6 +86,9 @@ def test_open_clip_state_dict_loads_the_image_tower(tmp_path, quick_gelu):
     assert any(n.startswith(f"activation {name} ") for n in report.notes), report.notes
     assert any("head.bias" in n for n in report.notes)
     assert "act_layer=" in vm.spec.notes
+    # fed as open_clip feeds its ViTs (OpenAI's mean and std), not with ImageNet's
+    assert vm.preprocessing.mean == pytest.approx((0.48145466, 0.4578275, 0.40821073))
+    assert vm.preprocessing.std == pytest.approx((0.26862954, 0.26130258, 0.27577711))
 
 
 def test_open_clip_activation_is_the_callers_choice(tmp_path):

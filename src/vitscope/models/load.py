@@ -25,7 +25,7 @@ from vitscope.models import fetch as net
 from vitscope.models import hf
 from vitscope.models.adapter import ViTModel
 from vitscope.models.names import file_given, random_init_takes_no_file, unknown_model  # noqa: F401 - also used from here
-from vitscope.models.registry import REGISTRY, ModelSpec, Preprocessing, WeightSource
+from vitscope.models.registry import CLIP_MEAN, CLIP_STD, REGISTRY, ModelSpec, Preprocessing, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,8 @@ def load_model(
         if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
             arch, inferred, notes = ck.infer_architecture(conv.state_dict, conv.format)
             spec = replace(spec, arch=arch, notes="; ".join(notes))
+            if conv.format == "open_clip":  # OpenAI's normalisation, open_clip's default for its ViTs
+                spec = replace(spec, preprocessing=Preprocessing(CLIP_MEAN, CLIP_STD, 224, 1.0, "bicubic"))
             log.warning("%s: architecture inferred from the checkpoint (%s); %s", spec.name, arch, notes[0])
             kwargs = {**inferred, **conv.model_kwargs, **model_kwargs}
         else:
@@ -171,9 +173,21 @@ def _timm_preprocessing(name: str) -> Preprocessing:
                          str(c.get("interpolation", "bicubic")))
 
 
+def _eva_names(arch: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A state dict's implied ``reg_tokens`` (a ViT's argument) as an Eva's ``num_reg_tokens``: the register tokens
+    of a saved DINOv3 or RoPE ViT are the same tensor, ``reg_token``, under another argument name."""
+    if "reg_tokens" not in kwargs or not timm.is_model(arch) or \
+            timm.models.model_entrypoint(arch).__module__ != "timm.models.eva":
+        return kwargs
+    out = dict(kwargs)
+    out.setdefault("num_reg_tokens", out.pop("reg_tokens"))
+    out.pop("reg_tokens", None)
+    return out
+
+
 def _create(arch: str, kwargs: dict[str, Any], seed: int) -> torch.nn.Module:
     check_arch(kwargs, arch)
-    timm_kwargs, extra = hf.split_build_kwargs(kwargs)
+    timm_kwargs, extra = hf.split_build_kwargs(_eva_names(arch, kwargs))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:
