@@ -265,3 +265,31 @@ def test_bad_workers_dtype_and_slices_are_refused_before_torch(study, argv, word
                     or Path("/proc/driver/nvidia").exists(), reason="this machine has a GPU driver: torch decides")
 def test_cuda_on_a_machine_without_a_gpu_driver_is_refused_before_torch(study):
     refused_before_torch([str(study), "device=cuda"], "device 'cuda' was asked for", "set device=cpu")
+
+
+@pytest.mark.parametrize("model, analysis, words", [
+    ("siglip2-b16", "stir={view: cls}", "analyses.stir.view: models[0] (tiny) has no CLS token"),
+    ("ijepa-h14", "corruptions={token_view: cls}", "analyses.corruptions.token_view: models[0] (tiny)"),
+    ("vit_small_patch16_224", "similarity={view: cls}", "models[0] (tiny) has no CLS token"),  # class_token: false
+])
+def test_the_cls_view_of_a_model_known_to_have_none_is_refused_before_torch(tmp_path, model, analysis, words):
+    """A registry entry whose shipped taps listing has no CLS token, or a model built with class_token false, asked
+    for 'cls' as an analysis's one token view: refused at config time, naming the views it gives."""
+    text = tiny_study_yaml().replace("name: vit_small_patch16_224", f"name: {model}")
+    if model == "vit_small_patch16_224":
+        text = text.replace("kwargs: {", "kwargs: {class_token: false, global_pool: avg, ")
+    p = tmp_path / "study.yaml"
+    p.write_text(text + f"output_dir: {tmp_path / 'out'}\n")
+    err = refused_before_torch([str(p), f"analyses.{analysis}"], words,
+                               "the token views it gives are 'spatial', 'gap', 'gap_spatial'")
+    assert "label: tiny" in text and err
+
+
+def test_the_cls_view_of_a_model_with_one_passes_the_config_check(tmp_path):
+    from vitscope.study.config import load_config
+
+    p = tmp_path / "study.yaml"
+    p.write_text(tiny_study_yaml().replace("name: vit_small_patch16_224", "name: dinov3-s16") +
+                 f"output_dir: {tmp_path / 'out'}\n")
+    cfg = load_config(p, ["analyses.corruptions={corruptions: noise, token_view: cls}"])  # DINOv3: CLS and 4 storage tokens
+    assert cfg.analyses["corruptions"]["token_view"] == "cls"

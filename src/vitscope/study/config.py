@@ -279,6 +279,40 @@ def check(cfg: StudyConfig) -> None:
             raise ConfigError(f"analyses.{name}: {e}") from None
         needs, inputs = data_needs(name)
         match_slots(name, needs, inputs, params or {}, datasets)  # the planner's matching, before torch
+    _check_cls_views(cfg)
+
+
+#: parameters that name one token view, which an analysis cannot do without (the lists of views, `views`, drop
+#: 'cls' on a model without one, with a warning where nothing is left)
+_ONE_VIEW = ("view", "match_view", "token_view")
+
+
+def _check_cls_views(cfg: StudyConfig) -> None:
+    """'cls' asked as the one token view of an analysis, for a model known before torch to have no CLS token (a
+    registry entry whose shipped taps listing says so, or a model built with ``class_token: false``): one sentence
+    naming the views it gives. Other models (timm names, files) are checked when they load."""
+    asked = [(name, key) for name, params in cfg.analyses.items() for key in _ONE_VIEW
+             if (params or {}).get(key) == "cls"]
+    if not asked:
+        return
+    from vitscope.models.registry import REGISTRY
+    from vitscope.taps_listing import snapshot
+
+    shipped: dict[str, str] | None = None
+    for i, m in enumerate(cfg.models):
+        kw = m.kwargs or {}
+        if "class_token" in kw:
+            has_cls = bool(kw["class_token"])
+        elif m.name in REGISTRY:
+            shipped = shipped if shipped is not None else snapshot()
+            listing = shipped.get(m.name, "")
+            has_cls = not listing or "no CLS token" not in listing.strip().splitlines()[-1]
+        else:
+            continue
+        if not has_cls:
+            name, key = asked[0]
+            raise ConfigError(f"analyses.{name}.{key}: models[{i}] ({m.label or m.name}) has no CLS token; the token "
+                              "views it gives are 'spatial', 'gap', 'gap_spatial'")
 
 
 def _check_dtype_and_device(cfg: StudyConfig) -> None:
