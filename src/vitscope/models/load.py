@@ -52,9 +52,11 @@ def load_model(
         for others it is read off the tensor shapes, heads assumed 64-dimensional, override with
         ``num_heads=``, or pass the timm name and ``weights=`` to be explicit), or a Hugging Face
         `transformers` checkpoint: a directory with config.json (as ``save_pretrained`` writes it) or a hub
-        id such as ``facebook/dinov2-small`` (ViT, DeiT, DINOv2, CLIP, ViT-MAE, BEiT, Data2Vec-vision).
+        id such as ``facebook/dinov2-small`` (ViT, DeiT, DINOv2, CLIP, ViT-MAE, BEiT, Data2Vec-vision, DINOv3,
+        SigLIP and SigLIP 2 vision towers, AIMv2).
     weights: a local checkpoint (or URL) in any supported layout: timm, MoCo-v3, DINO, MAE, BEiT,
-        SimMIM, or a transformers directory; auto-detected, or forced with ``checkpoint_format``.
+        SimMIM, DINOv3's official files (``dinov3``), open_clip's own state_dict (``open_clip``), or a
+        transformers directory; auto-detected, or forced with ``checkpoint_format``.
         Overrides the entry's own source.
     pretrained: fetch the entry's weights when ``weights`` is not given; False = random init (seeded).
     checkpoint_key: which network of a DINO training checkpoint to load ('teacher' or 'student').

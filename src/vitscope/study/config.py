@@ -31,7 +31,7 @@ class ModelConfig:
     label: str | None = None               # name in results (defaults to `name`)
     weights: str | None = None             # local checkpoint or URL
     pretrained: bool = True                # fetch the entry's weights; false = random init (seeded), no file
-    checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit or simmim
+    checkpoint_format: str = "auto"        # auto, timm, mocov3, dino, mae, beit, simmim, dinov3 or open_clip
     seed: int = 0                          # random init (pretrained: false)
     kwargs: dict[str, Any] = field(default_factory=dict)   # timm.create_model arguments
     finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
