@@ -3,7 +3,7 @@
 One entry per (supervision, size). Like timm's pretrained configs, an entry carries the architecture,
 where its weights live, the preprocessing the weights were trained with, and who to cite. Entries
 whose weights timm hosts name a timm tag; the others name the official file (URL) and the checkpoint
-layout it is in, which `vitscope.models.checkpoints` converts.
+layout it is in, which `vitscope.models.layouts` converts.
 """
 
 from __future__ import annotations
