@@ -291,5 +291,6 @@ def test_the_cls_view_of_a_model_with_one_passes_the_config_check(tmp_path):
     p = tmp_path / "study.yaml"
     p.write_text(tiny_study_yaml().replace("name: vit_small_patch16_224", "name: dinov3-s16") +
                  f"output_dir: {tmp_path / 'out'}\n")
-    cfg = load_config(p, ["analyses.corruptions={corruptions: noise, token_view: cls}"])  # DINOv3: CLS and 4 storage tokens
+    # DINOv3: a CLS token and 4 storage tokens
+    cfg = load_config(p, ["analyses.corruptions={corruptions: noise, token_view: cls}"])
     assert cfg.analyses["corruptions"]["token_view"] == "cls"

@@ -8,10 +8,9 @@ image. A test keeps the snapshot equal to what building each entry prints
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-SNAPSHOT = Path(__file__).with_name("taps_listing.json")
+from vitscope.models.names import taps_snapshot as snapshot  # `vitscope taps` and the tests read it from here
 
 
 def live_text(model: str, weights: str | None = None) -> str:
@@ -38,11 +37,6 @@ def _views_line(num_prefix_tokens: int, has_cls_token: bool) -> str:
     return f"token views: spatial, gap, gap_spatial (prefix tokens: {num_prefix_tokens}, no CLS token)"
 
 
-def snapshot() -> dict[str, str]:
-    """Registry name -> the text `live_text(name)` gave when the snapshot was generated."""
-    return json.loads(SNAPSHOT.read_text(encoding="utf-8"))
-
-
 def text(model: str, weights: str | None = None) -> str:
     """What `vitscope taps` prints: the snapshot's text for a registry entry without other weights, else live."""
     if weights is None:
@@ -60,6 +54,7 @@ def generate(names: list[str] | None = None) -> dict[str, str]:
 
 
 if __name__ == "__main__":
+    import json
     import sys
 
     sys.stdout.write(json.dumps(generate(), indent=1) + "\n")

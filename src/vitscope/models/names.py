@@ -119,3 +119,22 @@ def random_init_takes_no_file(file: str) -> str:
     return (f"{file!r} is a weights file, and pretrained: false asks for a random init, which takes no file; "
             "drop pretrained: false to load the file, or name the architecture (a timm or registry name) with "
             "pretrained: false for a random init")
+
+
+#: the shipped `vitscope taps` listing of every registry entry (`vitscope.taps_listing` writes and prints it)
+TAPS_SNAPSHOT = Path(__file__).resolve().parents[1] / "taps_listing.json"
+
+
+def taps_snapshot() -> dict[str, str]:
+    """Registry name -> the text `vitscope taps NAME` prints, as shipped (no torch)."""
+    import json
+
+    return json.loads(TAPS_SNAPSHOT.read_text(encoding="utf-8"))
+
+
+def listed_without_cls(name: str) -> bool:
+    """Whether the shipped taps listing of registry entry ``name`` says it has no CLS token (its last line, the token
+    views; False for a name it does not list)."""
+    listing = taps_snapshot().get(name, "").strip()
+    return bool(listing) and "no CLS token" in listing.splitlines()[-1]
+

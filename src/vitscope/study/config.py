@@ -295,18 +295,15 @@ def _check_cls_views(cfg: StudyConfig) -> None:
              if (params or {}).get(key) == "cls"]
     if not asked:
         return
+    from vitscope.models.names import listed_without_cls
     from vitscope.models.registry import REGISTRY
-    from vitscope.taps_listing import snapshot
 
-    shipped: dict[str, str] | None = None
     for i, m in enumerate(cfg.models):
         kw = m.kwargs or {}
         if "class_token" in kw:
             has_cls = bool(kw["class_token"])
         elif m.name in REGISTRY:
-            shipped = shipped if shipped is not None else snapshot()
-            listing = shipped.get(m.name, "")
-            has_cls = not listing or "no CLS token" not in listing.strip().splitlines()[-1]
+            has_cls = not listed_without_cls(m.name)
         else:
             continue
         if not has_cls:
