@@ -77,7 +77,7 @@ def test_the_registry_covers_every_objective_family_researchers_compare():
 
 
 @pytest.mark.parametrize("name, family, readout, prefix", [
-    ("dinov3-s16", "eva", "mean of patch tokens", 5), ("eva02-b14", "eva", "mean of patch tokens", 1),
+    ("dinov3-s16", "eva", "CLS token", 5), ("eva02-b14", "eva", "mean of patch tokens", 1),
     ("pe-core-b16", "eva", "attention pool", 1), ("siglip2-b16", "vit", "attention pool", 0),
     ("aimv2-l14", "vit", "mean of patch tokens", 0), ("ijepa-h14", "vit", "mean of patch tokens", 0),
     ("deit3-b16", "vit", "CLS token", 1), ("clip-b16-openclip", "vit", "CLS token", 1)])

@@ -261,10 +261,11 @@ for _size, _arch in [("s16", "vit_small_patch16_dinov3"), ("b16", "vit_base_patc
                      ("l16", "vit_large_patch16_dinov3")]:
     register(ModelSpec(
         f"dinov3-{_size}", _arch, "hybrid", "dinov3", WeightSource("timm", "lvd1689m"),
-        Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 1.0, "bicubic"), {"num_classes": 0, "img_size": 224},
-        citation=_DINOV3,
+        Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 1.0, "bicubic"),
+        {"num_classes": 0, "img_size": 224, "global_pool": "token"}, citation=_DINOV3,
         notes="timm Eva: RoPE, 4 storage (register) tokens beside CLS, layer scale; LVD-1689M data; the S/B/L are "
-              "distilled from the 7B. Official files (facebookresearch/dinov3 layout) load with weights=PATH."))
+              "distilled from the 7B. Read out by the normed CLS token, DINOv3's own output (timm's default pools "
+              "the patch mean). Official files (facebookresearch/dinov3 layout) load with weights=PATH."))
 for _size, _arch in [("b14", "eva02_base_patch14_224"), ("l14", "eva02_large_patch14_224")]:
     register(ModelSpec(
         f"eva02-{_size}", _arch, "reconstructive", "eva02-mim", WeightSource("timm", "mim_in22k"),
