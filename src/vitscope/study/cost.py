@@ -48,10 +48,20 @@ FLOPS_PER_SECOND = {"cpu": 1e11, "cuda": 5e13, "mps": 5e12}
 def forward_flops(vm: Any) -> int:
     """Floating-point operations of one image's forward: per block, the qkv, projection and MLP matrices (2 per
     multiply-add) over every token, and the attention's two T x T products."""
+    from torch import nn
+
     t, d = vm.num_tokens, vm.embed_dim
-    hidden = int(vm.model.blocks[0].mlp.fc1.out_features) if hasattr(vm.model.blocks[0], "mlp") else 4 * d
-    per_block = 2 * t * (4 * d * d + 2 * d * hidden) + 4 * t * t * d
+    matrices = sum(m.in_features * m.out_features for m in vm.model.blocks[0].modules() if isinstance(m, nn.Linear))
+    per_block = 2 * t * (matrices or 12 * d * d) + 4 * t * t * d  # any MLP: plain, packed or separate SwiGLU
     return int(vm.depth * per_block)
+
+
+def _fc1_width(mlp: Any) -> int:
+    """Width of the ``fc1`` tap: the first MLP linear's outputs, or a SwiGLU's gate and value halves together."""
+    fc1 = getattr(mlp, "fc1", None)
+    if fc1 is not None:
+        return int(fc1.out_features)
+    return int(mlp.fc1_g.out_features + mlp.fc1_x.out_features)
 
 
 def forwards_flops(vm: Any, f: Any) -> int:
@@ -172,9 +182,14 @@ def tap_elements(vm: Any, tap: str) -> int:
     if kind == "qkv":
         return 3 * t * d
     if kind == "fc1":
-        return t * int(vm.model.blocks[0].mlp.fc1.out_features)
+        return t * _fc1_width(vm.model.blocks[0].mlp)
     if kind == "logits":
         return int(getattr(vm.model, "num_classes", 0) or d)
+    if kind == "pool":
+        return d
+    if kind == "pool_attn":
+        pool = vm.model.attn_pool
+        return int(pool.num_heads * pool.latent_len) * t
     return t * d
 
 
