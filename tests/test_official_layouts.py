@@ -287,3 +287,15 @@ def test_dinov3_training_file_teacher_backbone(tmp_path):
     assert "DINOv3 student" in vm.load_report.dropped["student"]
     assert "training head" in vm.load_report.dropped["dino_head.mlp.0.weight"]
     _compare_eva(student, vs.load_model(tmp_path / "training.pth", checkpoint_key="student"), x)
+
+
+def test_a_torchscript_archive_is_refused_in_one_sentence_without_loading_it(tmp_path, monkeypatch):
+    """OpenAI's original CLIP .pt files are TorchScript archives: refused before torch reads them (no torch.jit.load,
+    which would build the archive's code), in one sentence saying what to pass instead."""
+    path = tmp_path / "ViT-B-16.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    monkeypatch.setattr(torch.jit, "load", lambda *a, **k: pytest.fail("the archive was loaded"))
+    with pytest.raises(vs.errors.CheckpointError) as e:
+        vs.load_model(str(path))
+    assert "TorchScript archive" in str(e.value) and "open_clip_pytorch_model.bin" in str(e.value)
+    assert "\n" not in str(e.value)

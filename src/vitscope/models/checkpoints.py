@@ -113,6 +113,18 @@ def check_checkpoint_file(path: str | Path) -> None:
     check_memory(path)  # the sizes its pickle declares against its own, before torch allocates any of them
 
 
+def _torchscript(path: Path) -> bool:
+    """Whether ``path`` is a TorchScript archive (a zip holding ``constants.pkl`` and ``code/``), read as a zip
+    listing only."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return any(n.endswith("/constants.pkl") or n == "constants.pkl" for n in z.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
     """Load a checkpoint file (``.safetensors``, or a torch pickle read with ``weights_only``).
 
@@ -130,6 +142,12 @@ def read_checkpoint(path: str | Path, trust: bool = False) -> Any:
         except SafetensorError as e:
             raise CheckpointError(f"{str(path)!r} is not a valid safetensors file ({e}); the file is corrupt or "
                                   "truncated") from e
+    if _torchscript(path):
+        raise CheckpointError(
+            f"{path.name} is a TorchScript archive (as OpenAI's original CLIP files are), not a state dict, and "
+            "vitscope reads weights only: use the state dict of the same model (open_clip's "
+            "open_clip_pytorch_model.bin), or, for a file you trust, save torch.jit.load(path).state_dict() with "
+            "torch.save and pass that")
     try:
         with torch.serialization.safe_globals([argparse.Namespace]):
             return torch.load(path, map_location="cpu", weights_only=not trust)
