@@ -71,7 +71,10 @@ def tune_allocator() -> bool:
     captured taps, held until the analyses have read them, make it worse. Serving all allocations from
     the heap and never trimming it removes that cost: measured here on ViT-S/16, batch 32, 2 cores, a bare
     unfused forward went from 2.3 s to 1.6 s and capturing every tap from 3.0 s to 1.6 s
-    (benchmarks/capture_overhead.py prints both). The price: the process keeps its peak memory.
+    (benchmarks/capture_overhead.py prints both). Trimming is off with M_TRIM_THRESHOLD = -1 (mallopt(3): "disables
+    trimming completely"); a threshold of 2**31 - 1 still trimmed the heap whenever a pass's captured taps freed
+    more than 2 GiB at once (every tap of a ViT-S at batch 32: 600,000 page faults, every tap 1.4x a bare forward
+    instead of 1.0x). The price: the process keeps its peak memory.
     Set VITSCOPE_MALLOC_TUNING=0 to leave the allocator alone.
     """
     global _ALLOCATOR_TUNED
@@ -83,7 +86,7 @@ def tune_allocator() -> bool:
     try:
         libc = ctypes.CDLL("libc.so.6")
         m_trim_threshold, m_mmap_max = -1, -4
-        _ALLOCATOR_TUNED = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+        _ALLOCATOR_TUNED = bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, -1))
     except (OSError, AttributeError):
         pass
     return _ALLOCATOR_TUNED
