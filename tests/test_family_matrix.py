@@ -64,9 +64,8 @@ CASES_BY_ID = {c.name or c.analysis: c for c in CASES}  # test_cost's studies, b
 WITHOUT_CLS = {
     # a table without rows (not written), with a warning that the model has no CLS token
     "empty": {"cls_attention_maps"},
-    # THE ROLLOUTS (rollout.py, a change in progress): the row a rollout reads on a model without a CLS token, by the
-    # model's ``global_pool`` (its head's own readout: the attention pool's weights, or the patch tokens' mean); set
-    # it to "empty" (a table without rows and the no-CLS warning, as before that change) if the change is undone
+    # the rollouts: the row a rollout reads on a model without a CLS token, by the model's ``global_pool`` (its head's
+    # own readout: the attention pool's weights, or the patch tokens' mean; analyses/mechanistic/rollout.py)
     "rollout": {"map": "attention pool", "avg": "mean of patch tokens"},
 }
 ROLLOUTS = ("attention_rollout", "gradient_rollout")
