@@ -51,13 +51,13 @@ CASES = [
     ("siglip2-vision", "Siglip2VisionConfig", NAFLEX, "Siglip2VisionModel", 0, "map", []),
     ("siglip2-full", "Siglip2Config", dict(vision_config=NAFLEX, text_config=TEXT), "Siglip2Model", 0, "map",
      ["text tower"]),
-    ("aimv2-vision", "Aimv2VisionConfig", dict(SMALL), "Aimv2VisionModel", 0, None, ["attention-pooling head"]),
+    ("aimv2-vision", "Aimv2VisionConfig", dict(SMALL), "Aimv2VisionModel", 0, "map", []),  # its pooling head
     ("aimv2-biases", "Aimv2VisionConfig", dict(SMALL, qkv_bias=True, mlp_bias=False, rms_norm_eps=1e-3),
-     "Aimv2VisionModel", 0, None, ["attention-pooling head"]),
-    ("aimv2-native", "Aimv2VisionConfig", dict(SMALL, is_native=True), "Aimv2VisionModel", 0, None,
-     ["attention-pooling head"]),
-    ("aimv2-full", "Aimv2Config", dict(vision_config=SMALL, text_config=TEXT), "Aimv2Model", 0, None,
-     ["attention-pooling head", "image projection", "text tower"]),
+     "Aimv2VisionModel", 0, "map", []),
+    ("aimv2-no-head", "Aimv2VisionConfig", dict(SMALL, use_head=False), "Aimv2VisionModel", 0, None, []),
+    ("aimv2-native", "Aimv2VisionConfig", dict(SMALL, is_native=True), "Aimv2VisionModel", 0, "map", []),
+    ("aimv2-full", "Aimv2Config", dict(vision_config=SMALL, text_config=TEXT), "Aimv2Model", 0, "map",
+     ["image projection", "text tower"]),
 ]
 
 
@@ -139,6 +139,7 @@ def test_every_family_matches_transformers_tap_for_tap(tmp_path, case):
     if pooled in ("cls", "map"):  # DINOv3: the normalised class token; SigLIP: the MAP head
         torch.testing.assert_close(head_input, out.pooler_output, **close)
         torch.testing.assert_close(f["logits"], out.pooler_output, **close)  # headless: the pooled feature
+        torch.testing.assert_close(vs.extract(vm, x, ["pool"])["pool"], out.pooler_output, **close)
     elif pooled == "logits":  # SigLIP's classifier: mean of the normalised tokens, then a linear layer
         torch.testing.assert_close(f["logits"], logits, **close)
         assert vm.model.num_classes == 3

@@ -11,8 +11,9 @@ This module reads (directories, config.json, weight files and their shapes), loa
 (`finish_build`) and fetches from the hub; the per-family part (config defaults, `architecture`,
 `preprocessing`, `convert`, and the table of families and what each implies) is `vitscope.models.hf_arch`.
 
-Two architecture arguments are vitscope's own, applied after timm builds the model (`finish_build`):
-``layer_norm_eps`` (transformers' ViTs use 1e-12 where timm uses 1e-6) and ``head_input='cls+mean'``.
+Three architecture arguments are vitscope's own, applied after timm builds the model (`finish_build`):
+``layer_norm_eps`` (transformers' ViTs use 1e-12 where timm uses 1e-6), ``head_input='cls+mean'`` and
+``attn_pool='aimv2'`` (AIMv2's attention-pooling head).
 """
 
 from __future__ import annotations
@@ -302,9 +303,9 @@ def load_dir(directory: str | Path, entry_kwargs: Mapping[str, Any] | None = Non
 
 
 # --------------------------------------------------------------------------------------------------
-# Building: the two arguments timm does not take
+# Building: the three arguments timm does not take
 
-BUILD_KWARGS = ("layer_norm_eps", "head_input")
+BUILD_KWARGS = ("layer_norm_eps", "head_input", "attn_pool")
 
 
 class ClsMeanHead(nn.Linear):
@@ -339,6 +340,16 @@ def finish_build(model: nn.Module, extra: Mapping[str, Any]) -> nn.Module:
         model.head = ClsMeanHead(model.embed_dim, model.head.out_features, model.num_prefix_tokens)
     elif head_input is not None:
         raise VitscopeError(f"unknown head_input {head_input!r}; the one supported is 'cls+mean'")
+    pool = extra.get("attn_pool")
+    if pool == "aimv2":  # AIMv2's attention-pooling head: the learned query as it is, k and v (with the blocks'
+        ap = getattr(model, "attn_pool", None)  # qkv bias or none), an output projection, nothing after
+        if ap is None:
+            raise VitscopeError("attn_pool='aimv2' needs global_pool='map'")
+        dim = model.embed_dim
+        ap.q, ap.norm, ap.mlp = nn.Identity(), nn.Identity(), None
+        ap.kv = nn.Linear(dim, 2 * dim, bias=model.blocks[0].attn.qkv.bias is not None)
+    elif pool is not None:
+        raise VitscopeError(f"unknown attn_pool {pool!r}; the one supported is 'aimv2'")
     return model
 
 

@@ -287,9 +287,11 @@ def _dinov3_architecture(cfg: Mapping[str, Any], kw: dict[str, Any]) -> tuple[st
 
 def _aimv2_architecture(cfg: Mapping[str, Any], kw: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """AIMv2's vision tower as timm's aimv2 VisionTransformer: RMSNorm (after the patch projection, in the
-    blocks, at the end), SwiGLU, no class token, mean pooling (timm's; transformers' attention-pooling head has
-    no timm counterpart and is dropped). A native-resolution AIMv2 (``is_native``) computes its position
-    embedding; `load_dir` computes it for the grid the model is built at (`aimv2_sincos`)."""
+    blocks, at the end), SwiGLU, no class token. With its attention-pooling head (``use_head``, transformers'
+    default) the model pools with it, as timm's ``attn_pool`` shaped by `hf.finish_build` (``attn_pool='aimv2'``:
+    the learned query used as it is, no projection of it, no MLP after the pool); without one, timm's mean of the
+    tokens. A native-resolution AIMv2 (``is_native``) computes its position embedding; `load_dir` computes it for
+    the grid the model is built at (`aimv2_sincos`)."""
     if cfg["is_native"] and int(cfg["hidden_size"]) % 4:
         raise CheckpointError(f"a native-resolution AIMv2 needs a hidden_size divisible by 4 (its sine-cosine "
                               f"position embedding); got {cfg['hidden_size']}")
@@ -299,6 +301,8 @@ def _aimv2_architecture(cfg: Mapping[str, Any], kw: dict[str, Any]) -> tuple[str
               proj_bias=bool(cfg["qkv_bias"] or cfg["mlp_bias"]),  # one that is absent is loaded as zeros
               class_token=False, fc_norm=False, global_pool="avg", num_classes=0,
               mlp_ratio=_ratio(int(cfg["intermediate_size"]), int(cfg["hidden_size"])))
+    if cfg.get("use_head", True):
+        kw.update(global_pool="map", attn_pool="aimv2")
     return "aimv2_large_patch14_224", kw
 
 
@@ -464,12 +468,23 @@ def _convert_siglip(base: dict[str, Tensor], cfg: Mapping[str, Any], kw: dict[st
 
 def _convert_aimv2(base: dict[str, Tensor], cfg: Mapping[str, Any], kw: dict[str, Any], prefix: str,
                    dropped: dict[str, str]) -> dict[str, Tensor]:
-    """AIMv2 vision towers -> timm's aimv2 names (gate_proj/up_proj/down_proj as SwiGLU's fc1_g/fc1_x/fc2)."""
-    for k in [k for k in base if k.startswith("head.")]:
-        dropped[prefix + k] = ("AIMv2 attention-pooling head (a learned query over the tokens; timm's aimv2 has "
-                               "no counterpart and pools by mean)")
-        del base[k]
+    """AIMv2 vision towers -> timm's aimv2 names (gate_proj/up_proj/down_proj as SwiGLU's fc1_g/fc1_x/fc2); the
+    attention-pooling head as timm's ``attn_pool`` (its query ``cls_token`` as the latent, k_proj and v_proj
+    joined as kv, output_proj as proj) where the architecture pools with it."""
+    head = {k[len("head."):]: base.pop(k) for k in [k for k in base if k.startswith("head.")]}
     out = _join_qkv(_rename(base, _AIMV2_RULES), beit=False)
+    if head and kw.get("global_pool") == "map":
+        out["attn_pool.latent"] = head.pop("cls_token")
+        for part in ("weight", "bias"):
+            kv = [head.pop(f"{p}_proj.{part}", None) for p in "kv"]
+            if all(t is not None for t in kv):
+                out[f"attn_pool.kv.{part}"] = torch.cat(kv)
+            out.update({f"attn_pool.proj.{part}": head.pop(f"output_proj.{part}")} if f"output_proj.{part}" in head
+                       else {})
+        out.update({f"head.{k}": v for k, v in head.items()})  # anything else: reported as unexpected
+    else:
+        for k in head:
+            dropped[f"{prefix}head.{k}"] = "AIMv2 attention-pooling head (the config says use_head is off)"
     if "pos_embed" in out and out["pos_embed"].ndim == 2:
         out["pos_embed"] = out["pos_embed"].unsqueeze(0)
     blocks = _layers(out)
@@ -493,7 +508,7 @@ def _top_keys(top: Mapping[str, Tensor], out: dict[str, Tensor], dropped: dict[s
         elif k.startswith(("text_model.", "text_projection.")) or k in ("logit_scale", "logit_bias"):
             dropped[k] = f"{family} text tower"
         elif k.startswith("visual_projection."):
-            dropped[k] = "AIMv2 image projection (of the attention-pooling head's output, dropped with it)"
+            dropped[k] = "AIMv2 image projection (the pooled output into the text embedding space)"
         else:
             out[k] = v  # reported as unexpected
 

@@ -87,16 +87,23 @@ def convert_timm(ckpt: Any) -> Converted:
     are translated by timm's own ``checkpoint_filter_fn`` at load time; OpenAI CLIP / open_clip state dicts
     have their own converter (`convert_open_clip`), which accounts for the text tower it drops.
     """
+    sd = _unwrap(ckpt, "the checkpoint")
+    return Converted(sd, "timm", model_kwargs=_implied_kwargs(sd))
+
+
+def _unwrap(ckpt: Any, what: str) -> dict[str, Tensor]:
+    """The state dict inside ``model`` / ``state_dict`` / ``module`` wrappers, without a ``module.`` prefix on every
+    key (DistributedDataParallel's); CheckpointError naming ``what`` when no dict of tensors is there."""
     sd = ckpt
     for key in ("model", "state_dict", "module"):
         if isinstance(sd, Mapping) and key in sd and isinstance(sd[key], Mapping):
             sd = sd[key]
     if not _tensor_dict(sd):
-        raise CheckpointError("no state dict of tensors found in the checkpoint")
+        raise CheckpointError(f"no state dict of tensors found in {what}")
     sd = dict(sd)
     if all(k.startswith("module.") for k in sd):
         sd = _strip(sd, "module.")
-    return Converted(sd, "timm", model_kwargs=_implied_kwargs(sd))
+    return sd
 
 
 def convert_mocov3(ckpt: Any) -> Converted:
@@ -221,14 +228,7 @@ def convert_dinov3(ckpt: Any, key: str = "teacher") -> Converted:
             if other != key and other in sd:
                 dropped[other] = f"DINOv3 {other} (loaded the {key})"
         sd = sd[key]
-    for wrapper in ("model", "state_dict", "module"):
-        if isinstance(sd, Mapping) and wrapper in sd and isinstance(sd[wrapper], Mapping):
-            sd = sd[wrapper]
-    if not _tensor_dict(sd):
-        raise CheckpointError("no state dict of tensors found in the DINOv3 checkpoint")
-    sd = dict(sd)
-    if all(k.startswith("module.") for k in sd):
-        sd = _strip(sd, "module.")
+    sd = _unwrap(sd, "the DINOv3 checkpoint")
     if any(k.startswith("backbone.") for k in sd):
         for k in sd:
             if not k.startswith("backbone."):
