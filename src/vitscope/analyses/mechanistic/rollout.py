@@ -56,9 +56,10 @@ class AttentionRollout(_Mechanistic):
     A model without a CLS token is rolled out from what its head reads instead (column ``query``): the attention
     pool's weights over the tokens (SigLIP's MAP head, PE; the ``pool_attn`` tap, its heads and queries averaged)
     where it pools with attention, else the mean over the patch tokens (a model that reads their mean: I-JEPA,
-    timm's AIMv2, a ViT with registers and global_pool='avg'). The map of block l is then the row ``w^T R_l`` for those weights w, and the reference
-    beside it, ``iou_query_attention`` (in place of ``iou_cls_attention``), is that query's own attention at block
-    l, ``w^T A_l`` (heads averaged), as the CLS row of ``A_l`` is for a model with a CLS token (w = e_0)."""
+    timm's AIMv2, a ViT with registers and global_pool='avg'). The map of block l is then the row ``w^T R_l`` for
+    those weights w, and the reference beside it, ``iou_query_attention`` (in place of ``iou_cls_attention``), is
+    that query's own attention at block l, ``w^T A_l`` (heads averaged), as the CLS row of ``A_l`` is for a model
+    with a CLS token (w = e_0)."""
 
     name = "attention_rollout"
     in_default_study = True  # cheap beside the pass (benchmarks/mechanistic.py)
