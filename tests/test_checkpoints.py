@@ -7,7 +7,7 @@ import torch
 
 import vitscope as vs
 from conftest import TINY, tiny
-from vitscope.models.checkpoints import detect_format
+from vitscope.models.layouts import detect_format
 
 
 def _random_like(sd, seed):
@@ -203,7 +203,7 @@ def test_unpicklable_objects_need_trust(tmp_path):
 def test_unknown_format_and_missing_file():
     with pytest.raises(vs.CheckpointError, match="does not exist"):
         vs.load_model("vit_small_patch16_224", weights="/nonexistent/ckpt.pth", pretrained=False)
-    from vitscope.models.checkpoints import convert
+    from vitscope.models.layouts import convert
 
     with pytest.raises(vs.CheckpointError, match="mocov3"):
         convert({"a": torch.zeros(1)}, "moco")

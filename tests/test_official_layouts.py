@@ -7,7 +7,8 @@ import timm
 import torch
 
 import vitscope as vs
-from vitscope.models.checkpoints import convert, detect_format, infer_architecture
+from vitscope.models.checkpoints import infer_architecture
+from vitscope.models.layouts import convert, detect_format
 
 CLOSE = {"rtol": 1e-5, "atol": 1e-5}
 

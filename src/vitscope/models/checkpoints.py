@@ -20,26 +20,7 @@ from typing import Any
 import torch
 
 from vitscope.errors import CheckpointError, first_line, preview
-
-# Converted, _ACT_NOTE and the two *_architecture helpers are used here; the other names are re-exported: the
-# layouts lived in this module before `vitscope.models.layouts`, and they stay importable from it.
-from vitscope.models.layouts import (  # noqa: F401 - re-exported
-    _ACT_NOTE,
-    CONVERTERS,
-    Converted,
-    _clip_architecture,
-    _dinov3_architecture,
-    convert,
-    convert_beit,
-    convert_dino,
-    convert_dinov3,
-    convert_mae,
-    convert_mocov3,
-    convert_open_clip,
-    convert_simmim,
-    convert_timm,
-    detect_format,
-)
+from vitscope.models.layouts import _ACT_NOTE, Converted, _clip_architecture, _dinov3_architecture
 
 Tensor = torch.Tensor
 

@@ -31,9 +31,7 @@ from torch import nn
 from vitscope.errors import CheckpointError, VitscopeError, WeightsUnavailableError
 from vitscope.files import inside
 from vitscope.models.checkpoints import read_checkpoint
-
-# Used here, and re-exported: the family part lived in this module before `vitscope.models.hf_arch`.
-from vitscope.models.hf_arch import (  # noqa: F401 - re-exported
+from vitscope.models.hf_arch import (
     _AIMV2S,
     _CITATIONS,
     _NESTED,
@@ -48,25 +46,7 @@ from vitscope.models.hf_arch import (  # noqa: F401 - re-exported
     preprocessing,
     resample_pos_embed,
 )
-from vitscope.models.hf_keys import (  # noqa: F401 - the key tables, re-exported here
-    _AIMV2_RULES,
-    _BASE_PREFIXES,
-    _BEIT_RULES,
-    _CLIP_RULES,
-    _DINOV3_GATED_MLP,
-    _DINOV3_MLP,
-    _DINOV3_RULES,
-    _DROP_BASE,
-    _L,
-    _QKV,
-    _SIGLIP_RULES,
-    _VIT_RULES,
-    _join_qkv,
-    _rename,
-    _split_prefix,
-    linear_patches_to_conv,
-    split_in_proj,
-)
+from vitscope.models.hf_keys import _split_prefix
 from vitscope.models.layouts import Converted
 from vitscope.models.names import HF_CONFIG, is_model_dir  # noqa: F401 - is_model_dir: also used from here
 from vitscope.models.registry import ModelSpec, Preprocessing, WeightSource

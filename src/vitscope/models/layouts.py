@@ -125,19 +125,24 @@ def convert_mocov3(ckpt: Any) -> Converted:
     return Converted(sd, "mocov3", dropped, _implied_kwargs(sd))
 
 
+def _network(ckpt: Any, key: str, family: str, dropped: dict[str, str]) -> Any:
+    """The ``key`` network ('teacher' or 'student') of a self-distillation training checkpoint, the other one
+    recorded in ``dropped``; any other checkpoint as it is."""
+    if not (isinstance(ckpt, Mapping) and ("teacher" in ckpt or "student" in ckpt)):
+        return ckpt
+    if key not in ckpt:
+        raise CheckpointError(f"{family} checkpoint has no {key!r}; it has {sorted(ckpt)}")
+    for other in ("teacher", "student"):
+        if other != key and other in ckpt:
+            dropped[other] = f"{family} {other} (loaded the {key})"
+    return ckpt[key]
+
+
 def convert_dino(ckpt: Any, key: str = "teacher") -> Converted:
     """DINO training checkpoints (``teacher``/``student``, ``module.``/``backbone.``/``head.``; the
     teacher by default) and backbone-only release files (timm names already)."""
     dropped: dict[str, str] = {}
-    if isinstance(ckpt, Mapping) and ("teacher" in ckpt or "student" in ckpt):
-        if key not in ckpt:
-            raise CheckpointError(f"DINO checkpoint has no {key!r}; it has {sorted(ckpt)}")
-        for other in ("teacher", "student"):
-            if other != key and other in ckpt:
-                dropped[other] = f"DINO {other} (loaded the {key})"
-        sd = dict(ckpt[key])
-    else:
-        sd = dict(ckpt)
+    sd = dict(_network(ckpt, key, "DINO", dropped))
     if all(k.startswith("module.") for k in sd):
         sd = _strip(sd, "module.")
     if any(k.startswith("backbone.") for k in sd):
@@ -219,16 +224,8 @@ def convert_dinov3(ckpt: Any, key: str = "teacher") -> Converted:
     model's own and refuses a file whose periods differ (another RoPE base or period range). A q/v bias that is
     all zero (DINOv3's distilled ViT-S/B/L) is dropped when the model is built without one (the ``_qkvb``-less
     timm names). Refused: ``cls_norm`` (untie_cls_and_patch_norms; Eva has one final norm)."""
-    sd: Any = ckpt
     dropped: dict[str, str] = {}
-    if isinstance(sd, Mapping) and ("teacher" in sd or "student" in sd):
-        if key not in sd:
-            raise CheckpointError(f"DINOv3 checkpoint has no {key!r}; it has {sorted(sd)}")
-        for other in ("teacher", "student"):
-            if other != key and other in sd:
-                dropped[other] = f"DINOv3 {other} (loaded the {key})"
-        sd = sd[key]
-    sd = _unwrap(sd, "the DINOv3 checkpoint")
+    sd = _unwrap(_network(ckpt, key, "DINOv3", dropped), "the DINOv3 checkpoint")
     if any(k.startswith("backbone.") for k in sd):
         for k in sd:
             if not k.startswith("backbone."):

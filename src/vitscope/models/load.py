@@ -22,10 +22,10 @@ from vitscope.errors import (
 )
 from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
-from vitscope.models import hf
+from vitscope.models import hf, layouts
 from vitscope.models.adapter import ViTModel
 from vitscope.models.names import file_given, random_init_takes_no_file, unknown_model  # noqa: F401 - also used from here
-from vitscope.models.registry import CLIP_MEAN, CLIP_STD, REGISTRY, ModelSpec, Preprocessing, WeightSource
+from vitscope.models.registry import CLIP_PREPROCESSING, REGISTRY, ModelSpec, Preprocessing, WeightSource
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,12 @@ def load_model(
             raise CheckpointError(f"{spec.name} is a transformers checkpoint, which needs its config.json: pass the "
                                   f"directory holding config.json and the weights, not {source!r}")
         ckpt = ck.read_checkpoint(_fetch(source, spec), trust=trust_checkpoint)
-        conv = ck.convert(ckpt, fmt, dino_key=checkpoint_key)
+        conv = layouts.convert(ckpt, fmt, dino_key=checkpoint_key)
         if not spec.arch:  # a bare checkpoint file: read the architecture off its tensors
             arch, inferred, notes = ck.infer_architecture(conv.state_dict, conv.format)
             spec = replace(spec, arch=arch, notes="; ".join(notes))
             if conv.format == "open_clip":  # OpenAI's normalisation, open_clip's default for its ViTs
-                spec = replace(spec, preprocessing=Preprocessing(CLIP_MEAN, CLIP_STD, 224, 1.0, "bicubic"))
+                spec = replace(spec, preprocessing=CLIP_PREPROCESSING)
             log.warning("%s: architecture inferred from the checkpoint (%s); %s", spec.name, arch, notes[0])
             kwargs = {**inferred, **conv.model_kwargs, **model_kwargs}
         else:
@@ -116,7 +116,7 @@ def load_model(
                 raise WeightsUnavailableError(
                     f"{spec.name}: its weights file {path} is not in this installation; pass "
                     f"weights='/path/to/encoder.safetensors' ({spec.notes})")
-        conv = ck.convert(ck.read_checkpoint(path, trust=trust_checkpoint), spec.weights.checkpoint_format,
+        conv = layouts.convert(ck.read_checkpoint(path, trust=trust_checkpoint), spec.weights.checkpoint_format,
                           dino_key=checkpoint_key)
         kwargs = {**spec.model_kwargs, **conv.model_kwargs, **model_kwargs}
         model = _create(spec.arch, kwargs, seed)

@@ -125,8 +125,9 @@ def random_init_takes_no_file(file: str) -> str:
 TAPS_SNAPSHOT = Path(__file__).resolve().parents[1] / "taps_listing.json"
 
 
+@functools.cache
 def taps_snapshot() -> dict[str, str]:
-    """Registry name -> the text `vitscope taps NAME` prints, as shipped (no torch)."""
+    """Registry name -> the text `vitscope taps NAME` prints, as shipped (no torch; read once per process)."""
     import json
 
     return json.loads(TAPS_SNAPSHOT.read_text(encoding="utf-8"))

@@ -161,7 +161,7 @@ _DINOV2 = "Oquab et al., DINOv2: Learning Robust Visual Features without Supervi
 _REG = "Darcet et al., Vision Transformers Need Registers (ICLR 2024)"
 
 _SUP_PRE = Preprocessing(INCEPTION_MEAN, INCEPTION_STD, 224, 0.9, "bicubic")
-_CLIP_PRE = Preprocessing(CLIP_MEAN, CLIP_STD, 224, 1.0, "bicubic")
+CLIP_PREPROCESSING = Preprocessing(CLIP_MEAN, CLIP_STD, 224, 1.0, "bicubic")  # OpenAI CLIP's: resize, crop 224
 _DINO_PRE = Preprocessing(IMAGENET_MEAN, IMAGENET_STD, 224, 0.9, "bicubic")
 # DINOv2 weights are trained at 518 px; vitscope builds them at 224 (timm resamples the position
 # embedding) so their grid (16x16) is comparable with the /16 models. Pass img_size=518 for the original.
@@ -186,7 +186,7 @@ for _size, _arch in [("b16", "vit_base_patch16_clip_quickgelu_224"),
                      ("l14", "vit_large_patch14_clip_quickgelu_224")]:
     register(ModelSpec(
         f"clip-{_size}", _arch, "language", "clip",
-        WeightSource("timm", "openai"), _CLIP_PRE, {"num_classes": 0}, citation=_CLIP,
+        WeightSource("timm", "openai"), CLIP_PREPROCESSING, {"num_classes": 0}, citation=_CLIP,
         notes="OpenAI image tower with QuickGELU, as trained. Language supervision is a family of its own "
               "(Walmer et al. 2023 group CLIP with explicit supervision; --family clip-b16=explicit does so)."))
 
@@ -285,7 +285,7 @@ register(ModelSpec(
           "variant (not NaFlex)."))
 register(ModelSpec(
     "aimv2-l14", "aimv2_large_patch14_224", "autoregressive", "aimv2", WeightSource("timm", "apple_pt"),
-    _CLIP_PRE, {"num_classes": 0}, citation=_AIMV2,
+    CLIP_PREPROCESSING, {"num_classes": 0}, citation=_AIMV2,
     notes="No CLS token, RMSNorm, SwiGLU; pretrained with a causal multimodal decoder (pixels and text); timm pools "
           "the mean of the patch tokens."))
 register(ModelSpec(
@@ -300,7 +300,7 @@ register(ModelSpec(
     "clip-b16-openclip", "vit_base_patch16_clip_quickgelu_224", "language", "clip",
     WeightSource("url", "https://huggingface.co/timm/vit_base_patch16_clip_224.openai/resolve/main/"
                         "open_clip_pytorch_model.bin", "open_clip"),
-    _CLIP_PRE, {"num_classes": 512}, citation=f"{_CLIP}; {_OPENCLIP}",
+    CLIP_PREPROCESSING, {"num_classes": 512}, citation=f"{_CLIP}; {_OPENCLIP}",
     notes="OpenAI's ViT-B/16 read from open_clip's own state_dict (visual.transformer.resblocks.*; text tower "
           "dropped; visual.proj as the head); the same weights as clip-b16."))
 

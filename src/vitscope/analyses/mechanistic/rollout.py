@@ -111,7 +111,9 @@ class AttentionRollout(_Mechanistic):
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         g, p = self.pass_grid(batch), self.num_prefix_tokens
-        rows = self._rows(feats, batch)  # (B, L, T)
+        first = feats[f"block{self.layers[0]}.attn"]
+        w = self._weights(feats, first[:, 0, 0])
+        rows = self._rows(feats, batch, w)  # (B, L, T)
         self._to_device(rows.device)
         maps = rows[..., p:]
         maps = maps / maps.sum(-1, keepdim=True).clamp_min(A.EPS)
@@ -119,8 +121,6 @@ class AttentionRollout(_Mechanistic):
         self.n_images += len(batch)
         if batch.masks is None:
             return
-        first = feats[f"block{self.layers[0]}.attn"]
-        w = self._weights(feats, first[:, 0, 0])
         if isinstance(w, int):
             own = [feats[f"block{i}.attn"][:, :, w].mean(1) for i in self.layers]
         else:
@@ -136,10 +136,9 @@ class AttentionRollout(_Mechanistic):
         self.iou_uniform.add(A.uniform_saliency_iou(masks, g, self.mass)[:, None])
         self.n_masked += len(batch)
 
-    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        """``(B, layers, T)``: the CLS row of the rollout up to each requested block."""
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any, w: int | torch.Tensor) -> torch.Tensor:
+        """``(B, layers, T)``: the query ``w``'s row (`_weights`) of the rollout up to each requested block."""
         attns = [feats[f"block{i}.attn"] for i in range(max(self.layers) + 1)]
-        w = self._weights(feats, attns[0][:, 0, 0])
         return M.attention_rollout(attns, self.head_fusion, self.discard_ratio, query=w)[:, self.layers]
 
     def _columns(self) -> dict[str, Any]:
@@ -224,7 +223,7 @@ class GradientRollout(AttentionRollout):
             return self.tidy([])
         return super().finalize()
 
-    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any) -> torch.Tensor:
+    def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any, w: int | torch.Tensor) -> torch.Tensor:
         vm = self._vm
         if vm is None:
             raise VitscopeError(f"{self.name}: gradients need the loaded model, not a cached state")
@@ -251,5 +250,5 @@ class GradientRollout(AttentionRollout):
                 h.remove()
             for module, flag in fused:
                 module.fused_attn = flag
-        rows = M.gradient_rollout([a.detach() for a in attns], grads, query=self._weights(feats, attns[0][:, 0, 0]))
+        rows = M.gradient_rollout([a.detach() for a in attns], grads, query=w)
         return rows[:, self.layers]
