@@ -48,6 +48,33 @@ progress: false
 """
 
 
+def with_models(text: str, name: str, extra: Mapping[str, Any]) -> str:
+    """A study ``text`` of tiny ``vit_small_patch16_224`` models (test_cost's studies) with every one made a tiny
+    ``name`` built with ``extra`` beside its own kwargs."""
+    kw = "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}, " for k, v in extra.items())
+    out = text.replace("name: vit_small_patch16_224", f"name: {name}").replace("kwargs: {img_size",
+                                                                             "kwargs: {" + kw + "img_size")
+    assert out.count(f"name: {name}") == text.count("name: vit_small_patch16_224") > 0
+    return out
+
+
+def run_study_text(tmp_path: Any, text: str) -> tuple[dict[str, Any], list[str]]:
+    """Run the study ``text`` in ``tmp_path``: its tables by analysis and the warnings it gave."""
+    import warnings
+
+    import pandas as pd
+
+    from vitscope.study import load_config, run_study
+
+    (tmp_path / "study.yaml").write_text(text)
+    cfg = load_config(tmp_path / "study.yaml", [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = run_study(cfg)
+    return ({p.stem: pd.read_parquet(p) for p in (out / "results").glob("*.parquet")},
+            [str(w.message) for w in caught])
+
+
 def one_line_error(capsys, argv: list[str]) -> str:
     """The command fails with exit status 2 and one line on stderr, no traceback; returns that line."""
     from vitscope.cli import main

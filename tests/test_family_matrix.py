@@ -11,12 +11,13 @@ family, the Evas among them: a table computed from the right tokens, an empty ta
 or a refusal in one sentence."""
 
 import re
-import warnings
 
 import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from study_fixtures import run_study_text as run
+from study_fixtures import with_models
 from test_cost import CASES
 from torch import nn
 
@@ -25,7 +26,7 @@ import vitscope.analyses  # noqa: F401 - every analysis registered
 from vitscope.analyses.base import ANALYSES
 from vitscope.capture import token_view
 from vitscope.errors import VitscopeError
-from vitscope.study import load_config, run_study
+from vitscope.study import load_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread is faster
 
@@ -402,22 +403,7 @@ def test_the_dry_run_sizes_every_tap_and_counts_the_forwards_of_every_family(fam
 def family_study(text: str, family: str) -> str:
     """test_cost's study ``text`` with its tiny ViTs made tiny models of ``family``."""
     name, extra, _, _ = MODELS[family]
-    kw = "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}, " for k, v in extra.items())
-    out = text.replace("name: vit_small_patch16_224", f"name: {name}").replace("kwargs: {img_size",
-                                                                             "kwargs: {" + kw + "img_size")
-    assert out.count(f"name: {name}") == text.count("name: vit_small_patch16_224") > 0
-    return out
-
-
-def run(tmp_path, text: str) -> tuple[dict[str, pd.DataFrame], list[str]]:
-    """Run the study ``text``; its tables by analysis and the warnings it gave."""
-    (tmp_path / "study.yaml").write_text(text)
-    cfg = load_config(tmp_path / "study.yaml", [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = run_study(cfg)
-    return ({p.stem: pd.read_parquet(p) for p in (out / "results").glob("*.parquet")},
-            [str(w.message) for w in caught])
+    return with_models(text, name, extra)
 
 
 def _text_values(df: pd.DataFrame) -> dict[str, set[str]]:

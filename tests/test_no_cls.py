@@ -9,16 +9,16 @@ import warnings
 import pandas as pd
 import pytest
 import torch
+from study_fixtures import run_study_text as run
+from study_fixtures import with_models
 from test_cost import CASES
 
 import vitscope as vs
 import vitscope.analyses  # noqa: F401 - every analysis registered
 from vitscope.analyses import get_analysis
-from vitscope.analyses.base import ANALYSES
 from vitscope.capture import stream
 from vitscope.data import SyntheticShapes
 from vitscope.errors import VitscopeError
-from vitscope.study import load_config, run_study
 from vitscope.taps_listing import live_text, text
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread is faster
@@ -44,26 +44,7 @@ FALLBACK_VIEW = {"corruptions": "gap_spatial", "band_noise": "gap_spatial", "sha
 def no_cls_study(text: str, kind: str) -> str:
     """test_cost's study ``text`` with its tiny ViTs made register-without-CLS models of ``kind``."""
     name, extra, _ = MODELS[kind]
-    kw = "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}, " for k, v in extra.items())
-    out = text.replace("name: vit_small_patch16_224", f"name: {name}").replace("kwargs: {img_size",
-                                                                             "kwargs: {" + kw + "img_size")
-    assert out.count(name) == text.count("vit_small_patch16_224") > 0
-    return out
-
-
-def run(tmp_path, text: str) -> tuple[dict[str, pd.DataFrame], list[str]]:
-    """Run the study ``text``; its tables by analysis and the warnings it gave."""
-    (tmp_path / "study.yaml").write_text(text)
-    cfg = load_config(tmp_path / "study.yaml", [f"output_dir={tmp_path / 'run'}", f"cache_dir={tmp_path / 'cache'}"])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = run_study(cfg)
-    return ({p.stem: pd.read_parquet(p) for p in (out / "results").glob("*.parquet")},
-            [str(w.message) for w in caught])
-
-
-def test_every_registered_analysis_is_covered():
-    assert {c.analysis for c in CASES} == set(ANALYSES)
+    return with_models(text, name, extra)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
