@@ -23,9 +23,10 @@ pooled feature for headless models), and on a model with an attention-pool head 
              the model's *readout* (`ViTModel.readout`). Not on a model that pools in its head (``global_pool=''``)
              or on a distilled DeiT (two tokens, two heads).
   pool_attn  the attention pool's query attention over the tokens it pools (B, H, Q, T), Q its learned queries
-             (1 for SigLIP and PE): softmax(q kᵀ scale) recomputed from the pool's input with its own weights
-             (timm fuses it); key index t is token t of the sequence, the prefix tokens a pool does not see
-             (a ViT's pool_include_prefix=False) given weight 0, so rows sum to 1 over the tokens it reads.
+             (1 for SigLIP and PE): softmax(q kᵀ scale) recomputed from the pool's keys (its kv projection's
+             output) and its query (timm fuses the attention); key index t is token t of the sequence, the
+             prefix tokens a pool does not see (a ViT's pool_include_prefix=False) given weight 0, so rows sum
+             to 1 over the tokens it reads.
 
 Identities that hold exactly (and are tested): resid_mid = block input + attn_out, out = resid_mid +
 mlp_out. Each tap is a forward (or pre-forward) hook on a real module of the timm model; nothing is
@@ -184,17 +185,15 @@ def has_pool(model: nn.Module) -> bool:
 
 def _pool_attention(model: nn.Module) -> Getter:
     """timm's ``AttentionPoolLatent``: its queries' attention over its input, (B, H, Q, T), prefix keys it does not
-    see padded with 0 (see the module doc)."""
+    see padded with 0 (see the module doc); read at the pool's ``kv`` projection, whose output holds the keys."""
     pool = model.attn_pool
     skipped = 0 if getattr(model, "pool_include_prefix", True) else int(model.num_prefix_tokens)
 
     def get(args: tuple, out: object) -> torch.Tensor:
-        x = args[0]
-        B, N, _ = x.shape
-        if pool.pos_embed is not None:
-            x = x + pool.pos_embed.unsqueeze(0).to(x.dtype)
+        kv: torch.Tensor = out  # type: ignore[assignment]
+        B, N, _ = kv.shape
         q = pool.q(pool.latent.expand(B, -1, -1)).reshape(B, pool.latent_len, pool.num_heads, pool.head_dim)
-        k = pool.kv(x).reshape(B, N, 2, pool.num_heads, pool.head_dim)[:, :, 0]
+        k = kv.reshape(B, N, 2, pool.num_heads, pool.head_dim)[:, :, 0]
         q, k = pool.q_norm(q.transpose(1, 2)), pool.k_norm(k.transpose(1, 2))
         attn = ((q * pool.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
         return F.pad(attn, (skipped, 0)) if skipped else attn
@@ -240,7 +239,7 @@ def hook_point(model: nn.Module, family: str, tap: str) -> HookPoint:
         if kind == "pool" and has_pool(model):
             return HookPoint(model.fc_norm, "pre", _arg0)
         if kind == POOL_ATTN and getattr(model, "attn_pool", None) is not None:
-            return HookPoint(model.attn_pool, "pre", _pool_attention(model))
+            return HookPoint(model.attn_pool.kv, "post", _pool_attention(model))
         if kind == "logits":
             return HookPoint(model, "post", _output)
         raise KeyError(tap)
