@@ -16,6 +16,7 @@ from test_cost import CASES
 import vitscope as vs
 import vitscope.analyses  # noqa: F401 - every analysis registered
 from vitscope.analyses import get_analysis
+from vitscope.analyses.base import ANALYSES
 from vitscope.capture import stream
 from vitscope.data import SyntheticShapes
 from vitscope.errors import VitscopeError
@@ -45,6 +46,10 @@ def no_cls_study(text: str, kind: str) -> str:
     """test_cost's study ``text`` with its tiny ViTs made register-without-CLS models of ``kind``."""
     name, extra, _ = MODELS[kind]
     return with_models(text, name, extra)
+
+
+def test_every_registered_analysis_is_covered():
+    assert {c.analysis for c in CASES} == set(ANALYSES)
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
