@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vitscope import source_figures
 from vitscope.bounds import check_value, from_spec
 from vitscope.errors import ConfigError, close_matches, unknown_name
 from vitscope.references import REFERENCES, SEEDS, short_citation
@@ -196,6 +197,12 @@ def format_markdown(infos: list[AnalysisInfo]) -> str:
     for a in infos:
         cites = ", ".join(short_citation(k) for k in a.references) or "-"
         out.append(f"| [`{a.name}`](#{a.name}) | {a.description} | {cites} |")
+    out += ["", "## Source figure -> analysis", "",
+            "Every figure and table of the five source documents (seeds 000-004, see References), the analyses "
+            "that compute it and the authors' settings (`analysis.param=value`; `model:` and `dataset:` are "
+            "options of a model or dataset entry). The note says where a default departs from the authors' "
+            "code and which parameter selects theirs, or why an item is not measured here. From "
+            "`vitscope/source_figures.py`.", "", *source_figures.markdown()]
     for a in infos:
         out += ["", f"## {a.name}", "", _markdown_doc(a.doc) if a.doc else a.description, ""]
         out += ["| parameter | type | default |", "|---|---|---|"]
