@@ -34,6 +34,9 @@ analysis                   metrics (extra columns)
                            ``head_type_count`` per type (``type``) -- all with ``n_images``
 ``saliency_iou``           ``iou`` per (layer, head), ``iou_best_head`` and ``iou_merged`` per layer
                            (``query``, ``stderr``, ``value_lo``, ``value_hi``, ``n_images``, ``n_skipped``)
+``query_attention_maps``   ``query_attention`` per (image, query, layer, head, grid cell) and
+                           ``query_attention_mean`` (mean over heads, ``head`` missing) (``query``, ``query_row``,
+                           ``query_col``, ``row``, ``col``, ``image``, ``n_images``), for ``keep_images`` images
 =========================  ===================================================================================
 
 Means over images carry their spread: ``stderr`` is the standard error of the mean over images (sample
@@ -62,6 +65,7 @@ from vitscope.analyses.attention.head_means import AttentionDistance, AttentionN
 from vitscope.analyses.attention.maps import AlignedAttentionMaps, CLSAttentionMaps
 from vitscope.analyses.attention.maps import _cell_columns, _png_bytes  # noqa: F401 - kept importable from here, as before
 from vitscope.analyses.attention.saliency import SaliencyIoU
+from vitscope.analyses.attention.query_maps import QueryAttentionMaps
 # isort: on
 
 __all__ = [
@@ -70,6 +74,7 @@ __all__ = [
     "AttentionDistance",
     "AttentionNMI",
     "CLSAttentionMaps",
+    "QueryAttentionMaps",
     "SaliencyIoU",
     "stderr_from_sums",
 ]

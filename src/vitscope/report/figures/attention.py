@@ -435,10 +435,106 @@ def aligned_attention_maps(df: pd.DataFrame) -> Figures:
     return out
 
 
+
+def _spread(values: list[int], n: int) -> list[int]:
+    """At most ``n`` of ``values`` (sorted), evenly spaced, the first and the last among them."""
+    if len(values) <= n:
+        return values
+    return list(dict.fromkeys(values[round(i * (len(values) - 1) / (n - 1))] for i in range(n)))
+
+
+def query_attention_maps(df: pd.DataFrame, max_images: int = 4, max_blocks: int = 8) -> Figures:
+    """Attention of chosen query tokens over a few images [Park et al. 2023, slides p. 4; Wang, Fig. 9]: one
+    figure per kept image (the first ``max_images``), whatever the number of models, as one mosaic: a row per
+    (model, query), models one under the other, with the image as that model saw it and then, at each block (at
+    most ``max_blocks``, evenly spaced), the query's attention (mean of heads) over the image; a dot marks the
+    query patch (the CLS query has none). Every map of a figure on one colour scale in units of uniform attention's
+    (`uniform_norm`: 1 = uniform), so a collapsed model shows the same map in each of its query rows and a local
+    one a spot at each dot."""
+    if "png" not in df.columns or "query" not in df.columns or "image" not in df.columns:
+        return []
+    images = df[(df.metric == "input_image") & df["png"].notna()]
+    maps = df[(df.metric == "query_attention_mean") & df["image"].notna()]
+    if images.empty or maps.empty:
+        return []
+    layers = _spread(sorted(int(x) for x in maps["layer"].unique()), max_blocks)
+    queries = list(dict.fromkeys(str(q) for q in maps["query"]))
+    cmap = plt.get_cmap("inferno")
+    alpha, gap = 0.6, 0.08  # the map's opacity over the image; white gap between cells, in cells
+    out: Figures = []
+    for image_id in sorted(int(x) for x in images["image"].unique())[:max_images]:
+        models = models_of(images[images.image == image_id])
+        rows = [(m, q) for m in models for q in queries]
+        pixels = {m: _decode_png(images[(images.model == m) & (images.image == image_id)]["png"].iloc[0])
+                  for m in models}
+        side = int(min(max(p.shape[0] for p in pixels.values()), 112))
+        step = side + max(1, round(gap * side))
+        g_all = maps[maps.image == image_id]
+        cells: dict[tuple[int, int], np.ndarray] = {}  # (row, column) -> the map ÷ uniform attention's
+        dots: list[tuple[float, float]] = []  # (x, y) in the mosaic's pixels
+        for r, (model, query) in enumerate(rows):
+            g = g_all[(g_all.model == model) & (g_all["query"] == query)]
+            if g.empty:
+                continue
+            arr, g_layers, _, (R, C) = _grid_array(g.assign(head=0), "row", "col")  # the mean: one "head"
+            qr, qc = g["query_row"].iloc[0], g["query_col"].iloc[0]
+            for c, layer in enumerate(layers):
+                if layer in g_layers:
+                    grid = arr[g_layers.index(layer), 0]
+                    cells[(r, c + 1)] = grid / cls_uniform(grid)
+            if not (pd.isna(qr) or pd.isna(qc)):
+                y, x = (int(qr) + 0.5) * side / R, (int(qc) + 0.5) * side / C
+                dots += [(c * step + x, r * step + y) for c in range(len(layers) + 1)]
+        norm = uniform_norm(list(cells.values()))
+        mosaic = np.ones((len(rows) * step - (step - side), (len(layers) + 1) * step - (step - side), 3))
+        notes: list[tuple[int, int, str]] = []
+        for r, (model, query) in enumerate(rows):
+            pix = _fit(pixels[model], side)
+            pale = 0.55 * pix + 0.45 * pix.mean(-1, keepdims=True)  # colours under the map
+            y = r * step
+            mosaic[y:y + side, 0:side] = pix
+            if query == "cls":
+                notes.append((r, 0, "CLS"))
+            for c in range(1, len(layers) + 1):
+                x, grid = c * step, cells.get((r, c))
+                if grid is None:
+                    mosaic[y:y + side, x:x + side] = 0.92
+                    notes.append((r, c, "no map"))
+                else:
+                    heat = cmap(norm(in_norm(_upsample(grid, side), norm)))[..., :3]
+                    mosaic[y:y + side, x:x + side] = (1 - alpha) * pale + alpha * heat
+        cell = 0.9
+        fig, ax = plt.subplots(figsize=(cell * (len(layers) + 1) + 2.4, cell * len(rows) + 0.7), layout="constrained")
+        ax.imshow(mosaic, interpolation="nearest", aspect="auto")  # 'auto': see `overlays`
+        if dots:
+            xs, ys = zip(*dots, strict=True)
+            ax.scatter(xs, ys, s=14, c="#33ddff", edgecolors="black", linewidths=0.6, zorder=3)
+        for r, c, text in notes:
+            ax.text(c * step + 0.04 * side, r * step + 0.04 * side, text, fontsize=5, va="top", ha="left",
+                    color="white" if text == "CLS" else "0.3")
+        ax.set_xticks([c * step + (side - 1) / 2 for c in range(len(layers) + 1)],
+                      [f"image {image_id}", *(f"block {layer}" for layer in layers)], fontsize=7)
+        ax.xaxis.set_ticks_position("top")
+        ax.set_yticks([r * step + (side - 1) / 2 for r in range(len(rows))],
+                      [f"{model_label(m, lines=True)}\nquery {q}" for m, q in rows], fontsize=6)
+        ax.set_xlim(-0.5, mosaic.shape[1] - 0.5)
+        ax.set_ylim(mosaic.shape[0] - 0.5, -0.5)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        uniform_colorbar(fig, plt.cm.ScalarMappable(norm=norm, cmap=cmap), ax, "attention", shrink=0.6)
+        out.append((f"Image {image_id}: where chosen query tokens look (dot: the query patch; rows: model and query; "
+                    "mean of heads per block), every map on one scale in units of uniform attention's (1 = uniform, "
+                    "the colour bar's middle); maps alike for every query mean attention collapse, a spot at the dot "
+                    f"local attention [{cite('park2023', 'slides p. 4')}; {cite('wang_clmm', 'Fig. 9')}]", fig))
+    return out
+
+
 FIGURES = {
     "attention_distance": attention_distance,
     "attention_nmi": attention_nmi,
     "saliency_iou": saliency_iou,
     "cls_attention_maps": cls_attention_maps,
     "aligned_attention_maps": aligned_attention_maps,
+    "query_attention_maps": query_attention_maps,
 }
