@@ -218,6 +218,7 @@ CASES = [
     # A's inversions made once for both checkpoints; 2 repeats; rows in chunks of 4 (max_rows); 2 of 3 blocks
     Case("stir", study("stir", "{iterations: 2, repeats: 2, max_rows: 6, layers: [0, 1], corruptions: none}",
                        models=CHECKPOINTS), name="stir-checkpoints"),
+    Case("head_agreement", study("head_agreement", "{ks: [3]}", models=PAIR)),
     Case("gradient_rollout", study("gradient_rollout")),
     Case("attention_distance", study("attention_distance")),
     Case("head_ablation", study("head_ablation", "{mode: mean, mean_images: 6}"), name="head_ablation-mean"),
@@ -227,6 +228,7 @@ CASES = [
     Case("high_norm_tokens", study("high_norm_tokens")),
     Case("attention_nmi", study("attention_nmi")),
     Case("cls_attention_maps", study("cls_attention_maps", "{keep_images: 1}")),
+    Case("query_attention_maps", study("query_attention_maps", "{keep_images: 2, queries: [centre, [0, 1]]}")),
     Case("aligned_attention_maps", study("aligned_attention_maps")),
     Case("saliency_iou", study("saliency_iou")),
     Case("propagation", study("propagation", data="videos: {name: synthetic-videos, n_images: 8, "

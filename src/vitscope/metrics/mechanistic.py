@@ -10,6 +10,9 @@
   patch-token norms (the normal-consistent MAD), per image.
 * :func:`bimodal_threshold`: a norm threshold read off a pooled distribution of log norms that has two modes
   (a two-Gaussian mixture, Ashman's D), or none when it has one.
+* :func:`topk_kendall_tau` / :func:`top1_f1` / :func:`top1_f1_replicates`: how alike two models' own heads
+  rank the classes of an image and pick its top-1 class (Shekhar et al. 2022 §2.4, Fig. 4), symmetric in the
+  two models.
 
 Tensors in, tensors out; no I/O (``vitscope.metrics`` conventions).
 """
@@ -23,7 +26,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["HEAD_FUSIONS", "MAD_SCALE", "MAX_UPPER_SHARE", "MIN_SEPARATION", "attention_rollout", "bimodal_threshold",
-           "fuse_heads", "gradient_rollout", "kl_to_final", "product_rows", "robust_outliers", "rollout_step"]
+           "fuse_heads", "gradient_rollout", "kl_to_final", "product_rows", "robust_outliers", "rollout_step",
+           "top1_f1", "top1_f1_replicates", "topk_kendall_tau"]
 
 HEAD_FUSIONS = ("mean", "max", "min")
 MAD_SCALE = 1.4826
@@ -166,3 +170,57 @@ def bimodal_threshold(values: Tensor, min_separation: float = MIN_SEPARATION, ma
 
     above = np.nonzero(log_density(hi) >= log_density(lo))[0]
     return float(grid[above[0]] if len(above) else grid[-1]), sep, float(w[hi])
+
+
+# ---------------------------------------------------------------- two models' heads (Shekhar et al. 2022, Fig. 4)
+
+
+def topk_kendall_tau(logits_a: Tensor, logits_b: Tensor, k: int) -> Tensor:
+    """``(N,)`` float64: per image, Kendall's tau between two models' rankings of their top-k classes (Shekhar et
+    al. 2022 §2.4, Fig. 4: "Kendall's Tau rank correlation coefficient of the top-k class predictions"). The
+    paper ranks one model's top-k classes under both models, which depends on whose top-k is taken; here both
+    are taken and averaged, ``(tau_b(A, B on A's top-k) + tau_b(A, B on B's top-k)) / 2``, so the value is the
+    same for (A, B) and (B, A). Each term is `scipy.stats.kendalltau`'s tau-b of the two models' logits on those
+    classes (the order of the logits is the ranking); ``k`` is capped at the number of classes."""
+    from vitscope.metrics.semantics import kendall_tau_b_rows
+
+    if logits_a.shape != logits_b.shape:
+        raise ValueError(f"logits of shapes {tuple(logits_a.shape)} and {tuple(logits_b.shape)}: the two heads need "
+                         "the same classes")
+    kk = min(int(k), logits_a.shape[-1])
+    a, b = logits_a.double(), logits_b.double()
+    taus = []
+    for ref in (a, b):
+        top = ref.topk(kk, dim=-1).indices
+        taus.append(kendall_tau_b_rows(a.gather(-1, top).cpu(), b.gather(-1, top).cpu()))
+    return (taus[0] + taus[1]) / 2
+
+
+def top1_f1(pred_a: Tensor, pred_b: Tensor) -> float:
+    """The F1 score of one model's top-1 predictions against the other's (Shekhar et al. 2022 §2.4: 0.93 for DINO
+    and MoCo v3): macro-averaged over the classes either model predicts (scikit-learn's ``f1_score(average=
+    "macro")``), per class ``2 |A = c and B = c| / (|A = c| + |B = c|)``, which swapping A and B leaves unchanged.
+    NaN without images."""
+    a, b = pred_a.long().cpu(), pred_b.long().cpu()
+    if not len(a):
+        return float("nan")
+    n = int(max(int(a.max()), int(b.max()))) + 1
+    both = torch.bincount(a[a == b], minlength=n).double()
+    count = torch.bincount(a, minlength=n).double() + torch.bincount(b, minlength=n).double()
+    seen = count > 0
+    return float((2 * both[seen] / count[seen]).mean())
+
+
+def top1_f1_replicates(pred_a: Tensor, pred_b: Tensor, groups: int) -> list[float]:
+    """`top1_f1` without each of ``groups`` contiguous blocks of the images in turn (delete-a-group jackknife
+    replicates, for `vitscope.metrics.similarity.jackknife.jackknife_interval`): the macro F1 is not a mean over
+    images, so a t interval of per-image values does not apply to it."""
+    n = len(pred_a)
+    g = min(int(groups), n)
+    bounds = torch.linspace(0, n, g + 1).round().long().tolist()
+    out = []
+    for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[lo:hi] = False
+        out.append(top1_f1(pred_a[keep], pred_b[keep]))
+    return out

@@ -19,6 +19,12 @@ analysis                   metrics (extra columns)
 ``head_ablation``          ``kl_from_clean``, ``prediction_flips``, ``accuracy_drop`` (or ``output_change``) per
                            (layer, head) or per layer (``heads`` = all) (``stderr``, ``value_lo``, ``value_hi``,
                            ``n``, ``mode``: zero / mean, ``heads``)
+``block_updates``          ``attn_update``, ``mlp_update``, ``attn_share``, ``mlp_share``, ``displacement`` per
+                           (layer, ``token_view``), ``unison_cosine``, ``unison_share`` per layer (spatial) (t
+                           intervals); ``token_position`` per (image, layer, token) (``x_before`` ... ``y_after``)
+``head_agreement``         a pair analysis (model A, ``model_b``): ``kendall_tau`` per ``k`` (``k_used``),
+                           ``top1_f1``, ``top1_agreement`` of the two models' own heads (``stderr``, ``value_lo``,
+                           ``value_hi``, ``n``); its state keeps a few numbers per image, merged by concatenation
 =========================  ===================================================================================
 
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
@@ -38,6 +44,8 @@ from vitscope.analyses.mechanistic.logit_lens import LENS_READOUTS, LogitLens
 from vitscope.analyses.mechanistic.high_norm import NORM_BINS, NORM_RULES, QUANTILES, HighNormTokens
 from vitscope.analyses.mechanistic.high_norm import _quantiles, _random_token  # noqa: F401 - kept importable from here, as before
 from vitscope.analyses.mechanistic.ablation import ABLATION_MODES, ABLATION_SETS, HeadAblation
+from vitscope.analyses.mechanistic.block_updates import BlockUpdates
+from vitscope.analyses.mechanistic.head_agreement import HeadAgreement
 # isort: on
 
 __all__ = [
@@ -48,8 +56,10 @@ __all__ = [
     "NORM_RULES",
     "QUANTILES",
     "AttentionRollout",
+    "BlockUpdates",
     "GradientRollout",
     "HeadAblation",
+    "HeadAgreement",
     "HighNormTokens",
     "LogitLens",
 ]

@@ -1,4 +1,5 @@
-"""Figures of the mechanistic lens (`vitscope.analyses.mechanistic`): rollout, logit lens, high-norm tokens."""
+"""Figures of the mechanistic lens (`vitscope.analyses.mechanistic`): rollout, logit lens, high-norm tokens,
+head ablation, block updates, head agreement."""
 
 from __future__ import annotations
 
@@ -199,5 +200,125 @@ def head_ablation(df: pd.DataFrame) -> Figures:
     return out
 
 
+#: block_updates' curve panels per token view: (metric, panel title)
+_UPDATE_PANELS = (("attn_update", "attention update ‖attn_out‖ / ‖x_in‖"),
+                  ("mlp_update", "MLP update ‖mlp_out‖ / ‖resid_mid‖"),
+                  ("displacement", "displacement ‖out − x_in‖ / ‖x_in‖"),
+                  ("unison_cosine", "unison: mean cos between tokens' moves"))
+
+
+def _update_curves(df: pd.DataFrame, view: str) -> plt.Figure:
+    """One panel per statistic of `_UPDATE_PANELS` the view has, models as lines with their 95 % bands."""
+    d = df[df.token_view == view]
+    shown = [(m, t) for m, t in _UPDATE_PANELS if (d.metric == m).any()]
+    fig, axes = panels(1, len(shown), panel=(3.1, 2.7))
+    for ax, (metric, title) in zip(axes[0], shown, strict=True):
+        layer_lines(ax, d, metric, title=title)
+        if metric == "unison_cosine":
+            ax.axhline(0, color="0.3", lw=0.8)
+    legend_outside(fig, extra=[band_handle()])
+    return fig
+
+
+def _token_picture(d: pd.DataFrame) -> plt.Figure:
+    """One panel per (model, kept image) row and picture block column: every token as an arrow from before the
+    block (hollow dot) to after it (filled dot), in the plane of the block input's two principal axes (the CLS
+    token in black)."""
+    from vitscope.report.figures._common import model_label
+
+    models = models_of(d)
+    rows = [(m, i) for m in models for i in sorted(d[d.model == m]["image"].dropna().unique())]
+    layers = sorted(int(x) for x in d["layer"].unique())
+    fig, axes = panels(len(rows), len(layers), panel=(1.9, 1.8))
+    for r, (model, image) in enumerate(rows):
+        for c, layer in enumerate(layers):
+            ax = axes[r, c]
+            g = d[(d.model == model) & (d["image"] == image) & (d["layer"] == layer)]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for view, color in (("spatial", model_color(model, models)), ("cls", "black")):
+                t = g[g.token_view == view]
+                if t.empty:
+                    continue
+                x0, y0 = t["x_before"].to_numpy(float), t["y_before"].to_numpy(float)
+                x1, y1 = t["x_after"].to_numpy(float), t["y_after"].to_numpy(float)
+                ax.scatter(x0, y0, s=7, facecolors="none", edgecolors=color, linewidths=0.5)  # before: hollow
+                ax.scatter(x1, y1, s=5, color=color, linewidths=0)  # after: filled
+                ax.quiver(x0, y0, x1 - x0, y1 - y0, angles="xy", scale_units="xy", scale=1, color=color,
+                          width=0.006, alpha=0.8)
+            ax.set_aspect("equal", adjustable="datalim")  # both axes in the same units: distances read true
+            share = g["pca_variance"].dropna()
+            note = f" ({float(share.iloc[0]):.0%} var.)" if len(share) else ""
+            ax.set_title(f"b{layer}{note}", fontsize=7)
+            if c == 0:
+                ax.set_ylabel(f"{model_label(model)}\nimage {int(image)}", fontsize=6)
+    return fig
+
+
+def block_updates(df: pd.DataFrame) -> Figures:
+    """Per block, the attention and MLP updates relative to the residual stream, the displacement and how much
+    the patch tokens move in unison, per token view with 95 % bands; then the token picture: arrows from before
+    to after each chosen block, one panel per (model, image) and block [Park et al. 2023; Wang, Fig. 13]."""
+    out: Figures = []
+    src = f"[{cite('park2023')}; {cite('wang_clmm', 'Fig. 13')}]"
+    for view in ("spatial", "cls"):
+        if (df[df.metric.isin([m for m, _ in _UPDATE_PANELS])].token_view == view).any():
+            what = "patch tokens, a mean per image" if view == "spatial" else "the CLS token"
+            out.append((f"How much each block changes the residual stream ({what}): each branch's update relative "
+                        "to the stream it is added to, the block's displacement and (patch tokens) the mean cosine "
+                        f"between different tokens' moves (1: every token moved alike) {src}",
+                        _update_curves(df, view)))
+    pic = df[df.metric == "token_position"]
+    if not pic.empty:
+        out.append(("Tokens before and after a block: each arrow one token of one image, in the plane of the block "
+                    "input's two principal axes (fitted on its patch tokens, applied to the output too; share of "
+                    "the input's variance in the title), hollow before, filled after; black: the CLS token. "
+                    f"Arrows alike: tokens moved in unison {src}", _token_picture(pic)))
+    return out
+
+
+def head_agreement(df: pd.DataFrame) -> Figures:
+    """Bars per model pair: Kendall's tau of the two heads' top-k class rankings per k, top-1 F1 and top-1
+    agreement, each with its 95 % interval as an error bar [Shekhar et al. 2022, Fig. 4]."""
+    from vitscope.report.figures._common import model_label
+
+    d = df[df.metric.isin(["kendall_tau", "top1_f1", "top1_agreement"])]
+    if d.empty:
+        return []
+    pairs = list(dict.fromkeys(zip(d["model"], d["model_b"], strict=True)))
+    ks = sorted(int(k) for k in d.loc[d.metric == "kendall_tau", "k"].dropna().unique())
+    groups = [("kendall_tau", k, f"\u03c4 top-{k}") for k in ks] + [("top1_f1", None, "top-1 F1"),
+                                                                     ("top1_agreement", None, "top-1 agreement")]
+    fig, axes = panels(1, 1, panel=(max(3.6, 0.9 * len(groups) * max(len(pairs), 1) ** 0.5 + 1.5), 2.8))
+    ax = axes[0, 0]
+    width = 0.8 / len(pairs)
+    for p, (a, b) in enumerate(pairs):
+        xs, ys, lo, hi = [], [], [], []
+        for x, (metric, k, _) in enumerate(groups):
+            r = d[(d.metric == metric) & (d.model == a) & (d.model_b == b)]
+            if k is not None:
+                r = r[r["k"].astype(float) == k]
+            if r.empty:
+                continue
+            v = float(r["value"].iloc[0])
+            xs.append(x - 0.4 + width * (p + 0.5))
+            ys.append(v)
+            lo.append(v - float(r["value_lo"].iloc[0]) if pd.notna(r["value_lo"].iloc[0]) else 0.0)
+            hi.append(float(r["value_hi"].iloc[0]) - v if pd.notna(r["value_hi"].iloc[0]) else 0.0)
+        ax.bar(xs, ys, width=width * 0.95, color=f"C{p % 10}", yerr=[lo, hi], capsize=2, ecolor="0.25",
+               label=f"{model_label(a)} \u2194 {model_label(b)}")
+    ax.set_xticks(range(len(groups)), [g[2] for g in groups], fontsize=7)
+    ax.axhline(0, color="0.5", lw=0.8)
+    ax.set_ylim(min(0.0, float(np.nanmin(d["value"].astype(float))) - 0.05), 1.05)
+    ax.set_ylabel("agreement of the two heads", fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    legend_outside(fig)
+    return [("Agreement of two models' own classifier heads on the same images: Kendall's tau of their top-k class "
+             "rankings (each model's top-k, averaged), the macro F1 of one's top-1 against the other's and the share "
+             "of images with the same top-1; error bars: 95 % intervals over the images "
+             f"[{cite('shekhar2022', 'Fig. 4')}]", fig)]
+
+
 FIGURES = {"attention_rollout": attention_rollout, "gradient_rollout": gradient_rollout, "logit_lens": logit_lens,
-           "high_norm_tokens": high_norm_tokens, "head_ablation": head_ablation}
+           "high_norm_tokens": high_norm_tokens, "head_ablation": head_ablation, "block_updates": block_updates,
+           "head_agreement": head_agreement}
