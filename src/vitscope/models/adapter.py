@@ -47,6 +47,8 @@ def describe_readout(model: nn.Module) -> str:
     if getattr(model, "attn_pool", None) is not None:
         q = int(model.attn_pool.latent_len)
         return "attention pool" + (f" ({q} queries)" if q > 1 else "")
+    if getattr(model, "vitscope_decoder_from", None) is not None:
+        return "MAE decoder: pixels of every patch"
     pool = str(getattr(model, "global_pool", "") or "")
     return {"token": "CLS token", "avg": "mean of patch tokens", "max": "max of patch tokens",
             "avgmax": "mean and max of patch tokens", "": "every token (no pooling)"}.get(pool, pool)
@@ -65,6 +67,17 @@ class ModelInfo:
     patch_size: int
     num_prefix_tokens: int
     has_cls_token: bool
+    decoder_from: int | None = None  # first MAE decoder block (`ViTModel.decoder_from`); None: no decoder
+
+
+def block_label(vm: object, i: int) -> str:
+    """How a report names block ``i`` of ``vm`` (a `ViTModel`, a `ModelInfo`, an analysis, or anything with a
+    ``decoder_from``): 'block 3', or 'decoder 2' for the third block of an MAE decoder (`vitscope.models.mae_decoder`),
+    whose blocks follow the encoder's in the tap names (``block{E + j}``)."""
+    start = getattr(vm, "decoder_from", None)
+    if start is not None and i >= start:
+        return f"decoder {i - start}"
+    return f"block {i}"
 
 
 @dataclass
@@ -88,6 +101,15 @@ class ViTModel:
     @property
     def depth(self) -> int:
         return len(self.model.blocks)
+
+    @property
+    def decoder_from(self) -> int | None:
+        """Where an MAE decoder's blocks start (the encoder's depth; ``decoder: true``), None without one: blocks
+        from here on are the decoder's (`block_label` names them), ``final_norm`` is its norm and ``logits`` its
+        pixel prediction (`vitscope.models.mae_decoder`)."""
+        from vitscope.models.mae_decoder import decoder_from
+
+        return decoder_from(self.model)
 
     @property
     def num_heads(self) -> int:
@@ -154,7 +176,7 @@ class ViTModel:
         in place."""
         if self.family == "eva":
             return bool(self.model.dynamic_img_size)
-        return self.family == "vit"
+        return self.family == "vit" and self.decoder_from is None  # the MAE decoder's position embedding is fixed
 
     def grid_of(self, height: int, width: int) -> tuple[int, int]:
         """The token grid of an input of (height, width) pixels."""
@@ -167,7 +189,7 @@ class ViTModel:
         block (patch embedding without the size check, absolute position embeddings resampled bicubically
         to the token grid by ``resample_abs_pos_embed``, as ``dynamic_img_size=True`` at creation does) and
         restored on exit."""
-        if (height, width) == self.img_size or self.family != "vit" or self.model.dynamic_img_size:
+        if (height, width) == self.img_size or not self.any_size or self.model.dynamic_img_size:
             yield
             return
         from timm.layers import Format
@@ -183,7 +205,7 @@ class ViTModel:
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.depth, self.num_heads, self.embed_dim, self.grid_size, self.patch_size,
-                         self.num_prefix_tokens, self.has_cls_token)
+                         self.num_prefix_tokens, self.has_cls_token, self.decoder_from)
 
     @cached_property
     def taps(self) -> list[str]:
@@ -227,7 +249,8 @@ class ViTModel:
             if not self.any_size:
                 why = ("its rotary position embedding is built for one token grid (it was built without "
                        "dynamic_img_size=True)" if self.family == "eva"
-                       else "its relative position bias is built for one token grid")
+                       else "its MAE decoder's position embedding is built for one token grid"
+                       if self.decoder_from is not None else "its relative position bias is built for one token grid")
                 raise InputError(
                     f"{self.name} ({self.family}) takes {ih}x{iw} images only, got {h}x{w}: {why} (use the dataset "
                     f"option crop: center, or load the model with img_size={h} when the input is square)")

@@ -47,6 +47,9 @@ class Converted:
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     resampled: list[str] = field(default_factory=list)  # already resampled by the converter
     notes: list[str] = field(default_factory=list)  # what the file cannot say and what was assumed for it
+    #: MAE's pixel decoder and mask token under their official names, set aside by `convert_mae` (also listed in
+    #: ``dropped``): `vitscope.models.mae_decoder` attaches them when the load asks for the decoder
+    decoder: dict[str, Tensor] = field(default_factory=dict)
 
 
 def _tensor_dict(obj: Any) -> bool:
@@ -153,11 +156,15 @@ def convert_dino(ckpt: Any, key: str = "teacher") -> Converted:
 
 def convert_mae(ckpt: Any) -> Converted:
     """MAE (``model``): pretrained encoders end in ``norm``; fine-tuned ones mean-pool into
-    ``fc_norm`` (global_pool='avg'). The pixel decoder and mask token of visualisation files are dropped."""
+    ``fc_norm`` (global_pool='avg'). The pixel decoder and mask token of visualisation files are dropped from the
+    encoder's state dict (listed in ``dropped``) and kept, under their official names, in ``Converted.decoder``:
+    a load that asks for the decoder (``decoder=True``) attaches them (`vitscope.models.mae_decoder`), any other
+    leaves them dropped."""
     sd = dict(ckpt.get("model", ckpt))
+    decoder = {k: v for k, v in sd.items() if re.search(r"^(decoder_|mask_token)", k)}
     dropped: dict[str, str] = {}
     sd = _drop(sd, r"^(decoder_|mask_token)", "MAE decoder", dropped)
-    return Converted(sd, "mae", dropped, _implied_kwargs(sd))
+    return Converted(sd, "mae", dropped, _implied_kwargs(sd), decoder=decoder)
 
 
 def convert_beit(ckpt: Any) -> Converted:

@@ -24,7 +24,12 @@ from vitscope.models import checkpoints as ck
 from vitscope.models import fetch as net
 from vitscope.models import hf, layouts
 from vitscope.models.adapter import ViTModel
-from vitscope.models.names import file_given, random_init_takes_no_file, unknown_model  # noqa: F401 - also used from here
+from vitscope.models.names import (  # noqa: F401 - also used from here
+    file_given,
+    no_decoder,
+    random_init_takes_no_file,
+    unknown_model,
+)
 from vitscope.models.registry import CLIP_PREPROCESSING, REGISTRY, ModelSpec, Preprocessing, WeightSource
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,8 @@ def load_model(
     trust_checkpoint: bool = False,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    decoder: bool = False,
+    decoder_num_heads: int | None = None,
     **model_kwargs: Any,
 ) -> ViTModel:
     """Build a ViT and load its weights.
@@ -61,6 +68,9 @@ def load_model(
     pretrained: fetch the entry's weights when ``weights`` is not given; False = random init (seeded).
     checkpoint_key: which network of a DINO training checkpoint to load ('teacher' or 'student').
     strict: refuse checkpoints that leave any weight at init or bring unknown keys.
+    decoder: also run MAE's pixel decoder, from an MAE checkpoint that keeps it (`vitscope.models.mae_decoder`:
+        its blocks follow the encoder's, on all tokens, no masking); ConfigError naming the model when the
+        checkpoint has none. ``decoder_num_heads``: its heads (default decoder_embed_dim / 32, MAE's convention).
     model_kwargs: passed to ``timm.create_model`` (e.g. ``img_size=448``, ``depth=2`` for tiny tests).
     """
     file = file_given(name_or_path, None)
@@ -71,6 +81,9 @@ def load_model(
         weights = name_or_path
     kwargs = {**spec.model_kwargs, **model_kwargs}
     report = None
+    conv = None
+    if decoder and weights is None and not (pretrained and spec.weights.kind in ("url", "file")):
+        raise ConfigError(no_decoder(spec.name, "it loads no checkpoint file"))
     if weights is None and pretrained and spec.weights.kind == "hf":
         location = spec.weights.location
         weights = location if Path(location).is_dir() else hf.fetch(location, spec.name)
@@ -125,8 +138,28 @@ def load_model(
         raise WeightsUnavailableError(
             f"{spec.name} weights have no direct download link: get them from {spec.weights.location}, "
             f"then pass weights='/path/to/file' (checkpoint_format={spec.weights.checkpoint_format!r}).")
+    if decoder:
+        _attach_decoder(model, conv, spec.name, report, decoder_num_heads)
     model.to(device)
     return ViTModel(model=model, name=spec.name, spec=replace(spec, model_kwargs=kwargs), load_report=report)
+
+
+def _attach_decoder(model: torch.nn.Module, conv: Any, name: str, report: ck.LoadReport | None,
+                    num_heads: int | None) -> None:
+    """`mae_decoder.attach_decoder` with the converted checkpoint's decoder; the report moves its keys from
+    dropped to loaded and says what was assumed."""
+    from vitscope.models import mae_decoder
+
+    if conv is None or not conv.decoder:
+        raise ConfigError(no_decoder(name, "its checkpoint has none"
+                                     + (f" ({conv.format} layout)" if conv is not None else "")))
+    notes = mae_decoder.attach_decoder(model, conv.decoder, num_heads)
+    if report is not None:
+        for k in conv.decoder:
+            report.dropped.pop(k, None)
+        report.loaded += list(conv.decoder)
+        report.notes += notes
+    log.info("%s: %s", name, "; ".join(notes))
 
 
 def resolve_spec(name_or_path: str | Path) -> ModelSpec:

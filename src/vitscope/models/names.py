@@ -113,6 +113,13 @@ def file_given(name_or_path: str | Path, weights: str | Path | None) -> str | No
     return str(name_or_path) if name_or_path and Path(str(name_or_path)).is_file() else None
 
 
+def no_decoder(name: str, why: str) -> str:
+    """The sentence for ``decoder: true`` on a model without an MAE decoder (`vitscope.models.mae_decoder`): the
+    study's config check and the loader say the same."""
+    return (f"model {name!r}: decoder: true needs an MAE checkpoint that keeps its pixel decoder (decoder_embed, "
+            f"decoder_blocks.*, decoder_pred: MAE's 'visualize' files), and {why}")
+
+
 def random_init_takes_no_file(file: str) -> str:
     """The sentence for ``pretrained: false`` beside a file: a file is weights, a random init takes none (the
     model would be the file's trained network recorded as untrained)."""

@@ -37,7 +37,8 @@ class ModelConfig:
     finetuned_from: str | None = None      # label of the model this one was fine-tuned from (pair stages)
     checkpoints: Any = None                # list of checkpoint files, or a run directory: one model per epoch
     epoch: int | None = None               # the fine-tuning epoch of this checkpoint (set by `checkpoints`)
-    ablate: dict[str, Any] | None = None   # heads ablated by a write-hook (see "Ablated variants" below)
+    ablate: dict[str, Any] | None = None   # heads / MLPs ablated by write-hooks (see "Ablated variants" below)
+    decoder: bool = False                  # MAE: its pixel decoder's blocks after the encoder's, on all tokens
 
 
 @dataclass
@@ -204,7 +205,7 @@ def _yaml(load: Any, what: str) -> Any:
 # unpickles arbitrary objects: only a program may ask for that, never a config file)
 _LOAD_ARGS = {"weights": "weights", "pretrained": "pretrained", "checkpoint_format": "checkpoint_format",
               "seed": "seed", "device": "the top-level `device`", "trust_checkpoint": None, "strict": None,
-              "checkpoint_key": None, "name_or_path": "name"}
+              "checkpoint_key": None, "name_or_path": "name", "decoder": "decoder"}
 
 
 def validate(cfg: StudyConfig) -> None:
@@ -230,6 +231,7 @@ def check(cfg: StudyConfig) -> None:
 
     for i, m in enumerate(cfg.models):
         check_arch(m.kwargs or {}, f"models[{i}].kwargs")
+        _check_decoder(m, i)
         file = file_given(m.name, m.weights) if not m.pretrained else None
         if file:
             raise ConfigError(f"models[{i}] ({m.label or m.name}): {random_init_takes_no_file(file)}")
@@ -371,6 +373,30 @@ def _check_with_torch(cfg: StudyConfig) -> None:
     from vitscope.study.plan import make_plan
 
     make_plan(cfg)  # datasets matched with analyses, views and relations checked: before any model loads
+
+
+def _check_decoder(m: ModelConfig, i: int) -> None:
+    """``decoder: true`` reads MAE's pixel decoder from a checkpoint (`vitscope.models.mae_decoder`): an entry that
+    loads no file (random init, timm's own weights, which keep the encoder alone) is one ConfigError sentence naming
+    the model, before any model loads; a file without a decoder is refused when it loads, before any pass."""
+    from vitscope.models.names import file_given, no_decoder
+    from vitscope.models.registry import REGISTRY
+
+    if not isinstance(m.decoder, bool):
+        raise ConfigError(f"models[{i}] ({m.label or m.name}): decoder must be true or false, got {m.decoder!r}")
+    if "decoder_num_heads" in (m.kwargs or {}) and not m.decoder:
+        raise ConfigError(f"models[{i}] ({m.label or m.name}): kwargs.decoder_num_heads is for an MAE decoder; "
+                          "set decoder: true or remove it")
+    if not m.decoder:
+        return
+    entry = REGISTRY.get(m.name)
+    if not m.pretrained:
+        why = "a random init (pretrained: false) has no checkpoint"
+    elif m.weights or file_given(m.name, None) or (entry is not None and entry.weights.kind in ("url", "file")):
+        return
+    else:
+        why = "it loads no checkpoint file (pass weights: /path/to/mae_visualize_vit_*.pth)"
+    raise ConfigError(f"models[{i}]: " + no_decoder(m.label or m.name, why))
 
 
 def _check_ablations(cfg: StudyConfig) -> None:
@@ -677,7 +703,10 @@ ABLATE_DOC = (
     "`dataset` (default: the study's first dataset), clean, in selection order. Every analysis runs on the variant "
     "as on any model (cached, resumable, sharded); the cache key holds the spec and the statistics images, the "
     "manifest the resolved `[layer, head]` list (`models.<label>.ablation`), and the variant is labelled "
-    "`<name> \u2212 <what> (<mode>)` unless `label` is given. Nothing is written to the weights; the hooks come off "
+    "`<name> \u2212 <what> (<mode>)` unless `label` is given. `mlp: all` or `mlp: [blocks]` (alone or beside "
+    "`heads`; `layers` picks the blocks of `heads` only) replaces those blocks' MLP outputs (`block{i}.fc2`, before "
+    "layer scale) by 0 or by the clean model's mean per token position, from the same statistics pass "
+    "(Park et al.: attention matters in CL, MLPs in MIM). Nothing is written to the weights; the hooks come off "
     "when the study is done with the model. Cost: one forward per image per variant, like any model, plus one "
     "statistics pass of `images` forwards when `mode` is mean or `heads` a type (the attention maps unfused then). "
     "Example: `models: [{name: zoo-dino}, {name: zoo-dino, ablate: {heads: local, mode: mean}}]`.")

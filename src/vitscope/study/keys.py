@@ -192,12 +192,14 @@ def statistics_dataset(spec: Any, sources: dict[str, Source]) -> str:
 
 
 def model_key(mc: Any, sources: dict[str, Source] | None = None) -> tuple[Any, str]:
-    """The model's cache key; an ablated variant's adds its spec and, where it has a statistics pass (mode mean,
-    a head type), the images of that pass (dataset config, selection, count), which decide the resolved heads
-    and their means (recorded in the manifest)."""
+    """The model's cache key (a model with its MAE decoder, ``decoder: true``, has its own); an ablated variant's
+    adds its spec and, where it has a statistics pass (mode mean, a head type), the images of that pass (dataset
+    config, selection, count), which decide the resolved heads and their means (recorded in the manifest)."""
     spec = resolve_spec(mc.name)
     key = cache.model_key(spec, file_given(mc.name, mc.weights) or mc.weights, mc.pretrained, mc.checkpoint_format,
                           mc.seed, dict(mc.kwargs))
+    if getattr(mc, "decoder", False):  # MAE's decoder run after the encoder: other blocks, other outputs
+        key = digest(key, "decoder")
     if mc.ablate is not None:
         from vitscope.models.ablation import parse_spec
 

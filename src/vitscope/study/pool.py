@@ -35,7 +35,7 @@ class ModelPool:
             mc = self.by_label[label]
             vm = load_model(mc.name, weights=mc.weights, pretrained=mc.pretrained,
                             checkpoint_format=mc.checkpoint_format, seed=mc.seed, device=self.cfg.device,
-                            **mc.kwargs)
+                            decoder=mc.decoder, **mc.kwargs)
             vm.name = label
             if mc.ablate is not None:  # an ablated variant: its write-hooks, after the statistics pass
                 vm.ablation = self._ablation(mc, vm)
@@ -51,7 +51,7 @@ class ModelPool:
             src = self.sources[statistics_dataset(spec, self.sources)]
             first = first_images(src, vm.preprocessing, self.cfg.batch_size)
         ablation = resolve(vm, spec, first, f"model {label_of(mc)!r}")
-        if not ablation.heads:
+        if not ablation.heads and not ablation.mlp:
             import warnings
 
             from vitscope.errors import ResultWarning

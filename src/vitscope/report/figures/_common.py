@@ -200,7 +200,33 @@ def layer_lines(ax: plt.Axes, df: pd.DataFrame, metric: str, style: str = "-o", 
     ax.set_xlabel("block")
     ax.grid(alpha=0.3)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    decoder_blocks(ax, d)
     return models
+
+
+def decoder_starts(df: pd.DataFrame) -> dict[str, int]:
+    """Model -> its first MAE decoder block, for the models whose rows say which blocks are a decoder's
+    (``block_label`` 'decoder j', `vitscope.models.adapter.block_label`; ``decoder: true``)."""
+    if "block_label" not in df.columns or "layer" not in df.columns:
+        return {}
+    dec = df[df["block_label"].astype(str).str.startswith("decoder") & df["layer"].notna()]
+    return {m: int(g["layer"].min()) for m, g in dec.groupby("model")}
+
+
+def decoder_blocks(ax: plt.Axes, d: pd.DataFrame) -> None:
+    """Name the blocks of an MAE decoder on a per-block x axis: a dotted line in the model's colour where its
+    decoder starts and, where every model names each block alike, ticks 'block i' / 'decoder j' (the table's
+    ``block_label``). Nothing for tables without decoder blocks."""
+    starts = decoder_starts(d)
+    if not starts:
+        return
+    for model, start in starts.items():
+        ax.axvline(start - 0.5, ls=":", lw=1, color=model_color(model))
+    rows = d.dropna(subset=["layer", "block_label"])
+    names = rows.groupby("layer")["block_label"].agg(lambda s: sorted(set(s)))
+    if all(len(v) == 1 for v in names):
+        ax.set_xticks([float(x) for x in names.index], [v[0] for v in names], rotation=90, fontsize=6)
+    ax.set_xlabel("block (dotted: the MAE decoder starts)")
 
 
 BEST_GID, NO_BEST_GID = "best-layer", "no-best-layer"

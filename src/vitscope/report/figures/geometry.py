@@ -10,6 +10,7 @@ from vitscope.report.figures._common import (
     Figures,
     band_handle,
     colorbar,
+    decoder_starts,
     grid_shape,
     has_interval,
     layer_figure,
@@ -67,7 +68,9 @@ def fourier(df: pd.DataFrame) -> Figures:
             ax.set_axis_off()
         for ax in axes[:, 0]:
             ax.set_ylabel("Δ log amplitude")
-        colorbar(fig, mpl.cm.ScalarMappable(norm=norm, cmap=cmap), axes, "block")
+        starts = sorted(set(decoder_starts(curves).values()))
+        colorbar(fig, mpl.cm.ScalarMappable(norm=norm, cmap=cmap), axes,
+                 "block" + (f" (from {', '.join(map(str, starts))}: MAE decoder)" if starts else ""))
         out.append(("Relative log amplitude vs frequency, every layer of every model (colour = block) "
                     f"[{cite('park2023')}]", fig))
     return out
