@@ -45,6 +45,8 @@ VOID = 255
 AFFINITY_CHUNK = 1 << 24
 #: PCK thresholds, fractions of max(bbox h, w) of the target object
 PCK_ALPHAS = (0.1, 0.05, 0.01)
+#: the base of the per-image seeds of the Gaussian "random" features (`gaussian_features`)
+RANDOM_FEATURE_SEED = 20230618
 
 
 # ------------------------------------------------------------------------------------------------ J and F
@@ -390,7 +392,8 @@ def pck_chance(gt_xy: np.ndarray, ref_size: np.ndarray | float, centres: np.ndar
 
 def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tensor, centres: torch.Tensor,
                ref_size: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, counted: torch.Tensor,
-               alphas: Sequence[float] = PCK_ALPHAS) -> tuple[torch.Tensor, torch.Tensor]:
+               alphas: Sequence[float] = PCK_ALPHAS, pred: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """PCK of B pairs at once, as tensor ops on their device (no value read back).
 
     source: (B, L, K, D) L2-normalised features of the source tokens holding keypoints 0..K-1 (L feature sets,
@@ -399,13 +402,18 @@ def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tens
     shift: (B, 2) the map to the pixels PCK is measured in, (xy - shift) / scale (1 and 0: model-input
     pixels); counted: (B, K) bool, the keypoints that count. Returns ``correct`` (B, L, A) int64: counted
     keypoints whose nearest target token (cosine, the first of ties) has its centre within alpha * ref_size of
-    the true point (`pck`), and ``chance`` (B, A) float64: the sum over counted keypoints of `pck_chance`."""
+    the true point (`pck`), and ``chance`` (B, A) float64: the sum over counted keypoints of `pck_chance`.
+    ``pred`` (B, L, K, 2): predicted x, y in model-input pixels given by the caller (pixel-level matching,
+    `pixel_matches`) instead of the nearest token's centre."""
     B, L, K, _ = source.shape
     S = target.shape[2]
     c = (centres.double()[None] - shift[:, None]) / scale[:, None]                       # (B, S, 2)
     gt = (keypoints.double() - shift[:, None]) / scale[:, None]                          # (B, K, 2)
-    best = torch.einsum("blkd,blsd->blks", source, target).argmax(-1)                   # (B, L, K)
-    pred = torch.gather(c[:, None].expand(B, L, S, 2), 2, best[..., None].expand(B, L, K, 2))
+    if pred is None:
+        best = torch.einsum("blkd,blsd->blks", source, target).argmax(-1)               # (B, L, K)
+        pred = torch.gather(c[:, None].expand(B, L, S, 2), 2, best[..., None].expand(B, L, K, 2))
+    else:
+        pred = (pred.double() - shift[:, None, None]) / scale[:, None, None]
     a = torch.tensor(alphas, dtype=torch.float64).to(ref_size.device, non_blocking=True)  # no stream sync
     thr = a[None] * ref_size.double()[:, None]
     d = torch.linalg.vector_norm(pred - gt[:, None], dim=-1)                              # (B, L, K)
@@ -413,6 +421,47 @@ def pck_counts(source: torch.Tensor, target: torch.Tensor, keypoints: torch.Tens
     near = torch.linalg.vector_norm(gt[:, :, None] - c[:, None], dim=-1)                 # (B, K, S)
     chance = ((near[..., None] <= thr[:, None, None]).double().mean(2) * counted[..., None]).sum(1)
     return correct, chance
+
+
+def upsampled_tokens(x: torch.Tensor, grid: tuple[int, int], size: tuple[int, int]) -> torch.Tensor:
+    """(L, S, D) patch tokens on ``grid`` -> (L, H*W, D) L2-normalised pixel features at ``size`` (H, W): the token
+    map upsampled bilinearly (``F.interpolate``, ``align_corners=False``), pixels in row-major order. The pixel
+    matching of Walmer et al.'s keypoint correspondence (``vit_analysis``) reads features at pixel resolution."""
+    L, _, Dm = x.shape
+    maps = x.transpose(1, 2).reshape(L, Dm, *grid)
+    up = F.interpolate(maps.float(), size=tuple(size), mode="bilinear", align_corners=False)
+    return F.normalize(up.flatten(2).transpose(1, 2), dim=-1)
+
+
+def pixel_of(xy: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """(..., 2) x, y in pixels (continuous: pixel i spans [i, i + 1)) -> (...) row-major index of the pixel
+    holding the point, clamped to the image of ``size`` (H, W)."""
+    H, W = size
+    col = torch.clamp(torch.floor(xy[..., 0]), 0, W - 1).long()
+    row = torch.clamp(torch.floor(xy[..., 1]), 0, H - 1).long()
+    return row * W + col
+
+
+def pixel_centres(size: tuple[int, int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """(H*W, 2) x, y centre of every pixel of an image of ``size`` (H, W), row-major."""
+    H, W = size
+    ys, xs = torch.meshgrid(torch.arange(H, device=device) + 0.5, torch.arange(W, device=device) + 0.5,
+                            indexing="ij")
+    return torch.stack([xs.flatten(), ys.flatten()], 1).double()
+
+
+def pixel_matches(source: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """(L, K, D) source pixel features, (L, P, D) target pixel features (both L2-normalised) -> (L, K) the target
+    pixel of highest cosine per source keypoint (the first of ties)."""
+    return torch.einsum("lkd,lpd->lkp", source, target).argmax(-1)
+
+
+def gaussian_features(image_id: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Random features of one image: N(0, 1) per token and channel, float32 on the CPU, from a generator seeded
+    with ``RANDOM_FEATURE_SEED + seed + image_id`` (the image's dataset index), so an image gets the same
+    features in every model, shard and resume. Walmer et al.'s (2023) "random" baseline of the dense tasks."""
+    g = torch.Generator().manual_seed(RANDOM_FEATURE_SEED + int(seed) + int(image_id))
+    return torch.randn(tuple(shape), generator=g)
 
 
 # ------------------------------------------------------------------------------------------------ retrieval
@@ -474,7 +523,8 @@ def random_ranking_map(protocol: Sequence[dict], n_database: int, repeats: int =
 
 
 __all__ = ["BOUND_TH", "NEIGHBOURHOOD", "N_LAST_FRAMES", "PCK_ALPHAS", "TEMPERATURE", "TOPK", "VOID",
-           "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch", "boundary_map", "disk",
-           "jaccard", "jaccard_batch", "jf_objects", "label_presence", "labels_to_tokens", "nearest_resize",
-           "neighbourhood", "pck", "pck_chance", "pck_counts", "present_objects", "propagate", "random_ranking_map",
-           "ranked_ap", "retrieval_aps", "revisited_protocols", "tokens_to_labels"]
+           "RANDOM_FEATURE_SEED", "average_precision", "bound_pixels", "boundary_f", "boundary_f_batch",
+           "boundary_map", "disk", "gaussian_features", "jaccard", "jaccard_batch", "jf_objects", "label_presence",
+           "labels_to_tokens", "nearest_resize", "neighbourhood", "pck", "pck_chance", "pck_counts", "pixel_centres",
+           "pixel_matches", "pixel_of", "present_objects", "propagate", "random_ranking_map", "ranked_ap",
+           "retrieval_aps", "revisited_protocols", "tokens_to_labels", "upsampled_tokens"]

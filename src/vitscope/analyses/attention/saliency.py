@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, Literal, cast
 
 import pandas as pd
 import torch
@@ -19,7 +19,7 @@ from vitscope.analyses.attention._common import (
 )
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.bounds import Range
-from vitscope.errors import VitscopeError
+from vitscope.errors import ConfigError, VitscopeError
 from vitscope.host import host_copy
 from vitscope.metrics import attention as A
 from vitscope.metrics.intervals import Z95
@@ -47,16 +47,27 @@ class SaliencyIoU(_LayerAttention):
       level of a map with no spatial preference;
 
     each with ``stderr`` over the images scored and the 95 % interval ``value_lo``, ``value_hi``.
+
+    ``mask_rule`` (column ``mask_rule``): how the pixel mask becomes token-level. ``"coverage"`` (default, kept so
+    that earlier results stay comparable): a token is foreground when the mask covers at least half of it.
+    ``"authors"``: Walmer et al.'s rule (``vit_analysis``: the mask resized to the grid by PIL's bicubic
+    ``Image.resize``, a token foreground when its value is > 0; `vitscope.metrics.attention.foreground_tokens`),
+    which keeps every token the object touches, so masks are larger and IoUs differ from the coverage rule's.
     """
 
     name = "saliency_iou"
+    # (mask_rule is a parameter: in the cache key, no state change)
     state_version = 3  # 3: the uniform-attention reference (iou_uniform); 2: sums of squares (stderr over images)
     needs = frozenset({"masks"})
     description = "IoU of the top-60%-mass attention tokens with the foreground, per layer and head"
 
     def __init__(self, vm: Any, layers: Any = None, queries: str | Sequence[str] = ("cls", "mean"),
-                 mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6):
+                 mass: Annotated[float, Range(0, 1, open_lo=True)] = 0.6,
+                 mask_rule: Literal["coverage", "authors"] = "coverage"):
         super().__init__(vm, layers)
+        if mask_rule not in A.MASK_RULES:
+            raise ConfigError(f"{self.name}: mask_rule must be one of {', '.join(A.MASK_RULES)}, got {mask_rule!r}")
+        self.mask_rule = str(mask_rule)
         queries = [queries] if isinstance(queries, str) else list(queries)
         bad = [q for q in queries if q not in ("cls", "mean")]
         if bad or not queries:
@@ -80,7 +91,7 @@ class SaliencyIoU(_LayerAttention):
         return super().required_taps() if self.queries else []
 
     def _settings(self) -> dict[str, Any]:
-        return {**super()._settings(), "queries": list(self.queries), "mass": self.mass}
+        return {**super()._settings(), "queries": list(self.queries), "mass": self.mass, "mask_rule": self.mask_rule}
 
     def update(self, feats: Mapping[str, torch.Tensor], batch: Any) -> None:
         if batch.masks is None:
@@ -109,7 +120,7 @@ class SaliencyIoU(_LayerAttention):
                     merged = sp.query_mean(inv.expand_as(sp.s)).sum(1, keepdim=True)
                 weights += [per_head, merged]
         W = torch.cat(weights, dim=1)  # (B, layers * queries * (H + 1), S)
-        masks = batch.masks.to(W.device)
+        masks = A.foreground_tokens(batch.masks.to(W.device), g, self.mask_rule)  # (B, h, w) at the grid
         iou = _saliency_iou_of(W, masks, g, self.mass).double()
         uniform = A.uniform_saliency_iou(masks, g, self.mass)
         iou = iou.reshape(B, len(self.layers), len(self.queries), H + 1)
@@ -141,12 +152,14 @@ class SaliencyIoU(_LayerAttention):
 
     def state_dict(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "queries": list(self.queries), "mass": self.mass,
+                "mask_rule": self.mask_rule,
                 "requested_queries": list(self.requested_queries), "n_images": self.n_images,
                 "n_skipped": self.n_skipped, **{k: host_copy(getattr(self, k)) for k in self._TENSORS}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.layers, self.queries = list(state["layers"]), list(state["queries"])
         self.requested_queries, self.mass = list(state["requested_queries"]), float(state["mass"])
+        self.mask_rule = str(state.get("mask_rule", "coverage"))
         self.n_images, self.n_skipped = int(state["n_images"]), int(state["n_skipped"])
         for k in self._TENSORS:
             setattr(self, k, state[k].clone())
@@ -190,4 +203,5 @@ class SaliencyIoU(_LayerAttention):
         df = self.tidy(rows) if rows else self._frame({"query": []})
         df["n_images"] = self.n_images
         df["n_skipped"] = self.n_skipped
+        df["mask_rule"] = self.mask_rule
         return df

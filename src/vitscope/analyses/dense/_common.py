@@ -19,6 +19,7 @@ from vitscope.analyses.base import Analysis
 from vitscope.capture.views import token_view
 from vitscope.data.tiling import assemble
 from vitscope.errors import VitscopeError
+from vitscope.metrics import dense as D
 from vitscope.metrics import intervals as I
 
 
@@ -28,8 +29,9 @@ class _Dense(Analysis):
     headline: ClassVar[str] = ""
     needs: ClassVar[frozenset[str]] = frozenset()
 
-    def __init__(self, vm: Any, layers: Any = None, final_norm: bool = True):
+    def __init__(self, vm: Any, layers: Any = None, final_norm: bool = True, random_baseline: bool = False):
         super().__init__(vm)
+        self.random_baseline = bool(random_baseline)
         self.layers = self.layers_param(layers)
         if final_norm and self.depth not in self.layers:
             self.layers.append(self.depth)  # layer = depth: the last block's output after the final norm
@@ -59,6 +61,9 @@ class _Dense(Analysis):
         """The protocol settings as columns: ``framing`` (whole frame / centre crop and its size) and
         ``input_size`` (the model inputs' H x W; several when images differ)."""
         df["framing"] = "; ".join(self.protocol["framing"]) or None
+        variant = self._variant_rows()
+        if variant:  # only where a non-default variant ran: a default table keeps its columns
+            df["variant"] = "; ".join(variant)
         inputs = self.protocol["input"]
         df["input_size"] = "; ".join(inputs[:4]) + (f"; ... ({len(inputs)} sizes)" if len(inputs) > 4 else "") \
             if inputs else None
@@ -77,14 +82,35 @@ class _Dense(Analysis):
                 if v not in self.protocol[k]:
                     self.protocol[k].append(v)
 
-    def _patch_features(self, feats: Mapping[str, torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
-        """(B, L, S, D) L2-normalised patch tokens of every layer."""
+    def _patch_features(self, feats: Mapping[str, torch.Tensor], grid: tuple[int, int], index: Any = None
+                        ) -> torch.Tensor:
+        """(B, L, S, D) L2-normalised patch tokens of every layer; with ``random_baseline`` one more feature set
+        after the layers: the images' Gaussian random tokens (`_random_tokens`; ``index``: the images' dataset
+        indices)."""
         x = torch.stack([token_view(feats[t], "spatial", self.num_prefix_tokens) for t in self.required_taps()], 1)
         s = grid[0] * grid[1]
         if x.shape[2] != s:
             raise VitscopeError(f"{self.name}: {x.shape[2]} patch tokens per image, expected {s} for the grid "
                                 f"{grid}")
+        if self.random_baseline:
+            noise = self._random_tokens(index, 1 + s, x.shape[-1], x.device)[:, 1:]
+            x = torch.cat([x.float(), noise[:, None]], 1)
         return F.normalize(x.float(), dim=-1)
+
+    def _random_tokens(self, index: Any, tokens: int, dim: int, device: torch.device) -> torch.Tensor:
+        """(B, tokens, D) the "random" baseline's features (Walmer et al. 2023, Tables 1 and 5): per image N(0, 1)
+        per token and channel, seeded by the image's dataset index (`vitscope.metrics.dense.gaussian_features`),
+        so they are the same in every model, shard and resume; drawn on the CPU, copied to ``device`` at once.
+        Token 0 stands for the prefix (CLS) token and the last ``tokens - 1`` for the patch tokens."""
+        if index is None:
+            raise VitscopeError(f"{self.name}: random_baseline needs the images' dataset indices (batch.index)")
+        ids = index.tolist() if torch.is_tensor(index) else [int(i) for i in index]
+        noise = torch.stack([D.gaussian_features(i, (tokens, dim)) for i in ids])
+        return noise.to(device, non_blocking=True)
+
+    def _variant_rows(self) -> list[str]:
+        """Which of the source's variants ran, for the table's ``variant`` column (read by the report's notes)."""
+        return ["random = Gaussian features (per image, seeded by its id)"] if self.random_baseline else []
 
     def _items(self, feats: Mapping[str, torch.Tensor], batch: Any
                ) -> Iterator[tuple[torch.Tensor, tuple[int, int], dict[str, Any]]]:
@@ -96,7 +122,7 @@ class _Dense(Analysis):
         if tiling is None:
             grid = self.grid_of(batch)
             self._note(batch, grid)
-            x = self._patch_features(feats, grid)
+            x = self._patch_features(feats, grid, batch.index)
             for b in range(len(batch)):
                 yield x[b], grid, _plain_item(batch, b)
             return
@@ -112,7 +138,11 @@ class _Dense(Analysis):
             self._note(batch, plan.grid)
             n = len(plan.tiles)
             grids = [assemble(plan, f[first:first + n].reshape(n, t, t, -1)) for f in spatial]
-            yield F.normalize(torch.stack(grids).flatten(1, 2).float(), dim=-1), plan.grid, item
+            x = torch.stack(grids).flatten(1, 2).float()
+            if self.random_baseline:  # one Gaussian map for the whole assembled grid, as an untiled image's
+                s = plan.grid[0] * plan.grid[1]
+                x = torch.cat([x, self._random_tokens([int(item["index"])], 1 + s, x.shape[-1], x.device)[:, 1:]])
+            yield F.normalize(x, dim=-1), plan.grid, item
 
     def _table(self, rows: list[dict[str, Any]], *columns: str) -> pd.DataFrame:
         """`tidy` with the columns every table of this analysis has, present even when empty."""
@@ -139,10 +169,14 @@ class _Dense(Analysis):
                   and r.get("video") is None]
         last = [r["value"] for r in cand
                 if r["layer"] == self.layers[-1] and r.get("token_view") == best.get("token_view")]
+        rand = [r["value"] for r in rows if r["metric"] == f"{metric}_random"
+                and r.get("token_view") == best.get("token_view") and r.get("category") is None
+                and r.get("video") is None]
         return [{"metric": f"best_{metric}", "layer": best["layer"], "token_view": best.get("token_view"),
                  "value": best["value"], "stderr": best.get("stderr", float("nan")), "value_lo": lo, "value_hi": hi,
                  "interval_units": best.get("interval_units"), "chance": chance[0] if chance else float("nan"),
-                 "last_layer_value": last[0] if last else float("nan"), "task": self.name}]
+                 "last_layer_value": last[0] if last else float("nan"), "task": self.name,
+                 **({"random_features": rand[0]} if rand else {})}]
 
 
 def _plain_item(batch: Any, b: int) -> dict[str, Any]:

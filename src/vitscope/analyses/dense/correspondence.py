@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -14,7 +14,7 @@ import torch
 
 from vitscope.analyses.base import Analysis, register_analysis
 from vitscope.analyses.dense._common import _Dense
-from vitscope.errors import VitscopeError
+from vitscope.errors import ConfigError, VitscopeError
 from vitscope.host import host_copies
 from vitscope.metrics import dense as D
 from vitscope.metrics import intervals as I
@@ -69,7 +69,22 @@ class Correspondence(_Dense):
     t · stderr with (pairs - 1) degrees of freedom (`vitscope.metrics.intervals.ratio_interval`, from per-pair
     sums; ``interval_units`` = pairs). The binomial error over keypoints it replaces covered 68-78 % of the time
     in simulations where pairs differ in difficulty (intra-pair correlation 0.2-0.33; benchmarks/calibration.py,
-    docs/CALIBRATION.md)."""
+    docs/CALIBRATION.md).
+
+    Variants of the source (Walmer et al. 2023, ``vit_analysis``), each off by default so that today's tables stay
+    as they were; the table's ``variant`` column names the ones that ran:
+
+    * ``matching: pixel`` (default ``token``): the authors' pixel-level nearest neighbour. Each image's token map is
+      upsampled bilinearly to the model input's pixels (``F.interpolate``, ``align_corners=False``) and
+      L2-normalised; the source feature is the upsampled map at the keypoint's pixel, the prediction the centre
+      of the target pixel of highest cosine. Token matching compares whole tokens and predicts a token's centre,
+      so its error has a floor of up to half a patch; pixel matching interpolates between tokens. Costs one
+      (layers x pixels x channels) map per image, one layer at a time. Chance is then a uniformly random pixel.
+    * ``random_baseline: true``: the paper's "random" row, Gaussian features of the tokens' shape (N(0, 1) per
+      token and channel, seeded by each image's dataset index) matched as a layer is, once per pair: rows
+      ``pck@a_random`` (``layer`` empty) and the best-layer row's ``random_features``.
+    * The dataset options of SPair-71k (``letterbox: true``, ``pairs_per_category: 20``, ``pair_seed: 42``;
+      `vitscope.data.formats.spair.SPair71k`) give the authors' input geometry and pair selection."""
 
     name = "correspondence"
     # 5: per-pair moment sums (correct_sq, correct_kp, keypoints_sq), stderr clustered by pair, t interval;
@@ -80,11 +95,15 @@ class Correspondence(_Dense):
     headline = "pck@0.1"
     description = "keypoint correspondence by nearest patch token per layer: PCK@0.1/0.05/0.01 per category"
 
-    def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS, final_norm: bool = True):
-        super().__init__(vm, layers, final_norm)
+    def __init__(self, vm: Any, layers: Any = None, alphas: Any = D.PCK_ALPHAS, final_norm: bool = True,
+                 matching: Literal["token", "pixel"] = "token", random_baseline: bool = False):
+        super().__init__(vm, layers, final_norm, random_baseline)
+        if matching not in ("token", "pixel"):
+            raise ConfigError(f"correspondence: matching must be 'token' or 'pixel', got {matching!r}")
+        self.matching = str(matching)
         self.alphas = tuple(float(a) for a in alphas)
         self.cat_names: list[str] = []
-        L, A = len(self.layers), len(self.alphas)
+        L, A = len(self.layers) + self.random_baseline, len(self.alphas)  # the random features: one more set
         # per category (row c: cat_names[c]): correct counts (L, A), chance sums (A,), keypoints, pairs, and over
         # its pairs the sums of correct² and correct x keypoints (L, A) and of keypoints² (the pair-level moments of
         # `vitscope.metrics.intervals.ratio_interval`); and the skip counts of _PAIR_SKIPS
@@ -113,7 +132,7 @@ class Correspondence(_Dense):
         if batch.extra.get("tiling") is None:
             grid = self.grid_of(batch)
             self._note(batch, grid)
-            x = self._patch_features(feats, grid)
+            x = self._patch_features(feats, grid, batch.index)
             self._score(x, grid, self._annotations(len(batch), _batch_column(batch), x.device))
             self.n_images += len(batch)
             return
@@ -196,9 +215,15 @@ class Correspondence(_Dense):
         kp = a["kp"]
         K = kp.shape[1]
         self.sums = {k: v.to(x.device) for k, v in self.sums.items()}
-        tok = self._token_of(kp[..., :2].reshape(-1, 2), grid).view(B, K)
-        own = torch.gather(x, 2, tok[:, None, :, None].expand(B, L, K, Dm))             # (B, L, K, D) sources
         last = self._previous(x, K)
+        pred = None
+        centres = self.centres(grid, x.device)
+        if self.matching == "pixel":
+            own, pred = self._pixel_pass(x, grid, kp, last["x"])
+            centres = D.pixel_centres((grid[0] * self.patch_size, grid[1] * self.patch_size), x.device)
+        else:
+            tok = self._token_of(kp[..., :2].reshape(-1, 2), grid).view(B, K)
+            own = torch.gather(x, 2, tok[:, None, :, None].expand(B, L, K, Dm))         # (B, L, K, D) sources
         is_src = a["role"] == 0
         prev_x = torch.cat([last["x"][None], own[:-1]])
         prev_kp = torch.cat([last["kp"][None], kp[:-1]])
@@ -213,8 +238,8 @@ class Correspondence(_Dense):
         scored = paired & shown & boxed
         self.sums["skips"] += torch.stack([is_src & prev_src, ~is_src & ~paired, paired & ~shown,
                                            paired & shown & ~boxed]).sum(1)
-        correct, chance = D.pck_counts(prev_x, x, kp[..., :2], self.centres(grid, x.device), a["size"],
-                                     a["scale"], a["shift"], common & scored[:, None], self.alphas)
+        correct, chance = D.pck_counts(prev_x, x, kp[..., :2], centres, a["size"], a["scale"], a["shift"],
+                                       common & scored[:, None], self.alphas, pred=pred)
         cat = a["cat"]
         counted = (common & scored[:, None]).sum(1)  # (B,) keypoints scored per pair (0: not a scored pair)
         self.sums["correct"].index_add_(0, cat, correct)
@@ -224,6 +249,33 @@ class Correspondence(_Dense):
         self.sums["correct_sq"].index_add_(0, cat, correct.square())
         self.sums["correct_kp"].index_add_(0, cat, correct * counted[:, None, None])
         self.sums["keypoints_sq"].index_add_(0, cat, counted.square())
+
+    def _pixel_pass(self, x: torch.Tensor, grid: tuple[int, int], kp: torch.Tensor, first: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pixel-level matching (``matching: pixel``) of items (B, L, S, D), each the target of the item before it
+        (the first: of ``first`` (L, K, D), the last item of the previous batch): returns the items' own features at
+        their keypoints' pixels (B, L, K, D) and the predicted x, y (B, L, K, 2) in model-input pixels. One item and
+        one layer's upsampled map (pixels x D) at a time."""
+        B, L, _, _ = x.shape
+        size = (grid[0] * self.patch_size, grid[1] * self.patch_size)
+        centres = D.pixel_centres(size, x.device)
+        pix = D.pixel_of(kp[..., :2], size)                                               # (B, K)
+        own, pred = [], []
+        prev = first
+        for b in range(B):
+            mine, guess = [], []
+            for li in range(L):
+                up = D.upsampled_tokens(x[b, li:li + 1], grid, size)[0]                   # (P, D)
+                mine.append(up[pix[b]])
+                guess.append(centres[D.pixel_matches(prev[li:li + 1], up[None])[0]])
+            own.append(torch.stack(mine))
+            pred.append(torch.stack(guess))
+            prev = own[-1]
+        return torch.stack(own).to(x.dtype), torch.stack(pred)
+
+    def _variant_rows(self) -> list[str]:
+        pixel = ["matching = pixel (bilinear upsampling, Walmer et al.)"] if self.matching == "pixel" else []
+        return pixel + super()._variant_rows()
 
     def _token_of(self, xy: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor:
         gh, gw = grid
@@ -241,6 +293,7 @@ class Correspondence(_Dense):
 
     def merge(self, other: Analysis) -> None:
         assert isinstance(other, Correspondence) and other.layers == self.layers and other.alphas == self.alphas
+        assert other.matching == self.matching and other.random_baseline == self.random_baseline
         dev = self.sums["skips"].device
         rows = torch.tensor([self._category_row(c) for c in other.cat_names], dtype=torch.long, device=dev)
         for k, v in other.sums.items():
@@ -285,7 +338,16 @@ class Correspondence(_Dense):
             for a, alpha in enumerate(self.alphas):
                 m = f"pck@{alpha:g}"
                 per_cat = {k: v["correct"][:, a].double() / v["keypoints"] for k, v in cats.items()}
-                for li, layer in enumerate(self.layers):
+                for li, set_ in enumerate([*self.layers, *(["random"] if self.random_baseline else [])]):
+                    if set_ == "random":  # the Gaussian features: overall and mean over categories, no layer
+                        _, se, lo, hi = I.ratio_interval(float(correct[li, a]), float(n), moments["correct_sq"][li][a],
+                                                         moments["correct_kp"][li][a], moments["keypoints_sq"], pairs)
+                        rows.append({"metric": m + "_random", "layer": None, "value": float(correct[li, a]) / n,
+                                     "stderr": se, "value_lo": lo, "value_hi": hi, "interval_units": pairs})
+                        rows.append({"metric": m + "_catmean_random", "layer": None,
+                                     "value": float(np.mean([float(p[li]) for p in per_cat.values()]))})
+                        continue
+                    layer = set_
                     p = float(correct[li, a]) / n
                     _, se, lo, hi = I.ratio_interval(float(correct[li, a]), float(n), moments["correct_sq"][li][a],
                                                      moments["correct_kp"][li][a], moments["keypoints_sq"], pairs)

@@ -50,7 +50,14 @@ class Propagation(_Dense):
     ``value_lo``, ``value_hi`` = value ± t · stderr, Student's t with (videos - 1) degrees of freedom
     (`vitscope.metrics.intervals.cluster_interval`; ``interval_units`` = videos). The value ± 1.96 stderr over
     objects it replaces covered 68-88 % of the time in simulations of 2-30 videos (benchmarks/calibration.py,
-    docs/CALIBRATION.md)."""
+    docs/CALIBRATION.md).
+
+    ``random_baseline`` (default false, so tables keep today's rows and cost): also the paper's "random" row
+    (Walmer et al. 2023, Tables 1 and 5): Gaussian features of the tokens' shape, N(0, 1) per token and channel,
+    seeded by each frame's dataset index (the same in every model, shard and resume), propagated exactly as a
+    layer is, once per video (not per layer): rows ``J_random``, ``F_random``, ``JF_random`` (and ``video_*``)
+    with ``layer`` empty, and the best-layer row's ``random_features`` column. The constant-feature chance stays
+    beside it; the table's ``variant`` column names the baseline that ran."""
 
     name = "propagation"
     # 6: stderr clustered by video, t interval (value_lo, value_hi, interval_units);
@@ -64,8 +71,9 @@ class Propagation(_Dense):
 
     def __init__(self, vm: Any, layers: Any = None, n_last_frames: Count = D.N_LAST_FRAMES,
                  radius: NonNegative = D.NEIGHBOURHOOD, topk: Count = D.TOPK, temperature: Positive = D.TEMPERATURE,
-                 bound_th: float = D.BOUND_TH, skip_last: bool = True, final_norm: bool = True):
-        super().__init__(vm, layers, final_norm)
+                 bound_th: float = D.BOUND_TH, skip_last: bool = True, final_norm: bool = True,
+                 random_baseline: bool = False):
+        super().__init__(vm, layers, final_norm, random_baseline)
         self.n_last_frames, self.radius, self.topk = int(n_last_frames), int(radius), int(topk)
         self.temperature, self.bound_th, self.skip_last = float(temperature), float(bound_th), bool(skip_last)
         self._near: dict[tuple[tuple[int, int], torch.device], torch.Tensor] = {}
@@ -106,7 +114,7 @@ class Propagation(_Dense):
             return items, index, frames
         grid = self.grid_of(batch)
         self._note(batch, grid)
-        x = self._patch_features(feats, grid)
+        x = self._patch_features(feats, grid, batch.index)
         src, objects, seqs = batch.extra.get("source_objects"), batch.objects, batch.sequences
         items = [{"x": x[b], "grid": grid, "sequence": seqs[b] if seqs is not None else None,
                   "objects": src[b] if src is not None and src[b] is not None else
@@ -304,8 +312,10 @@ class Propagation(_Dense):
             j = torch.cat([v["J"] for v in self.videos], 1)  # (L + 1, all objects)
             f = torch.cat([v["F"] for v in self.videos], 1)
             video = torch.cat([torch.full((v["J"].shape[1],), i) for i, v in enumerate(self.videos)])  # per object
-            for k, layer in enumerate([*self.layers, None]):
-                sfx = "" if layer is not None else "_chance"
+            sets = [*self.layers, *(["random"] if self.random_baseline else []), None]  # J, F rows: layers, random,
+            for k, set_ in enumerate(sets):                                                  # then constant features
+                sfx = "" if set_ not in (None, "random") else "_chance" if set_ is None else "_random"
+                layer = set_ if set_ != "random" else None
                 jm, fm = float(j[k].mean()), float(f[k].mean())
                 rows += [{"metric": "J" + sfx, "layer": layer, "value": jm, **_interval(j[k], video)},
                          {"metric": "F" + sfx, "layer": layer, "value": fm, **_interval(f[k], video)},

@@ -43,7 +43,13 @@ class Retrieval(_Dense):
 
     Uncertainty: each mAP carries its standard error over the queries scored and the 95 % interval ``value_lo``,
     ``value_hi`` = value ± t · stderr with (queries - 1) degrees of freedom (``interval_units`` = queries;
-    benchmarks/calibration.py, docs/CALIBRATION.md)."""
+    benchmarks/calibration.py, docs/CALIBRATION.md).
+
+    ``random_baseline`` (default false, so tables keep today's rows and store size): also the paper's "random"
+    row (Walmer et al. 2023, Tables 1 and 5): Gaussian tokens of the model's token shape (N(0, 1) per token and
+    channel, seeded by each image's dataset index, so the same in every model, shard and resume), pooled by each
+    view (CLS: the first token) and ranked as a layer is, once per image: rows ``mAP_*_random`` (``layer``
+    empty) and the best-layer row's ``random_features``; the table's ``variant`` column names it."""
 
     name = "retrieval"
     # 5: t interval (value_lo, value_hi, interval_units);
@@ -55,12 +61,13 @@ class Retrieval(_Dense):
     description = "instance retrieval per layer and view (CLS, mean patch token): revisited mAP Easy/Medium/Hard"
 
     def __init__(self, vm: Any, layers: Any = None, views: Any = RETRIEVAL_VIEWS, chance_repeats: Count = 32,
-                 seed: int = 0, final_norm: bool = True):
-        super().__init__(vm, layers, final_norm)
+                 seed: int = 0, final_norm: bool = True, random_baseline: bool = False):
+        super().__init__(vm, layers, final_norm, random_baseline)
         self.views = views_with_cls(self, views)
         self.chance_repeats, self.seed = int(chance_repeats), int(seed)
-        # one store for all views, view-major: view v's layer j is the store's layer v * len(layers) + j
-        self.table = PooledTable(len(self.views) * len(self.layers))
+        # one store for all views, view-major: view v's layer j is the store's layer v * len(layers) + j; with the
+        # random baseline, view v's random features follow all of them (layer len(views) * len(layers) + v)
+        self.table = PooledTable(len(self.views) * (len(self.layers) + self.random_baseline))
         self.gnd: dict[int, dict[str, list[int]]] = {}
         # ground truth of queries not yet matched with their index: (row of the store, the batch's gnd entry)
         self.gnd_rows: list[tuple[int, Any]] = []
@@ -82,8 +89,11 @@ class Retrieval(_Dense):
         ids = torch.where(is_query, q, db)
         x = [feats[t] for t in self.required_taps()]
         first = len(self.table)
-        self.table.append([token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for v in self.views for f in x],
-                          ids, torch.zeros_like(ids), is_query)
+        pooled = [token_view(f, v, self.num_prefix_tokens, self.has_cls_token) for v in self.views for f in x]
+        if self.random_baseline:
+            noise = self._random_tokens(batch.index, x[0].shape[1], x[0].shape[2], x[0].device)
+            pooled += [token_view(noise, v, self.num_prefix_tokens, self.has_cls_token) for v in self.views]
+        self.table.append(pooled, ids, torch.zeros_like(ids), is_query)
         self.gnd_rows += [(first + b, g) for b, g in enumerate(gnd) if g is not None]
         self.n_images += len(batch)
 
@@ -103,7 +113,10 @@ class Retrieval(_Dense):
                 raise VitscopeError(f"retrieval: query {int(ids[row])} has no ground truth (extra['gnd'])")
 
     def _view(self, v: int, li: int) -> torch.Tensor:
-        """(rows, D) float16 features of view ``v`` (its position in ``views``) at the ``li``-th layer."""
+        """(rows, D) float16 features of view ``v`` (its position in ``views``) at the ``li``-th layer (``li`` =
+        len(layers): the random features)."""
+        if li == len(self.layers):
+            return self.table.layer(len(self.views) * len(self.layers) + v)
         return self.table.layer(v * len(self.layers) + li)
 
     def merge(self, other: Analysis) -> None:
@@ -153,12 +166,13 @@ class Retrieval(_Dense):
             protocols = D.revisited_protocols(gnd)
             mapped = {name: [{"ok": [col.get(i, -1) for i in p["ok"]], "junk": [col[i] for i in p["junk"] if i in col]}
                              for p in prot] for name, prot in protocols.items()}
-            for li, layer in enumerate(self.layers):
+            for li, layer in enumerate([*self.layers, *(["random"] if self.random_baseline else [])]):
                 f = F.normalize(self._view(vi, li).float(), dim=-1)
                 scores = f[q_rows] @ f[d_rows].T
+                sfx = "_random" if layer == "random" else ""
                 for name, prot in mapped.items():
                     aps = D.retrieval_aps(scores, prot)
-                    rows.append({"metric": f"mAP_{name}", "layer": layer, "token_view": v,
+                    rows.append({"metric": f"mAP_{name}{sfx}", "layer": None if sfx else layer, "token_view": v,
                                  "value": float(np.nanmean(aps)) if np.isfinite(aps).any() else float("nan"),
                                  **_interval(torch.as_tensor(np.asarray(aps, dtype=float)))})
             for name, prot in mapped.items():

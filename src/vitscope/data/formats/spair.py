@@ -16,13 +16,42 @@ import torch
 
 from vitscope.data.base import Batch, RaggedBatch, Sample, ragged
 from vitscope.data.formats.common import FileDataset, read_rgb, require_files, runs_of_one_size
-from vitscope.data.transforms import Framing
+from vitscope.data.transforms import Framing, crop, hflip, resize
 from vitscope.errors import InputError
 from vitscope.files import inside
 from vitscope.models.registry import Preprocessing
 
 SPLITS = ("trn", "val", "test")
 _VARIATIONS = ("viewpoint_variation", "scale_variation", "truncation", "occlusion", "mirror")
+
+
+def select_per_category(pairs: list[dict], per_category: int, seed: int = 42) -> list[dict]:
+    """At most ``per_category`` pairs of each category (``rec['category']``): each category's pairs (in file order)
+    sampled without replacement by its own ``numpy.random.default_rng(seed)``, the kept ones in file order."""
+    by_cat: dict[str, list[int]] = {}
+    for i, rec in enumerate(pairs):
+        by_cat.setdefault(rec["category"], []).append(i)
+    keep: list[int] = []
+    for ids in by_cat.values():
+        if len(ids) <= per_category:
+            keep += ids
+        else:
+            pick = np.random.default_rng(seed).choice(len(ids), per_category, replace=False)
+            keep += [ids[j] for j in pick.tolist()]
+    return [pairs[i] for i in sorted(keep)]
+
+
+def letterbox(s: Sample, size: int, patch: int = 16, interpolation: str = "bicubic") -> Sample:
+    """The authors' input geometry: the long side resized to ``size`` (rounded down to a multiple of ``patch``),
+    aspect kept (the short side rounded to the nearest pixel), then zero-padded, centred, to a square (padding
+    offsets ``(size - side) // 2`` at the top and left). Annotations follow (`resize`, `crop`), the geometry
+    records the map from the file's pixels."""
+    side = max(patch, int(size) // patch * patch)
+    h, w = s.size
+    scale = side / max(h, w)
+    nh, nw = max(1, int(round(h * scale))), max(1, int(round(w * scale)))
+    out = resize(s, nh, nw, interpolation=interpolation)
+    return crop(out, -((side - nh) // 2), -((side - nw) // 2), side, side)
 
 
 def _check_pair(rec: dict, d: dict, f: Path) -> None:
@@ -73,13 +102,30 @@ class SPair71k(FileDataset):
     Images reach the model whole by default (``crop='full'``: short side ``size`` pixels, default the model's
     input size, aspect kept, sides rounded down to the patch size), so no keypoint is lost to a crop, and PCK
     is scored in the file's pixels against the box at its original size; ``crop='center'``: the model's
-    eval preprocessing (keypoints outside the crop are marked not visible and left out)."""
+    eval preprocessing (keypoints outside the crop are marked not visible and left out).
+
+    Walmer et al.'s (2023, ``vit_analysis``) protocol, offered beside (defaults keep vitscope's):
+
+    * ``letterbox=True``: the long side resized to ``size`` (default the model's input size, rounded down to the
+      patch size), aspect kept, the short side padded with zeros (black), centred, to a square ``size`` x ``size``
+      input (`letterbox`). Every keypoint stays in the image, as with ``crop='full'``, but the model sees the
+      square input it was trained on, at a smaller object scale, and padding tokens; vitscope's whole frame keeps
+      the short side at ``size`` and feeds a non-square input instead. Keypoints and boxes follow the geometry,
+      so PCK is still scored in the file's pixels.
+    * ``pairs_per_category=20, pair_seed=42``: at most that many pairs of each category, drawn without
+      replacement by ``numpy.random.default_rng(pair_seed)`` per category (each category's draw independent of
+      the others), kept in file order; the authors evaluate 20 pairs per category with seed 42 where vitscope
+      otherwise takes every pair (or ``n_pairs`` over all categories, drawn after this selection)."""
 
     def __init__(self, root: str | Path, split: str = "test", categories: list[str] | None = None,
                  name: str | None = None, n_pairs: int | None = None, seed: int = 0, flat: bool = False,
-                 crop: str = "full", size: int | None = None):
+                 crop: str = "full", size: int | None = None, letterbox: bool = False,
+                 pairs_per_category: int | None = None, pair_seed: int = 42):
         super().__init__()
         self.framing = Framing(crop, size, "short")
+        self.letterbox = bool(letterbox)
+        if pairs_per_category is not None and int(pairs_per_category) < 1:
+            raise InputError(f"pairs_per_category must be a positive number of pairs; got {pairs_per_category}")
         self.root = Path(root)
         if split not in SPLITS:
             raise InputError(f"SPair-71k splits are {', '.join(SPLITS)}; got {split!r}")
@@ -107,6 +153,8 @@ class SPair71k(FileDataset):
             self.pairs.append(rec)
         if not self.pairs:
             raise InputError(f"no pairs of categories {categories} in {str(folder)!r}")
+        if pairs_per_category is not None:
+            self.pairs = select_per_category(self.pairs, int(pairs_per_category), int(pair_seed))
         if n_pairs is not None and n_pairs < len(self.pairs):
             keep = np.random.default_rng(seed).choice(len(self.pairs), int(n_pairs), replace=False)
             self.pairs = [self.pairs[i] for i in sorted(keep.tolist())]
@@ -117,6 +165,20 @@ class SPair71k(FileDataset):
             raise InputError(f"pairs refer to categories without an image folder under {str(img_root)!r}: {unknown}")
         require_files([self._path(p, "src") for p in self.pairs] + [self._path(p, "trg") for p in self.pairs],
                       f"the pair annotations in {str(folder)!r} refer to")
+
+    def frame(self, s: Sample, pre: Preprocessing, flip: bool = False) -> Sample:
+        """One image as the model sees it: `letterbox` with ``letterbox=True``, else the dataset's framing."""
+        if not self.letterbox:
+            return super().frame(s, pre, flip)
+        out = letterbox(s, self.framing.size or pre.input_size, int(getattr(pre, "patch_size", 16)),
+                        pre.interpolation)
+        return hflip(out) if flip else out
+
+    def _collate(self, chunk: list[Sample], pre: Preprocessing) -> Batch:
+        b = super()._collate(chunk, pre)
+        if self.letterbox:
+            b.extra["framing"] = f"letterbox (long side, padded square) {chunk[0].size[0]}"
+        return b
 
     def _path(self, rec: dict, side: str) -> Path:
         return inside(self.root / "JPEGImages", f"{rec['category']}/{rec[f'{side}_imname']}",

@@ -44,9 +44,11 @@ from vitscope.metrics.attention.maps import (  # noqa: F401 - every name of the 
     uniform_mass_3x3,
 )
 from vitscope.metrics.attention.saliency import (  # noqa: F401 - every name of the module before the split
+    MASK_RULES,
     _masks_to_grid,
     _saliency_weights,
     _uniform_top_mass,
+    foreground_tokens,
     saliency_iou,
     saliency_iou_merged,
     top_mass_mask,

@@ -65,6 +65,33 @@ def _masks_to_grid(masks: Tensor, grid_size: tuple[int, int], batch: int) -> Ten
     return (m >= 0.5).reshape(batch, h * w)
 
 
+#: how a pixel-level foreground mask becomes token-level (`foreground_tokens`)
+MASK_RULES = ("coverage", "authors")
+
+
+def foreground_tokens(masks: Tensor, grid_size: tuple[int, int], rule: str = "coverage") -> Tensor:
+    """(B, Hpx, Wpx) foreground masks (0 .. 1) -> (B, h, w) float 0/1 token masks, by ``rule``:
+
+    * ``"coverage"``: a token is foreground when the mask covers at least half of its area (area average >= 0.5,
+      `_masks_to_grid`); a mask already at the grid is read as-is.
+    * ``"authors"``: Walmer et al.'s rule (``vit_analysis`` ``run_seg_analysis.py: prep_token_masks``): the 0/255
+      mask resized to the grid by PIL's ``Image.resize`` (bicubic, antialiased when shrinking; rounded to 8 bits)
+      and a token foreground when its value is > 0, i.e. any trace of the object in the token's bicubic
+      footprint. Here torch's antialiased bicubic (``F.interpolate(mode='bicubic', align_corners=False,
+      antialias=True)``, PIL's filter) on the 0-255 scale, a token kept when its value rounds to 1 or more
+      (>= 0.5), as PIL's 8-bit output does. Its masks are larger than the coverage rule's (about a token's
+      border wider), which lowers the IoU of compact attention maps.
+    """
+    if rule not in MASK_RULES:
+        raise ValueError(f"mask rule must be one of {MASK_RULES}, got {rule!r}")
+    h, w = grid_size
+    if rule == "coverage" or tuple(masks.shape[-2:]) == (h, w):
+        return _masks_to_grid(masks, (h, w), masks.shape[0]).reshape(-1, h, w).to(torch.float32)
+    m = masks.to(torch.float32).clamp(0.0, 1.0) * 255.0  # 0/1 masks as PIL's 0/255 image
+    up = F.interpolate(m[:, None], size=(h, w), mode="bicubic", align_corners=False, antialias=True)[:, 0]
+    return (up >= 0.5).to(torch.float32)
+
+
 @functools.cache
 def _uniform_top_mass(S: int, mass: float) -> int:
     """How many tokens :func:`top_mass_mask` keeps of a uniform row of ``S``: its rule in Python floats (no tensor

@@ -22,6 +22,12 @@ from vitscope.report.summary import (
 
 TASKS = DENSE_TASKS  # analysis -> (headline metric, label)
 
+#: k-NN classification beside the dense tasks in the best-layer summary (Walmer et al. 2023, Table 1 puts it there):
+#: its ``task`` name, label and the k read from the semantics table (DINO's 20-NN; the smallest k there otherwise)
+KNN_TASK, KNN_LABEL, KNN_K = "knn", "k-NN top-1 (semantics)", 20
+#: the image-level views of the semantics table a k-NN best layer is chosen from (object / part rows are regions)
+KNN_VIEWS = ("cls", "gap", "gap_spatial")
+
 
 STAR = ("star = best layer, only where its 95 % interval (simultaneous over the layers) clears chance and the "
         "untrained model's best")
@@ -61,6 +67,21 @@ def _panels(df: pd.DataFrame, panels: list[tuple[str, str]], rows: list[tuple[st
     return [(caption, fig)]
 
 
+def variant_note(df: pd.DataFrame) -> str:
+    """The note a task's captions end with when one of the source's variants ran (the table's ``variant`` column:
+    pixel matching, the Gaussian "random" baseline, ...), with the random features' score per model where the table
+    has it; "" for a default table."""
+    if "variant" not in df.columns or not df["variant"].notna().any():
+        return ""
+    note = " Variant: " + "; ".join(dict.fromkeys(df["variant"].dropna().astype(str))) + "."
+    if "random_features" in df.columns:
+        best = df[df.metric.astype(str).str.startswith("best_") & df.random_features.notna()]
+        if len(best):
+            note += " Random (Gaussian) features score " + ", ".join(
+                f"{r.model} {r.random_features:.3g}" for r in best.itertuples()) + "."
+    return note
+
+
 def _overall(df: pd.DataFrame, column: str) -> pd.DataFrame:
     return df[df[column].isna()] if column in df.columns else df
 
@@ -71,7 +92,7 @@ def propagation(df: pd.DataFrame) -> Figures:
     return _panels(d, [("J", "J (region IoU)"), ("F", "F (boundary)"), ("JF", "J&F")], [("", d)],
                    nothing_above(d, "propagation") + "Video mask propagation per layer (DINO's protocol, no "
                    f"training): J, F and J&F over every video ({STAR}; dashed = the same propagation with constant "
-                   "features, the chance level)")
+                   "features, the chance level)" + variant_note(df))
 
 
 def correspondence(df: pd.DataFrame) -> Figures:
@@ -82,7 +103,7 @@ def correspondence(df: pd.DataFrame) -> Figures:
     return _panels(d, [(f"pck@{a}", f"PCK@{a}") for a in alphas], [("", d)],
                    nothing_above(d, "correspondence") + "Keypoint correspondence per layer (nearest patch token, no "
                    "training): PCK at alpha x max(bbox h, w) of the target object, over every keypoint "
-                   f"({STAR}; dashed = a uniformly random target token)")
+                   f"({STAR}; dashed = a uniformly random target token)" + variant_note(df))
 
 
 def retrieval(df: pd.DataFrame) -> Figures:
@@ -91,7 +112,7 @@ def retrieval(df: pd.DataFrame) -> Figures:
     rows = [(f" ({v})", df[df.token_view == v]) for v in views]
     return _panels(df, [("mAP_medium", "mAP Medium"), ("mAP_hard", "mAP Hard"), ("mAP_easy", "mAP Easy")], rows,
                    nothing_above(df, "retrieval") + "Instance retrieval per layer (cosine of CLS / mean patch "
-                   f"token, no training): revisited mAP ({STAR}; dashed = random rankings)")
+                   f"token, no training): revisited mAP ({STAR}; dashed = random rankings)" + variant_note(df))
 
 
 FIGURES = {"propagation": propagation, "correspondence": correspondence, "retrieval": retrieval}
@@ -101,8 +122,10 @@ FIGURES = {"propagation": propagation, "correspondence": correspondence, "retrie
 
 
 def _protocol(row: Any) -> str | None:
-    """The protocol a task's table names (framing, model input, where and which frames were scored), one line."""
-    parts = [(None, "framing"), ("input", "input_size"), ("scored at", "scored_at"), ("frames", "frames_scored")]
+    """The protocol a task's table names (framing, model input, where and which frames were scored, the source's
+    variants that ran), one line."""
+    parts = [(None, "framing"), ("input", "input_size"), ("scored at", "scored_at"), ("frames", "frames_scored"),
+             ("variant:", "variant")]
     text = [f"{k} {row.get(c)}" if k else str(row.get(c)) for k, c in parts
             if isinstance(row.get(c), str) and row.get(c)]
     return "; ".join(text) or None
@@ -140,7 +163,11 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
                          "token_view": r["token_view"], "score": score, "stderr": stderr,
                          "score_lo": best_row_low(r), "score_hi": float(r.get("value_hi", np.nan)),
                          "last_layer_score": float(r.get("last_layer_value", np.nan)),
-                         "chance": chance, "above_chance": above, "protocol": _protocol(r)})
+                         "chance": chance, "above_chance": above, "protocol": _protocol(r),
+                         **({"random_features_score": float(r["random_features"])}
+                            if pd.notna(r.get("random_features", np.nan)) else {})})
+    if tables.get("semantics") is not None and rows:  # k-NN beside the dense tasks, as the paper's Table 1
+        rows += knn_best_rows(tables["semantics"])
     out = pd.DataFrame(rows)
     if out.empty:
         return out
@@ -171,6 +198,53 @@ def best_layer_summary(tables: Mapping[str, pd.DataFrame], models: Mapping[str, 
     return out
 
 
+def knn_best_rows(df: pd.DataFrame, k: int = KNN_K) -> list[dict[str, Any]]:
+    """Per model, the best layer of k-NN top-1 accuracy in a semantics table (its ``knn<k>_top1`` rows over the
+    image-level views `KNN_VIEWS`; k = ``k``, else the smallest k there), as rows of `best_layer_summary`: the score,
+    its ``stderr`` (binomial, over the test images), an interval simultaneous over the (layer, view) candidates
+    (value ± z · stderr at level 1 - 0.05 / candidates, Bonferroni, as the dense tasks' `best_interval`), the last
+    layer's score, ``chance`` = the majority-class rate of the test images, and ``random_features_score`` = the
+    k-NN of Gaussian features of the same shape (the table's ``knn<k>_top1_chance`` row, Walmer et al.'s random
+    baseline)."""
+    from statistics import NormalDist
+
+    if df is None or df.empty or "metric" not in df.columns:
+        return []
+    ks = sorted({int(m[3:-5]) for m in df.metric.dropna().unique() if m.startswith("knn") and m.endswith("_top1")
+                 and m[3:-5].isdigit()})
+    if not ks:
+        return []
+    k = k if k in ks else ks[0]
+    metric = f"knn{k}_top1"
+    views = df.token_view.isin(KNN_VIEWS) if "token_view" in df.columns else pd.Series(True, index=df.index)
+    out = []
+    for model, d in df[views].groupby("model", sort=False):
+        cand = d[(d.metric == metric) & d.layer.notna() & d.value.notna()]
+        if cand.empty:
+            continue
+        best = cand.sort_values(["value", "layer"], ascending=[False, True]).iloc[0]
+        se = float(best.get("stderr", np.nan))
+        z = NormalDist().inv_cdf(1 - 0.05 / (2 * len(cand)))
+        lo, hi = float(best.value) - z * se, float(best.value) + z * se
+        chance = float(best.get("chance", np.nan))
+        row = {"value": float(best.value), "value_lo": lo, "stderr": se, "chance": chance}
+        last = cand[(cand.layer == cand.layer.max()) & (cand.token_view == best.token_view)].value
+        rand = d[(d.metric == f"{metric}_chance") & (d.token_view == best.token_view)].value
+        above = best_above_chance(row)
+        out.append({"task": KNN_TASK, "label": KNN_LABEL, "model": model, "best_layer": int(best.layer),
+                    "best": f"block {int(best.layer)}" if above else NOT_ABOVE_CHANCE,
+                    "token_view": best.token_view, "score": float(best.value), "stderr": se, "score_lo": lo,
+                    "score_hi": hi, "last_layer_score": float(last.iloc[0]) if len(last) else np.nan,
+                    "chance": chance, "above_chance": above, "protocol": f"semantics k-NN, k = {k}",
+                    "random_features_score": float(rand.iloc[0]) if len(rand) else np.nan})
+    return out
+
+
+def _summary_labels() -> dict[str, str]:
+    """Task -> label of every row kind of the best-layer summary, in its order (dense tasks, then k-NN)."""
+    return {**{t: label for t, (_, label) in TASKS.items()}, KNN_TASK: KNN_LABEL}
+
+
 def summary_figure(summary: pd.DataFrame) -> Figures:
     """Task x model heat table: each cell the best layer's score and the block it is at ("at chance" where the best
     score is within noise of chance, "≈ untrained" where it is not above the untrained model's beyond its interval,
@@ -182,7 +256,8 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
     from matplotlib.colors import CenteredNorm
     from matplotlib.patches import Rectangle
 
-    tasks = [t for t in TASKS if t in set(summary.task)]
+    labels = _summary_labels()
+    tasks = [t for t in labels if t in set(summary.task)]
     models = list(dict.fromkeys(summary.model))
     gain = np.full((len(tasks), len(models)), np.nan)
     text = [["" for _ in models] for _ in tasks]
@@ -215,7 +290,7 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
                 ax.text(j, i, text[i][j], ha="center", va="center", fontsize=6.5,
                         color="white" if dark else "0.25" if (i, j) in muted else "black")
     ax.set_xticks(range(len(models)), models, rotation=35, ha="right", fontsize=8)
-    ax.set_yticks(range(len(tasks)), [TASKS[t][1] for t in tasks], fontsize=8)
+    ax.set_yticks(range(len(tasks)), [labels[t] for t in tasks], fontsize=8)
     colorbar(fig, im, ax, "(score - chance) / (1 - chance)\n(0 = chance, < 0 below)")
     trained = summary[~summary.untrained] if "untrained" in summary.columns else summary
     lead = ""
@@ -233,5 +308,5 @@ def summary_figure(summary: pd.DataFrame) -> Figures:
              "chance)", fig)]
 
 
-__all__ = ["FIGURES", "NOT_ABOVE_CHANCE", "NOT_ABOVE_UNTRAINED", "TASKS", "best_above_chance", "best_layer_summary",
-           "nothing_above", "summary_figure"]
+__all__ = ["FIGURES", "KNN_TASK", "NOT_ABOVE_CHANCE", "NOT_ABOVE_UNTRAINED", "TASKS", "best_above_chance",
+           "best_layer_summary", "knn_best_rows", "nothing_above", "summary_figure", "variant_note"]
