@@ -230,6 +230,7 @@ CASES = [
     Case("cls_attention_maps", study("cls_attention_maps", "{keep_images: 1}")),
     Case("query_attention_maps", study("query_attention_maps", "{keep_images: 2, queries: [centre, [0, 1]]}")),
     Case("aligned_attention_maps", study("aligned_attention_maps")),
+    Case("block_updates", study("block_updates", "{keep_images: 1}")),
     Case("saliency_iou", study("saliency_iou")),
     Case("propagation", study("propagation", data="videos: {name: synthetic-videos, n_images: 8, "
                                                   "options: {n_frames: 4}}")),

@@ -8,6 +8,7 @@ An analysis is created per model, declares the taps it needs, and sees each batc
     a.merge(other)               # same analysis, other images (a shard or a resumed part)
     a.state_dict() / a.load_state_dict(state)   # tensors and plain values only: cached, resumable
     a.finalize() -> pandas.DataFrame             # tidy: model, analysis, metric, layer, head, token_view, value
+    a.empty_reason() -> str                      # why finalize gave no rows (the study says it, never silent)
 
 Memory must not grow with the number of images: keep sums, small per-batch statistics, or a bounded
 number of pooled vectors.
@@ -107,6 +108,8 @@ def views_with_cls(analysis: Any, views: str | Iterable[str]) -> list[str]:
     asked = [views] if isinstance(views, str) else list(views)
     kept = [v for v in asked if v != "cls" or analysis.has_cls_token]
     if asked and not kept:
+        analysis.no_rows_because = ("the model has no CLS token and the only token view asked for is 'cls' (ask for "
+                                    "'gap' or 'gap_spatial' too)")
         warnings.warn(f"{analysis.name}: model {analysis.model_name!r} has no CLS token, and the only token view "
                       "asked for is 'cls', so it computes nothing for this model; ask for 'gap' or 'gap_spatial' too",
                       ResultWarning, stacklevel=3)
@@ -148,11 +151,41 @@ class _Lifecycle(ABC):
     @abstractmethod
     def finalize(self) -> pd.DataFrame: ...
 
+    #: why this analysis computes nothing for its model, known when it is built (`views_with_cls`): the reason
+    #: `empty_reason` gives first; set in ``__init__``, so a state read back from the cache says it too
+    no_rows_because: str | None = None
+
+    def empty_reason(self) -> str:
+        """Why `finalize` gave no rows, as one sentence without the analysis's or the model's name (the study
+        adds both: `explain_empty`), so no analysis ever returns nothing silently. Read after `finalize`, also on a
+        state loaded from the cache, so it must be derived from the state (never remembered from ``update`` alone).
+        Default: ``no_rows_because``, else what it was fed against what it needs; analyses with sharper reasons
+        (no image had two classes, every mask was empty) override it."""
+        if self.no_rows_because:
+            return self.no_rows_because
+        data = self.datasets.get("data")
+        where = f"dataset {data!r}" if data else "its dataset"
+        n = int(getattr(self, "n_images", 0) or 0)
+        if not n:
+            return f"{where} gave it no images (an empty selection, or none of them could be read)"
+        if self.needs:
+            return (f"none of the {n} images of {where} gave what it needs ({', '.join(sorted(self.needs))}): check "
+                    "that the dataset provides it for these images")
+        return f"none of the {n} images of {where} gave anything it measures with these parameters"
+
     @classmethod
     def cross(cls, analyses: list[Any]) -> pd.DataFrame | None:
         """Results across models (one finished analysis per model), e.g. CKA of model A vs model B.
         None when the analysis has no cross-model part."""
         return None
+
+    @classmethod
+    def cross_empty_reason(cls, analyses: list[Any]) -> str:
+        """Why `cross` gave a table without rows (one sentence, as `empty_reason`). Default: how many models it had
+        and how many of them were fed images."""
+        fed = sum(1 for a in analyses if getattr(a, "n_images", 0))
+        return (f"its cross-model part found nothing to compare among {len(analyses)} model(s), {fed} of which were "
+                "fed images")
 
 
 class Analysis(_Lifecycle):
@@ -258,6 +291,34 @@ class Analysis(_Lifecycle):
 
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
         return tidy_frame(rows, self.model_name, self.name)
+
+
+#: ``DataFrame.attrs`` keys of a table without rows (`explain_empty`): why it has none, and of which model (or
+#: pair, or the cross-model stage), carried with the table to the run's ``results/summary/empty.parquet``
+EMPTY_REASON, EMPTY_MODEL = "vitscope_empty_reason", "vitscope_empty_model"
+
+
+def explain_empty(analysis: Any, frame: pd.DataFrame | None, model: str) -> pd.DataFrame | None:
+    """``frame`` unchanged where it has rows (None stays None only then); else an empty table (``frame``'s columns,
+    or the tidy ones) carrying why in its ``attrs`` (`EMPTY_REASON`, `EMPTY_MODEL`), the reason from the analysis's
+    `empty_reason` (a generic sentence where that gives none or fails: an empty table is never silent)."""
+    if frame is not None and len(frame):
+        return frame
+    try:
+        reason = str(analysis.empty_reason() or "").strip().rstrip(".")
+    except Exception as e:  # noqa: BLE001 - the reason must not cost the run; the failure is the reason then
+        reason = f"its empty_reason failed ({type(e).__name__}: {e})"
+    if not reason:
+        reason = f"{type(analysis).__name__}.empty_reason gave no reason"
+    out = frame.copy() if frame is not None else tidy_frame([], model, getattr(analysis, "name", "?"))
+    out.attrs[EMPTY_REASON], out.attrs[EMPTY_MODEL] = reason, model
+    return out
+
+
+def has_cross(cls: type[Any]) -> bool:
+    """Whether an analysis class has a cross-model part (overrides `cross`): a model's rows may come from there
+    (similarity's pairs of models), so an empty table of that model alone is judged after the cross-model stage."""
+    return getattr(cls.cross, "__func__", None) is not _Lifecycle.cross.__func__
 
 
 def tidy_frame(rows: list[dict[str, Any]], model: str, analysis: str) -> pd.DataFrame:

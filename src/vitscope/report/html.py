@@ -32,7 +32,7 @@ figure img{max-width:100%}figcaption{font-size:.85em;color:#555;max-width:34em}
 table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
 td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
 th{background:#f6f6f6}code{background:#f4f4f4;padding:0 .2em}.muted{color:#777;font-size:.9em}
-.caveat{border-left:3px solid #d98c00;padding-left:.6em}
+.caveat{border-left:3px solid #d98c00;padding-left:.6em}.empty{border-left:3px solid #d98c00;padding-left:.6em}
 nav{display:flex;flex-wrap:wrap;gap:.3em 1em;max-width:100%}nav a{white-space:nowrap}
 ul.summary li{margin:.3em 0}.flag{background:#fff3cd;color:#7a5b00;border-radius:3px;padding:0 .3em;
 font-size:.85em;white-space:nowrap}ul.refs{font-size:.9em}"""
@@ -164,8 +164,9 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
     run_dir = run.path
     (run_dir / "results" / "summary").mkdir(parents=True, exist_ok=True)
     summary.to_parquet(run_dir / "results" / BEST_LAYERS_TABLE, index=False)
+    extra = ["random_features_score"] if "random_features_score" in summary.columns else []
     shown = summary[["label", "model", "supervision", "best", "token_view", "score", "last_layer_score",
-                     "random_init_score", "untrained_score", "chance", "protocol"]].rename(
+                     "random_init_score", "untrained_score", "chance", *extra, "protocol"]].rename(
         columns={"label": "task", "best": "best layer"})
     trained = summary[~summary.untrained]
     lead = ("<p><strong>Nothing here is above chance:</strong> no trained model's best layer clears its task's chance "
@@ -184,11 +185,28 @@ def _dense_summary(run: Run, drawn: list[tuple[str, str]]) -> list[str]:
            "says how the images "
            "reached the model (whole frame or centre crop, the model input's size, where propagation was scored). "
            "A best layer equal to the model's depth is the last block after the final norm. Table: "
-           "<code>results/summary/best_layers.parquet</code>.</p>", _table(shown)]
+           "<code>results/summary/best_layers.parquet</code>.</p>", *_variant_note(summary), _table(shown)]
     for title, png in drawn:
         out.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
                    f"<figcaption>{_esc(title)}</figcaption></figure>")
     return out
+
+
+def _variant_note(summary: pd.DataFrame) -> list[str]:
+    """A note line naming the source's variants that ran (pixel matching, the Gaussian "random" baseline, SPair's
+    letterbox and pair selection: the tables' ``variant``, shown in ``protocol``) and k-NN's rows, if any."""
+    notes = []
+    if "protocol" in summary.columns:
+        ran = sorted({p.split("variant: ", 1)[1] for p in summary.protocol.dropna() if "variant: " in p})
+        if ran:
+            notes.append("Variants of Walmer et al.'s protocol that ran: " + "; ".join(_esc(v) for v in ran)
+                         + (" (<code>random_features_score</code>: the same task on per-image Gaussian features)."
+                            if "random_features_score" in summary.columns else "."))
+    if "task" in summary.columns and (summary.task == "knn").any():
+        notes.append("k-NN rows: the semantics table's k-NN top-1 accuracy, best over layers and image-level "
+                     "views; chance = the majority-class rate, <code>random_features_score</code> = k-NN of "
+                     "Gaussian features.")
+    return [f"<p>{' '.join(notes)}</p>"] if notes else []
 
 
 @single_threaded  # drawing and small tables: nothing gains from a second thread, and none may spin
@@ -265,6 +283,12 @@ def _redraw(name: str, n_figures: int) -> str:
             "of its caption)")
 
 
+def _empty_lines(empty: list[tuple[str, str]]) -> list[str]:
+    """One line per model (or pair, or the cross-model stage) the analysis has no rows for, with the reason the
+    study recorded (results/summary/empty.parquet): a missing model in a table is never silent."""
+    return [f"<p class='empty'>no rows for {_esc(model)}: {_esc(reason)}</p>" for model, reason in empty]
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -276,7 +300,7 @@ def write_report(run_dir: str | Path) -> Path:
     data_text = ", ".join(f"<b>{_esc(d.get('format', d.get('name', name)))}</b> ({d.get('n_images', '?')} images)"
                           for name, d in datasets.items()) or "?"
     names = list(run.tables)
-    nav = ["summary", "models", *names, "references"]
+    nav = ["summary", "models", *run.sections(), "references"]
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
              f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>vitscope report: "
              f"{_esc(run_dir.name)}</title><style>{_CSS}</style></head><body>",
@@ -316,10 +340,14 @@ def write_report(run_dir: str | Path) -> Path:
     for name, items in skipped.items():
         parts.append(f"<p class='muted'>{len(items)} unreadable images of {_esc(name)} were skipped (see "
                      "manifest.json).</p>")
-    for name, df in run.tables.items():
+    for name in run.sections():
         cls = ANALYSES.get(name)
         doc = (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ").replace("``", "") if cls else ""
         parts.append(f"<h2 id='{_esc(name)}'>{_esc(name)}</h2><p>{_esc(doc)}</p>")
+        parts += _empty_lines(run.empty.get(name, []))
+        if name not in run.tables:  # no rows for any model: its section says why, and nothing else
+            continue
+        df = run.tables[name]
         own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
         parts.append(_table(own(df) if callable(own) else key_numbers(df)))
         for title, png in drawn[name]:

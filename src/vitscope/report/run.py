@@ -19,6 +19,7 @@ from vitscope.errors import VitscopeError, first_line
 from vitscope.report.figures import FIGURES
 from vitscope.report.figures._common import context, wrap_labels
 from vitscope.report.summary import model_families, model_readouts, untrained_models  # also imported from here
+from vitscope.study.rundir import EMPTY_TABLE
 
 BEST_LAYERS = "best_layers"
 """The report's figure of the dense tasks' best layers (a summary over their tables, not an analysis)."""
@@ -30,6 +31,8 @@ class Run:
     manifest: dict[str, Any] = field(default_factory=dict)
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)  # sha256 of the bytes each table was read from
+    #: analysis -> [(model, reason)] where its table had no rows for that model (results/summary/empty.parquet)
+    empty: dict[str, list[tuple[str, str]]] = field(default_factory=dict)
 
     @property
     def models(self) -> list[str]:
@@ -49,11 +52,22 @@ class Run:
             yield
 
     def best_layers(self) -> pd.DataFrame:
-        """The dense tasks' best layer per (task, model) (`vitscope.report.figures.dense.best_layer_summary`)."""
+        """The dense tasks' best layer per (task, model), with k-NN's from the semantics table beside them
+        (`vitscope.report.figures.dense.best_layer_summary`)."""
         from vitscope.report.figures.dense import TASKS, best_layer_summary
 
-        tables = {n: t for n, t in self.tables.items() if n in TASKS}
-        return best_layer_summary(tables, self.manifest.get("models", {})) if tables else pd.DataFrame()
+        tables = {n: t for n, t in self.tables.items() if n in TASKS or n == "semantics"}  # k-NN beside them
+        dense = any(n in TASKS for n in tables)
+        return best_layer_summary(tables, self.manifest.get("models", {})) if dense else pd.DataFrame()
+
+    def sections(self) -> list[str]:
+        """The analyses the report has a section for, in the order they are registered: those with a table and
+        those that said why they have no rows for some model (with no table at all, their section says only why)."""
+        from vitscope.analyses import ANALYSES
+
+        order = {name: i for i, name in enumerate(ANALYSES)}
+        names = [*self.tables, *(n for n in self.empty if n not in self.tables)]
+        return sorted(names, key=lambda n: (order.get(n, len(order)), n))
 
     def figure_names(self) -> list[str]:
         """What the report draws figures for, in its order: every analysis, then the dense tasks' best layers
@@ -108,4 +122,20 @@ def load_run(run_dir: str | Path) -> Run:
             raise VitscopeError(f"{str(p)!r} is not a table vitscope wrote ({first_line(e)}); rerun the study "
                                 "to rewrite it") from None
         run.digests[p.stem] = hashlib.sha256(raw).hexdigest()
+    run.empty = _empty_reasons(path / "results" / EMPTY_TABLE)
     return run
+
+
+def _empty_reasons(p: Path) -> dict[str, list[tuple[str, str]]]:
+    """results/summary/empty.parquet by analysis: ``{analysis: [(model, reason)]}`` ({} without the file)."""
+    if not p.is_file():
+        return {}
+    try:
+        df = pd.read_parquet(p, columns=["analysis", "model", "reason"])
+    except Exception as e:  # noqa: BLE001 - whatever pyarrow says of a file that is not this table
+        raise VitscopeError(f"{str(p)!r} is not a table vitscope wrote ({first_line(e)}); rerun the study "
+                            "to rewrite it") from None
+    out: dict[str, list[tuple[str, str]]] = {}
+    for analysis, model, reason in df.itertuples(index=False):
+        out.setdefault(str(analysis), []).append((str(model), str(reason)))
+    return out

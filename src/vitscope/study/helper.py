@@ -299,7 +299,8 @@ def _main(inbox: Any, out: Any, counter: Any) -> None:
         while (claimed := _claim(counter, labels)) is not None:  # until the shared list is all claimed
             label = claimed
             t0 = time.perf_counter()
-            _info, _jobs, mmeta = run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None)
+            _info, _jobs, mmeta = run_model(cfg, by_label[label], label, single, sources, cache, dist, pool, None,
+                                             say_empty=False)  # said by the study's process
             pool.clear()
             out.put(("done", label, {"seconds": round(time.perf_counter() - t0, 2),
                                      "timings": mmeta.get("timings", {})}))

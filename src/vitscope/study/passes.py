@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -16,12 +17,12 @@ from typing import Any
 import pandas as pd
 import torch
 
-from vitscope.analyses.base import PairAnalysis
+from vitscope.analyses.base import EMPTY_MODEL, EMPTY_REASON, PairAnalysis, explain_empty, has_cross
 from vitscope.capture import stream
 from vitscope.data.base import batch_parts
 from vitscope.data.pipeline import worker_death
 from vitscope.data.views import CLEAN, apply_view
-from vitscope.errors import InputError
+from vitscope.errors import InputError, ResultWarning
 from vitscope.models.adapter import ModelInfo
 from vitscope.study.cache import Cache, digest
 from vitscope.study.config import StudyConfig
@@ -130,8 +131,11 @@ def _relate(analysis: Any, ap: AnalysisPlan, mc: Any, device: str) -> None:
 
 
 def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], sources: dict[str, Source],
-              cache: Cache, dist: Dist, pool: ModelPool,
-              on_batch: Callable[[str, int], None] | None) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
+              cache: Cache, dist: Dist, pool: ModelPool, on_batch: Callable[[str, int], None] | None,
+              say_empty: bool = True) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
+    """Every analysis of one model: read back where finished in the cache, else fed its passes, merged and
+    finalized (and cached). ``say_empty``: a table without rows is a ResultWarning with its reason (`explain`);
+    the helper process leaves that to the study's process, which reads its models back."""
     from vitscope.models.registry import get_spec  # noqa: F401 - registry loaded before resolve_spec
 
     spec, mkey = model_key(mc, sources)
@@ -239,10 +243,31 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
     for job in jobs:
         if job.frame is None and dist.is_main:
             job.frame = job.analysis.finalize()
+        if dist.is_main and say_empty:
+            explain(job, label)
     if timings:
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def explain(job: Job, model: str) -> None:
+    """No analysis returns nothing silently: a table of ``job`` without rows for ``model`` (a label, or a pair's)
+    gets its reason (`vitscope.analyses.base.explain_empty`, derived from the state, so also on a cache hit),
+    said once as a ResultWarning (`say_no_rows`) and carried in the table's ``attrs`` to the run's
+    results/summary/empty.parquet and the report. An analysis with a cross-model part is judged after that stage
+    instead (`vitscope.study.stages.cross_stage`): its rows for this model may come from there."""
+    if has_cross(type(job.analysis)) or (job.frame is not None and len(job.frame)):
+        return
+    job.frame = explain_empty(job.analysis, job.frame, model)
+    say_no_rows(job.name, job.frame, isinstance(job.analysis, PairAnalysis))
+
+
+def say_no_rows(name: str, frame: pd.DataFrame, pair: bool = False) -> None:
+    """The one ResultWarning sentence for a table ``explain_empty`` marked: the analysis, the model and why."""
+    what = "model pair" if pair else "model"
+    warnings.warn(f"{name}: no rows for {what} {frame.attrs[EMPTY_MODEL]!r}: {frame.attrs[EMPTY_REASON]}",
+                  ResultWarning, stacklevel=3)
 
 
 def load_part(job: Job, cache: Cache, sources: dict[str, Source], fresh: Callable[[], Any]) -> dict | None:

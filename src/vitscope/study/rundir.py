@@ -32,7 +32,10 @@ OWN_FILES = (MANIFEST, "config.yaml", "report.html", LOCK)
 #: derived tables written under results/ after a run (beside the analyses' tables, which the manifest lists): the
 #: report's best layers and `vitscope findings`'s verdicts; vitscope's own, so a rerun replaces them
 BEST_LAYERS_TABLE, FINDINGS_TABLE = "summary/best_layers.parquet", "summary/findings.parquet"
-REPORT_RESULTS = (BEST_LAYERS_TABLE, FINDINGS_TABLE)
+#: the analyses' tables that had no rows for a model, pair or the cross-model stage, and why (columns analysis,
+#: model, reason): written with the tables (`study.tables.write_tables`), read by the report
+EMPTY_TABLE = "summary/empty.parquet"
+REPORT_RESULTS = (BEST_LAYERS_TABLE, FINDINGS_TABLE, EMPTY_TABLE)
 _TMP = re.compile(r"^\.vitscope-|^\.(manifest\.json|config\.yaml|report\.html)\.\d+\.tmp$")
 _FRESH, _OLD = ".vitscope-results-", ".vitscope-old-results-"
 

@@ -5,15 +5,17 @@ and the cross-model stage (each analysis's table across the models, from their s
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 import pandas as pd
 
+from vitscope.analyses.base import EMPTY_MODEL, EMPTY_REASON, PairAnalysis, explain_empty, has_cross
 from vitscope.data.base import batch_parts
 from vitscope.data.views import CLEAN
-from vitscope.errors import InputError
+from vitscope.errors import InputError, ResultWarning
 from vitscope.models.adapter import ModelInfo
 from vitscope.study.cache import Cache, digest
 from vitscope.study.config import StudyConfig
@@ -22,16 +24,21 @@ from vitscope.study.keys import Source, dataset_keys, pair_keys
 from vitscope.study.passes import (
     Job,
     device_of,
+    explain,
     gather_skipped,
     load_part,
     pass_batches,
     pass_key,
     relabel,
     save_parts,
+    say_no_rows,
     unusable,
 )
 from vitscope.study.plan import AnalysisPlan
 from vitscope.study.pool import ModelPool
+
+#: the "model" the cross-model stage's empty table is of (results/summary/empty.parquet, the report)
+CROSS = "the cross-model stage"
 
 # ---------------------------------------------------------------- pair stages
 
@@ -63,6 +70,8 @@ def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str
         else:
             job.analysis, job.frame = analysis, frame
             job.finished, job.meta = True, {"from_cache": True}
+            if dist.is_main:
+                explain(job, f"{a}->{b}")  # derived from the state read back: said on a cache hit too
             return job
     vm_a, vm_b = pool.get(a), pool.get(b)
     if tuple(vm_a.img_size) != tuple(vm_b.img_size) or vm_a.preprocessing != vm_b.preprocessing:
@@ -105,12 +114,46 @@ def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str
     dist.barrier()
     job.part.unlink(missing_ok=True)
     job.meta = {"from_cache": False}
+    if dist.is_main:
+        explain(job, f"{a}->{b}")
     return job
 
 
 def cross_stage(by_analysis: dict[str, list[Any]], frames: dict[str, list[pd.DataFrame]]) -> None:
-    """The cross-model stage: each analysis's cross-model table, from its per-model states, after its frames."""
+    """The cross-model stage: each analysis's cross-model table, from its per-model states, after its frames
+    (``frames[name][i]`` is ``by_analysis[name][i]``'s table). Nothing is silent here either: a model (or pair)
+    whose own table is empty and that the cross-model table does not name either is said with its reason
+    (`passes.explain`, deferred to here), and so is a cross-model table without rows (``cross_empty_reason``)."""
     for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
-        cross = type(group[0]).cross(group)
+        cls = type(group[0])
+        cross = cls.cross(group)
+        if has_cross(cls):
+            for i, a in enumerate(group):
+                f = frames[name][i] if i < len(frames[name]) else None
+                if (f is None or not len(f)) and not _named_in(a, cross):
+                    frames[name][i] = explain_empty(a, f, _label(a))
+                    say_no_rows(name, frames[name][i], isinstance(a, PairAnalysis))
         if cross is not None and len(cross):
             frames[name].append(cross)
+        elif cross is not None:  # None: no cross-model part; an empty table: one that found nothing
+            reason = str(cls.cross_empty_reason(group) or "").strip().rstrip(".") or "it gave no reason"
+            empty = cross.copy()
+            empty.attrs[EMPTY_REASON], empty.attrs[EMPTY_MODEL] = reason, CROSS
+            frames[name].append(empty)
+            warnings.warn(f"{name}: no rows for the cross-model stage: {reason}", ResultWarning, stacklevel=2)
+
+
+def _label(a: Any) -> str:
+    """A model's label, or a pair's ``a->b`` (as `run_pair` names it)."""
+    return f"{a.model_a}->{a.model_b}" if isinstance(a, PairAnalysis) else a.model_name
+
+
+def _named_in(a: Any, cross: pd.DataFrame | None) -> bool:
+    """Whether the cross-model table has rows of ``a``'s model (as either model of a row) or of its pair."""
+    if cross is None or not len(cross) or "model" not in cross.columns:
+        return False
+    if isinstance(a, PairAnalysis):
+        return "model_b" in cross.columns and bool(((cross["model"] == a.model_a)
+                                                    & (cross["model_b"] == a.model_b)).any())
+    return bool((cross["model"] == a.model_name).any()
+                or ("model_b" in cross.columns and (cross["model_b"] == a.model_name).any()))

@@ -27,8 +27,12 @@ def config_key(cfg: StudyConfig) -> str:
 def write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[str, int],
                  previous: dict[str, Any]) -> list[str]:
     """Exactly this study's tables: written into a fresh folder that replaces ``results/`` as a whole (files there
-    that vitscope did not write are kept: `rundir.swap_tables`). Returns the files written."""
+    that vitscope did not write are kept: `rundir.swap_tables`), with ``rundir.EMPTY_TABLE`` where a model's table
+    had no rows (`empty_reasons`). Returns the files written."""
     tables = {}
+    empty = empty_reasons(frames)
+    if len(empty):
+        tables[rundir.EMPTY_TABLE] = empty
     for name, parts in frames.items():
         parts = [p for p in parts if p is not None and len(p)]
         if parts:
@@ -41,9 +45,21 @@ def write_tables(out: Path, frames: dict[str, list[pd.DataFrame]], epochs: dict[
 
     def write(folder: Path) -> None:
         for file, df in tables.items():
+            (folder / file).parent.mkdir(parents=True, exist_ok=True)  # summary/
             df.to_parquet(folder / file, index=False)
 
     return rundir.swap_tables(out, write, list(tables), previous)
+
+
+def empty_reasons(frames: dict[str, list[pd.DataFrame]]) -> pd.DataFrame:
+    """One row (analysis, model, reason) per table without rows that says why (`analyses.base.explain_empty`:
+    ``attrs`` set by the study), in the study's order: what the report says under each analysis."""
+    from vitscope.analyses.base import EMPTY_MODEL, EMPTY_REASON
+
+    rows = [{"analysis": name, "model": str(p.attrs.get(EMPTY_MODEL, "")), "reason": str(p.attrs[EMPTY_REASON])}
+            for name, parts in frames.items() for p in parts
+            if p is not None and not len(p) and p.attrs.get(EMPTY_REASON)]
+    return pd.DataFrame(rows, columns=["analysis", "model", "reason"])
 
 
 def report_is_of(out: Path) -> bool:

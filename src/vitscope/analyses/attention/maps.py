@@ -4,7 +4,6 @@ and the aligned aggregated attention maps (AAAM) with their head types.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -64,8 +63,8 @@ class CLSAttentionMaps(_LayerAttention):
     (patch grid coordinates), ``image`` (missing for the average over images, the dataset index for a
     single image's map) and ``n_images`` (images in the average); metric ``input_image``, one row per kept
     image (``image`` = its index, value missing) whose ``png`` column holds the image as PNG bytes. A model
-    without CLS token has no such map: the analysis captures nothing and returns an empty table, with a
-    warning."""
+    without CLS token has no such map: the analysis captures nothing and returns an empty table, whose reason
+    the study says."""
 
     name = "cls_attention_maps"
     state_version = 2  # 2: the kept images' pixels
@@ -73,6 +72,8 @@ class CLSAttentionMaps(_LayerAttention):
 
     def __init__(self, vm: Any, layers: Any = None, keep_images: NonNegative = 4):
         super().__init__(vm, layers)
+        if not self.has_cls_token:
+            self.no_rows_because = "the model has no CLS token, so there is no CLS attention map"
         if int(keep_images) < 0:
             raise VitscopeError(f"{self.name}: keep_images must be >= 0, got {keep_images}")
         self.keep_images = int(keep_images)
@@ -167,9 +168,7 @@ class CLSAttentionMaps(_LayerAttention):
         return self.sums.cpu() / max(self.n_images, 1)
 
     def finalize(self) -> pd.DataFrame:
-        if not self.has_cls_token:
-            warnings.warn(f"{self.name}: model {self.model_name!r} has no CLS token, so there is no CLS attention "
-                          f"map; the table is empty", UserWarning, stacklevel=2)
+        if not self.has_cls_token:  # said by the study with its reason (`empty_reason`: ``no_rows_because``)
             return self._frame({"row": [], "col": [], "image": pd.array([], dtype="Int64"), "n_images": []})
         kept_index, kept_maps, kept_pixels = self._kept()
         parts = [(None, self.average())] if self.n_images else []

@@ -3,7 +3,6 @@ mechanistic lens (`vitscope.analyses.mechanistic`; math in `vitscope.metrics.mec
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
@@ -178,8 +177,8 @@ class GradientRollout(AttentionRollout):
     the model's attention kept (the pass itself runs without gradients): about three forwards' time more. The
     table is `attention_rollout`'s (``rollout_map``, ``iou_rollout`` beside ``iou_cls_attention``, ``iou_gain``),
     with ``head_fusion`` = ``gradient``; a model without a CLS token is read from its pooling, as
-    `attention_rollout` says. A model without a classifier head has nothing to explain: the table is empty, with
-    a warning."""
+    `attention_rollout` says. A model without a classifier head has nothing to explain: the table is empty, and
+    the study says why."""
 
     name = "gradient_rollout"
     in_default_study = False  # its own forward and backward pass per batch
@@ -217,11 +216,15 @@ class GradientRollout(AttentionRollout):
         super().update(feats, batch)
 
     def finalize(self) -> pd.DataFrame:
-        if not self.has_head:
-            warnings.warn(f"{self.name}: model {self.model_name!r} has no classifier head, so there is no predicted "
-                          "class to explain; the table is empty", UserWarning, stacklevel=2)
+        if not self.has_head:  # said by the study with its reason (`empty_reason`)
             return self.tidy([])
         return super().finalize()
+
+    def empty_reason(self) -> str:
+        """A model without a classifier head (``has_head``, kept in the state) has no predicted class to explain."""
+        if not self.has_head:
+            return "the model has no classifier head, so there is no predicted class to explain"
+        return super().empty_reason()
 
     def _rows(self, feats: Mapping[str, torch.Tensor], batch: Any, w: int | torch.Tensor) -> torch.Tensor:
         vm = self._vm

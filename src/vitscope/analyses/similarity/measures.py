@@ -236,13 +236,18 @@ class Similarity(Analysis):
                     rows += [self._row(self, i, j, m, got[j, i][f"{m}_reverse"]) for m in asym]
         return self.tidy(rows)
 
+    def empty_reason(self) -> str:
+        """Why this model has no rows: grids 'matched' and 'cross' measure across models only (no second model
+        it shares images and a token view with), else the generic reason."""
+        if self.grid != "full" and self.n_images:
+            return (f"it compares models, and with grid '{self.grid}' it has no rows within one model: no other model "
+                    "of the study saw the same images under the same token view (set grid: full for the pairs of "
+                    "layers within the model)")
+        return super().empty_reason()
+
     @classmethod
     def cross(cls, analyses: list[Analysis]) -> pd.DataFrame | None:
-        frames = []
-        if len(analyses) < 2 and analyses and analyses[0].grid != "full":
-            warnings.warn(f"similarity compares models: with one model and grid '{analyses[0].grid}' it computes "
-                          "nothing (set grid: full for every pair of layers within the model)", ResultWarning,
-                          stacklevel=2)
+        frames = []  # one model alone with grid matched or cross: no rows, said by the study (`empty_reason`)
         prepared: dict[int, list[M.Prepared]] = {}  # each model's taps prepared once for all its pairs
 
         def prep(k: int) -> list[M.Prepared]:
