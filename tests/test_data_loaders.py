@@ -380,7 +380,8 @@ def test_coco_instances_masks_from_polygons_and_both_kinds_of_rle(tmp_path):
     assert len(disk_only) == 2 and disk_only.classes == ["disk"] and disk_only[0].extra["categories"] == [7]
     batch = next(ds.batches(2, Preprocessing(input_size=32, crop_pct=1.0)))
     assert batch.objects.shape == (2, 32, 32) and set(batch.objects.unique().tolist()) <= {0, 1, 2}
-    assert batch.labels is None and batch.masks.any()
+    assert batch.labels.tolist() == [0, 1] and batch.masks.any()  # image 1: the box outweighs the disk
+    assert [t.tolist() for t in batch.extra["instance_labels"]] == [[0, 1], [1]]
 
 
 def test_coco_annotation_naming_a_missing_image_fails_at_once(tmp_path):

@@ -249,7 +249,9 @@ def _coco(cfg: Any) -> Any:
 
     if not cfg.annotations:
         raise ConfigError("dataset format 'coco' needs `annotations`: the instances_*.json file")
-    return CocoInstances(_need_root(cfg, "the folder of images"), cfg.annotations, **_opts(cfg))
+    o = _opts(cfg)
+    tiling = _split_tiling(o)
+    return _tiled(CocoInstances(_need_root(cfg, "the folder of images"), cfg.annotations, **o), tiling)
 
 
 def _partimagenet(cfg: Any) -> Any:
@@ -257,7 +259,9 @@ def _partimagenet(cfg: Any) -> Any:
 
     if not cfg.annotations:
         raise ConfigError("dataset format 'partimagenet' needs `annotations`: the split's COCO-style json file")
-    return PartImageNet(_need_root(cfg, "the folder of images"), cfg.annotations, **_opts(cfg))
+    o = _opts(cfg)
+    tiling = _split_tiling(o)
+    return _tiled(PartImageNet(_need_root(cfg, "the folder of images"), cfg.annotations, **o), tiling)
 
 
 def _davis(year: int) -> Callable[[Any], Any]:
@@ -304,9 +308,13 @@ register_format(Format("imagefolder", frozenset({"labels", "split"}), _imagefold
 register_format(Format("cifar10", frozenset({"labels"}), _cifar10, ("root", "split", "options"),
                        "CIFAR-10 in its python-batches layout (split: test | train)"))
 register_format(Format("coco", frozenset({"labels", "masks", "objects"}), _coco, ("root", "annotations", "options"),
-                       "COCO instances: images folder + instances json"))
-register_format(Format("partimagenet", frozenset({"labels", "masks", "parts"}), _partimagenet,
-                       ("root", "annotations", "options"), "PartImageNet: images folder + COCO-style part json"))
+                       "COCO instances: images folder + instances json; objects = one id per annotated instance, "
+                       "each labelled with its category (the semantics object view), label = the category "
+                       "covering most of the image (options: category_ids, only_annotated, include_crowd, tiling)"))
+register_format(Format("partimagenet", frozenset({"labels", "masks", "parts", "objects"}), _partimagenet,
+                       ("root", "annotations", "options"), "PartImageNet: images folder + COCO-style part json; "
+                       "objects = one id per part annotation, each labelled with its part (the semantics part "
+                       "view), label = the dominant supercategory (options: only_annotated, tiling)"))
 _VIDEO = frozenset({"videos", "masks", "objects"})
 register_format(Format("davis2016", _VIDEO, _davis(2016), ("root", "split", "options"),
                        "DAVIS 2016 (single object) video segmentation (options: crop = full | center, "
@@ -317,7 +325,8 @@ register_format(Format("davis2017", _VIDEO, _davis(2017), ("root", "split", "opt
 register_format(Format("spair71k", frozenset({"pairs", "keypoints", "labels"}), _spair, ("root", "split", "options"),
                        "SPair-71k keypoint correspondence pairs, flattened (split: trn | val | test; options: "
                        "n_pairs = a sample drawn without replacement with the dataset's seed, crop = full | center, "
-                       "size = short side, default the model input; tiling)"))
+                       "size = short side, default the model input; letterbox = true: the authors' long side + "
+                       "padding; pairs_per_category, pair_seed = 42: the authors' per-category selection; tiling)"))
 register_format(Format("roxford5k", frozenset({"retrieval"}), _revisited("roxford5k"), ("root", "options"),
                        "revisited Oxford: gnd_roxford5k.pkl + jpg/ (options: crop = full | center, size = long side, "
                        "default the model input)"))

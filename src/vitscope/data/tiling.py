@@ -170,9 +170,9 @@ class TiledDataset:
     of ``batch_size`` items (so batch b covers items [b * batch_size, (b + 1) * batch_size), as for an untiled
     dataset); ``batch.index`` repeats each item's id for its tiles, and ``batch.extra['tiling']`` holds
     ``patch``, ``tile`` and per item its ``plan``, ``first`` row in the batch and its annotations at the
-    resized resolution (``objects``, ``keypoints``, ``bbox``, ``label``, ``frame``, ``sequence`` and the
-    base's per-sample extras such as ``pair`` / ``role``; ``ref_size``: max(bbox h, w) scaled like the image).
-    The dense analyses assemble each item's token grid with `assemble`.
+    resized resolution (``objects``, ``mask``, ``parts``, ``keypoints``, ``bbox``, ``label``, ``frame``,
+    ``sequence`` and the base's per-sample extras such as ``pair`` / ``role``; ``ref_size``: max(bbox h, w)
+    scaled like the image). The dense analyses assemble each item's token grid with `assemble`.
 
     ``patch`` must be the model's patch size (the dataset does not know the model; an analysis whose model
     has another patch size says so). The base must offer ``raw_samples(indices, size)``."""
@@ -210,6 +210,7 @@ class TiledDataset:
             items, first = [], 0
             for s, plan, t in chunk:
                 items.append({"index": int(s.index), "plan": plan, "first": first, "objects": _t(s.objects),
+                              "mask": _t(s.mask), "parts": _t(s.parts),
                               "keypoints": _t(s.keypoints), "bbox": _t(s.bbox), "label": s.label,
                               "frame": s.frame, "sequence": s.sequence, **s.extra})
                 first += len(t)

@@ -99,7 +99,9 @@ class ProbeFit:
     """One fitted probe: test top-1 ``accuracy``, (m, C) test log-probabilities ``scores``, the L2
     ``weight_decay`` used (chosen by cross-validation when tuned), the L-BFGS ``iterations`` of the final
     fit and whether it ``converged`` within its cap; ``cv_accuracy``: the held-out accuracy of each decay
-    tried ({} when not tuned)."""
+    tried ({} when not tuned). ``solver``: 'lbfgs' (`fit_probe`) or 'sgd' (`fit_probe_sgd`: then
+    ``iterations`` counts its minibatch steps, ``converged`` is False when its loss diverged, and ``losses``
+    holds the mean training loss of each epoch)."""
 
     accuracy: float
     scores: Tensor
@@ -107,11 +109,15 @@ class ProbeFit:
     iterations: int
     converged: bool
     cv_accuracy: dict[float, float] = field(default_factory=dict)
+    solver: str = "lbfgs"
+    losses: list[float] = field(default_factory=list)
 
 
 def probe_options(who: str, tune: bool = True, grid: Sequence[float] = PROBE_GRID, folds: int = 2,
-                  max_iter: int = 1000, weight_decay: float = 1e-4) -> dict[str, Any]:
+                  max_iter: int = 1000, weight_decay: float = 1e-4, standardize: bool = True) -> dict[str, Any]:
     """An analysis's probe parameters checked (one sentence each) -> keyword arguments of `fit_probe`."""
+    if not isinstance(standardize, bool | np.bool_):
+        raise ConfigError(f"{who}: standardize must be true or false; got {standardize!r}")
     grid = tuple(sorted((float(g) for g in grid), reverse=True))
     if not grid or any(not np.isfinite(g) or g <= 0 for g in grid):
         raise ConfigError(f"{who}: probe_grid must list positive weight decays; got {list(grid)}")
@@ -122,7 +128,7 @@ def probe_options(who: str, tune: bool = True, grid: Sequence[float] = PROBE_GRI
     if not float(weight_decay) > 0:
         raise ConfigError(f"{who}: probe_weight_decay must be positive; got {weight_decay}")
     return {"tune": bool(tune), "grid": grid, "folds": int(folds), "max_iter": int(max_iter),
-            "weight_decay": float(weight_decay)}
+            "weight_decay": float(weight_decay), "standardize": bool(standardize)}
 
 
 def class_folds(labels: np.ndarray, folds: int) -> np.ndarray:
@@ -454,6 +460,141 @@ def linear_probes(train: Sequence[Tensor], train_labels: Tensor, test: Sequence[
     layers of a model) -> (L top-1 accuracies, (L, m, C) test scores)."""
     out = probe_fits(train, train_labels, test, test_labels, **kw)
     return [o.accuracy for o in out], torch.stack([o.scores for o in out])
+
+
+SGD_SCHEDULES = ("cosine", "step")
+STEP_MILESTONES = (0.6, 0.8)  # 'step': x0.1 from 60 % and again from 80 % of the epochs (MoCo's 60 and 80 of 100)
+
+
+def sgd_options(who: str, epochs: int = 10, batch: int = 256, lr: float = 0.1, momentum: float = 0.9,
+                weight_decay: float = 0.0, schedule: str = "cosine") -> dict[str, Any]:
+    """An analysis's SGD-probe parameters checked (one sentence each) -> keyword arguments of `fit_probe_sgd`."""
+    if int(epochs) < 1:
+        raise ConfigError(f"{who}: sgd_epochs must be at least 1; got {epochs}")
+    if int(batch) < 1:
+        raise ConfigError(f"{who}: sgd_batch must be at least 1; got {batch}")
+    if not (np.isfinite(lr) and float(lr) > 0):
+        raise ConfigError(f"{who}: sgd_lr must be a positive number; got {lr}")
+    if not 0 <= float(momentum) < 1:
+        raise ConfigError(f"{who}: sgd_momentum must be at least 0 and below 1; got {momentum}")
+    if not (np.isfinite(weight_decay) and float(weight_decay) >= 0):
+        raise ConfigError(f"{who}: sgd_weight_decay must be 0 or positive; got {weight_decay}")
+    if schedule not in SGD_SCHEDULES:
+        raise ConfigError(f"{who}: sgd_schedule {schedule!r} does not exist; choose {' or '.join(SGD_SCHEDULES)}")
+    return {"epochs": int(epochs), "batch": int(batch), "lr": float(lr), "momentum": float(momentum),
+            "weight_decay": float(weight_decay), "schedule": str(schedule)}
+
+
+def read_rows(x: Tensor, idx: Tensor, device: torch.device) -> Tensor:
+    """Rows ``idx`` of an (n, D) store as float32 on ``device``: on a memory-mapped store (`PooledTable.layer`)
+    only those rows are read from the file, so a minibatch costs its own rows of memory, never the store's.
+    Every read of `fit_probe_sgd` goes through here (tests count the rows)."""
+    return x[idx.to(x.device)].to(device=device, dtype=torch.float32)
+
+
+def sgd_lr(lr: float, step: int, total: int, epoch: int, epochs: int, schedule: str) -> float:
+    """The learning rate of minibatch ``step`` (0-based, of ``total``) in ``epoch`` (0-based, of ``epochs``):
+    'cosine' decays per step from ``lr`` towards 0, lr (1 + cos(pi step / total)) / 2 (DINO, MAE, without
+    warm-up); 'step' multiplies it by 0.1 at each of `STEP_MILESTONES` (fractions of the epochs)."""
+    if schedule == "cosine":
+        return lr * 0.5 * (1.0 + float(np.cos(np.pi * step / max(total, 1))))
+    return lr * 0.1 ** sum(epoch >= f * epochs for f in STEP_MILESTONES)
+
+
+def streamed_moments(x: Tensor, rows: Tensor, batch: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(mean, standard deviation with ddof 1, floored at 1e-6 as `fit_probe`'s) of the features ``x[rows]``,
+    read ``batch`` rows at a time (`read_rows`); float64 sums shifted by the first row (no cancellation when
+    the mean dwarfs the spread)."""
+    n = len(rows)
+    shift = read_rows(x, rows[:1], device).double()[0]
+    s1 = torch.zeros_like(shift)
+    s2 = torch.zeros_like(shift)
+    for s in range(0, n, batch):
+        xb = read_rows(x, rows[s:s + batch], device).double() - shift
+        s1 += xb.sum(0)
+        s2 += (xb * xb).sum(0)
+    mean = s1 / n
+    var = (s2 - n * mean * mean) / max(n - 1, 1)
+    return (mean + shift).float(), var.clamp_min(0).sqrt().clamp_min(1e-6).float()
+
+
+def fit_probe_sgd(x: Tensor, labels: Tensor, is_test: Tensor, *, standardize: bool = True, epochs: int = 10,
+                  batch: int = 256, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
+                  schedule: str = "cosine", seed: int = 0, num_classes: int | None = None,
+                  where: str = "linear probe", warn: bool = True, device: torch.device | str | None = None
+                  ) -> ProbeFit:
+    """A linear softmax classifier trained by minibatch SGD on every training row of the store ``x`` ((n, D),
+    typically a memory-mapped float16 `PooledTable.layer`), as DINO, MAE and Walmer et al. (2023, Table 6)
+    train their linear probes: mean cross-entropy, momentum ``momentum`` (PyTorch's: v = m v + g, p -= lr v),
+    L2 ``weight_decay`` on the weights (g += wd W; the bias is not decayed), learning-rate ``schedule``
+    (`sgd_lr`), ``epochs`` passes over the training rows (``~is_test``) in minibatches of ``batch`` (the last
+    one smaller). ``standardize``: features normalised by the training rows' mean and std first
+    (`streamed_moments`: MAE's affine-free BatchNorm at convergence), else raw (Walmer et al.'s 'no BN' rows).
+
+    Memory stays bounded: every read is one minibatch of rows (`read_rows`) moved to ``device`` (where the
+    products run; default the CPU), and the test rows are scored ``batch`` at a time. Deterministic for a
+    ``seed``: a `torch.Generator` seeded with it draws the initial weights first (N(0, 0.01^2), (D, C') for the
+    C' training classes; the bias starts at 0), then one `torch.randperm` of the training rows per epoch.
+    Returns a `ProbeFit` like `fit_probe`'s (test log-probabilities; classes absent from training score below
+    every other) with ``solver='sgd'``, the steps taken as ``iterations`` and each epoch's mean training loss;
+    a loss that becomes non-finite stops the fit with a `ResultWarning` (prefixed by ``where``)."""
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    is_test = is_test.bool().cpu()
+    y = labels.long().cpu()
+    train_rows, test_rows = torch.nonzero(~is_test).flatten(), torch.nonzero(is_test).flatten()
+    c = int(num_classes) if num_classes is not None else int(y.max()) + 1
+    classes = torch.unique(y[train_rows])
+    scores = torch.full((len(test_rows), c), float("nan"), dtype=torch.float64)
+    if len(classes) < 2 and warn:
+        warn_single_class_probe(len(classes))
+    steps, losses, finite = 0, [], True
+    if len(classes) == 1:
+        scores[:, int(classes[0])] = 0.0
+    elif len(classes) > 1:
+        pos = torch.searchsorted(classes, y)  # training classes as positions 0..C'-1 (test rows: unused)
+        if standardize:
+            mu, sd = streamed_moments(x, train_rows, batch, dev)
+        else:
+            mu, sd = torch.zeros(x.shape[1], device=dev), torch.ones(x.shape[1], device=dev)
+        g = torch.Generator().manual_seed(int(seed))
+        w = (torch.randn(x.shape[1], len(classes), generator=g) * 0.01).to(dev)
+        b = torch.zeros(len(classes), device=dev)
+        vw, vb = torch.zeros_like(w), torch.zeros_like(b)
+        n = len(train_rows)
+        per_epoch = -(-n // batch)
+        for epoch in range(epochs):
+            order = train_rows[torch.randperm(n, generator=g)]
+            total = torch.zeros((), dtype=torch.float64, device=dev)
+            for s in range(0, n, batch):
+                rows = order[s:s + batch]
+                xb = (read_rows(x, rows, dev) - mu) / sd
+                z = torch.log_softmax(xb @ w + b, 1)
+                yb = pos[rows].to(dev)
+                total -= z.gather(1, yb[:, None]).double().sum()
+                grad = z.exp()
+                grad[torch.arange(len(rows), device=dev), yb] -= 1.0
+                grad /= len(rows)
+                vw.mul_(momentum).add_(xb.T @ grad + weight_decay * w)
+                vb.mul_(momentum).add_(grad.sum(0))
+                step_lr = sgd_lr(lr, steps, per_epoch * epochs, epoch, epochs, schedule)
+                w.sub_(step_lr * vw)
+                b.sub_(step_lr * vb)
+                steps += 1
+            losses.append(float(total) / n)  # one read of the device per epoch
+            if not np.isfinite(losses[-1]):
+                finite = False
+                if warn:
+                    warnings.warn(f"{where}: the SGD probe's training loss became non-finite in epoch {epoch + 1}; "
+                                  f"lower sgd_lr (now {lr:g}) or standardize the features", ResultWarning,
+                                  stacklevel=2)
+                break
+        for s in range(0, len(test_rows), batch):
+            xb = (read_rows(x, test_rows[s:s + batch], dev) - mu) / sd
+            scores[s:s + batch, classes] = torch.log_softmax((xb @ w + b).double(), 1).cpu()
+    if len(test_rows) and torch.isfinite(scores).any():
+        scores = torch.nan_to_num(scores, nan=float(scores[torch.isfinite(scores)].min()) - 1.0)
+    acc = float((scores.argmax(1) == y[test_rows]).double().mean()) if len(test_rows) else float("nan")
+    return ProbeFit(acc, scores, float(weight_decay), steps, finite, {}, "sgd", losses)
 
 
 def warn_single_class_probe(n_classes: int) -> None:

@@ -1,6 +1,12 @@
 """COCO-style instance annotations (pycocotools): COCO itself, and PartImageNet, whose categories are
 object parts grouped by supercategory. Masks come from polygons, compressed and uncompressed RLE alike
-(``COCO.annToMask``)."""
+(``COCO.annToMask``).
+
+Instances travel as Walmer et al. 2023 (§5.3, Fig. 8) use them, one region per annotation: ``objects`` (H, W)
+holds instance ids 1..n (annotations in order of decreasing area, a smaller one drawn over a larger one where
+they overlap), and a batch's ``extra['instance_labels']`` holds per image the (n,) label of each instance id
+(``extra['instances_of']`` says which region view they serve: 'object' for COCO, 'part' for PartImageNet). The
+maps go through every crop, resize, flip and tiling with the image; the labels are per id, so they need none."""
 
 from __future__ import annotations
 
@@ -148,33 +154,66 @@ class _CocoBase(FileDataset):
         anns = sorted(anns, key=lambda a: -float(a.get("area", 0)))  # large first: small ones stay visible
         return image, anns, info
 
+    #: the region view the instances serve (`vitscope.analyses.semantics`)
+    instances_of = "object"
+
+    def _instances(self, shape: tuple[int, ...], anns: list[dict]) -> tuple[np.ndarray, Counter[int]]:
+        """(H, W) instance ids 1..n, annotation k drawn as id k + 1 (later ones over earlier ones), and the
+        pixels each category id's annotations cover (whole masks, overlaps counted in each)."""
+        objects = np.zeros(shape[:2], np.int64)
+        area: Counter[int] = Counter()
+        for k, a in enumerate(anns):
+            m = ann_mask(self.coco, a)
+            objects[m] = k + 1
+            area[int(a["category_id"])] += int(m.sum())
+        return objects, area
+
+    def _collate(self, chunk: list[Sample], pre: Any) -> Any:
+        """The common batch, plus ``extra['instance_labels']`` (per image a (n,) int64 tensor: the label of
+        instance id k at k - 1) and ``extra['instances_of']``."""
+        import torch
+
+        b = super()._collate(chunk, pre)
+        if all("instance_labels" in s.extra for s in chunk):
+            b.extra["instance_labels"] = [torch.as_tensor(np.asarray(s.extra["instance_labels"], np.int64))
+                                          for s in chunk]
+            b.extra["instances_of"] = self.instances_of
+        return b
+
 
 class CocoInstances(_CocoBase):
     """Images of a COCO instances json: ``objects`` (H, W) instance ids 1..n (in order of decreasing area;
-    ``extra['categories'][k-1]`` is instance k's category id), ``mask`` = any instance. No class label
-    (an image holds several); ``classes`` are the category names in id order."""
+    ``extra['categories'][k-1]`` is instance k's COCO category id, ``extra['instance_labels'][k-1]`` its index
+    into ``classes``), ``mask`` = any instance, label = index into ``classes`` (the category names in id order)
+    of the category covering the most pixels of the image, -1 for an image without annotations (an image holds
+    several objects: the label serves the image-level views; the object view labels each instance)."""
 
     def __init__(self, images: str | Path, annotations: str | Path, category_ids: Sequence[int] | None = None,
                  only_annotated: bool = False, include_crowd: bool = True, name: str = "coco"):
         super().__init__(images, annotations, category_ids, only_annotated, include_crowd)
         self.name = name
         self.classes = [self.coco.cats[c]["name"] for c in self.category_ids]
+        self._class_of = {c: k for k, c in enumerate(self.category_ids)}
 
     def load(self, i: int) -> Sample:
         image, anns, info = self._image_and_anns(i)
-        objects = np.zeros(image.shape[:2], np.int64)
-        for k, a in enumerate(anns):
-            objects[ann_mask(self.coco, a)] = k + 1
-        return Sample(image=image, mask=objects > 0, objects=objects, index=i,
+        objects, area = self._instances(image.shape, anns)
+        label = self._class_of[area.most_common(1)[0][0]] if area else -1
+        return Sample(image=image, label=label, mask=objects > 0, objects=objects, index=i,
                       extra={"path": str(self.files[i]), "image_id": info["id"],
-                             "categories": [int(a["category_id"]) for a in anns]})
+                             "categories": [int(a["category_id"]) for a in anns],
+                             "instance_labels": [self._class_of[int(a["category_id"])] for a in anns]})
 
 
 class PartImageNet(_CocoBase):
     """PartImageNet (COCO-style json whose categories are parts, e.g. 'Quadruped Head' with supercategory
     'Quadruped'). ``parts`` (H, W): index + 1 into ``parts_names`` (category order), ``mask`` = any part,
     label = index into ``classes`` (the supercategories) of the image's dominant supercategory, -1 when
-    the image has no part annotation."""
+    the image has no part annotation. ``objects`` (H, W): one id per part *annotation* (1..n, decreasing area),
+    ``extra['instance_labels'][k-1]`` the part id (as in ``parts``) of annotation k: the part view's regions,
+    one per annotated part instance as Walmer et al. 2023 pool them (two legs are two rows, not one)."""
+
+    instances_of = "part"
 
     def __init__(self, images: str | Path, annotations: str | Path, only_annotated: bool = False,
                  name: str = "partimagenet"):
@@ -188,12 +227,13 @@ class PartImageNet(_CocoBase):
 
     def load(self, i: int) -> Sample:
         image, anns, info = self._image_and_anns(i)
-        parts = np.zeros(image.shape[:2], np.int64)
+        objects, area = self._instances(image.shape, anns)
+        part_of = np.asarray([0] + [self._part_index[a["category_id"]] for a in anns], np.int64)
+        parts = part_of[objects]  # what each pixel's visible annotation is a part of
         votes: Counter[int] = Counter()
-        for a in anns:
-            m = ann_mask(self.coco, a)
-            parts[m] = self._part_index[a["category_id"]]
-            votes[self._class_of[a["category_id"]]] += int(m.sum())
+        for c, n in area.items():
+            votes[self._class_of[c]] += n
         label = votes.most_common(1)[0][0] if votes else -1
-        return Sample(image=image, label=label, mask=parts > 0, parts=parts, index=i,
-                      extra={"path": str(self.files[i]), "image_id": info["id"]})
+        return Sample(image=image, label=label, mask=parts > 0, parts=parts, objects=objects, index=i,
+                      extra={"path": str(self.files[i]), "image_id": info["id"],
+                             "instance_labels": part_of[1:].tolist()})
