@@ -131,6 +131,20 @@ def shape_bias_tally(decisions: Tensor, shape_labels: Tensor, texture_labels: Te
                         ((d == s) & keep).sum(), ((d == t) & keep).sum()])
 
 
+def shape_bias_category_tally(decisions: Tensor, shape_labels: Tensor, texture_labels: Tensor,
+                              num_classes: int) -> Tensor:
+    """``(num_classes, 4)`` int64 on the decisions' device: `shape_bias_tally` of the images of each shape class
+    (row c: the images whose shape is class c), for Park et al.'s and Geirhos et al.'s per-category shape bias.
+    An image whose shape label is outside ``0 .. num_classes - 1`` is counted in no row (no device-side index
+    error on a GPU). Tallies of batches add up; each row is read by `shape_bias_of_tally`."""
+    d, s, t = decisions.long(), shape_labels.long(), texture_labels.long()
+    keep = s != t
+    per = torch.stack([torch.ones_like(s), keep.long(), ((d == s) & keep).long(), ((d == t) & keep).long()], 1)
+    inside = ((s >= 0) & (s < num_classes)).long().unsqueeze(1)
+    out = torch.zeros(num_classes, 4, dtype=torch.long, device=d.device)
+    return out.index_add_(0, s.clamp(0, max(num_classes - 1, 0)), per * inside)
+
+
 def shape_bias_of_tally(tally: Tensor, match_denominator: str = "all") -> dict[str, float]:
     """`shape_bias_counts` from a (summed) `shape_bias_tally`."""
     n_all, n, n_shape, n_texture = (int(v) for v in tally.tolist())

@@ -43,19 +43,30 @@ class ShapeBias(_Robustness):
     ``-texture``) or ``kept`` (the images whose cues differ); a column of the table. The shape bias does not
     depend on it. It carries a 95 % Wilson interval (``value_lo``, ``value_hi``) and ``stderr`` over the
     ``n_shape + n_texture`` decisions it is the fraction of (`shape_bias_interval`; the decisions of a fixed
-    readout are independent trials; benchmarks/calibration.py, docs/CALIBRATION.md)."""
+    readout are independent trials; benchmarks/calibration.py, docs/CALIBRATION.md). ``standardize`` (default
+    true, as `vitscope.analyses.semantics.Semantics`'s): the probes fit on standardised features (MAE's
+    affine-free BatchNorm); false fits the raw ones (Walmer et al. 2023 Table 6's 'no BN' rows).
+
+    Per category (Geirhos et al. 2019 Fig. 4 and Park et al. 2023 plot a point per shape class and each model's
+    mean as a line): rows ``shape_bias_category`` per (readout, layer, ``category``), the category being the
+    shape class of the cue-conflict images, with the same counts and Wilson interval over that class's
+    decisions (``n`` = its ``n_shape + n_texture``); a probe at chance at a block gives NaN there too, as its
+    overall row. The overall ``shape_bias`` rows are unchanged (they pool every decision, not the categories'
+    mean)."""
 
     name = "shape_bias"
     description = "shape vs texture bias on cue-conflict images, per layer (probes) and for the head"
     needs = frozenset({"cue_conflict"})
     inputs = {"train": frozenset({"labels"})}
-    state_version = 6  # 6: the shape bias's Wilson interval; 5: the head's decisions as a tally (`R.shape_bias_tally`);
+    state_version = 7  # 7: the head's decisions tallied per shape class too ('cue_category');
+    # 6: the shape bias's Wilson interval; 5: the head's decisions as a tally (`R.shape_bias_tally`);
     # 4: no shape bias from a probe at chance (reason); 3: stratified split, tuned probe;
     # 2: match_denominator (every image by default)
 
-    def __init__(self, vm: Any, match_denominator: str = "all", **kw: Any):
+    def __init__(self, vm: Any, match_denominator: str = "all", standardize: bool = True, **kw: Any):
         super().__init__(vm, **kw)
         self.match_denominator = R.check_match_denominator(match_denominator)
+        self.probe_kw["standardize"] = S.probe_options(self.name, standardize=standardize)["standardize"]
         self.cue_texture: list[torch.Tensor] = []  # texture class of each row of tables['cue'], in order
 
     @classmethod
@@ -120,8 +131,10 @@ class ShapeBias(_Robustness):
         if key == "cue":
             tex = on_host(torch.as_tensor(texture))[:take].long()
             if self.use_head:  # before the probe's copy to the host: a tally on the device
-                d, _ = self._head_decisions(feats, take)
-                self._add_tally("cue", R.shape_bias_tally(d, on_device(labels, d.device), on_device(tex, d.device)))
+                d, c = self._head_decisions(feats, take)
+                shape, tex_d = on_device(labels, d.device), on_device(tex, d.device)
+                self._add_tally("cue", R.shape_bias_tally(d, shape, tex_d))
+                self._add_tally("cue_category", R.shape_bias_category_tally(d, shape, tex_d, c))
             if self.use_probe:
                 self._add_pooled("cue", feats, batch, take, labels, torch.ones(take, dtype=torch.bool))
                 self.cue_texture.append(tex)
@@ -148,12 +161,32 @@ class ShapeBias(_Robustness):
             rows.append(row)
         return pd.DataFrame(rows)
 
+    def _category_rows(self, tally: torch.Tensor, base: dict[str, Any], reason: str | None = None
+                       ) -> list[dict[str, Any]]:
+        """``shape_bias_category`` rows from a per-class tally (`R.shape_bias_category_tally`): one per shape
+        class with images, named by the dataset's class name; NaN with ``reason`` where the readout is at chance."""
+        names = self.classes_of("data") or []
+        rows = []
+        for k, row in enumerate(tally.cpu()):
+            if not int(row[0]):
+                continue
+            c = R.shape_bias_of_tally(row, self.match_denominator)
+            counts = {"n": int(c["n_shape"] + c["n_texture"]), "n_shape": c["n_shape"],
+                      "n_texture": c["n_texture"], "n_other": c["n_other"]}
+            value = ({"value": math.nan, "reason": reason} if reason
+                     else {"value": float(c["shape_bias"]), **shape_bias_interval(c)})
+            rows.append({"metric": "shape_bias_category", **base, "category": names[k] if k < len(names) else str(k),
+                         **counts, **value})
+        return rows
+
     def finalize(self) -> pd.DataFrame:
         rows: list[dict[str, Any]] = []
         if "cue" in self.heads:
             c = R.shape_bias_of_tally(self.heads["cue"], self.match_denominator)
             rows += [{"metric": k, "readout": "head", "value": float(v),
                       **(shape_bias_interval(c) if k == "shape_bias" else {})} for k, v in c.items()]
+            if "cue_category" in self.heads:
+                rows += self._category_rows(self.heads["cue_category"], {"readout": "head"})
         cue, train = self.tables.get("cue"), self.tables.get("train")
         if self.use_probe and cue is not None and train is not None and len(train) > 1 and len(cue):
             shape = cue.column("labels")
@@ -175,6 +208,8 @@ class ShapeBias(_Robustness):
                           **({"value": math.nan, "reason": reason} if reason and k == "shape_bias"
                              else {"value": float(v), **(shape_bias_interval(counts) if k == "shape_bias" else {})})}
                          for k, v in counts.items()]
+                rows += self._category_rows(R.shape_bias_category_tally(d_cue, shape, texture, c),
+                                            {"layer": layer, "readout": "probe", **sizes, **cols}, reason)
                 rows.append({"metric": "clean_accuracy", "layer": layer, "readout": "probe", "value": acc,
                              **sizes, **cols, **_clean_columns(acc, n_test, chance)})
         df = _with_reason(self.tidy(rows))

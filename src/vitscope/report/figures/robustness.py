@@ -155,9 +155,59 @@ def shape_bias(df: pd.DataFrame) -> Figures:
                f"{', '.join(never)}." if never else "")
             + (f" Gaps: blocks where the probe's clean accuracy is within noise of chance ({', '.join(some)})."
                if some else ""))
-    return [("Shape vs texture bias on cue-conflict images: among decisions for the shape or the texture class, "
-             "the fraction for the shape, with its 95 % interval over those decisions (left: lines; right: bands) "
-             "(Geirhos et al., ICLR 2019; Park et al., ICLR 2023); dotted line: 0.5, no preference." + note, fig)]
+    out = [("Shape vs texture bias on cue-conflict images: among decisions for the shape or the texture class, "
+            "the fraction for the shape, with its 95 % interval over those decisions (left: lines; right: bands) "
+            "(Geirhos et al., ICLR 2019; Park et al., ICLR 2023); dotted line: 0.5, no preference." + note, fig)]
+    return out + _shape_bias_categories(df)
+
+
+def _category_decisions(df: pd.DataFrame) -> pd.DataFrame:
+    """The ``shape_bias_category`` rows of each model's decision: its head's where it has them, else its
+    last-block probe's."""
+    d = df[df.metric == "shape_bias_category"]
+    keep = []
+    for m in models_of(d):
+        g = d[d.model == m]
+        head = g[g.readout == "head"]
+        if len(head):
+            keep.append(head)
+            continue
+        probe = g[g.readout == "probe"]
+        if len(probe):
+            layer = pd.to_numeric(probe["layer"])
+            keep.append(probe[layer == layer.max()])
+    return pd.concat(keep) if keep else d.iloc[:0]
+
+
+def _shape_bias_categories(df: pd.DataFrame) -> Figures:
+    """Per shape category, each model's shape bias as a point (head, else last-block probe) and the model's mean
+    over the categories as a vertical line, categories as rows (Geirhos et al. 2019 Fig. 4; Park et al. 2023)."""
+    d = _category_decisions(df)
+    if d.empty:
+        return []
+    models = models_of(d)
+    cats = list(dict.fromkeys(d["category"].astype(str)))
+    fig, ax = plt.subplots(figsize=(6.2, 0.9 + 0.28 * max(len(cats), 4)), layout="constrained")
+    for k, m in enumerate(models):
+        g = d[d.model == m]
+        color = model_color(m, models)
+        ys = [cats.index(str(c)) + (k - (len(models) - 1) / 2) * 0.8 / max(len(models), 1) for c in g["category"]]
+        vals = g["value"].astype(float).to_numpy()
+        ax.plot(vals, ys, "o", color=color, ms=4, alpha=0.9, label=model_label(m))
+        if np.isfinite(vals).any():
+            ax.axvline(float(np.nanmean(vals)), color=color, lw=1.2)
+    ax.set_yticks(range(len(cats)), cats, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(-0.02, 1.02)
+    ax.axvline(0.5, color="0.6", lw=0.8, ls=":")
+    ax.set_xlabel("fraction of shape decisions (0 = texture, 1 = shape)")
+    ax.grid(alpha=0.3, axis="x")
+    legend_outside(fig)
+    readouts = ", ".join(sorted(set(d["readout"].astype(str))))
+    return [("Shape bias per category (the shape class of the cue-conflict image): a point per category and model "
+             f"({readouts}: a model's head where it has one, else its last-block probe), the model's mean over the "
+             "categories as a vertical line (Geirhos et al., ICLR 2019, Fig. 4; Park et al., ICLR 2023); dotted: "
+             "0.5, no preference. Categories with no shape or texture decision are not drawn.", fig)]
 
 
 def band_noise(df: pd.DataFrame) -> Figures:
