@@ -94,6 +94,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "attention_nmi": ["park2023"],
     "cls_attention_maps": ["walmer2023"],
     "aligned_attention_maps": ["walmer2023"],
+    "query_attention_maps": ["park2023", "wang_clmm"],
     "saliency_iou": ["walmer2023"],
     "cka": ["shekhar2022", "nguyen2021", "kornblith2019", "walmer2023", "merlin2023"],
     "residual_cka": ["walmer2023"],
@@ -115,6 +116,8 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "logit_lens": ["nostalgebraist2020"],
     "high_norm_tokens": ["darcet2024"],
     "head_ablation": ["michel2019"],
+    "head_agreement": ["shekhar2022"],
+    "block_updates": ["park2023", "wang_clmm"],
 }
 
 
