@@ -226,3 +226,31 @@ progress: false
     figs = fourier(df)
     ticks = [t.get_text() for t in figs[0][1].axes[0].get_xticklabels()]
     assert "decoder 1" in ticks and "block 0" in ticks
+
+
+def test_block_updates_reads_the_decoders_first_block_from_its_embedded_input(mae_file):
+    """The stream entering the decoder is the encoder's output normed and embedded at the decoder's width: the
+    displacement of the first decoder block is measured from it (not from the encoder's last output, another width),
+    and the rows name the decoder's blocks; the token picture keeps blocks of both widths."""
+    import numpy as np
+
+    from vitscope.analyses import get_analysis
+    from vitscope.capture import stream
+    from vitscope.data import SyntheticShapes
+
+    vm = vs.load_model(str(mae_file), decoder=True, **LOAD_KW)
+    E = ENC["depth"]
+    batches = list(SyntheticShapes(n=4, seed=0).batches(4, vm.preprocessing))
+    a = get_analysis("block_updates")(vm, picture_layers=[E - 1, E], keep_images=1)
+    stream(vm, batches, [a], progress=False)
+    df = a.finalize()
+    sd = {k: v.double() for k, v in official_mae_state_dict().items()}
+    outs, _, _ = hand_run(sd, batches[0].images.double())
+    x = _ln(outs[E - 1], sd["norm.weight"], sd["norm.bias"])
+    x_in = x @ sd["decoder_embed.weight"].T + sd["decoder_embed.bias"] + sd["decoder_pos_embed"]
+    disp = ((outs[E] - x_in).norm(dim=-1) / x_in.norm(dim=-1))[:, 1:].mean(1).mean().item()
+    row = df[(df.metric == "displacement") & (df.layer == E) & (df.token_view == "spatial")]
+    assert row.value.item() == pytest.approx(disp, rel=1e-4)
+    assert row.block_label.item() == "decoder 0"
+    assert set(df[df.metric == "token_position"].layer) == {E - 1, E}
+    assert np.isfinite(df[df.metric == "token_position"].x_after).all()

@@ -198,6 +198,7 @@ class Analysis(_Lifecycle):
         self.patch_size = vm.patch_size
         self.num_prefix_tokens = vm.num_prefix_tokens
         self.has_cls_token = vm.has_cls_token
+        self.decoder_from = getattr(vm, "decoder_from", None)  # MAE decoder blocks from here on (`tidy` labels)
         self.n_images = 0
         self.datasets: dict[str, str] = {}
         self.finetuned_from: str | None = None
@@ -290,7 +291,15 @@ class Analysis(_Lifecycle):
     def update(self, feats: Mapping[str, torch.Tensor], batch: Batch) -> None: ...
 
     def tidy(self, rows: list[dict[str, Any]]) -> pd.DataFrame:
-        return tidy_frame(rows, self.model_name, self.name)
+        """The rows as a tidy table; on a model with its MAE decoder (``decoder: true``) with ``block_label``
+        ('block 3', 'decoder 2': `vitscope.models.adapter.block_label`), which the figures put on their block
+        axis."""
+        df = tidy_frame(rows, self.model_name, self.name)
+        if self.decoder_from is not None and len(df):
+            from vitscope.models.adapter import block_label
+
+            df["block_label"] = [None if pd.isna(v) else block_label(self, int(v)) for v in df["layer"]]
+        return df
 
 
 #: ``DataFrame.attrs`` keys of a table without rows (`explain_empty`): why it has none, and of which model (or

@@ -191,8 +191,7 @@ class Fourier(_PerTap):
     = more high-frequency content); the same for Gaussian white-noise tokens of the same shape as
     ``*_chance`` rows (no layer). ``high_freq_delta_log_amp`` is a mean over images and carries its standard
     error (``stderr``) and 95 % interval (``value_lo``, ``value_hi``). On a model with its MAE decoder
-    (``decoder: true``) the rows carry ``block_label`` ('block 3', 'decoder 2': `vitscope.models.adapter.block_label`),
-    which the figures put on their block axis."""
+    (``decoder: true``) the rows carry ``block_label`` (`Analysis.tidy`), which the figures put on their block axis."""
 
     name = "fourier"
     description = "relative log amplitude of token maps vs spatial frequency, per layer"
@@ -201,7 +200,6 @@ class Fourier(_PerTap):
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out"):
         super().__init__(vm, taps)
-        self.decoder_from = getattr(vm, "decoder_from", None)  # MAE decoder blocks from here on (block_label)
         self.amp: dict[str, torch.Tensor] = {}
         self.high_sq: dict[str, torch.Tensor] = {}  # sum over images of (Δ log amplitude at the highest freq.)²
 
@@ -242,10 +240,6 @@ class Fourier(_PerTap):
                          "freq": float(freq[-1]), "value": float(delta[-1])})
         df = self.tidy(rows)
         df["n_images"] = self.n_images
-        if self.decoder_from is not None:
-            from vitscope.models.adapter import block_label
-
-            df["block_label"] = [None if pd.isna(v) else block_label(self, int(v)) for v in df["layer"]]
         return df
 
 

@@ -87,24 +87,32 @@ class BlockUpdates(_Mechanistic):
         self.stats = _Means(len(self.layers), len(TOKEN_VIEWS), len(STATS))
         self.n_masked = 0  # unused here (the shared state layout)
         self.kept_ids: list[int] = []  # the kept images' dataset ids, ascending (a tensor in the state)
-        self.kept: list[torch.Tensor] = []  # per kept image, in id order: (picture blocks, 2: in / out, T, D)
+        self.kept: list[list[torch.Tensor]] = []  # per kept image, in id order, per picture block: (2: in / out, T, D)
 
     def _settings(self) -> dict[str, Any]:
         return {"layers": list(self.layers), "picture_layers": list(self.picture_layers),
                 "keep_images": self.keep_images}
 
-    @staticmethod
-    def _input_tap(i: int) -> str:
-        """The residual stream entering block ``i``."""
-        return "embed" if i == 0 else f"block{i - 1}.out"
+    def _input_taps(self, i: int) -> list[str]:
+        """The taps the residual stream entering block ``i`` is read from: the previous block's output (``embed``
+        for block 0); for the first block of an MAE decoder (``decoder: true``), whose input is the encoder's
+        output normed and embedded at the decoder's width, its ``resid_mid`` less its ``attn_out``."""
+        if i == self.decoder_from:
+            return [f"block{i}.resid_mid", f"block{i}.attn_out"]
+        return ["embed" if i == 0 else f"block{i - 1}.out"]
+
+    def _stream_in(self, feats: Mapping[str, torch.Tensor], i: int) -> torch.Tensor:
+        """The residual stream entering block ``i`` (`_input_taps`)."""
+        taps = self._input_taps(i)
+        return feats[taps[0]] if len(taps) == 1 else feats[taps[0]] - feats[taps[1]]
 
     def required_taps(self) -> list[str]:
         taps: list[str] = []
         for i in self.layers:
-            taps += [self._input_tap(i), *(f"block{i}.{t}" for t in ("attn_out", "resid_mid", "mlp_out", "out"))]
+            taps += [*self._input_taps(i), *(f"block{i}.{t}" for t in ("attn_out", "resid_mid", "mlp_out", "out"))]
         if self.keep_images:
             for i in self.picture_layers:
-                taps += [self._input_tap(i), f"block{i}.out"]
+                taps += [*self._input_taps(i), f"block{i}.out"]
         return list(dict.fromkeys(taps))
 
     def state_bytes(self, n_images: int) -> int:
@@ -115,7 +123,7 @@ class BlockUpdates(_Mechanistic):
 
     def _image_values(self, feats: Mapping[str, torch.Tensor], i: int) -> torch.Tensor:
         """``(B, views, stats)`` per-image values at block ``i`` (NaN where a view lacks a statistic)."""
-        x_in, out = feats[self._input_tap(i)], feats[f"block{i}.out"]
+        x_in, out = self._stream_in(feats, i), feats[f"block{i}.out"]
         a, mid, m = (feats[f"block{i}.{t}"] for t in ("attn_out", "resid_mid", "mlp_out"))
         p = self.num_prefix_tokens
         tok = U.token_update_stats(x_in, a, mid, m, out)  # (B, T, 5)
@@ -146,12 +154,13 @@ class BlockUpdates(_Mechanistic):
             return
         first = feats[f"block{self.picture_layers[0]}.out"]
         sel = on_device(torch.tensor(new, dtype=torch.long), first.device)
-        tokens = torch.stack([torch.stack([feats[self._input_tap(i)][sel], feats[f"block{i}.out"][sel]], 1)
-                              for i in self.picture_layers], 1).float()  # (n, blocks, 2, T, D)
-        (host,) = to_host(tokens)
-        self._keep([ids[j] for j in new], list(cast(torch.Tensor, host).unbind(0)))
+        # per picture block (n, 2: in / out, T, D): an MAE decoder's blocks are narrower than the encoder's
+        blocks = [torch.stack([self._stream_in(feats, i)[sel], feats[f"block{i}.out"][sel]], 1).float()
+                  for i in self.picture_layers]
+        host = [cast(torch.Tensor, h) for h in to_host(*blocks)]
+        self._keep([ids[j] for j in new], [[h[k] for h in host] for k in range(len(new))])
 
-    def _keep(self, ids: list[int], tokens: list[torch.Tensor]) -> None:
+    def _keep(self, ids: list[int], tokens: list[list[torch.Tensor]]) -> None:
         """Keep the ``keep_images`` smallest ids among those kept and the new ones, in id order."""
         pool = sorted(zip([*self.kept_ids, *ids], [*self.kept, *tokens], strict=True),
                       key=lambda pair: pair[0])[: self.keep_images]
@@ -167,12 +176,12 @@ class BlockUpdates(_Mechanistic):
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "kept_ids": torch.tensor(self.kept_ids, dtype=torch.long),
-                "kept": [t.clone() for t in self.kept]}
+                "kept": [[t.clone() for t in blocks] for blocks in self.kept]}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         super().load_state_dict(state)
         self.kept_ids = [int(i) for i in state["kept_ids"].tolist()]
-        self.kept = [t.clone() for t in state["kept"]]
+        self.kept = [[t.clone() for t in blocks] for blocks in state["kept"]]
 
     def finalize(self) -> pd.DataFrame:
         self._to_device(torch.device("cpu"))  # the table reads entry by entry: one copy, not one per entry
@@ -198,7 +207,7 @@ class BlockUpdates(_Mechanistic):
         p, rows = self.num_prefix_tokens, []
         for image, tokens in zip(self.kept_ids, self.kept, strict=True):
             for b, i in enumerate(self.picture_layers):
-                x_in, x_out = tokens[b, 0].double().numpy(), tokens[b, 1].double().numpy()
+                x_in, x_out = tokens[b][0].double().numpy(), tokens[b][1].double().numpy()
                 patch = np.arange(len(x_in)) >= p
                 before, after, share = U.project_pair(x_in, x_out, fit_rows=patch)
                 views = [("spatial", np.flatnonzero(patch))] + ([("cls", np.array([0]))] if self.has_cls_token else [])
