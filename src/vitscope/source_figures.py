@@ -74,7 +74,7 @@ ITEMS: tuple[SourceItem, ...] = (
     _i("001", "Later layers of CL and early layers of MIM are important", "linear-probe accuracy per depth",
        "semantics", "semantics.probe=cls,gap_spatial semantics.standardize=false",
        "the slides' probe is trained by SGD on all of ImageNet: semantics.probe_solver=sgd streams every "
-       "training image; the default fits L-BFGS on a stored subset of max_images"),
+       "stored training row (max_images at least the dataset's size); the default fits L-BFGS on max_images"),
     _i("001", "Self-attentions in CL and MLPs in MIM are important", "accuracy when heads or MLPs are removed",
        "head_ablation", "model:ablate={mlp:all}", "MLP blocks are ablated as a model variant (ablate: mlp), "
        "heads by head_ablation or ablate: heads"),
@@ -133,9 +133,10 @@ ITEMS: tuple[SourceItem, ...] = (
        "dense tiling is a dataset option; SPair's authors' variant: pixel-level matching, letterboxed input "
        "(dataset:letterbox=true), 20 pairs per category (dataset:pairs_per_category=20)"),
     _i("003", "Table 1", "best value and layer per model and task, with a random baseline",
-       "propagation correspondence retrieval semantics", "",
+       "propagation correspondence retrieval semantics",
+       "propagation.random_baseline=true correspondence.random_baseline=true retrieval.random_baseline=true",
        "results/summary/best_layers.parquet and the report's best-layer table, k-NN beside the dense tasks; "
-       "the Gaussian random-feature rows come with each dense analysis"),
+       "the 'random' row: Gaussian features through the same propagation, matching and retrieval"),
     _i("003", "Table 2", "the 20 ViT variants", "", "", "models, not a measurement: the registry lists them "
        "(vitscope models)"),
     _i("003", "Table 3", "summary of the observations", "", "", "text; the report's summary states each "
@@ -173,7 +174,8 @@ ITEMS: tuple[SourceItem, ...] = (
     _i("003", "Table 6", "linear probe accuracy on ImageNet-1k val, with and without BatchNorm", "semantics",
        "semantics.probe_solver=sgd semantics.standardize=false",
        "the 'no BN' rows fit on unstandardised features (standardize=false); the paper's probe trains on all of "
-       "ImageNet by SGD (probe_solver=sgd streams every training row; the default L-BFGS fits a stored subset)"),
+       "ImageNet by SGD: probe_solver=sgd streams every stored training row from disk, with max_images at least "
+       "the dataset's size (the default L-BFGS fits the first max_images = 5,000 in memory)"),
     # -- 004: Wang 2023 -----------------------------------------------------------------------------------
     _i("004", "Fig. 1", "SimCLR", "", "", _NOT_ANALYSIS),
     _i("004", "Fig. 2", "MoCo", "", "", _NOT_ANALYSIS),
