@@ -50,8 +50,41 @@ def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str,
     }
 
 
+class _KeptMaps(_LayerAttention):
+    """Maps of a few kept images (``kept_index``, ``kept_maps``, ``kept_pixels``): those with the ``keep_images``
+    smallest dataset indices, whatever the order batches or shards arrive in, with the images as the model saw
+    them. Set ``pixel_mean``/``pixel_std`` (the model's normalisation, None where unknown) in ``__init__``."""
+
+    def _pixels(self, images: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them (on their device): normalisation
+        undone with the model's mean and std (each image scaled to its own range when they are not known)."""
+        x = images.detach().float()
+        if self.pixel_mean is not None and self.pixel_std is not None:
+            std = torch.tensor(self.pixel_std, device=x.device).view(1, 3, 1, 1)
+            x = x * std + torch.tensor(self.pixel_mean, device=x.device).view(1, 3, 1, 1)
+        else:
+            lo = x.amin(dim=(1, 2, 3), keepdim=True)
+            x = (x - lo) / (x.amax(dim=(1, 2, 3), keepdim=True) - lo).clamp_min(1e-12)
+        return (x.clamp(0, 1) * 255).round().to(torch.uint8)
+
+    def _keep(self, index: torch.Tensor, maps: torch.Tensor, pixels: torch.Tensor) -> None:
+        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones, on the
+        new ones' device (`vitscope.analyses.kept`: ``kept_index`` may end in `NO_ID` rows, dropped on save)."""
+        if len(index) == 0:
+            return
+        if len(self.kept_index) == 0:  # the first images decide the size of the kept pixels
+            self.kept_pixels = torch.zeros(0, *pixels.shape[1:], dtype=torch.uint8)
+        self.kept_index, (self.kept_maps, self.kept_pixels) = keep_smallest(
+            self.keep_images, self.kept_index, [self.kept_maps, self.kept_pixels], index, [maps, pixels])
+
+    def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The kept indices, maps and pixels on the CPU, without the rows that hold no image."""
+        index, (maps, pixels) = valid_rows(self.kept_index, [self.kept_maps, self.kept_pixels])
+        return index, maps, pixels
+
+
 @register_analysis
-class CLSAttentionMaps(_LayerAttention):
+class CLSAttentionMaps(_KeptMaps):
     """Average CLS attention map per layer and head [Walmer et al. 2023 §4.1, Fig. 11-13]:
     the CLS query's row over the spatial keys (CLS and register keys dropped, renormalised), on the patch
     grid, averaged over all images (a float64 sum and a count). The maps of single images are kept too,
@@ -114,28 +147,6 @@ class CLSAttentionMaps(_LayerAttention):
             take, index = smallest_distinct(index, self.keep_images)
             self._keep(index, maps[take].detach().float(), self._pixels(batch.images[take.to(batch.images.device)]))
 
-    def _pixels(self, images: torch.Tensor) -> torch.Tensor:
-        """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them (on their device): normalisation
-        undone with the model's mean and std (each image scaled to its own range when they are not known)."""
-        x = images.detach().float()
-        if self.pixel_mean is not None and self.pixel_std is not None:
-            std = torch.tensor(self.pixel_std, device=x.device).view(1, 3, 1, 1)
-            x = x * std + torch.tensor(self.pixel_mean, device=x.device).view(1, 3, 1, 1)
-        else:
-            lo = x.amin(dim=(1, 2, 3), keepdim=True)
-            x = (x - lo) / (x.amax(dim=(1, 2, 3), keepdim=True) - lo).clamp_min(1e-12)
-        return (x.clamp(0, 1) * 255).round().to(torch.uint8)
-
-    def _keep(self, index: torch.Tensor, maps: torch.Tensor, pixels: torch.Tensor) -> None:
-        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones, on the
-        new ones' device (`vitscope.analyses.kept`: ``kept_index`` may end in `NO_ID` rows, dropped on save)."""
-        if len(index) == 0:
-            return
-        if len(self.kept_index) == 0:  # the first images decide the size of the kept pixels
-            self.kept_pixels = torch.zeros(0, *pixels.shape[1:], dtype=torch.uint8)
-        self.kept_index, (self.kept_maps, self.kept_pixels) = keep_smallest(
-            self.keep_images, self.kept_index, [self.kept_maps, self.kept_pixels], index, [maps, pixels])
-
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, CLSAttentionMaps)
@@ -145,11 +156,6 @@ class CLSAttentionMaps(_LayerAttention):
         if self.keep_images:
             dev = self.sums.device
             self._keep(other.kept_index.to(dev), other.kept_maps.to(dev), other.kept_pixels.to(dev))
-
-    def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kept indices, maps and pixels on the CPU, without the rows that hold no image."""
-        index, (maps, pixels) = valid_rows(self.kept_index, [self.kept_maps, self.kept_pixels])
-        return index, maps, pixels
 
     def state_dict(self) -> dict[str, Any]:
         index, maps, pixels = self._kept()

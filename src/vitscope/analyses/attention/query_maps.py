@@ -16,10 +16,9 @@ from typing import Any, cast
 import pandas as pd
 import torch
 
-from vitscope.analyses.attention._common import _LayerAttention
-from vitscope.analyses.attention.maps import CLSAttentionMaps, _cell_columns, _png_bytes
+from vitscope.analyses.attention.maps import _cell_columns, _KeptMaps, _png_bytes
 from vitscope.analyses.base import Analysis, register_analysis
-from vitscope.analyses.kept import keep_smallest, smallest_distinct, valid_rows
+from vitscope.analyses.kept import smallest_distinct
 from vitscope.bounds import Count
 from vitscope.errors import ConfigError
 from vitscope.host import host_copy
@@ -87,7 +86,7 @@ def query_cell(q: Query, grid: tuple[int, int], who: str = "query_attention_maps
 
 
 @register_analysis
-class QueryAttentionMaps(_LayerAttention):
+class QueryAttentionMaps(_KeptMaps):
     """Attention maps of chosen query tokens for a few kept images, per block and head, with the mean over heads
     [Park et al. 2023, slides p. 4 (the authors' ``visualize_attn``); Wang, Fig. 9]: each query token's row of the
     ``block{i}.attn`` attention over the spatial keys (CLS and register keys dropped, renormalised to sum 1, as
@@ -127,9 +126,6 @@ class QueryAttentionMaps(_LayerAttention):
         pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
         self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
         self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
-
-    # the kept images as the model saw them: the same conversion as cls_attention_maps'
-    _pixels = CLSAttentionMaps._pixels
 
     def _parse(self, queries: Any) -> list[Query]:
         """The queries, parsed and checked against the model (a CLS query needs a CLS token; no query twice)."""
@@ -183,16 +179,6 @@ class QueryAttentionMaps(_LayerAttention):
         maps = rows.reshape(*rows.shape[:-1], *self.grid_size)
         self._keep(index, maps, self._pixels(batch.images[take.to(batch.images.device)]))
 
-    def _keep(self, index: torch.Tensor, maps: torch.Tensor, pixels: torch.Tensor) -> None:
-        """Keep the ``keep_images`` smallest distinct dataset indices among those kept and the new ones, on the new
-        ones' device (`vitscope.analyses.kept`)."""
-        if len(index) == 0:
-            return
-        if len(self.kept_index) == 0:  # the first images decide the size of the kept pixels
-            self.kept_pixels = torch.zeros(0, *pixels.shape[1:], dtype=torch.uint8)
-        self.kept_index, (self.kept_maps, self.kept_pixels) = keep_smallest(
-            self.keep_images, self.kept_index, [self.kept_maps, self.kept_pixels], index, [maps, pixels])
-
     def merge(self, other: Analysis) -> None:
         self._check_mergeable(other)
         assert isinstance(other, QueryAttentionMaps)
@@ -201,11 +187,6 @@ class QueryAttentionMaps(_LayerAttention):
         if len(other.kept_index):  # an empty part may hold its maps on another grid: nothing to add
             dev = other.kept_index.device
             self._keep(other.kept_index, other.kept_maps.to(dev), other.kept_pixels.to(dev))
-
-    def _kept(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The kept indices, maps and pixels on the CPU, without the rows that hold no image."""
-        index, (maps, pixels) = valid_rows(self.kept_index, [self.kept_maps, self.kept_pixels])
-        return index, maps, pixels
 
     def state_dict(self) -> dict[str, Any]:
         index, maps, pixels = self._kept()
