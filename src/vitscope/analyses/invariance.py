@@ -24,7 +24,20 @@ Rows (model = A, model_b = B; ``layer`` is A's block, ``layer_b`` B's):
   fidelity_a / fidelity_b   CKA of a model's own layer on X and on its inversion X' (measured self-STIR; STIR
                    of a layer with itself is 1 by definition), inversion_error_a / _b the mean relative error
   accuracy         B's top-1 accuracy on the clean images and on each corruption (column ``corruption``), when
-                   B has a classifier head for the dataset's labels
+                   B has a classifier head for the dataset's labels (``head_classes``: its label space, e.g.
+                   cifar100 for a 100-way head)
+  learning_forgetting_r   Pearson r of learning and forgetting across the layers (Merlin et al. App. C.1; column
+                   ``p``: its p-value)
+  cka_divergence_layers   cka divergence averaged over ``cka_layers`` (the paper's layers 1-8 baseline; column
+                   ``layers``)
+Over a fine-tuning run's checkpoints (the cross-model stage, `dynamics`): ``dynamics:<series>`` per epoch,
+``pearson_r`` / ``pearson_p`` of each series with the corrupted accuracy, ``hypothesis`` (App. E.1: r of every
+aggregate hypothesis with the target; columns p, p_bonferroni, family, quantity, aggregate, layer_set, layers,
+hypotheses, paper) and ``pearson_up_to_epoch`` (Fig. 14: r of the paper's hypothesis with the target over the
+epochs up to ``epoch``; column p). The target (column ``target``) is ``robustness_accuracy`` -- the mean head
+accuracy over every corruption and severity of the ``corruptions`` analysis's table, when ``robustness_dataset``
+names the dataset that analysis ran on (e.g. CIFAR-10-C / CIFAR-100-C in the ``corrupted`` format) -- else
+``corrupted_accuracy``, B's accuracy on the corruptions generated on the STIR images.
 Every row carries the settings it was computed with (iterations, step_size, repeats, images, cka_estimator).
 """
 
@@ -158,13 +171,19 @@ class Stir(PairAnalysis):
                  repeats: Count = 1,
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
                  max_rows: Count | None = None, corruptions: Any = "default",
-                 cka_estimator: str = "minibatch_unbiased", **params: Any):
+                 cka_estimator: str = "minibatch_unbiased", head_classes: str | None = None,
+                 robustness_dataset: str | None = None, cka_layers: Sequence[int] | None = None, **params: Any):
         params.pop("pairs", None)  # which pairs: the planner's business
         if params:
             raise VitscopeError(f"stir: unknown parameter(s) {', '.join(sorted(params))}; it takes layers, tap, "
                                 "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions, "
-                                "cka_estimator")
+                                "cka_estimator, head_classes, robustness_dataset, cka_layers")
         self.cka_estimator = M.check_cka_estimator(cka_estimator)
+        from vitscope.analyses.robustness import check_head_classes
+
+        check_head_classes("stir", head_classes)
+        self.head_classes = head_classes
+        self.robustness_dataset = None if robustness_dataset in (None, "", "none") else str(robustness_dataset)
         super().__init__(info_a, info_b)
         if info_a.depth != info_b.depth:
             raise VitscopeError(f"stir: {info_a.name} has {info_a.depth} blocks and {info_b.name} {info_b.depth}; "
@@ -186,6 +205,7 @@ class Stir(PairAnalysis):
             raise UnknownTapError(f"stir: tap {tap!r} is not a per-block tap" + (f"; did you mean {', '.join(hint)}?"
                                   if hint else "") + f" Choose one of {', '.join(BLOCK_TAPS)}.")
         self.taps = [f"block{i}.{tap}" for i in self.layers]
+        self.cka_layers = _cka_layers(cka_layers, depth)
         if view not in VIEWS or match_view not in VIEWS:
             raise VitscopeError(f"stir: unknown token view {view!r} / {match_view!r}; choose from {', '.join(VIEWS)}")
         if int(repeats) < 1 or int(iterations) < 0:
@@ -341,6 +361,11 @@ class Stir(PairAnalysis):
             return
         if self.has_head is None:
             n_out = getattr(getattr(vm.model, "head", None), "out_features", None)
+            if self.head_classes is not None:
+                from vitscope.analyses.robustness._common import HEAD_SIZES, check_head_size
+
+                check_head_size("stir", vm, self.head_classes)
+                n_out = HEAD_SIZES.get(self.head_classes) if n_out else None  # 'none': the head is not used
             self.has_head = bool(n_out) and int(batch.labels.max()) < int(n_out)
         if not self.has_head:
             return
@@ -440,6 +465,7 @@ class Stir(PairAnalysis):
                              **_at(_repeat_interval(per_r[:, i]))})
             rows.append({"metric": "cka_divergence", "layer": li, "layer_b": li, "value": float(div[i]),
                          "spread": 0.0})
+        rows += self._layer_summaries(per_layer, div)
         if np.isfinite(s_ba).all():
             flow = M.flow_matrix(s_ba)  # linear in STIR: the flow of the mean = the mean of the repeats' flows
             flows = np.stack([M.flow_matrix(r) for r in r_ba])
@@ -479,12 +505,27 @@ class Stir(PairAnalysis):
             df["spread"] = df["spread"].astype(float).fillna(0.0) if len(df) else df["spread"]
         return self.tidy(df.to_dict("records"))
 
+    def _layer_summaries(self, per_layer: dict[str, np.ndarray], div: np.ndarray) -> list[dict[str, Any]]:
+        """Rows over the layers of this pair: learning vs forgetting's Pearson r across layers (Merlin et al. App.
+        C.1, on the means over the repeats) and cka divergence averaged over ``cka_layers``."""
+        rows: list[dict[str, Any]] = []
+        lrn = _mean_spread(per_layer["learning"])[0]
+        fgt = _mean_spread(per_layer["forgetting"])[0]
+        r, p = M.pearson(lrn, fgt)
+        if math.isfinite(r):
+            rows.append({"metric": "learning_forgetting_r", "value": r, "p": p, "spread": 0.0})
+        pos = [i for i, li in enumerate(self.layers) if li in self.cka_layers]
+        if pos:
+            rows.append({"metric": "cka_divergence_layers", "value": float(np.mean(div[pos])), "spread": 0.0,
+                         "layers": _span(self.layers[i] for i in pos)})
+        return rows
+
     @classmethod
     def key_numbers(cls, df: pd.DataFrame) -> pd.DataFrame:
         """Per pair: mean learning / forgetting / cka divergence over layers, flow compression / expansion,
         accuracy, the settings; per fine-tuning run: Pearson r (p) of each dynamics series."""
         rows = []
-        d = df[df["model_b"].notna() & ~df.metric.astype(str).str.startswith(("dynamics:", "pearson"))]
+        d = df[df["model_b"].notna() & ~df.metric.astype(str).str.startswith(("dynamics:", "pearson", "hypothesis"))]
         for (a, b), g in d.groupby(["model", "model_b"], sort=False):
             row: dict[str, Any] = {"pair": f"{a} -> {b}"}
             for m in ("learning", "forgetting", "cka_divergence"):
@@ -507,48 +548,120 @@ class Stir(PairAnalysis):
             p = df[(df.metric == "pearson_p") & (df.model_b == r.model_b) & (df.series == r.series)]["value"]
             rows.append({"pair": f"{r.model} -> {r.model_b} (epochs)", "series": r.series, "pearson r": r.value,
                          "p": float(p.iloc[0]) if len(p) else math.nan})
+        hyp = df[df.metric == "hypothesis"]
+        for _, r in hyp[hyp["paper"].astype(bool)].iterrows() if "paper" in hyp.columns else []:
+            rows.append({"pair": f"{r.model} -> {r.model_b} (epochs)", "pearson r": r.value, "p": r.p,
+                         "series": f"paper: {r['aggregate']}({r['quantity']}) layers {r['layers']}",
+                         "Bonferroni p": r.p_bonferroni})
         return pd.DataFrame(rows).head(60)
 
     # -- dynamics over a fine-tuning run's checkpoints ------------------------------------------------------------
+    #: other analyses whose finished per-model tables the cross-model stage hands to `cross` (``inputs``)
+    cross_reads = ("corruptions",)
+
     @classmethod
-    def cross(cls, analyses: list) -> pd.DataFrame | None:
+    def cross(cls, analyses: list, inputs: dict[str, list[tuple[Any, pd.DataFrame]]] | None = None
+              ) -> pd.DataFrame | None:
+        """The dynamics of every fine-tuning run (two or more checkpoints); ``inputs``: the ``corruptions``
+        analysis's (analysis, table) per model, read when ``robustness_dataset`` names its dataset."""
         runs: dict[tuple[str, str], list] = {}
         for a in analyses:
             if getattr(a, "epoch", None) is None:
                 continue
             runs.setdefault((a.model_a, a.model_b.split("@")[0]), []).append(a)
-        out = [dynamics(sorted(v, key=lambda a: a.epoch), *k) for k, v in runs.items() if len(v) >= 2]
+        target = robustness_target(analyses, inputs)
+        out = [dynamics(sorted(v, key=lambda a: a.epoch), *k, target=target) for k, v in runs.items() if len(v) >= 2]
         out = [d for d in out if d is not None and len(d)]
         return pd.concat(out, ignore_index=True) if out else None
 
 
-def _ids_digest(ids: torch.Tensor) -> str:
-    import hashlib
+def _cka_layers(spec: Any, depth: int) -> list[int]:
+    """The 0-based blocks ``cka_layers`` names (None: the first 8, Merlin et al.'s layers 1-8, or all of a shallower
+    model); one sentence for a block out of range."""
+    if spec is None:
+        return list(range(min(8, depth)))
+    spec = [spec] if isinstance(spec, int) else list(spec)
+    bad = [i for i in spec if not -depth <= int(i) < depth]
+    if bad or not spec:
+        raise VitscopeError(f"stir: cka_layers {spec} must name blocks 0..{depth - 1} of a {depth}-block model")
+    return sorted({int(i) % depth for i in spec})
 
-    return hashlib.sha1(ids.numpy().astype(np.int64).tobytes()).hexdigest()[:10]
+
+def _span(blocks: Any) -> str:
+    """0-based blocks as the paper's 1-based layers: '1-8' for a contiguous run, else '1,3,5'."""
+    b = [int(x) + 1 for x in blocks]
+    if len(b) > 1 and b == list(range(b[0], b[-1] + 1)):
+        return f"{b[0]}-{b[-1]}"
+    return ",".join(map(str, b))
 
 
-def dynamics(runs: Sequence[Stir], model_a: str, model_b: str) -> pd.DataFrame | None:
+def robustness_target(analyses: Sequence[Stir], inputs: dict[str, list[tuple[Any, pd.DataFrame]]] | None
+                      ) -> dict[str, float] | None:
+    """Per model label, the mean head accuracy over every (corruption, severity) of the ``corruptions`` analysis
+    run on the dataset ``robustness_dataset`` names (the mean accuracy on the corrupted test sets, as Merlin et al.
+    Sec. 4.4 average CIFAR-10-C / CIFAR-100-C); None when no stir names one. A dataset the corruptions analysis
+    did not run on, or a model without head rows there, is a ResultWarning (its epochs then have no target)."""
+    import warnings
+
+    from vitscope.errors import ResultWarning
+
+    wanted = {a.robustness_dataset for a in analyses if getattr(a, "robustness_dataset", None)}
+    if not wanted:
+        return None
+    name = sorted(wanted)[0]
+    got = [(x, f) for x, f in (inputs or {}).get("corruptions", []) if (getattr(x, "datasets", None) or {})
+           .get("data") == name and f is not None and len(f)]
+    if not got:
+        warnings.warn(f"stir: robustness_dataset {name!r} is not the dataset of a corruptions analysis in this "
+                      "study; add `corruptions: {dataset: " + name + ", head_classes: ...}` to its analyses",
+                      ResultWarning, stacklevel=2)
+        return {}
+    out: dict[str, float] = {}
+    for _, f in got:
+        if not {"readout", "severity"} <= set(f.columns):
+            continue
+        d = f[(f.metric == "accuracy") & (f.readout == "head") & (pd.to_numeric(f.severity, errors="coerce") > 0)]
+        for model, g in d.groupby("model", sort=False):
+            out[str(model)] = float(g["value"].astype(float).mean())
+    return out
+
+
+def _per_layer(df: pd.DataFrame, metric: str) -> np.ndarray:
+    """A metric's per-layer values of one pair's table, in layer order."""
+    d = df[df.metric == metric].sort_values("layer")
+    return d["value"].to_numpy(dtype=float)
+
+
+def _layer_matrix(frames: list[pd.DataFrame], metric: str) -> np.ndarray | None:
+    """(epochs, layers) of a per-layer metric; None when an epoch lacks a layer (values left out as non-finite)."""
+    rows = [_per_layer(df, metric) for df in frames]
+    if not rows or len({len(r) for r in rows}) != 1 or not len(rows[0]):
+        return None
+    return np.stack(rows)
+
+
+def dynamics(runs: Sequence[Stir], model_a: str, model_b: str, target: dict[str, float] | None = None
+             ) -> pd.DataFrame | None:
     """Per-epoch aggregates of one fine-tuning run (one finished `Stir` per checkpoint) and the Pearson
     correlation of each with the mean accuracy over the corruptions (Merlin et al. Sec. 4.4: std of forgetting
-    across layers 2..L, their best aggregate, among others)."""
+    across layers 2..L, their best aggregate, among others); the hypothesis search of their App. E.1 and the
+    correlation up to each epoch of their Fig. 14. ``target``: the robustness accuracy per checkpoint's model
+    label (`robustness_target`); None: B's accuracy on the corruptions generated on the STIR images."""
     frames = [(a.epoch, a.finalize()) for a in runs]
     series: dict[str, list[float]] = {}
     acc: list[float] = []
     epochs = []
+    cka_layers = runs[0].cka_layers
     for ep, df in frames:
         epochs.append(ep)
-
-        def per_layer(metric: str, df=df) -> np.ndarray:
-            d = df[df.metric == metric].sort_values("layer")
-            return d["value"].to_numpy(dtype=float)
-
         for metric in ("forgetting", "learning", "cka_divergence"):
-            v = per_layer(metric)
+            v = _per_layer(df, metric)
             series.setdefault(f"{metric}_mean", []).append(float(np.mean(v)) if len(v) else math.nan)
             series.setdefault(f"{metric}_std", []).append(float(np.std(v)) if len(v) else math.nan)
             deep = v[1:]  # layers 2..L in the paper's 1-based numbering
             series.setdefault(f"{metric}_std_from_layer2", []).append(float(np.std(deep)) if len(deep) else math.nan)
+        c = df[df.metric == "cka_divergence_layers"]["value"]
+        series.setdefault("cka_divergence_mean_cka_layers", []).append(float(c.iloc[0]) if len(c) else math.nan)
         a = df[(df.metric == "accuracy") & (df.get("corruption", pd.Series(dtype=str)) != "clean")]
         acc.append(float(a["value"].mean()) if len(a) else math.nan)
         c = df[(df.metric == "accuracy") & (df.get("corruption", pd.Series(dtype=str)) == "clean")]
@@ -566,4 +679,42 @@ def dynamics(runs: Sequence[Stir], model_a: str, model_b: str) -> pd.DataFrame |
                          "value": r, "epochs": len(epochs)})
             rows.append({**common, "metric": "pearson_p", "series": name, "target": "corrupted_accuracy",
                          "value": p, "epochs": len(epochs)})
+    goal, goal_name = acc, "corrupted_accuracy"
+    if target is not None:
+        goal, goal_name = [target.get(a.model_b, math.nan) for a in runs], "robustness_accuracy"
+        for ep, v in zip(epochs, goal, strict=True):
+            rows.append({**common, "metric": "dynamics:robustness_accuracy", "epoch": ep, "value": v})
+    rows += _hypotheses(runs, [df for _, df in frames], epochs, goal, goal_name, common, cka_layers)
     return pd.DataFrame(rows)
+
+
+def _hypotheses(runs: Sequence[Stir], frames: list[pd.DataFrame], epochs: list, goal: list[float], goal_name: str,
+                common: dict[str, Any], cka_layers: list[int]) -> list[dict[str, Any]]:
+    """Rows of Merlin et al.'s App. E.1 search (``hypothesis``) and Fig. 14 (``pearson_up_to_epoch``: the paper's
+    hypothesis, std of forgetting over layers 2..L, against the target over the first n epochs)."""
+    lrn, fgt = _layer_matrix(frames, "learning"), _layer_matrix(frames, "forgetting")
+    div = _layer_matrix(frames, "cka_divergence")
+    if lrn is None or fgt is None or lrn.shape != fgt.shape or lrn.shape[1] < 2:
+        return []
+    if div is not None and div.shape != lrn.shape:
+        div = None
+    blocks = runs[0].layers
+    rows = []
+    extra = {"target": goal_name, "epochs": len(epochs)}
+    for h in M.hypothesis_search(lrn, fgt, div, goal, blocks=blocks):
+        if not math.isfinite(h["r"]):  # a constant series (the std of one layer): no r, still counted (hypotheses)
+            continue
+        rows.append({**common, **extra, "metric": "hypothesis", "value": h.pop("r"),
+                     "series": f"{h['aggregate']}:{h['quantity']}:{h['layer_set']}", **h})
+    paper = M.aggregate(fgt, range(1, fgt.shape[1]), "std")
+    for ep, (r, p) in zip(epochs, M.pearson_up_to(paper, goal), strict=True):
+        if math.isfinite(r):
+            rows.append({**common, **extra, "metric": "pearson_up_to_epoch", "epoch": ep, "value": r, "p": p,
+                         "series": f"std:forgetting:layers {_span(blocks[1:])}"})
+    return rows
+
+
+def _ids_digest(ids: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha1(ids.numpy().astype(np.int64).tobytes()).hexdigest()[:10]

@@ -56,6 +56,14 @@ __all__ = [
     "learning",
     "pearson",
     "stir_from_sums",
+    "AGGREGATES",
+    "COMBINATIONS",
+    "aggregate",
+    "bonferroni",
+    "combine",
+    "hypothesis_layer_sets",
+    "hypothesis_search",
+    "pearson_up_to",
 ]
 
 
@@ -140,6 +148,101 @@ def pearson(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) ->
     t = r * math.sqrt((n - 2) / (1.0 - r * r))
     p = 2.0 * float(stdtr(n - 2, -abs(t)))
     return r, p
+
+
+# -- Merlin et al. App. E.1: the hypothesis search over aggregate metrics ------------------------------------------
+#: how the layers of a set are aggregated into one number per epoch (std: population, ddof 0)
+AGGREGATES = ("mean", "std", "min", "max")
+#: learning and forgetting, alone and combined per layer (their sum and their difference)
+COMBINATIONS = ("learning", "forgetting", "learning+forgetting", "learning-forgetting")
+
+
+def hypothesis_layer_sets(n_layers: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The layer sets of Merlin et al. App. E.1, as (kind, 0-based positions): for n = 1 .. L-1 the first n layers
+    and the last n layers (n = 1: one layer alone, the first or the last). 2(L-1) sets: 22 for a 12-block ViT,
+    so 22 x 4 combinations x 4 aggregates = 352 hypotheses and 22 x 4 = 88 for cka divergence, the paper's counts;
+    the sets it reports, layers 2-12 (last 11) and layers 1-8 (first 8), are among them. All L layers (n = L) is
+    not a set: the paper's counts leave no room for it."""
+    L = int(n_layers)
+    if L < 2:
+        raise ValueError(f"the hypothesis search needs at least 2 layers, got {L}")
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for n in range(1, L):
+        out.append((f"first {n}", tuple(range(n))))
+        out.append((f"last {n}", tuple(range(L - n, L))))
+    return out
+
+
+def combine(learning_: np.ndarray, forgetting_: np.ndarray, how: str) -> np.ndarray:
+    """Per (epoch, layer): learning, forgetting, their sum or learning - forgetting (`COMBINATIONS`)."""
+    lrn, fgt = _arr(learning_), _arr(forgetting_)
+    if how == "learning":
+        return lrn
+    if how == "forgetting":
+        return fgt
+    if how == "learning+forgetting":
+        return lrn + fgt
+    if how == "learning-forgetting":
+        return lrn - fgt
+    raise ValueError(f"unknown combination {how!r}; choose {', '.join(COMBINATIONS)}")
+
+
+def aggregate(values: np.ndarray, positions: Sequence[int], how: str) -> np.ndarray:
+    """(E, L) per-epoch, per-layer values -> (E,): the ``how`` (`AGGREGATES`) over the layers at ``positions``."""
+    v = _arr(values)[:, list(positions)]
+    fn = {"mean": np.mean, "std": np.std, "min": np.min, "max": np.max}.get(how)
+    if fn is None:
+        raise ValueError(f"unknown aggregate {how!r}; choose {', '.join(AGGREGATES)}")
+    return fn(v, axis=1)
+
+
+def bonferroni(p: float, m: int) -> float:
+    """Bonferroni-corrected p-value: p x m (the number of hypotheses tested), capped at 1; NaN stays NaN."""
+    return min(1.0, float(p) * int(m)) if math.isfinite(float(p)) else math.nan
+
+
+def _layer_label(positions: Sequence[int], names: Sequence[int] | None) -> str:
+    """1-based layer numbers of a set, as the paper writes them ('2-12', '5'); ``names``: the 0-based blocks."""
+    blocks = [int(names[i]) + 1 if names is not None else int(i) + 1 for i in positions]
+    return f"{blocks[0]}" if len(blocks) == 1 else f"{blocks[0]}-{blocks[-1]}"
+
+
+def hypothesis_search(learning_: np.ndarray, forgetting_: np.ndarray, cka_divergence_: np.ndarray | None,
+                      target: Sequence[float] | np.ndarray, blocks: Sequence[int] | None = None) -> list[dict]:
+    """Merlin et al. App. E.1: Pearson r and p of every aggregate hypothesis with ``target`` (one value per
+    epoch, e.g. the mean accuracy on corrupted test sets), over (E epochs, L layers) arrays. Two families, each
+    Bonferroni-corrected by its own size: learning/forgetting (`hypothesis_layer_sets` x `COMBINATIONS` x
+    `AGGREGATES`, 352 for L = 12) and cka divergence (sets x aggregates, 88). ``blocks``: the 0-based block of
+    each layer (names the sets: 'layers 2-12'). ``paper``: the hypotheses the paper reports, the std of forgetting
+    over layers 2..L (the last L-1) and the std of cka divergence over layers 1-8 (the first min(8, L-1))."""
+    fgt = _arr(forgetting_)
+    L = fgt.shape[1]
+    sets = hypothesis_layer_sets(L)
+    first_paper = f"first {min(8, L - 1)}"
+    families = [("learning_forgetting", c, combine(learning_, forgetting_, c)) for c in COMBINATIONS]
+    if cka_divergence_ is not None:
+        families.append(("cka_divergence", "cka_divergence", _arr(cka_divergence_)))
+    sizes = {"learning_forgetting": len(sets) * len(COMBINATIONS) * len(AGGREGATES),
+             "cka_divergence": len(sets) * len(AGGREGATES)}
+    rows = []
+    for family, quantity, vals in families:
+        for kind, pos in sets:
+            for how in AGGREGATES:
+                r, p = pearson(aggregate(vals, pos, how), target)
+                paper = how == "std" and ((quantity == "forgetting" and kind == f"last {L - 1}")
+                                          or (quantity == "cka_divergence" and kind == first_paper))
+                rows.append({"family": family, "quantity": quantity, "aggregate": how, "layer_set": kind,
+                             "layers": _layer_label(pos, blocks), "r": r, "p": p,
+                             "p_bonferroni": bonferroni(p, sizes[family]), "hypotheses": sizes[family],
+                             "paper": paper})
+    return rows
+
+
+def pearson_up_to(x: Sequence[float] | np.ndarray, y: Sequence[float] | np.ndarray) -> list[tuple[float, float]]:
+    """Merlin et al. Fig. 14: (r, p) of the first n values of ``x`` and ``y``, for every n = 1 .. len(x) (NaN
+    until 3 finite pairs)."""
+    a, b = _arr(x), _arr(y)
+    return [pearson(a[:n], b[:n]) for n in range(1, len(a) + 1)]
 
 
 def _centred_grams(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -126,7 +126,8 @@ def cross_stage(by_analysis: dict[str, list[Any]], frames: dict[str, list[pd.Dat
     (`passes.explain`, deferred to here), and so is a cross-model table without rows (``cross_empty_reason``)."""
     for name, group in by_analysis.items():  # the cross-model stage, from the per-model states
         cls = type(group[0])
-        cross = cls.cross(group)
+        cross = cls.cross(group, inputs=_cross_inputs(cls, by_analysis, frames)) if getattr(cls, "cross_reads", ()) \
+            else cls.cross(group)
         if has_cross(cls):
             for i, a in enumerate(group):
                 f = frames[name][i] if i < len(frames[name]) else None
@@ -141,6 +142,13 @@ def cross_stage(by_analysis: dict[str, list[Any]], frames: dict[str, list[pd.Dat
             empty.attrs[EMPTY_REASON], empty.attrs[EMPTY_MODEL] = reason, CROSS
             frames[name].append(empty)
             warnings.warn(f"{name}: no rows for the cross-model stage: {reason}", ResultWarning, stacklevel=2)
+
+
+def _cross_inputs(cls: type, by_analysis: dict[str, list[Any]], frames: dict[str, list[pd.DataFrame]]
+                  ) -> dict[str, list[tuple[Any, pd.DataFrame]]]:
+    """For a cross-model part that reads other analyses' finished per-model tables (``cls.cross_reads``, e.g.
+    stir's robustness target from the corruptions analysis): ``{name: [(analysis, its table), ...]}``."""
+    return {n: list(zip(by_analysis.get(n, []), frames.get(n, []), strict=False)) for n in cls.cross_reads}
 
 
 def _label(a: Any) -> str:

@@ -28,7 +28,10 @@ Bands = Annotated[int, Range(1, 100, why="each band is one more pass over every 
 Severity = Annotated[int, Range(min(P.SEVERITIES), max(P.SEVERITIES))]
 
 READOUTS = ("auto", "head", "probe")
-HEAD_SPACES = ("imagenet-1k", "cifar10", "none")
+#: label spaces a classifier head may be declared to output (``head_classes``): ImageNet-1k (1000 logits), CIFAR-10
+#: (10), CIFAR-100 (100, its fine labels in the official order: e.g. a model fine-tuned on CIFAR-100 scored on
+#: CIFAR-100-C), or none (the head is not used)
+HEAD_SPACES = ("imagenet-1k", "cifar10", "cifar100", "none")
 PROBE_COLUMNS = ("n_train", "n_test", "probe_weight_decay", "probe_iterations")  # what a probe row records
 
 
@@ -37,6 +40,21 @@ def check_head_classes(who: str, head_classes: str | None) -> None:
     if head_classes is not None and head_classes not in HEAD_SPACES:
         raise ConfigError(f"{who}: head_classes {head_classes!r} is not a label space vitscope knows; "
                           f"choose {', '.join(HEAD_SPACES)}")
+
+
+#: logits of a head of each label space
+HEAD_SIZES = {"imagenet-1k": 1000, "cifar10": 10, "cifar100": 100}
+
+
+def check_head_size(who: str, vm: Any, head_classes: str | None) -> None:
+    """One sentence when a declared ``head_classes`` space does not match the number of logits the model's head
+    outputs (a model whose head size is unknown passes)."""
+    want = HEAD_SIZES.get(str(head_classes))
+    model = getattr(vm, "model", None)
+    n = int(getattr(model, "num_classes", 0) or 0) if model is not None else 0
+    if want and n and n != want:
+        raise ConfigError(f"{who}: head_classes {head_classes!r} needs a head of {want} logits; "
+                          f"{getattr(vm, 'name', 'the model')} has {n}")
 
 
 def head_label_space(vm: Any) -> str | None:
@@ -64,6 +82,10 @@ def known_classes(dataset: str | None) -> list[str] | None:
         return list(SHAPES)
     if dataset in silhouettes.NAMES.values():
         return list(silhouettes.CLASSES)
+    if dataset.startswith("cifar100") or dataset.startswith("cifar-100"):
+        from vitscope.data.formats.robustness import CIFAR100_CLASSES
+
+        return list(CIFAR100_CLASSES)
     if dataset.startswith("cifar10") or dataset.startswith("cifar-10"):
         return list(R.CIFAR10_CLASSES)
     return None
@@ -77,6 +99,10 @@ def head_covers(space: str | None, classes: Sequence[str] | None) -> bool:
         return len(classes) == 1000 or (len(classes) > 1 and set(classes) <= set(R.CATEGORIES_16))
     if space == "cifar10":
         return list(classes) == list(R.CIFAR10_CLASSES)
+    if space == "cifar100":
+        from vitscope.data.formats.robustness import CIFAR100_CLASSES
+
+        return list(classes) == list(CIFAR100_CLASSES)
     return False
 
 
@@ -156,6 +182,7 @@ class _Robustness(Analysis):
         if readout not in READOUTS:
             raise ConfigError(f"{self.name}: readout {readout!r} does not exist; choose {', '.join(READOUTS)}")
         check_head_classes(self.name, head_classes)
+        check_head_size(self.name, vm, head_classes)
         self.layers = self.layers_param(layers)
         self.readout_param = readout
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)

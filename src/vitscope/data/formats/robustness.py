@@ -24,6 +24,21 @@ from vitscope.data.base import Batch, Sample
 from vitscope.data.formats.common import FileDataset, image_files, read_rgb
 from vitscope.errors import InputError, first_line
 
+#: CIFAR-100's fine labels in their official order (alphabetical; the label ids of CIFAR-100-C's labels.npy)
+CIFAR100_CLASSES: tuple[str, ...] = (
+    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle", "bowl", "boy",
+    "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle", "chair", "chimpanzee", "clock",
+    "cloud", "cockroach", "couch", "crab", "crocodile", "cup", "dinosaur", "dolphin", "elephant", "flatfish",
+    "forest", "fox", "girl", "hamster", "house", "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion",
+    "lizard", "lobster", "man", "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange",
+    "orchid", "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy", "porcupine",
+    "possum", "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal", "shark", "shrew", "skunk",
+    "skyscraper", "snail", "snake", "spider", "squirrel", "streetcar", "sunflower", "sweet_pepper", "table", "tank",
+    "telephone", "television", "tiger", "tractor", "train", "trout", "tulip", "turtle", "wardrobe", "whale",
+    "willow_tree", "wolf", "woman", "worm")
+#: the ``classes`` option of the .npy layout: which label space labels.npy holds
+NPY_CLASSES = ("auto", "cifar10", "cifar100")
+
 CUE_CONFLICT_NAME = re.compile(r"^(?P<shape>[a-z]+)(?P<i>\d+)-(?P<texture>[a-z]+)(?P<j>\d+)$")
 
 
@@ -82,15 +97,24 @@ class CueConflictFolder(FileDataset):
 
 
 class CorruptedFolder(FileDataset):
-    """Pre-corrupted images in the ImageNet-C or the CIFAR-10-C layout (detected); ``corruptions`` /
-    ``severities`` restrict what is read. Class names: the ImageNet-C class folders (sorted), or CIFAR-10's."""
+    """Pre-corrupted images in the ImageNet-C or the CIFAR-10-C / CIFAR-100-C layout (detected); ``corruptions`` /
+    ``severities`` restrict what is read. Class names: the ImageNet-C class folders (sorted), or, for the .npy
+    layout, CIFAR-10's or CIFAR-100's: ``classes`` 'cifar10' / 'cifar100', or 'auto' (default: CIFAR-100 when
+    labels.npy holds a label above 9, else CIFAR-10; a small CIFAR-100-C subset whose labels all fall below 10
+    needs ``classes: cifar100``). ``images_per_level``: that many images of each severity (a random sample,
+    seeded by ``seed``, the same rows in every corruption and severity: Merlin et al. use 1,000 per level)."""
 
     def __init__(self, root: str | Path, corruptions: list[str] | None = None, severities: list[int] | None = None,
-                 name: str | None = None):
+                 name: str | None = None, classes: str = "auto", images_per_level: int | None = None,
+                 seed: int = 0):
         from vitscope.data.perturb import CORRUPTIONS
-        from vitscope.metrics.robustness import CIFAR10_CLASSES
 
         super().__init__()
+        if classes not in NPY_CLASSES:
+            raise InputError(f"corrupted: classes {classes!r} is not a label space of the .npy layout; choose "
+                             f"{', '.join(NPY_CLASSES)}")
+        if images_per_level is not None and int(images_per_level) < 1:
+            raise InputError(f"corrupted: images_per_level must be at least 1, got {images_per_level}")
         self.root = Path(root)
         self.name = name or f"corrupted:{self.root.name}"
         if not self.root.is_dir():
@@ -102,24 +126,23 @@ class CorruptedFolder(FileDataset):
         self.entries: list[tuple[str, int, int, Path | int]] = []  # corruption, severity, label, file or row
         self.arrays: dict[str, np.ndarray] = {}
         npys = sorted(p.stem for p in self.root.glob("*.npy") if p.stem != "labels")
-        if npys:  # CIFAR-10-C
+        if npys:  # CIFAR-10-C / CIFAR-100-C
             if not (self.root / "labels.npy").is_file():
                 raise InputError(f"{str(self.root)!r} holds .npy files but no labels.npy (the CIFAR-10-C layout)")
             labels = _npy(self.root / "labels.npy", "an integer label per image", ndim=1)
-            if labels.dtype.kind not in "iu" or (len(labels) and not 0 <= labels.min() <= labels.max()
-                                                 < len(CIFAR10_CLASSES)):
-                raise InputError(f"{str(self.root / 'labels.npy')!r} must hold class ids 0..{len(CIFAR10_CLASSES) - 1} "
-                                 f"(CIFAR-10-C), got {labels.dtype} values {labels.min() if len(labels) else ''}"
-                                 f"..{labels.max() if len(labels) else ''}")
+            self.classes = _npy_classes(labels, classes, self.root / "labels.npy")
             names = corruptions or npys
             self._check(names, npys, CORRUPTIONS)
-            self.classes = list(CIFAR10_CLASSES)
             for c in names:
                 arr = _npy(self.root / f"{c}.npy", "uint8 images (N, H, W, 3)", ndim=4, mmap_mode="r")
                 per = len(arr) // 5
+                if len(labels) < len(arr):
+                    raise InputError(f"{str(self.root / 'labels.npy')!r} holds {len(labels)} labels for the "
+                                     f"{len(arr)} images of {c}.npy")
                 self.arrays[c] = arr
+                rows = _level_rows(per, images_per_level, seed)
                 for s in sev:
-                    self.entries += [(c, s, int(labels[r]), r) for r in range((s - 1) * per, s * per)]
+                    self.entries += [(c, s, int(labels[(s - 1) * per + r]), (s - 1) * per + r) for r in rows]
         else:  # ImageNet-C
             present = sorted(p.name for p in self.root.iterdir() if p.is_dir())
             names = corruptions or [p for p in present if p in CORRUPTIONS]
@@ -170,6 +193,30 @@ class CorruptedFolder(FileDataset):
         b.extra["corruption"] = [s.extra["corruption"] for s in chunk]
         b.extra["severity"] = torch.tensor([s.extra["severity"] for s in chunk], dtype=torch.long)
         return b
+
+
+def _npy_classes(labels: np.ndarray, classes: str, path: Path) -> list[str]:
+    """CIFAR-10's or CIFAR-100's class names for the labels of a .npy set (``classes``: 'auto' decides by the
+    largest label); one InputError sentence when a label falls outside that label space."""
+    if classes == "auto":
+        classes = "cifar100" if len(labels) and int(labels.max()) >= 10 else "cifar10"
+    if classes == "cifar10":
+        from vitscope.metrics.robustness import CIFAR10_CLASSES as names
+    else:
+        names = CIFAR100_CLASSES
+    if labels.dtype.kind not in "iu" or (len(labels) and not 0 <= labels.min() <= labels.max() < len(names)):
+        raise InputError(f"{str(path)!r} must hold class ids 0..{len(names) - 1} ({classes}), got {labels.dtype} "
+                         f"values {labels.min() if len(labels) else ''}..{labels.max() if len(labels) else ''}")
+    return list(names)
+
+
+def _level_rows(per: int, images_per_level: int | None, seed: int) -> list[int]:
+    """Rows within one severity's block: all, or a sorted random sample of ``images_per_level`` (seeded, so the
+    same rows in every corruption and severity)."""
+    if images_per_level is None or int(images_per_level) >= per:
+        return list(range(per))
+    pick = np.random.default_rng(int(seed)).choice(per, size=int(images_per_level), replace=False)
+    return sorted(int(r) for r in pick)
 
 
 def _npy(path: Path, what: str, ndim: int, mmap_mode: str | None = None) -> np.ndarray:

@@ -167,7 +167,75 @@ def stir(df: pd.DataFrame, raw: bool = False) -> Figures:
                     "(dashed, right axis), Merlin et al. Sec. 4.4; Pearson over the epochs: "
                     + ("; ".join(caps) if caps else "not computed (fewer than 3 epochs, or a constant series)")
                     + ".", fig))
+    out += _hypothesis_table(df) + _up_to_epoch(df)
     return out
+
+
+#: hypotheses shown per fine-tuning run (by |r|), beside the paper's
+TOP_HYPOTHESES = 10
+
+
+def _hypothesis_table(df: pd.DataFrame) -> list[tuple[str, plt.Figure]]:
+    """Merlin et al. App. E.1 per fine-tuning run: the hypotheses of largest |r| with the target and the paper's
+    (marked), with p and the Bonferroni-corrected p, as a table."""
+    h = df[df.metric == "hypothesis"]
+    if not len(h):
+        return []
+    out = []
+    for (a, b), g in h.groupby(["model", "model_b"], sort=False):
+        g = g.assign(absr=g["value"].astype(float).abs())
+        top = g[g["absr"].notna()].sort_values("absr", ascending=False).head(TOP_HYPOTHESES)
+        paper = g[g["paper"].astype(bool)]
+        rows = pd.concat([top, paper[~paper.index.isin(top.index)]])
+        cells = [[("* " if bool(r["paper"]) else "") + f"{r['aggregate']}({r['quantity']})", str(r["layers"]),
+                  f"{float(r['value']):.3f}", f"{float(r['p']):.2g}", f"{float(r['p_bonferroni']):.2g}",
+                  str(int(r["hypotheses"]))] for _, r in rows.iterrows()]
+        fig, ax = plt.subplots(figsize=(7.2, 0.3 * len(cells) + 0.6))
+        ax.set_axis_off()
+        t = ax.table(cellText=cells, colLabels=["hypothesis", "layers", "r", "p", "Bonferroni p", "of"],
+                     loc="center", cellLoc="left")
+        t.auto_set_font_size(False)
+        t.set_fontsize(7)
+        t.auto_set_column_width(list(range(6)))
+        n = int(g.get("epochs", pd.Series([math.nan])).iloc[0]) if "epochs" in g.columns else 0
+        target = str(g["target"].iloc[0]) if "target" in g.columns else "corrupted_accuracy"
+        out.append((f"{a} -> {b}: Merlin et al.'s hypothesis search (App. E.1), Pearson r over {n} epochs of each "
+                    f"aggregate (mean, std, min, max over the first / last n layers, 1-based) of learning, "
+                    f"forgetting, their sum and difference ({_count(g, 'learning_forgetting')} "
+                    f"hypotheses) and of cka divergence ({_count(g, 'cka_divergence')}) with "
+                    f"{target.replace('_', ' ')}: the {TOP_HYPOTHESES} of largest |r| and, marked *, the ones the "
+                    "paper reports (std of forgetting over layers 2..L; std of cka divergence over layers 1-8). "
+                    "Bonferroni p = p x the family's count, capped at 1: only below 0.05 does a hypothesis survive "
+                    "the search.", fig))
+    return out
+
+
+def _count(g: pd.DataFrame, family: str) -> int:
+    """Hypotheses of a family tested (column ``hypotheses``: constant series have no row but count)."""
+    v = g[g.family == family]["hypotheses"]
+    return int(v.iloc[0]) if len(v) else 0
+
+
+def _up_to_epoch(df: pd.DataFrame) -> list[tuple[str, plt.Figure]]:
+    """Merlin et al. Fig. 14: r of the std of forgetting over layers 2..L with the target, over the epochs up to
+    each epoch, one line per fine-tuning run."""
+    u = df[df.metric == "pearson_up_to_epoch"]
+    if not len(u):
+        return []
+    fig, ax = plt.subplots(figsize=(4.6, 3.0))
+    for k, ((a, b), g) in enumerate(u.groupby(["model", "model_b"], sort=False)):
+        g = g.sort_values("epoch")
+        ax.plot(g["epoch"].astype(float), g["value"].astype(float), "-o", ms=3, color=f"C{k}", label=f"{a} -> {b}")
+    ax.axhline(0, color="0.6", lw=0.8)
+    ax.set_ylim(-1.05, 1.05)
+    ax.set_xlabel("up to epoch", fontsize=8)
+    ax.set_ylabel("Pearson r", fontsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=6)
+    target = str(u["target"].iloc[0]).replace("_", " ") if "target" in u.columns else "corrupted accuracy"
+    return [(f"Correlation of the std of forgetting over layers 2..L with {target}, computed over the epochs up to "
+             "the one on the x axis (Merlin et al. Fig. 14; from 3 epochs): a strong r on the early epochs alone "
+             "means the correlation is not only the end of training's plateau.", fig)]
 
 
 FIGURES = {"stir": stir}
