@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -843,3 +844,27 @@ def test_the_probes_are_fitted_on_the_analysis_device(monkeypatch):
     an.device = torch.device("meta")  # no GPU here: a device the CPU path ignores, to see it handed over
     an.finalize()
     assert seen and all(d == torch.device("meta") for d in seen), seen
+
+
+def test_a_head_stated_to_output_the_datasets_classes_is_read_as_they_are():
+    """head_classes 'dataset': logit k is the dataset's class k (a model fine-tuned on the user's own classes): the
+    same head rows as the known CIFAR-10 space on CIFAR-10's classes; a head of another size is one sentence."""
+    from vitscope.analyses.robustness._common import head_covers, head_scores
+    from vitscope.models.load import load_model
+
+    sup = load_model("zoo-sup")
+    data = _Cifar(20)
+    tables = {}
+    for space in ("cifar10", "dataset"):
+        an = Corruptions(sup, corruptions=["contrast"], severities=[5], layers=[-1], test_every=2,
+                         head_classes=space, readout="head")
+        run_passes(an, sup, {"data": data}, batch_size=20)
+        tables[space] = an.finalize().drop(columns=["model"])
+    pd.testing.assert_frame_equal(tables["cifar10"], tables["dataset"])
+    assert head_covers("dataset", ["a", "b"]) and not head_covers("dataset", None)
+    with pytest.raises(ConfigError, match="10 logits for the dataset's 12 classes"):
+        head_scores("dataset", list(SyntheticShapes().classes), torch.zeros(2, 10))
+    an = Corruptions(sup, corruptions=["contrast"], severities=[5], head_classes="dataset")
+    an.datasets = {"data": "synthetic-shapes"}
+    with pytest.raises(ConfigError, match="head gives 10 logits for its 12 classes"):
+        an.configure({"data": list(SyntheticShapes().classes)})

@@ -30,8 +30,9 @@ Severity = Annotated[int, Range(min(P.SEVERITIES), max(P.SEVERITIES))]
 READOUTS = ("auto", "head", "probe")
 #: label spaces a classifier head may be declared to output (``head_classes``): ImageNet-1k (1000 logits), CIFAR-10
 #: (10), CIFAR-100 (100, its fine labels in the official order: e.g. a model fine-tuned on CIFAR-100 scored on
-#: CIFAR-100-C), or none (the head is not used)
-HEAD_SPACES = ("imagenet-1k", "cifar10", "cifar100", "none")
+#: CIFAR-100-C), 'dataset' (the user states that logit k is the dataset's class k, in its order: a model fine-tuned
+#: on the user's own classes), or none (the head is not used)
+HEAD_SPACES = ("imagenet-1k", "cifar10", "cifar100", "dataset", "none")
 PROBE_COLUMNS = ("n_train", "n_test", "probe_weight_decay", "probe_iterations")  # what a probe row records
 
 
@@ -103,13 +104,17 @@ def head_covers(space: str | None, classes: Sequence[str] | None) -> bool:
         from vitscope.data.formats.robustness import CIFAR100_CLASSES
 
         return list(classes) == list(CIFAR100_CLASSES)
-    return False
+    return space == "dataset"  # stated by the user: logit k is class k (`head_scores` checks the count)
 
 
 def head_scores(space: str, classes: Sequence[str], logits: torch.Tensor) -> torch.Tensor:
     """(N, C) scores over the dataset's ``classes`` from the head's logits."""
     if space == "imagenet-1k" and len(classes) != 1000:
         return R.imagenet_to_16(logits, classes)
+    if space == "dataset" and logits.shape[-1] != len(classes):
+        raise ConfigError(f"head_classes 'dataset' says logit k is the dataset's class k, but the head gives "
+                          f"{logits.shape[-1]} logits for the dataset's {len(classes)} classes; declare the head's "
+                          f"label space ({', '.join(h for h in HEAD_SPACES if h != 'dataset')}) instead")
     return logits
 
 
@@ -186,6 +191,8 @@ class _Robustness(Analysis):
         self.layers = self.layers_param(layers)
         self.readout_param = readout
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
+        model = getattr(vm, "model", None)  # the head's logits, where known (0: unknown, e.g. a cached state's info)
+        self.head_logits = int(getattr(model, "num_classes", 0) or 0) if model is not None else 0
         self.classes_param = list(classes) if classes is not None else None
         self.token_view = token_view or ("cls" if self.has_cls_token else "gap_spatial")
         self.max_images, self.test_every = int(max_images), check_test_every(test_every, self.name)
@@ -224,6 +231,10 @@ class _Robustness(Analysis):
             self.dataset_classes = {k: list(v) if v is not None else None for k, v in dataset_classes.items()}
         classes = self.classes_of("data")
         head = head_covers(self.head_space, classes)
+        if head and self.head_space == "dataset" and self.head_logits and self.head_logits != len(classes or ()):
+            raise ConfigError(f"{self.name}: head_classes 'dataset' says logit k is class k of "
+                              f"{self.datasets.get('data') or 'the dataset'}, but {self.model_name}'s head gives "
+                              f"{self.head_logits} logits for its {len(classes or ())} classes")
         probe, why = self.probe_possible()
         what = self.datasets.get("data") or "the dataset"
         if self.readout_param == "head" and not head:
