@@ -254,3 +254,17 @@ def test_block_updates_reads_the_decoders_first_block_from_its_embedded_input(ma
     assert row.block_label.item() == "decoder 0"
     assert set(df[df.metric == "token_position"].layer) == {E - 1, E}
     assert np.isfinite(df[df.metric == "token_position"].x_after).all()
+
+
+def test_the_decoder_model_beside_the_encoder_alone_gets_its_own_label(tmp_path, mae_file):
+    from vitscope.study import load_config
+
+    (tmp_path / "s.yaml").write_text(f"""
+models:
+  - {{name: {mae_file}, kwargs: {{num_heads: 2}}}}
+  - {{name: {mae_file}, decoder: true, kwargs: {{num_heads: 2}}}}
+dataset: {{name: synthetic-shapes, n_images: 8}}
+analyses: {{fourier: {{}}}}
+""")
+    labels = [m.label or m.name for m in load_config(tmp_path / "s.yaml").models]
+    assert labels == [str(mae_file), f"{mae_file} + decoder"]

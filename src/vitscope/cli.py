@@ -19,6 +19,7 @@ EPILOG = """examples:
   vitscope analyses                             every analysis: parameters, taps, data, sources
   vitscope run                                  the embedded default study (offline)
   vitscope run study.yaml batch_size=16         a study of your own, with overrides
+  vitscope recipes                              each source paper's study (run: recipe:NAME data_root=/data)
   vitscope datasets                             the dataset formats and what each provides
   vitscope report vitscope-runs/default         rebuild a run's report.html
   vitscope cache                                the cache by model and analysis (prune: --older-than, --max-size)
@@ -62,6 +63,13 @@ def _cmd_taps(args: argparse.Namespace) -> int:
     from vitscope.taps_listing import text
 
     print(text(args.model, args.weights), end="")  # a registry entry: the shipped snapshot, no torch
+    return 0
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    from vitscope.study.config import format_recipes
+
+    print(format_recipes(), end="")  # the recipes' YAML read as text: no torch
     return 0
 
 
@@ -139,9 +147,11 @@ def _run(args: argparse.Namespace, config: str | None, overrides: list[str], mod
         early_refusals(cfg, names=not args.dry_run,
                        lock=models is None and not args.dry_run and os.environ.get("RANK", "0") == "0")
         if models is None and not args.dry_run:
+            from vitscope.study.config import recipe_name, recipe_path
             from vitscope.study.helper import prespawn
 
-            prespawn(config)
+            recipe = recipe_name(config)
+            prespawn(str(recipe_path(recipe)) if recipe is not None else config)
 
     cfg = load_config(config, overrides, early=early)  # the config's own checks that need no torch come first
     if args.quiet:
@@ -292,11 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--markdown", action="store_true", help="as the markdown of docs/analyses.md")
     a.set_defaults(func=_cmd_analyses)
 
+    rc = sub.add_parser("recipes", help="list the recipes: each source paper's study, run by `vitscope run "
+                        "recipe:NAME data_root=/data`", parents=[common])
+    rc.set_defaults(func=_cmd_recipes)
+
     r = sub.add_parser("run", help="run a study (the embedded default if no config is given)", parents=[common],
                        description="Run a study: each model once over the dataset, every analysis from that "
                                    "one pass. Overrides are OmegaConf dotlist: key=value, e.g. batch_size=16 "
                                    "dataset.n_images=512 'analyses.cka.views=[gap]'.")
-    r.add_argument("config", nargs="?", help="study YAML (default: the embedded default study)")
+    r.add_argument("config", nargs="?", help="study YAML, or recipe:NAME (`vitscope recipes`; give data_root=/path) "
+                                             "(default: the embedded default study)")
     r.add_argument("overrides", nargs="*", help="key=value overrides")
     r.add_argument("--overwrite", action="store_true",
                    help="replace the results of another config in the output directory")

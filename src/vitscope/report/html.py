@@ -112,6 +112,19 @@ def _summary(run: Run) -> list[str]:
     return parts
 
 
+def _published(run: Run) -> list[str]:
+    """The recipe's published numbers beside this run's (`vitscope.report.published`): paper X, this run Y ± e
+    (half its 95 % interval), a missing row said so; references, not tests."""
+    from vitscope.report.published import published_table
+
+    table = published_table(run.tables, run.manifest)
+    if table.empty:
+        return []
+    return ["<h2 id='published'>Published numbers</h2><p>The papers' numbers (the config's <code>published:</code>) "
+            "beside this run's, ± half its 95 % interval, in the paper's units. A reference, not a test: the "
+            "recipes' comments say where the protocol departs from the paper's.</p>", _table(table)]
+
+
 def _findings(run: Run) -> list[str]:
     """The sources' contrastive-vs-MIM findings with their verdicts, when the study has both families: one sentence
     counting the verdicts, the budget caveat of the zoo's MIM models where they are in the study, and the table."""
@@ -312,6 +325,7 @@ def write_report(run_dir: str | Path) -> Path:
              f"timm {_esc(manifest.get('versions', {}).get('timm', '?'))}.</p>",
              "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>"]
     parts += _summary(run)
+    parts += _published(run)
     if models:
         parts.append("<h2 id='models'>Models</h2><table><tr><th>model</th><th>family</th><th>source</th>"
                      "<th>architecture</th><th>readout</th><th>blocks</th><th>heads</th><th>grid</th><th>patch</th>"

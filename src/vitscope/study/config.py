@@ -57,6 +57,9 @@ class StudyConfig:
     save_every: int = 10                   # save partial states every N batches, and every 10 s (resume after a kill)
     num_workers: int | None = None         # image-reading processes; null: usable cores - 1 for files, 0 in memory
     progress: bool = True                  # progress bars
+    published: list[dict[str, Any]] = field(default_factory=list)  # a paper's numbers shown beside this run's in the
+    #                                       report: {analysis, model, metric, layer (int or 'best'), value, source}
+    #                                       each, + selector columns (e.g. token_view) and `scale` (docs/recipes)
 
 
 def default_config_path() -> Path:
@@ -73,16 +76,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     ``early(cfg)``: called once the checks that import nothing heavy have passed (`check`), before the others
     import torch (`vitscope run` makes its own refusals there: `early_refusals`)."""
     embedded = path is None
+    overrides = list(overrides or [])
+    recipe = recipe_name(path)
+    if recipe is not None:
+        path = recipe_path(recipe)
+        roots, overrides = split_roots(overrides)
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    overrides = list(overrides or [])
     removals = [o[1:] for o in overrides if o.startswith("~")]
     try:
         schema = OmegaConf.structured(StudyConfig)
         loaded = _yaml(lambda: OmegaConf.load(path), path.name)
         if not isinstance(loaded, DictConfig):
             raise ConfigError(f"{path.name} must hold a mapping of settings (models, dataset, analyses, ...)")
+        if recipe is not None:
+            loaded = resolve_recipe(recipe, loaded, roots)
         cfg = OmegaConf.merge(schema, loaded)
         for o in overrides:  # one at a time, by path, so list items can be set too (models.0.weights=...)
             if o.startswith("~"):
@@ -224,6 +233,9 @@ def check(cfg: StudyConfig) -> None:
     if not cfg.models:
         raise ConfigError("the config lists no models: add at least one under `models:`")
     cfg.models = expand_models(cfg.models)
+    for m in cfg.models:  # the decoder model beside the encoder alone: two labels, unless the entry gives one
+        if m.decoder is True and m.label is None:
+            m.label = f"{m.name} + decoder"
     if all(m.ablate is None for m in cfg.models):  # else labels are final once the ablations are read
         _check_labels(cfg)
     from vitscope.bounds import Range, check_arch
@@ -282,6 +294,7 @@ def check(cfg: StudyConfig) -> None:
         needs, inputs = data_needs(name)
         match_slots(name, needs, inputs, params or {}, datasets)  # the planner's matching, before torch
     _check_cls_views(cfg)
+    check_published(cfg)
 
 
 #: parameters that name one token view, which an analysis cannot do without (the lists of views, `views`, drop
@@ -711,3 +724,160 @@ ABLATE_DOC = (
     "statistics pass of `images` forwards when `mode` is mean or `heads` a type (the attention maps unfused then). "
     "Example: `models: [{name: zoo-dino}, {name: zoo-dino, ablate: {heads: local, mode: mean}}]`.")
 
+
+
+# ---------------------------------------------------------------- recipes: a source paper's study in one command
+
+#: `vitscope run recipe:NAME data_root=/data`: the config argument that names a shipped recipe
+RECIPE_PREFIX = "recipe:"
+#: the placeholders a recipe writes its paths with (``${data_root}/coco/...``, ``${ckpt_root}/...``), given on the
+#: command line as ``data_root=/path``; ``${shipped}`` is the package's folder of shipped data files (class lists)
+ROOT_KEYS = ("data_root", "ckpt_root")
+#: what each root holds, for the sentence that asks for it
+_ROOT_HOLDS = {"data_root": "the folder holding imagenet/, coco/, davis/, ... as docs/recipes/README.md lays out",
+               "ckpt_root": "the folder holding the recipe's checkpoint files, as its comments name them"}
+
+
+def recipes_dir() -> Path:
+    """The shipped recipes' folder (``vitscope/configs/recipes``): one full study per source paper."""
+    return Path(str(resources.files("vitscope") / "configs" / "recipes"))
+
+
+def recipe_names() -> list[str]:
+    """The shipped recipes' names, sorted (``recipe:NAME``)."""
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
+def recipe_name(config: str | Path | None) -> str | None:
+    """``NAME`` of a ``recipe:NAME`` config argument; None for a file (or the embedded default)."""
+    if isinstance(config, str) and config.startswith(RECIPE_PREFIX):
+        return config[len(RECIPE_PREFIX):].strip()
+    return None
+
+
+def recipe_path(name: str) -> Path:
+    """The YAML file of recipe ``name``; an unknown name is one ConfigError sentence with the close matches."""
+    names = recipe_names()
+    if name not in names:
+        hint = close_matches(name, names)
+        raise ConfigError(f"unknown recipe {name!r}" + (f" (did you mean {', '.join(hint)}?)" if hint else "")
+                          + f"; the recipes are {', '.join(names)} (`vitscope recipes` lists them)")
+    return recipes_dir() / f"{name}.yaml"
+
+
+def split_roots(overrides: list[str]) -> tuple[dict[str, str], list[str]]:
+    """(``{data_root: ..., ckpt_root: ...}``, the other overrides): a recipe's roots are placeholders of its
+    YAML, not keys of the study config, so they are taken out of the overrides before those are applied."""
+    roots, rest = {}, []
+    for o in overrides:
+        key, eq, value = o.partition("=")
+        if eq and key.strip() in ROOT_KEYS:
+            if not value.strip():
+                raise ConfigError(f"{key.strip()}= is empty: pass {key.strip()}=/path ({_ROOT_HOLDS[key.strip()]})")
+            roots[key.strip()] = str(Path(value.strip()).expanduser())
+        else:
+            rest.append(o)
+    return roots, rest
+
+
+def _placeholders(node: Any) -> set[str]:
+    """The ``${name}`` placeholders the strings of a YAML tree use."""
+    if isinstance(node, dict):
+        return set().union(*(_placeholders(v) for v in node.values())) if node else set()
+    if isinstance(node, list):
+        return set().union(*(_placeholders(v) for v in node)) if node else set()
+    return set(re.findall(r"\$\{\s*([\w-]+)\s*\}", node)) if isinstance(node, str) else set()
+
+
+def resolve_recipe(name: str, loaded: DictConfig, roots: dict[str, str]) -> DictConfig:
+    """Recipe ``name``'s YAML with its ``${data_root}``, ``${ckpt_root}`` and ``${shipped}`` placeholders
+    replaced, and its ``recipe:`` description (read by `vitscope recipes`) taken out: a study config. A root the
+    recipe uses and the command line does not give is one ConfigError sentence saying to pass it."""
+    raw = OmegaConf.to_container(loaded, resolve=False)
+    raw.pop("recipe", None)
+    used = _placeholders(raw)
+    for key in ROOT_KEYS:
+        if key in used and key not in roots:
+            raise ConfigError(f"recipe {name!r} reads its files under {key}: pass {key}=/path ({_ROOT_HOLDS[key]})")
+    shipped = str(resources.files("vitscope") / "data" / "shipped")
+    node = OmegaConf.create({**raw, **roots, "shipped": shipped})
+    OmegaConf.resolve(node)
+    for key in (*ROOT_KEYS, "shipped"):
+        node.pop(key, None)
+    return node
+
+
+def recipe_summaries() -> list[dict[str, Any]]:
+    """Each shipped recipe read as plain YAML (no validation, no torch): name, paper, models, datasets, analyses,
+    published numbers; what `vitscope recipes` lists."""
+    out = []
+    for name in recipe_names():
+        raw = yaml.safe_load((recipes_dir() / f"{name}.yaml").read_text(encoding="utf-8")) or {}
+        about = raw.get("recipe") or {}
+        models = []
+        for m in raw.get("models") or []:
+            label = m.get("label") or m.get("name")
+            n = len(m["checkpoints"]) if isinstance(m.get("checkpoints"), list) else 1
+            models.append(label if n == 1 else f"{label} x{n} checkpoints")
+        out.append({"name": name, "paper": about.get("paper", ""), "models": models,
+                    "datasets": list(raw.get("datasets") or {}), "analyses": list(raw.get("analyses") or {}),
+                    "published": len(raw.get("published") or [])})
+    return out
+
+
+def format_recipes() -> str:
+    """`vitscope recipes`: one line per recipe (name, paper, models, datasets, the number of analyses)."""
+    lines = []
+    for r in recipe_summaries():
+        shown = ", ".join(r["models"][:4]) + (f", ... ({len(r['models'])} models)" if len(r["models"]) > 4 else "")
+        lines.append(f"{r['name']:<17} {r['paper']} | models: {shown} | datasets: {', '.join(r['datasets'])} | "
+                     f"{len(r['analyses'])} analyses, {r['published']} published numbers")
+    lines += ["", "Run one: vitscope run recipe:NAME data_root=/data [ckpt_root=/ckpts] [key=value ...] (--dry-run: "
+              "its cost first); the files: " + str(recipes_dir()) + " (docs/recipes/README.md)"]
+    return "\n".join(lines) + "\n"
+
+
+#: the keys every `published:` entry gives; `scale` (optional) takes the table's value to the paper's units (100:
+#: the paper prints percent); any other key selects rows by that column of the analysis's table (token_view: cls)
+PUBLISHED_KEYS = ("analysis", "model", "metric", "layer", "value", "source")
+
+
+def check_published(cfg: StudyConfig) -> None:
+    """Each ``published:`` entry a mapping with `PUBLISHED_KEYS`, naming an analysis vitscope has and a model
+    of the study (its label), a layer that is a block index or 'best', a number as its value: one ConfigError
+    sentence otherwise. The numbers are references shown in the report, never a test of the run."""
+    if not cfg.published:
+        return
+    from vitscope.analyses_listing import analysis_names
+
+    names = analysis_names()
+    labels = [m.label or m.name for m in cfg.models]
+    labels_final = all(m.ablate is None or m.label for m in cfg.models)  # else ablated variants are named later
+    for i, p in enumerate(cfg.published):
+        where = f"published[{i}]"
+        if not isinstance(p, dict):
+            raise ConfigError(f"{where} must be a mapping ({{analysis, model, metric, layer, value, source}}), "
+                              f"not {p!r}")
+        missing = [k for k in PUBLISHED_KEYS if k not in p]
+        if missing:
+            raise ConfigError(f"{where} lacks {', '.join(missing)}; each entry gives {', '.join(PUBLISHED_KEYS)}")
+        if p["analysis"] not in names:
+            hint = close_matches(str(p["analysis"]), names)
+            raise ConfigError(f"{where}.analysis: unknown analysis {p['analysis']!r}"
+                              + (f"; did you mean {', '.join(hint)}?" if hint else " (`vitscope analyses` lists them)"))
+        if labels_final and p["model"] not in labels:
+            hint = close_matches(str(p["model"]), labels)
+            raise ConfigError(f"{where}.model: no model labelled {p['model']!r} in the study"
+                              + (f"; did you mean {', '.join(hint)}?" if hint else f"; its models: {', '.join(labels)}")
+                              )
+        layer = p["layer"]
+        if not (layer is None or layer == "best" or (isinstance(layer, int) and not isinstance(layer, bool))):
+            raise ConfigError(f"{where}.layer must be a block index (0 = the first block), 'best' or null (a row "
+                              f"without a layer), not {layer!r}")
+        for key in ("value", "scale"):
+            v = p.get(key, 1.0)
+            if isinstance(v, bool) or not isinstance(v, int | float) or (key == "scale" and v <= 0):
+                raise ConfigError(f"{where}.{key} must be a {'positive ' if key == 'scale' else ''}number, not {v!r}")
+        if not isinstance(p["source"], str) or not p["source"].strip():
+            raise ConfigError(f"{where}.source must say where the number is printed (e.g. 'Walmer et al. 2023, "
+                              "Table 1')")
