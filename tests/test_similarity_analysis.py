@@ -2,6 +2,7 @@
 for any chunking, shard split or resume), cross-model pairs, permutation nulls and bootstrap intervals."""
 
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -236,8 +237,12 @@ def test_the_default_grid_is_matched_depths_across_models_drawn_as_profiles_with
     bars = [c for c in ax.containers if isinstance(c, ErrorbarContainer)]
     assert bars  # the last pair's jackknife interval
     plt.close(fig)
-    with pytest.warns(UserWarning, match="with one model and grid 'matched' it computes nothing"):
+    # one model alone with grid 'matched': no rows, said by the study (a warning "no rows for A: <empty_reason>")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert cls.cross([a]) is None
+    reason = a.empty_reason()
+    assert "with grid 'matched' it has no rows within one model" in reason and "grid: full" in reason
     assert pd.isna(cross.p_value).sum() == len(cross) - 1  # nulls at the last pair only, not ridge R²
 
 

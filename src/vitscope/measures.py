@@ -25,6 +25,8 @@ DIRECTION: dict[str, str] = {
     "rsa_kendall": SIMILARITY,
     "mutual_knn": SIMILARITY,
     "cknna": SIMILARITY,
+    # `similarity`, opt-in: Ramasesh et al. 2021's overlap of the top-k principal subspaces, in [0, 1]
+    "subspace_similarity": SIMILARITY,
 }
 
 #: measures with two directions of a pair (X predicts / weights Y): a table's ``*_reverse`` rows hold the other

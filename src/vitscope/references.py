@@ -77,6 +77,9 @@ REFERENCES: dict[str, str] = {
                         "Neuroscience 2:4, 2008.",
     "huh2024": "Minyoung Huh, Brian Cheung, Tongzhou Wang, Phillip Isola. The Platonic Representation Hypothesis. "
                "International Conference on Machine Learning (ICML), 2024. arXiv:2405.07987.",
+    "ramasesh2021": "Vinay V. Ramasesh, Ethan Dyer, Maithra Raghu. Anatomy of catastrophic forgetting: hidden "
+                    "representations and task semantics. International Conference on Learning Representations "
+                    "(ICLR), 2021. arXiv:2007.07400.",
 }
 
 #: the project's source documents (docstrings say "seed 003 §4.2") -> their reference
@@ -98,7 +101,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "saliency_iou": ["walmer2023"],
     "cka": ["shekhar2022", "nguyen2021", "kornblith2019", "walmer2023", "merlin2023"],
     "residual_cka": ["walmer2023"],
-    "similarity": ["williams2021", "raghu2017", "morcos2018", "kriegeskorte2008", "huh2024"],
+    "similarity": ["williams2021", "raghu2017", "morcos2018", "kriegeskorte2008", "huh2024", "ramasesh2021"],
     "diversity": ["park2023", "wang_clmm"],
     "svd_volume": ["park2023"],
     "fourier": ["park2023", "park_kim2022"],

@@ -1,6 +1,7 @@
 """Representation similarity beyond CKA (`similarity`): Procrustes, shape metric, CCA family, RSA, mutual
-k-NN, CKNNA, ridge R² on a seeded subset of images kept in float16 (`vitscope.analyses.similarity.subset`),
-within and across models, with permutation nulls and jackknife intervals (math in `vitscope.metrics.similarity`).
+k-NN, CKNNA, ridge R² and (opt-in) subspace similarity on a seeded subset of images kept in float16
+(`vitscope.analyses.similarity.subset`), within and across models, with permutation nulls and jackknife
+intervals (math in `vitscope.metrics.similarity`).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -47,7 +48,25 @@ class Similarity(Analysis):
     pair and permutation), mean CCA, SVCCA
     (Raghu et al. 2017), PWCCA (Morcos et al. 2018; weights from ``layer``), RSA of correlation-distance RDMs
     by Spearman and Kendall's tau_a (Kriegeskorte et al. 2008), mutual k-NN and CKNNA (Huh et al. 2024) and
-    leave-one-out ridge R² (``layer`` predicts ``layer_b``; across models also the reverse, ``*_reverse``).
+    leave-one-out ridge R² (``layer`` predicts ``layer_b``; across models also the reverse, ``*_reverse``), and,
+    when ``measures`` names it (opt-in: not in the default list), ``subspace_similarity`` (Ramasesh et al. 2021,
+    "Anatomy of catastrophic forgetting", the second baseline of Merlin et al. 2023): the overlap of the two
+    layers' top-``subspace_k`` principal subspaces, ``|U_aᵀ U_b|_F² / k`` in [0, 1] (1: the same subspace, 0:
+    orthogonal). ``subspace_space`` says where the principal directions live: 'features' is Ramasesh et al.'s
+    measure to the letter, the top-k eigenvectors of each layer's centred feature covariance over the subset (the
+    right singular vectors), which Merlin et al. use for one network before and after fine-tuning; it needs the
+    two layers to share their feature coordinates, so it is defined only for layers of the same width and is
+    meaningful only for a network and its fine-tune (between different networks of equal width it compares
+    unrelated coordinates: a value, but not a comparison of representations). 'images' takes the left singular
+    vectors, the principal components' scores over the images (about k / (n_images - 1) by chance): defined
+    across widths (ViT-S against ViT-B) and invariant to rotations and isotropic scaling of either layer's
+    features. 'auto' (the default) is 'features' where the two layers have the same width, which gives the
+    fine-tuning baseline to the letter, and 'images' otherwise, the only variant defined across widths. Each
+    subspace row's ``subspace_space`` column says which ran. The feature-space directions do not depend on the
+    order of the images, so shuffling B's images leaves the value unchanged: its rows get no permutation null
+    (no ``null_*`` or ``p_value``), only the jackknife interval over groups of images, which does move them; the
+    images variant gets both. ``subspace_k`` (10) must be below ``n_subset``; a layer of lower rank compares its
+    rank's directions.
     PWCCA, ridge R² and CKNNA change with the order of the pair (`ASYMMETRIC`): within a model every ordered
     pair of layers has its own row, the others are copied to (j, i). ``measures`` picks them; distances
     (procrustes, angular_shape) are small for similar representations.
@@ -64,6 +83,12 @@ class Similarity(Analysis):
     every model, shard and resumed run. RSA uses the first ``rsa_images`` of them (its RDM and Kendall's tau
     grow with the square of the images). Rows record ``n_images`` (the images a value was computed on) and
     ``images_seen``.
+
+    A pair of models where one is declared ``finetuned_from`` the other (each epoch of a ``checkpoints:`` list
+    is its own model) has the column ``pretrained`` on its rows (the pretrained model's label; absent or empty on
+    other pairs): with ``grid: matched`` and equal depths, its rows of layer i against layer i are the per-layer,
+    per-epoch view of Merlin et al. and Ramasesh et al. (the report draws the subspace similarity so, a line per
+    fine-tuned model; ``null_pairs: matched`` gives every layer its interval).
 
     Across models, for the pairs ``null_pairs`` names ('last': the two models' last taps, the pair the findings
     read, the default; 'matched': each layer of A with B's layer at the same relative depth; 'all'; 'none'),
@@ -89,24 +114,25 @@ class Similarity(Analysis):
       compare models at the same ``n_images``, as the analysis does. Coverage: `benchmarks/calibration.py`
       (docs/CALIBRATION.md).
 
-    Cost: each tap is prepared once (an SVD; its k-NN lists, from float32 candidates ordered at float64; its
-    RDM); a grid's cross products come from one matrix product per tap (`metrics.similarity.compare_grid`); each
-    pair then takes one eigendecomposition of an r x r matrix with vectors (r = the layer's rank, 384 for ViT-S:
-    CCA, and PWCCA both ways) and two values-only ones (Procrustes, SVCCA; one more per alpha other than 0 and 1),
-    and ridge two products of n rows (both ways). A tested pair adds ``n_permutations`` such comparisons without
-    ridge (on float32 bases, `Prepared.single`) and ``n_groups`` of its two taps prepared again without a group
-    (their neighbour lists filtered from long lists searched once). Memory: the subset (``n_subset`` x width x 2
-    bytes per tap); every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n neighbour score at a time
-    (16 MB) and products of n x 2048 (33 MB). `benchmarks/similarity.py` measures it against CKA's time on the
-    same features (two ViT-S/16, 13 taps, 2,048 images, one thread; 2026-11-28, quiet: load 0.5-0.9 on 2 cores):
-    the default (13 matched pairs, 99 permutations and a 10-group jackknife of the last pair) 12.7-13.3 s
-    against CKA's 1.42-1.43 s, 9.0-9.3x (9.1-9.8x over four runs; 23.9 s, 11.9x, with 20 groups, alpha 0.5
-    and ridge's null; 83 s with the full grids): the pairs with every tap prepared 3.8-4.1 s, the permutations
-    5.7-5.9 s, the jackknife 1.8-2.0 s. The floor, mean CCA alone over the same pairs, permutations and
-    jackknife (a cross product and one decomposition per pair and replicate), is 4.2-4.3 s (2.9-3.0x); each
-    linear measure alone costs 2.9-6.2 s (PWCCA the most), the neighbour and RDM measures 0.8-2.2 s. ``grid:
-    full`` (both models' 13 x 13 grids and the cross grid) took 52.5 s (``--grid full``, the same
-    conditions)."""
+    Cost: each tap is prepared once (an SVD; its k-NN lists, from float32 candidates ordered at float64; its RDM); a
+    grid's cross products come from one matrix product per tap (`metrics.similarity.compare_grid`); each pair then
+    takes one eigendecomposition of an r x r matrix with vectors (r = the layer's rank, 384 for ViT-S: CCA, and
+    PWCCA both ways) and two values-only ones (Procrustes, SVCCA; one more per alpha other than 0 and 1), and ridge
+    two products of n rows (both ways); the subspace similarity reads a k x k block of the cross product (images) or
+    multiplies two k x width blocks of the right singular vectors (features): next to nothing, nulls and jackknife
+    included. A tested pair adds ``n_permutations`` such comparisons without ridge (on
+    float32 bases, `Prepared.single`) and ``n_groups`` of its two taps prepared again without a group (their
+    neighbour lists filtered from long lists searched once). Memory: the subset (``n_subset`` x width x 2 bytes per
+    tap); every tap's float64 basis (n x r: 6 MB at n = 2000), one n x n neighbour score at a time (16 MB) and
+    products of n x 2048 (33 MB). `benchmarks/similarity.py` measures it against CKA's time on the same features
+    (two ViT-S/16, 13 taps, 2,048 images, one thread; 2026-11-28, quiet: load 0.5-0.9 on 2 cores): the default (13
+    matched pairs, 99 permutations and a 10-group jackknife of the last pair) 12.7-13.3 s against CKA's 1.42-1.43 s,
+    9.0-9.3x (9.1-9.8x over four runs; 23.9 s, 11.9x, with 20 groups, alpha 0.5 and ridge's null; 83 s with the full
+    grids): the pairs with every tap prepared 3.8-4.1 s, the permutations 5.7-5.9 s, the jackknife 1.8-2.0 s. The
+    floor, mean CCA alone over the same pairs, permutations and jackknife (a cross product and one decomposition per
+    pair and replicate), is 4.2-4.3 s (2.9-3.0x); each linear measure alone costs 2.9-6.2 s (PWCCA the most), the
+    neighbour and RDM measures 0.8-2.2 s. ``grid: full`` (both models' 13 x 13 grids and the cross grid) took 52.5 s
+    (``--grid full``, the same conditions)."""
 
     state_version = 5  # 2: CKNNA is asymmetric: its (j, i) rows within a model and *_reverse across models;
     # 3: jackknife intervals (stderr) instead of the bootstrap's, 99 permutations, the last pair by default;
@@ -118,15 +144,17 @@ class Similarity(Analysis):
 
     name = "similarity"
     in_default_study = False  # its measures and nulls cost many times CKA (benchmarks/similarity.py)
-    description = ("Procrustes, shape metric, CCA / SVCCA / PWCCA, RSA, mutual k-NN, CKNNA and ridge R² between "
-                   "layers, within and across models, with permutation nulls and jackknife intervals")
+    description = ("Procrustes, shape metric, CCA / SVCCA / PWCCA, RSA, mutual k-NN, CKNNA, ridge R² and (opt-in) "
+                   "subspace similarity between layers, within and across models, with permutation nulls and "
+                   "jackknife intervals")
 
     def __init__(self, vm: Any, taps: str | Sequence[str] = "block*.out", view: str = "gap",
-                 measures: Sequence[str] = tuple(M.MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
+                 measures: Sequence[str] = tuple(M.DEFAULT_MEASURES), n_subset: Annotated[int, Range(5)] = 2000,
                  seed: int = 0, alphas: Sequence[Fraction] = (0.0, 1.0), k: Count = 10,
                  rsa_images: Annotated[int, Range(5)] = 200, ridge: Positive = 1e-3,
                  n_permutations: Permutations = 99, n_groups: Groups = 10, null_pairs: str = "last",
-                 grid: str = "matched"):
+                 grid: str = "matched", subspace_k: Count = M.SUBSPACE_K,
+                 subspace_space: Literal["auto", "features", "images"] = "auto"):
         super().__init__(vm)
         self.taps = expand_taps(list(taps) if not isinstance(taps, str) else taps, self.depth)
         if view not in POOLED_VIEWS:
@@ -147,6 +175,12 @@ class Similarity(Analysis):
         self.grid = grid
         if ("mutual_knn" in self.measures or "cknna" in self.measures) and int(k) >= int(n_subset):
             raise ConfigError(f"similarity: k = {k} neighbours needs n_subset above it, got {n_subset}")
+        if "subspace_similarity" in self.measures and int(subspace_k) >= int(n_subset):
+            raise ConfigError(f"similarity: subspace_k = {subspace_k} principal directions needs n_subset above it, "
+                              f"got {n_subset}")
+        if subspace_space not in M.SUBSPACE_SPACES:
+            raise unknown_name("similarity subspace_space", subspace_space, M.SUBSPACE_SPACES)
+        self.subspace_k, self.subspace_space = int(subspace_k), subspace_space
         self.n_subset, self.seed, self.k = int(n_subset), int(seed), int(k)
         self.alphas, self.rsa_images, self.ridge = [float(a) for a in alphas], int(rsa_images), float(ridge)
         self.n_permutations, self.n_groups, self.null_pairs = int(n_permutations), int(n_groups), null_pairs
@@ -199,19 +233,41 @@ class Similarity(Analysis):
     def _prepared(self, rows: Any = None) -> list[M.Prepared]:
         self._check_kept()
         return [M.prepare(self.feats[t] if rows is None else self.feats[t][rows], self.measures, k=self.k,
-                          rsa_images=self.rsa_images, name=f"{self.model_name} {t}") for t in self.taps]
+                          rsa_images=self.rsa_images, name=f"{self.model_name} {t}", subspace_k=self.subspace_k)
+                for t in self.taps]
 
     def _compare(self, pa: M.Prepared, pb: M.Prepared, measures: Sequence[str] | None = None) -> dict[str, float]:
-        return M.compare(pa, pb, measures or self.measures, alphas=self.alphas, ridge=self.ridge)
+        return M.compare(pa, pb, measures or self.measures, alphas=self.alphas, ridge=self.ridge,
+                         subspace_space=self.subspace_space)
 
     def _n_of(self, metric: str) -> int:
         return min(self.rsa_images, len(self.ids)) if metric.startswith("rsa") else len(self.ids)
 
     def _row(self, other: Similarity, i: int, j: int, metric: str, value: float) -> dict[str, Any]:
         ta, tb = self.taps[i], other.taps[j]
-        return {"metric": metric, "layer": parse_tap(ta)[0], "layer_b": parse_tap(tb)[0], "tap": ta, "tap_b": tb,
-                "token_view": self.view, "model_b": other.model_name, "value": value,
-                "n_images": self._n_of(metric), "images_seen": self.n_images}
+        row = {"metric": metric, "layer": parse_tap(ta)[0], "layer_b": parse_tap(tb)[0], "tap": ta, "tap_b": tb,
+               "token_view": self.view, "model_b": other.model_name, "value": value,
+               "n_images": self._n_of(metric), "images_seen": self.n_images}
+        if metric == "subspace_similarity":
+            row["subspace_space"] = self._space(other, i, j)
+        return row
+
+    def _width(self, i: int) -> int:
+        """The width of tap i's features (one vector per image)."""
+        return int(np.prod(self.feats[self.taps[i]].shape[1:]))
+
+    def _space(self, other: Similarity, i: int, j: int) -> str:
+        """Where the subspace similarity of this model's tap i and ``other``'s tap j takes its principal directions
+        ('features' or 'images', `metrics.similarity.subspace_space_of`); 'features' asked for layers of different
+        widths is an error that names them."""
+        wa, wb = self._width(i), other._width(j)
+        if self.subspace_space == "features" and wa != wb:
+            raise ConfigError(f"similarity: subspace_space 'features' needs layers of the same width, but "
+                              f"{self.model_name} {self.taps[i]} has {wa} and {other.model_name} {other.taps[j]} "
+                              f"{wb} (use 'auto' or 'images')")
+        if self.subspace_space == "auto":
+            return "features" if wa == wb else "images"
+        return self.subspace_space
 
     def finalize(self) -> pd.DataFrame:
         if self.grid != "full":  # the measures across models only (`cross`): no rows within the model
@@ -222,7 +278,8 @@ class Similarity(Analysis):
             asym = [m for m in M.ASYMMETRIC if m in self.measures]
             n = len(prep)
             got = M.compare_grid(prep, prep, [(i, j) for i in range(n) for j in range(i, n)], self.measures,
-                                 alphas=self.alphas, ridge=self.ridge, reverse=asym)
+                                 alphas=self.alphas, ridge=self.ridge, reverse=asym,
+                                 subspace_space=self.subspace_space)
             rows = []
             for i, j in itertools.product(range(n), repeat=2):
                 if i <= j:
@@ -290,8 +347,11 @@ class Similarity(Analysis):
     def _cross_rows(self, other: Similarity, pa: list[M.Prepared], pb: list[M.Prepared]) -> pd.DataFrame:
         with few_threads():
             rev = [m for m in M.ASYMMETRIC if m in self.measures]
+            if "subspace_similarity" in self.measures:
+                for i, j in self._grid_pairs(other):
+                    self._space(other, i, j)  # 'features' across widths: an error naming the layers, first
             grid = M.compare_grid(pa, pb, self._grid_pairs(other), self.measures, alphas=self.alphas,
-                                  ridge=self.ridge, reverse=rev)
+                                  ridge=self.ridge, reverse=rev, subspace_space=self.subspace_space)
             rows: dict[tuple[int, int, str], dict[str, Any]] = {}
             for (i, j), got in grid.items():
                 for metric, v in got.items():
@@ -299,7 +359,7 @@ class Similarity(Analysis):
             tested = self._tested_pairs(other)
             jack = self._jackknife(other, tested, rev)
             for i, j in tested:
-                null = self._null(pa[i], pb[j], rev, i, j)
+                null = self._null(pa[i], pb[j], rev, i, j, self._order_free(other, i, j))
                 for metric, row in ((m, r) for (a, b, m), r in rows.items() if (a, b) == (i, j)):
                     v = np.asarray(null.get(metric, []), dtype=float)
                     if len(v):
@@ -311,25 +371,47 @@ class Similarity(Analysis):
                     if reps is not None:
                         se, lo, hi = M.jackknife_interval(row["value"], reps, M.range_of(metric))
                         row.update(stderr=se, value_lo=lo, value_hi=hi, n_groups=len(reps))
+            pretrained = self._pretrained_of(other)
+            if pretrained is not None:
+                for row in rows.values():
+                    row["pretrained"] = pretrained
         return self.tidy(list(rows.values()))
+
+    def _pretrained_of(self, other: Similarity) -> str | None:
+        """The pretrained model's label when one of the pair is declared ``finetuned_from`` the other, else None."""
+        if other.finetuned_from is not None and other.finetuned_from == self.model_name:
+            return self.model_name
+        if self.finetuned_from is not None and self.finetuned_from == other.model_name:
+            return other.model_name
+        return None
 
     def _rng(self, *stream: int) -> Any:
         return np.random.default_rng([self.seed, *stream])
 
-    def _null(self, pa: M.Prepared, pb: M.Prepared, rev: list[str], i: int, j: int) -> dict[str, list[float]]:
+    def _order_free(self, other: Similarity, i: int, j: int) -> list[str]:
+        """The measures of the pair (i, j) that the order of B's images does not change, so that shuffling it is no
+        null: the subspace similarity in feature space (the covariance's eigenvectors are sums over the images)."""
+        if "subspace_similarity" in self.measures and self._space(other, i, j) == "features":
+            return ["subspace_similarity"]
+        return []
+
+    def _null(self, pa: M.Prepared, pb: M.Prepared, rev: list[str], i: int, j: int,
+              skip: Sequence[str] = ()) -> dict[str, list[float]]:
         """Scores with B's images shuffled: the RDM's images among themselves, the rest among themselves. All
-        the shuffles of one pair in one `compare_grid` (their cross products in one matrix product)."""
+        the shuffles of one pair in one `compare_grid` (their cross products in one matrix product). Neither the
+        measures of `WITHOUT_NULL` nor those in ``skip`` (`_order_free`) get one."""
         n, m_rsa = len(self.ids), min(self.rsa_images, len(self.ids))
         shuffled = []
         pa, pb = pa.single(), pb.single()  # a shuffle's score needs a few digits: float32 products, 2x faster
         for p in range(self.n_permutations):
             g = self._rng(1, i, j, p)
             shuffled.append(pb.permuted(np.concatenate([g.permutation(m_rsa), m_rsa + g.permutation(n - m_rsa)])))
-        measures = [m for m in self.measures if m not in WITHOUT_NULL]
+        measures = [m for m in self.measures if m not in WITHOUT_NULL and m not in skip]
         if not measures:
             return {}
         grid = M.compare_grid([pa], shuffled, [(0, p) for p in range(len(shuffled))], measures,
-                              alphas=self.alphas, ridge=self.ridge, reverse=[m for m in rev if m in measures])
+                              alphas=self.alphas, ridge=self.ridge, reverse=[m for m in rev if m in measures],
+                              subspace_space=self.subspace_space)
         out: dict[str, list[float]] = {}
         for p in range(len(shuffled)):
             for metric, v in grid[0, p].items():
@@ -349,7 +431,8 @@ class Similarity(Analysis):
             return {}
         return M.jackknife_replicates([self.feats[t] for t in self.taps], [other.feats[t] for t in other.taps],
                                       pairs, g_count, self.measures, k=self.k, rsa_images=self.rsa_images,
-                                      alphas=self.alphas, ridge=self.ridge, reverse=rev)
+                                      alphas=self.alphas, ridge=self.ridge, reverse=rev, subspace_k=self.subspace_k,
+                                      subspace_space=self.subspace_space)
 
 
 #: measures without a permutation null: leave-one-out ridge R² is out of sample, so unrelated features score

@@ -23,6 +23,18 @@ Linear family, all from one SVD per matrix (columns centred, the matrix scaled t
                    which is 1 after scaling), scored by leave-one-out R² over all of Y's columns: the closed form
                    residuals ``(I - H) Y / (1 - h_ii)`` of the hat matrix ``H = X (XᵀX + λ I)⁻¹ Xᵀ`` on the
                    centred matrices (the centring uses every example).
+* ``subspace_similarity`` Ramasesh et al. 2021 ("Anatomy of catastrophic forgetting"): the overlap of the top-k
+                   principal subspaces, ``|A_kᵀ B_k|_F² / k`` in [0, 1] (the mean squared cosine of the k
+                   principal angles): 1 for the same subspace, 0 for orthogonal ones. ``subspace_space``
+                   (`SUBSPACE_SPACES`, `subspace_space_of`): 'features', Ramasesh et al.'s, the top-k eigenvectors
+                   of the centred feature covariance (right singular vectors), meaningful only where the two
+                   matrices share their feature coordinates (the same layer of one network before and after
+                   training; equal widths required); 'images', the left singular vectors, the principal
+                   components' scores over the n examples, so layers of different widths compare and the value
+                   is invariant to rotations and isotropic scaling of either matrix (k / (n - 1) in expectation for
+                   unrelated features); 'auto' (the default) features at equal widths, images otherwise. k =
+                   ``subspace_k`` (10), fewer where a matrix's rank is lower (then the larger of the two counts
+                   divides). Opt-in: computed only when named (`OPT_IN`; `DEFAULT_MEASURES` are the others).
 
 Image x image family:
 
@@ -61,6 +73,7 @@ from vitscope.metrics.similarity.comparison import (  # noqa: F401 - re-exported
     _pwcca,
     _ridge_grid,
     _split,
+    _subspace,
     angular_shape_metric,
     cca_correlations,
     cknna,
@@ -74,6 +87,7 @@ from vitscope.metrics.similarity.comparison import (  # noqa: F401 - re-exported
     range_of,
     ridge_r2,
     rsa,
+    subspace_similarity,
     svcca,
 )
 from vitscope.metrics.similarity.jackknife import (  # noqa: F401 - re-exported
@@ -84,12 +98,16 @@ from vitscope.metrics.similarity.jackknife import (  # noqa: F401 - re-exported
 )
 from vitscope.metrics.similarity.prepared import (  # noqa: F401 - re-exported
     CANDIDATES,
+    DEFAULT_MEASURES,
     EIGVAL_TOL,
     F32_ERROR,
     LINEAR_MEASURES,
     MEASURES,
+    OPT_IN,
     RANK_TOL,
     ROWS_AT_ONCE,
+    SUBSPACE_K,
+    SUBSPACE_SPACES,
     FeatureError,
     Prepared,
     _check_k,
@@ -103,9 +121,11 @@ from vitscope.metrics.similarity.prepared import (  # noqa: F401 - re-exported
     _triangle_positions,
     correlation_rdm,
     prepare,
+    subspace_space_of,
 )
 
 __all__ = [
+    "DEFAULT_MEASURES",
     "LINEAR_MEASURES",
     "MEASURES",
     "Prepared",
@@ -126,5 +146,7 @@ __all__ = [
     "pwcca",
     "rsa",
     "ridge_r2",
+    "subspace_similarity",
+    "subspace_space_of",
     "svcca",
 ]

@@ -12,29 +12,34 @@ import scipy.sparse as sp
 import scipy.stats
 
 from vitscope.metrics.similarity.prepared import (
+    DEFAULT_MEASURES,
     EIGVAL_TOL,
     LINEAR_MEASURES,
-    MEASURES,
+    SUBSPACE_SPACES,
     FeatureError,
     Prepared,
     _check_measures,
     _svals,
     prepare,
+    subspace_space_of,
 )
 
 
-def compare(px: Prepared, py: Prepared, measures: Iterable[str] = MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0),
-            ridge: float = 1e-3) -> dict[str, float]:
+def compare(px: Prepared, py: Prepared, measures: Iterable[str] = DEFAULT_MEASURES,
+            alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3,
+            subspace_space: str = "auto") -> dict[str, float]:
     """{name: value} of ``measures`` between two prepared matrices of the same examples. Names: ``procrustes``,
     ``angular_shape_alpha=<a>`` per alpha, ``mean_cca``, ``svcca``, ``pwcca``, ``ridge_r2`` (X predicts Y),
-    ``rsa_spearman``, ``rsa_kendall``, ``mutual_knn``, ``cknna``."""
-    return compare_grid([px], [py], [(0, 0)], measures, alphas, ridge)[0, 0]
+    ``rsa_spearman``, ``rsa_kendall``, ``mutual_knn``, ``cknna``, ``subspace_similarity`` (opt-in: named; its
+    directions in ``subspace_space``, `subspace_space_of`)."""
+    return compare_grid([px], [py], [(0, 0)], measures, alphas, ridge, subspace_space=subspace_space)[0, 0]
 
 
 #: the range of each measure's values (the base name: ``angular_shape`` for every alpha); intervals are clipped to it
 RANGES = {"procrustes": (0.0, float(np.sqrt(2.0))), "angular_shape": (0.0, float(np.pi / 2)), "mean_cca": (0.0, 1.0),
           "svcca": (0.0, 1.0), "pwcca": (0.0, 1.0), "ridge_r2": (-np.inf, 1.0), "rsa_spearman": (-1.0, 1.0),
-          "rsa_kendall": (-1.0, 1.0), "mutual_knn": (0.0, 1.0), "cknna": (-np.inf, np.inf)}
+          "rsa_kendall": (-1.0, 1.0), "mutual_knn": (0.0, 1.0), "cknna": (-np.inf, np.inf),
+          "subspace_similarity": (0.0, 1.0)}
 
 
 def range_of(metric: str) -> tuple[float, float]:
@@ -49,8 +54,9 @@ GRID_COLUMNS = 2048  # columns of the stacked targets in one product (n x 2048 f
 
 
 def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable[tuple[int, int]],
-                 measures: Iterable[str] = MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3,
-                 reverse: Iterable[str] = ()) -> dict[tuple[int, int], dict[str, float]]:
+                 measures: Iterable[str] = DEFAULT_MEASURES, alphas: Sequence[float] = (0.0, 0.5, 1.0),
+                 ridge: float = 1e-3, reverse: Iterable[str] = (), subspace_space: str = "auto"
+                 ) -> dict[tuple[int, int], dict[str, float]]:
     """``compare(pa[i], pb[j], measures)`` for each ``(i, j)`` of ``pairs``, and for the asymmetric measures in
     ``reverse`` (pwcca, ridge_r2, cknna) also ``<name>_reverse`` = ``compare(pb[j], pa[i], [name])``: the same numbers
     as those calls (up to float rounding), in less time. The cross products ``U_iᵀ U_j`` of each ``pa[i]``
@@ -62,6 +68,8 @@ def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable
     if any(m not in ASYMMETRIC for m in asked):
         raise FeatureError(f"compare_grid: reverse takes the asymmetric measures {', '.join(ASYMMETRIC)}")
     reverse = [m for m in ASYMMETRIC if m in asked and m in measures]
+    if subspace_space not in SUBSPACE_SPACES:
+        raise FeatureError(f"subspace_space must be one of {', '.join(SUBSPACE_SPACES)}, got {subspace_space!r}")
     pairs = list(dict.fromkeys((int(i), int(j)) for i, j in pairs))
     linear = any(m in LINEAR_MEASURES for m in measures)
     for i, j in pairs:
@@ -74,7 +82,8 @@ def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable
     if linear:
         cross = _cross_products(pa, pb, pairs)
         for (i, j), m in cross.items():
-            out[i, j].update(_linear(pa[i], pb[j], m, measures, [float(a) for a in alphas], reverse))
+            out[i, j].update(_linear(pa[i], pb[j], m, measures, [float(a) for a in alphas], reverse,
+                                     subspace_space))
         if "ridge_r2" in measures:
             for (i, j), v in _ridge_grid(pa, pb, cross, float(ridge)).items():
                 out[i, j]["ridge_r2"] = v
@@ -91,7 +100,8 @@ def compare_grid(pa: Sequence[Prepared], pb: Sequence[Prepared], pairs: Iterable
 def _ordered(got: dict[str, float], measures: list[str], alphas: list[float], reverse: list[str]) -> dict[str, float]:
     """The names in a fixed order (the tables' row order), then the reverse ones."""
     names = []
-    for m in ("procrustes", "angular_shape", "mean_cca", "pwcca", "svcca", "ridge_r2", "rsa", "mutual_knn", "cknna"):
+    for m in ("procrustes", "angular_shape", "mean_cca", "pwcca", "svcca", "ridge_r2", "subspace_similarity", "rsa",
+              "mutual_knn", "cknna"):
         if m not in measures:
             continue
         if m == "angular_shape":
@@ -136,8 +146,9 @@ def _split(wide: np.ndarray, widths: list[int]) -> list[np.ndarray]:
 
 
 def _linear(px: Prepared, py: Prepared, cross: np.ndarray, measures: list[str], alphas: list[float],
-            reverse: list[str]) -> dict[str, float]:
-    """The linear measures but ridge from the cross product ``cross = U_xᵀ U_y``."""
+            reverse: list[str], subspace_space: str = "auto") -> dict[str, float]:
+    """The linear measures but ridge from the cross product ``cross = U_xᵀ U_y`` (and the right singular vectors
+    for the feature-space subspace similarity)."""
     out: dict[str, float] = {}
     tall = cross.shape[0] >= cross.shape[1]  # _svals takes the smaller Gram: Mᵀ M when tall
     eig: dict[bool, tuple[np.ndarray, np.ndarray]] = {}  # False: eigh(M Mᵀ) (x's side), True: eigh(Mᵀ M)
@@ -169,7 +180,27 @@ def _linear(px: Prepared, py: Prepared, cross: np.ndarray, measures: list[str], 
     if "svcca" in measures:
         rho_k = _svals(cross[:px.keep_svcca, :py.keep_svcca])
         out["svcca"] = float(np.clip(rho_k, 0.0, 1.0).mean())
+    if "subspace_similarity" in measures:
+        out["subspace_similarity"] = _subspace(px, py, cross, subspace_space)
     return out
+
+
+def _subspace(px: Prepared, py: Prepared, cross: np.ndarray, space: str = "auto") -> float:
+    """Subspace similarity (Ramasesh et al. 2021) of the two matrices' leading principal directions,
+    ``|A_kᵀ B_k|_F² / k`` of the ``keep_subspace`` leading ones of each (descending singular values), in ``space``
+    (`subspace_space_of`): 'images', the left singular vectors (a block of ``cross = U_xᵀ U_y``); 'features',
+    Ramasesh et al.'s, the right singular vectors (the top eigenvectors of the centred feature covariance, ``V_xᵀ
+    V_y`` of the same width). The mean squared cosine of the principal angles: 1 for the same subspace, 0 for
+    orthogonal ones. Where a matrix has fewer than k directions (its rank), the larger of the two counts divides, so
+    that only equal subspaces of equal dimension score 1."""
+    ka, kb = px.keep_subspace, py.keep_subspace
+    if not ka or not kb:
+        raise FeatureError("compare: the subspace similarity needs both matrices prepared with it")
+    if subspace_space_of(space, px, py) == "features":
+        block = px.vt[:ka].astype(np.float64) @ py.vt[:kb].astype(np.float64).T
+    else:
+        block = cross[:ka, :kb]
+    return float(np.clip(np.einsum("ij,ij->", block, block) / max(ka, kb), 0.0, 1.0))
 
 
 SIDE_TOL = 1e-12  # smallest canonical correlation² whose y-side direction is derived from its x-side one
@@ -309,7 +340,7 @@ def _cknna(px: Prepared, py: Prepared, same: np.ndarray) -> float:
 
 
 def _pair(x: Any, y: Any, measures: Iterable[str], **kw: Any) -> dict[str, float]:
-    prep = {k: kw.pop(k) for k in ("k", "keep", "rsa_images") if k in kw}
+    prep = {k: kw.pop(k) for k in ("k", "keep", "rsa_images", "subspace_k") if k in kw}
     return compare(prepare(x, measures, name="x", **prep), prepare(y, measures, name="y", **prep), measures, **kw)
 
 
@@ -359,3 +390,13 @@ def mutual_knn(x: Any, y: Any, k: int = 10) -> float:
 
 def cknna(x: Any, y: Any, k: int = 10) -> float:
     return _pair(x, y, ["cknna"], k=k)["cknna"]
+
+
+def subspace_similarity(x: Any, y: Any, k: int = 10, space: str = "auto") -> float:
+    """Ramasesh et al. 2021's subspace similarity of the top-``k`` principal subspaces of x and y (columns
+    centred), in [0, 1], 1 for the same subspace. ``space`` 'features': Ramasesh et al.'s, the top-k eigenvectors
+    of the feature covariances (x and y of the same width, their columns the same coordinates: one network before
+    and after training); 'images': the principal components' scores over the examples, so that x and y may differ
+    in width (about k / (n - 1) for unrelated features); 'auto': features at equal widths, images otherwise
+    (`_subspace`)."""
+    return _pair(x, y, ["subspace_similarity"], subspace_k=k, subspace_space=space)["subspace_similarity"]

@@ -11,7 +11,8 @@ import numpy as np
 from vitscope.metrics.intervals import t_quantile
 from vitscope.metrics.similarity.comparison import compare_grid
 from vitscope.metrics.similarity.prepared import (
-    MEASURES,
+    DEFAULT_MEASURES,
+    SUBSPACE_K,
     Prepared,
     _check_k,
     _check_measures,
@@ -24,14 +25,16 @@ from vitscope.metrics.similarity.prepared import (
 
 
 def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[tuple[int, int]], groups: int,
-                         measures: Iterable[str] = MEASURES, k: int = 10, rsa_images: int | None = None,
-                         alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3, reverse: Iterable[str] = ()
+                         measures: Iterable[str] = DEFAULT_MEASURES, k: int = 10, rsa_images: int | None = None,
+                         alphas: Sequence[float] = (0.0, 0.5, 1.0), ridge: float = 1e-3, reverse: Iterable[str] = (),
+                         subspace_k: int = SUBSPACE_K, subspace_space: str = "auto"
                          ) -> dict[tuple[int, int], dict[str, list[float]]]:
     """The measures of each ``(i, j)`` of ``pairs`` (``xs[i]`` against ``ys[j]``, matrices of the same n examples)
     computed again without each of ``groups`` groups of examples: example r is in group ``r % groups`` (deal the
     rows in a random order beforehand for random groups). The RDM keeps the first ``rsa_images`` examples that are
-    left. A matrix is prepared once per group for all the pairs it is in. Returns {pair: {metric: [the value
-    without group g for g in 0..groups-1]}}, for `jackknife_interval`."""
+    left; the subspace similarity compares ``subspace_k`` directions in ``subspace_space``. A matrix is prepared
+    once per group for all the pairs it is in. Returns {pair: {metric: [the value without group g for g in
+    0..groups-1]}}, for `jackknife_interval`."""
     pairs = list(dict.fromkeys((int(i), int(j)) for i, j in pairs))
     measures, reverse = _check_measures(measures), list(reverse)
     n = len(xs[pairs[0][0]]) if pairs else 0
@@ -45,7 +48,7 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
     lists = {key: _long_lists(a, k, groups) for key, a in mats.items()} if neighbours else {}
     for g in range(groups):
         keep = np.flatnonzero(np.arange(n) % groups != g)
-        kw = dict(k=k, rsa_images=int((keep < m_rsa).sum()))
+        kw = dict(k=k, rsa_images=int((keep < m_rsa).sum()), subspace_k=subspace_k)
 
         def prep(key: tuple[str, int], keep: np.ndarray = keep, kw: dict = kw) -> Prepared:
             p = prepare(mats[key][keep], rest, name=f"{key[0]}{key[1]}", **kw) if rest else Prepared(n=len(keep))
@@ -59,7 +62,7 @@ def jackknife_replicates(xs: Sequence[Any], ys: Sequence[Any], pairs: Iterable[t
         pa = [prep(("x", i)).single() for i in rows_a]
         pb = [prep(("y", j)).single() for j in rows_b]
         got = compare_grid(pa, pb, [(rows_a.index(i), rows_b.index(j)) for i, j in pairs], measures, alphas=alphas,
-                           ridge=ridge, reverse=reverse)
+                           ridge=ridge, reverse=reverse, subspace_space=subspace_space)
         for i, j in pairs:
             for metric, v in got[rows_a.index(i), rows_b.index(j)].items():
                 out[i, j].setdefault(metric, []).append(v)

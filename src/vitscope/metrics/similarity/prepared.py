@@ -14,9 +14,22 @@ import scipy.stats
 from vitscope.errors import VitscopeError
 
 #: measures computed from the SVD of each matrix
-LINEAR_MEASURES = ("procrustes", "angular_shape", "mean_cca", "svcca", "pwcca", "ridge_r2")
+LINEAR_MEASURES = ("procrustes", "angular_shape", "mean_cca", "svcca", "pwcca", "ridge_r2", "subspace_similarity")
 #: every measure `compare` knows; ``rsa`` gives ``rsa_spearman`` and ``rsa_kendall``, ``ridge_r2`` X -> Y
 MEASURES = (*LINEAR_MEASURES, "rsa", "mutual_knn", "cknna")
+#: measures computed only when asked for by name (the similarity analysis' ``measures``, `compare`'s): the
+#: subspace similarity came after the others; opt-in, the tables and cache entries of the default stay as they were
+OPT_IN = ("subspace_similarity",)
+#: the measures computed when none are named
+DEFAULT_MEASURES = tuple(m for m in MEASURES if m not in OPT_IN)
+#: leading principal directions the subspace similarity compares by default (Ramasesh et al. 2021's k is a choice
+#: of the analyst; 10 is also the neighbours' default k here)
+SUBSPACE_K = 10
+#: where the subspace similarity takes its principal directions: 'features' (Ramasesh et al. 2021: the top-k
+#: eigenvectors of the feature covariance, the right singular vectors; layers of the same width only), 'images' (the
+#: left singular vectors, the principal components' scores over the examples: any widths), 'auto' (features where
+#: the two widths are equal, images otherwise; `subspace_space_of`)
+SUBSPACE_SPACES = ("auto", "features", "images")
 
 EIGVAL_TOL = 1e-7  # netrep's clip of the covariance eigenvalues in the partial whitening
 RANK_TOL = 1e-6  # singular values below this times the largest are numerical zeros (the SVD comes from the
@@ -48,8 +61,9 @@ class Prepared:
     n: int
     u: np.ndarray | None = None  # (n, r) left singular vectors of the centred, unit-norm matrix
     s: np.ndarray | None = None  # (r,) its singular values
-    vt: np.ndarray | None = None  # (r, d) right singular vectors
+    vt: np.ndarray | None = None  # (r, d) right singular vectors (feature-space principal directions)
     keep_svcca: int = 0  # leading directions SVCCA keeps
+    keep_subspace: int = 0  # leading directions the subspace similarity compares: min(subspace_k, rank)
     knn: np.ndarray | None = None  # (n, k) neighbours by cosine, itself excluded
     knn_sim: np.ndarray | None = None  # (n, k) the cosines to them
     rdm: np.ndarray | None = None  # (m,) upper triangle of the correlation-distance RDM
@@ -98,11 +112,14 @@ def _triangle_positions(m: int) -> np.ndarray:
     return pos
 
 
-def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float = 0.99,
-            rsa_images: int | None = None, name: str = "x") -> Prepared:
-    """The per-matrix part of ``measures`` for ``x`` (n, d): the SVD for the linear family, the ``k`` nearest
+def prepare(x: Any, measures: Iterable[str] = DEFAULT_MEASURES, k: int = 10, keep: float = 0.99,
+            rsa_images: int | None = None, name: str = "x", subspace_k: int = SUBSPACE_K) -> Prepared:
+    """The per-matrix part of ``measures`` for ``x`` (n, d): the SVD for the linear family (its ``subspace_k``
+    leading directions for the subspace similarity, fewer where the numerical rank is lower), the ``k`` nearest
     neighbours for mutual k-NN and CKNNA, the RDM of the first ``rsa_images`` examples (all if None) for RSA."""
     measures = _check_measures(measures)
+    if int(subspace_k) < 1:
+        raise FeatureError(f"the subspace similarity needs subspace_k >= 1 principal directions, got {subspace_k}")
     a = _matrix(x, name)
     n = a.shape[0]
     p = Prepared(n=n)
@@ -116,6 +133,7 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         p.u, p.s, p.vt = u[:, :r], s[:r], vt[:r]
         var = np.cumsum(p.s ** 2) / np.sum(p.s ** 2)
         p.keep_svcca = int(min(np.searchsorted(var, keep - 1e-12) + 1, r))
+        p.keep_subspace = min(int(subspace_k), r)
     if "mutual_knn" in measures or "cknna" in measures:
         _check_k(k, n)
         _, p.knn, p.knn_sim = _neighbour_lists(a, k)
@@ -126,6 +144,23 @@ def prepare(x: Any, measures: Iterable[str] = MEASURES, k: int = 10, keep: float
         p.rdm_n, p.rdm = m, correlation_rdm(a[:m])
         p.rdm_ranks = scipy.stats.rankdata(p.rdm)
     return p
+
+
+def subspace_space_of(space: str, px: Prepared, py: Prepared) -> str:
+    """The space ('features' or 'images') the subspace similarity of ``px`` and ``py`` uses for ``space``: 'auto'
+    is 'features' where the two matrices have the same width (their feature coordinates can be the same ones, as
+    for one network before and after fine-tuning), 'images' otherwise (the only variant defined across widths)."""
+    if space not in SUBSPACE_SPACES:
+        raise FeatureError(f"subspace_space must be one of {', '.join(SUBSPACE_SPACES)}, got {space!r}")
+    if px.vt is None or py.vt is None:
+        raise FeatureError("compare: the subspace similarity needs both matrices prepared with it")
+    same = px.vt.shape[1] == py.vt.shape[1]
+    if space == "features" and not same:
+        raise FeatureError(f"the feature-space subspace similarity needs matrices of the same width, got "
+                           f"{px.vt.shape[1]} and {py.vt.shape[1]} (use subspace_space 'images' or 'auto')")
+    if space == "auto":
+        return "features" if same else "images"
+    return space
 
 
 def _check_k(k: int, n: int) -> None:

@@ -193,7 +193,8 @@ def diversity(df: pd.DataFrame) -> Figures:
 _SCALES = {"procrustes": ((0.0, float(np.sqrt(2))), "Procrustes distance"),
            "angular_shape": ((0.0, float(np.pi / 2)), "shape metric (radians)"),
            "ridge_r2": ((0.0, 1.0), "ridge R² (row predicts column)"),
-           "pwcca": ((0.0, 1.0), "PWCCA (weights from the row)")}
+           "pwcca": ((0.0, 1.0), "PWCCA (weights from the row)"),
+           "subspace_similarity": ((0.0, 1.0), "subspace similarity (top-k principal subspaces)")}
 
 
 def _scale(metric: str) -> tuple[tuple[float, float], str, bool]:
@@ -211,7 +212,14 @@ def similarity(df: pd.DataFrame) -> Figures:
     the block (B, A) is the ``*_reverse`` score, so a row always predicts / weights its column; distances drawn
     on a reversed scale (bright = similar everywhere). (2) A metric MDS map of every (model, tap) from the
     angular shape metric [Williams et al. 2021] (alpha 0.5 where computed, else the first), each model a
-    coloured trajectory through depth."""
+    coloured trajectory through depth. (3) Where the subspace similarity ran across a pretrained -> fine-tuned
+    pair (rows with ``pretrained``), its value per layer, a line per fine-tuned model or epoch (`subspace_per_layer`)
+    [Ramasesh et al. 2021]."""
+    return [*_similarity(df), *subspace_per_layer(df)]
+
+
+def _similarity(df: pd.DataFrame) -> Figures:
+    """The mosaics and the map of `similarity` (the profiles of matched layers when the table has no more)."""
     if _matched_only(df[~df.metric.str.endswith("_reverse")]):
         return [_profiles(df)]
     df = df[~df.metric.str.endswith("_reverse")].pipe(lambda d: pd.concat([d, _reversed(df)], ignore_index=True))
@@ -243,6 +251,83 @@ def similarity(df: pd.DataFrame) -> Figures:
         out[0] = (out[0][0] + ". No map of every tap by the shape metric: it needs the distances within each "
                   "model as well (grid: full, and alpha among the measures)", out[0][1])
     return out
+
+
+def _finetuned_rows(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The rows of ``metric`` of pretrained -> fine-tuned pairs at the same layer, oriented so that ``model`` is
+    the pretrained model and ``model_b`` (with ``epoch_b`` where the table has epochs) the fine-tuned one."""
+    if "pretrained" not in df.columns:
+        return df.iloc[:0]
+    d = df[(df.metric == metric) & df.pretrained.notna() & (df.layer == df.layer_b)]
+    flip = d.model != d.pretrained
+    swap = {"model": "model_b", "model_b": "model", "tap": "tap_b", "tap_b": "tap", "epoch": "epoch_b",
+            "epoch_b": "epoch"}
+    back = d[flip].rename(columns={k: v for k, v in swap.items() if k in d.columns})
+    return pd.concat([d[~flip], back], ignore_index=True)
+
+
+def subspace_per_layer(df: pd.DataFrame) -> Figures:
+    """Subspace similarity of each layer of the pretrained model with the same layer of each model fine-tuned
+    from it [Ramasesh et al. 2021; Merlin et al. 2023's baseline]: a panel per pretrained model (and token view),
+    a line per fine-tuned model, coloured by epoch along a colour map for a checkpoint list, with its 95 %
+    jackknife interval where the table has one (``null_pairs: matched`` gives every layer one). Nothing when the
+    measure did not run across such a pair."""
+    d = _finetuned_rows(df, "subspace_similarity")
+    if d.empty:
+        return []
+    groups = list(d.groupby(["model", "token_view"], sort=False))
+    rows, cols = grid_shape(len(groups), 3)
+    fig, axes = panels(rows, cols, panel=(3.4, 2.6), sharey=True)
+    handles, seen = [], set()
+    for ax, ((pre, view), g) in zip(axes.flat, groups, strict=False):
+        for ft, color, name in _finetuned_lines(g):
+            h = g[g.model_b == ft].sort_values("layer")
+            ax.plot(h.layer.astype(float), h.value.astype(float), "-o", ms=2.5, lw=1.2, color=color)
+            if {"value_lo", "value_hi"} <= set(h.columns) and h.value_lo.notna().any():
+                e = h[h.value_lo.notna()]
+                ax.fill_between(e.layer.astype(float), e.value_lo.astype(float), e.value_hi.astype(float),
+                                color=color, alpha=0.15, lw=0)
+            if name not in seen:
+                seen.add(name)
+                handles.append(style_handle("-o", name, color=color))
+        ax.set_title(f"{model_label(pre)} vs fine-tuned ({view})", fontsize=7)
+        ax.set_xlabel("block (the same in both models)", fontsize=7)
+        ax.set_ylim(0, 1.02)
+        ax.tick_params(labelsize=6)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(groups):]:
+        ax.set_axis_off()
+    for ax in axes[:, 0]:
+        ax.set_ylabel("subspace similarity", fontsize=7)
+    legend_outside(fig, handles=handles, extra=[band_handle()] if has_interval(d) else [])
+    return [("Subspace similarity of each layer before and after fine-tuning: the overlap of the top-k principal "
+             "subspaces of the pretrained model's layer and the same layer of each fine-tuned model (or epoch of a "
+             f"checkpoint list), |V_pᵀ V_f|²_F / k (1 = the same subspace); {_space_note(d)}; low = the layer's "
+             f"dominant directions changed [{cite('ramasesh2021')}; {cite('merlin2023')}]", fig)]
+
+
+def _space_note(d: pd.DataFrame) -> str:
+    """Where the drawn rows took their principal directions (the table's ``subspace_space``; images before it)."""
+    spaces = set(d.subspace_space.dropna()) if "subspace_space" in d.columns else {"images"}
+    notes = {"features": "directions in feature space (the top-k eigenvectors of each layer's feature covariance, "
+                         "as Ramasesh et al.)",
+             "images": "directions in the space of the images (the principal components' scores over the subset; "
+                       "about k / n images by chance)"}
+    return "; ".join(notes[s] for s in sorted(spaces) if s in notes) or notes["images"]
+
+
+def _finetuned_lines(g: pd.DataFrame) -> list[tuple[str, object, str]]:
+    """(fine-tuned model, colour, legend label) in epoch order: a colour map over the epochs of a checkpoint
+    list, the report's model colours otherwise."""
+    models = list(dict.fromkeys(g.model_b))
+    epochs = {}
+    if "epoch_b" in g.columns:
+        epochs = {m: e for m, e in zip(g.model_b, g.epoch_b, strict=True) if pd.notna(e)}
+    if len(epochs) == len(models) and len(models) > 1:
+        models.sort(key=lambda m: epochs[m])
+        cmap = plt.get_cmap("viridis")
+        return [(m, cmap(k / (len(models) - 1)), f"{m} (epoch {int(epochs[m])})") for k, m in enumerate(models)]
+    return [(m, model_color(m), model_label(m)) for m in models]
 
 
 def _matched_only(df: pd.DataFrame) -> bool:
