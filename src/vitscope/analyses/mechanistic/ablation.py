@@ -58,7 +58,7 @@ class HeadAblation(_Mechanistic):
     Cost: one forward per ablation set from the ablated block on: per block i, ``sets x (depth - i)`` block
     passes for every image (``each``: about ``heads x depth / 2`` forwards over all blocks, ``all``: about
     ``depth / 2``); ``mean`` adds the statistics pass over ``mean_images`` images. Name the blocks to ablate
-    with ``layers``. BEiT with a shared relative position bias is refused (its blocks cannot be rerun alone).
+    with ``layers``. BEiT with a shared relative position bias (SimMIM) reruns its blocks with it.
     To re-measure another analysis (k-NN, propagation, shape bias) with heads ablated, make the model an ablated
     variant instead: ``ablate:`` on its study entry (docs/CONFIG.md), one forward per image per variant."""
 
@@ -83,9 +83,6 @@ class HeadAblation(_Mechanistic):
         self.mean_images = int(mean_images)
         self.layers = self.layers_param(layers)
         self._model = getattr(vm, "model", None)
-        if self._model is not None and getattr(self._model, "rel_pos_bias", None) is not None:
-            raise VitscopeError(f"{self.name}: {self.model_name} shares one relative position bias across blocks, "
-                                "so a block cannot be rerun alone from the cached residual stream")
         self.has_head = self._model is None or int(getattr(self._model, "num_classes", 0) or 0) > 0
         self.head_space = (None if head_classes == "none" else head_classes) or head_label_space(vm)
         self.classes: list[str] | None = None
@@ -163,8 +160,12 @@ class HeadAblation(_Mechanistic):
         try:
             with torch.inference_mode(), taps_paused():
                 y = x.repeat(G, *([1] * (x.ndim - 1)))
+                # BEiT / SimMIM with one relative position bias shared by all blocks: each block is given it, as
+                # timm's forward_features does (the model's single input size, so the table is the model's own)
+                shared = getattr(m, "rel_pos_bias", None)
+                kw = {"shared_rel_pos_bias": shared()} if shared is not None else {}
                 for blk in list(m.blocks)[layer:]:
-                    y = blk(y)
+                    y = blk(y, **kw)
                 out = m.forward_head(m.norm(y))
         finally:
             handle.remove()
