@@ -30,9 +30,9 @@ analysis                   metrics (extra columns)
 Every state is sums and counts of a size fixed by the model (and, for the probe and the k-NN, at most
 ``max_images`` pooled rows), so parts merge by addition (shards, resume); head_ablation's mean and the bimodal
 norm thresholds come from a statistics pass over the same images in every part (`Analysis.prepare`), and parts
-merge only when theirs agree. Rollout and the high-norm tokens
-are in the embedded default study (``in_default_study``: cheap beside its pass); the other three cost extra
-passes or a probe, and a study names them.
+merge only when theirs agree. Rollout, the high-norm tokens and the block updates are in the embedded default
+study (``in_default_study``: cheap beside its pass); the others cost extra passes, a probe or a pair of models,
+and a study names them.
 """
 
 # The submodules register their analyses on import, in the order of these lines (the registry's and the

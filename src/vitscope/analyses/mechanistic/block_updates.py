@@ -73,6 +73,7 @@ class BlockUpdates(_Mechanistic):
     (``keep_images`` x blocks x 2 x tokens x width float32): constant in the number of images."""
 
     name = "block_updates"
+    in_default_study = True  # norms of taps the pass computes anyway: cheap beside it
     state_version = 1
     description = "each block's attention and MLP updates relative to the stream, displacement, tokens moving in unison"
     _MEANS = ("stats",)
