@@ -19,6 +19,7 @@ The folders (sizes are tiny on purpose: images of 32-64 pixels, so a recipe's pa
   containers and numpy arrays, what the restricted unpickler of `vitscope.data.formats.common` accepts) +
   ``jpg/``.
 * ``cue-conflict/<shape>/<shape><i>-<texture><j>.png``: Geirhos et al.'s 16 categories.
+* ``imagenet16/<category>/*.JPEG``: clean images of those 16 categories (the shape-bias probes' training data).
 * ``cifar10/cifar-10-batches-py``, ``cifar100/cifar-100-python``: CIFAR's python pickles.
 * ``cifar10-c/``, ``cifar100-c/``: RobustBench's ``<corruption>.npy`` (5 severities stacked) + ``labels.npy``.
 """
@@ -64,6 +65,7 @@ MINIATURE_DATASETS: dict[str, dict[str, Any]] = {
     "roxford5k": {"name": "roxford5k", "root": "revisited/roxford5k"},
     "rparis6k": {"name": "rparis6k", "root": "revisited/rparis6k"},
     "cue-conflict": {"name": "cue-conflict", "root": "cue-conflict"},
+    "imagenet16": {"name": "imagefolder", "root": "imagenet16"},
     "cifar10": {"name": "cifar10", "root": "cifar10", "split": "test"},
     "cifar100": {"name": "cifar10", "root": "cifar100", "split": "test", "options": {"which": 100}},
     "cifar10-c": {"name": "corrupted", "root": "cifar10-c"},
@@ -284,6 +286,14 @@ def write_cue_conflict(root: Path, rng: np.random.Generator, per_category: int =
             _save(root / "cue-conflict" / shape / f"{shape}{i + 1}-{texture}{i + 1}.png", _image(rng, 32, 32))
 
 
+def write_imagenet16(root: Path, rng: np.random.Generator, per_category: int = 3) -> None:
+    """``imagenet16/<category>/<category>_<k>.JPEG``: clean images of Geirhos et al.'s 16 categories (their
+    16-class ImageNet), the shape-bias probes' training images."""
+    for cat in CUE_CONFLICT_CATEGORIES:
+        for k in range(per_category):
+            _save(root / "imagenet16" / cat / f"{cat}_{k}.JPEG", _image(rng))
+
+
 def write_cifar(root: Path, rng: np.random.Generator, n: int = 20) -> None:
     """``cifar10/cifar-10-batches-py`` (data_batch_1..5, test_batch, batches.meta) and
     ``cifar100/cifar-100-python`` (train, test, meta): dicts of a uint8 (n, 3072) ``data`` and the labels."""
@@ -328,7 +338,7 @@ def write_data_root(root: Path, seed: int = 0) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for write in (write_imagenet, write_coco, write_partimagenet, write_davis, write_spair, write_revisited,
-                  write_cue_conflict, write_cifar, write_cifar_c):
+                  write_cue_conflict, write_imagenet16, write_cifar, write_cifar_c):
         write(root, rng)
     return root
 
