@@ -88,9 +88,10 @@ def snapshot(names: list[str] | None = None) -> list[AnalysisInfo]:
     return [infos[n] for n in names] if names else list(infos.values())
 
 
-#: keys the study planner adds to an analysis's parameters itself (which dataset it runs on; also any
-#: ``<slot>_dataset``), read by the planner (study/plan.py), not by the analysis
-PLANNER_KEYS = ("dataset", "pairs")
+#: keys the study planner adds to an analysis's parameters itself (which dataset it runs on, also any
+#: ``<slot>_dataset``; which models or model pairs), read by the planner (study/plan.py), not by the analysis;
+#: study/plan.py's ``PLANNER_KEYS`` is the same tuple
+PLANNER_KEYS = ("dataset", "pairs", "models")
 
 
 def planner_key(key: str) -> bool:

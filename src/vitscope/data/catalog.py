@@ -82,10 +82,11 @@ def check_counts(where: str, cfg: Any) -> None:
     values.update({f"options.{k}": v for k, v in dict(cfg.options or {}).items()})
     for key, value in values.items():
         r = COUNT_RANGES.get(key.removeprefix("options."))
-        if r is None or value is None:
+        if r is None or value is None or (key == "options.patch" and value == PER_MODEL):
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}.{key} must be an integer; got {value!r}")
+            also = f" or {PER_MODEL!r} (each model's own patch size)" if key == "options.patch" else ""
+            raise ConfigError(f"{where}.{key} must be an integer{also}; got {value!r}")
         r.check(value, f"{where}.{key}")
     fmt = FORMATS.get(cfg.name)
     if fmt is not None and fmt.generated:  # drawn on the fly, but each item's parameters are kept
@@ -129,16 +130,42 @@ def _shapes(variant: str) -> Callable[[Any], Any]:
 
 
 _TILING = ("tiling", "tile_scale", "patch")
+#: the ``patch`` option that cuts the tiles for each model's own patch size (the default of ``tiling: true``)
+PER_MODEL = "model"
+#: formats whose images reach the model whole by default (``crop: full``), at sizes other than its input
+WHOLE_FRAME_FORMATS = frozenset({"davis2016", "davis2017", "spair71k", "roxford5k", "rparis6k"})
+
+
+def tile_patch(cfg: Any) -> int | str | None:
+    """The patch size a dataset config's tiles are cut for: an integer, `PER_MODEL` (``patch: model``, the default
+    with ``tiling: true``: each model's own), or None for an untiled dataset."""
+    o = dict(getattr(cfg, "options", None) or {})
+    if not o.get("tiling"):
+        return None
+    patch = o.get("patch", PER_MODEL)
+    return PER_MODEL if patch == PER_MODEL else patch
+
+
+def whole_frames(cfg: Any) -> bool:
+    """Whether a dataset config's images reach the model whole, at sizes other than its input (`Framing`'s
+    ``crop: full``, the default of `WHOLE_FRAME_FORMATS`): not when tiled (tiles are the input size), centre
+    cropped or letterboxed to a square."""
+    o = dict(getattr(cfg, "options", None) or {})
+    return (getattr(cfg, "name", None) in WHOLE_FRAME_FORMATS and not o.get("tiling")
+            and o.get("crop", "full") == "full" and not o.get("letterbox"))
 
 
 def _tiled(ds: Any, tiling: dict[str, Any]) -> Any:
     """Options ``tiling: true`` (``tile_scale``: short side = this x the model input, default 2; ``patch``: the
-    model's patch size, default 16): the dataset's items as dense tiles (`vitscope.data.tiling.TiledDataset`)."""
+    patch size the tiles are cut for, default ``model``: each model's own, as Walmer et al.'s dense extraction;
+    an integer cuts them once for that size): the dataset's items as dense tiles
+    (`vitscope.data.tiling.TiledDataset`)."""
     if not tiling.get("tiling"):
         return ds
     from vitscope.data.tiling import TiledDataset
 
-    return TiledDataset(ds, scale=int(tiling.get("tile_scale", 2)), patch=int(tiling.get("patch", 16)))
+    patch = tiling.get("patch", PER_MODEL)
+    return TiledDataset(ds, scale=int(tiling.get("tile_scale", 2)), patch=None if patch == PER_MODEL else int(patch))
 
 
 def _split_tiling(o: dict[str, Any]) -> dict[str, Any]:

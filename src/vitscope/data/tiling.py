@@ -174,21 +174,57 @@ class TiledDataset:
     ``sequence`` and the base's per-sample extras such as ``pair`` / ``role``; ``ref_size``: max(bbox h, w)
     scaled like the image). The dense analyses assemble each item's token grid with `assemble`.
 
-    ``patch`` must be the model's patch size (the dataset does not know the model; an analysis whose model
-    has another patch size says so). The base must offer ``raw_samples(indices, size)``."""
+    ``patch``: the patch size the tiles are cut for, or None (``patch: model``, the default of a study): cut for
+    each model's own patch size, as Walmer et al.'s dense extraction does per model; the study hands every model
+    `for_patch` of it (`vitscope.study.keys.for_model`), and reading a per-model dataset before that is an
+    error. An integer must be the model's patch size (the dataset does not know the model; an analysis whose
+    model has another patch size says so). The base must offer ``raw_samples(indices, size)``.
 
-    def __init__(self, base: Any, scale: int = 2, patch: int = 16):
+    The fixed id chunks do not depend on the patch: ``len`` and `unit_bounds` count items (images, frames,
+    pairs), never tiles, so every patch size cuts the same chunks, shards and resume points."""
+
+    def __init__(self, base: Any, scale: int = 2, patch: int | None = 16):
         if not hasattr(base, "raw_samples"):
             raise InputError(f"dataset {getattr(base, 'name', base)!r} cannot be tiled (it has no raw_samples)")
-        self.base, self.scale, self.patch = base, int(scale), int(patch)
+        self.base, self.scale = base, int(scale)
+        self.patch = None if patch is None else int(patch)
         self.name = base.name
         self.classes = base.classes
+
+    @property
+    def per_model(self) -> bool:
+        """Whether the tiles are cut for each model's own patch size (``patch: model``)."""
+        return self.patch is None
+
+    def for_patch(self, patch: int) -> TiledDataset:
+        """This dataset cut for ``patch`` (a model's patch size): itself where it already is, else a copy over the
+        same base (the same items, ids and annotations; only the resize to a multiple of the patch and the
+        tiles' plan differ)."""
+        if self.patch == int(patch):
+            return self
+        return TiledDataset(self.base, scale=self.scale, patch=int(patch))
 
     def __len__(self) -> int:
         return len(self.base)
 
     def unit_bounds(self) -> list[int]:
         return self.base.unit_bounds() if hasattr(self.base, "unit_bounds") else list(range(len(self)))
+
+    def count_tiles(self, indices: list[int], tile: int | None = None, patch: int | None = None) -> int:
+        """Tiles (forward images) of the items ``indices`` for a model of input ``tile`` and patch size ``patch``
+        (this dataset's own where it has one), without drawing an image: from each item's (height, width) where the
+        base tells it (``raw_size(index)``), else the items counted as squares, as the generated sets draw them
+        (``scale`` x ``scale`` tiles each, whatever the patch; a real dataset's aspect ratios are not read for an
+        estimate)."""
+        size_of = getattr(self.base, "raw_size", None)
+        if size_of is None or tile is None:
+            return self.scale * self.scale * len(indices)
+        patch = self.patch if self.patch is not None else int(patch or tile)
+        total = 0
+        for i in indices:
+            h, w = tiling_size(*size_of(int(i)), tile, patch, self.scale)
+            total += len(_axis(h, tile, patch)) * len(_axis(w, tile, patch))
+        return total
 
     def __getattr__(self, key: str) -> Any:  # gnd, n_queries, sequences, ... of the base
         if key == "base":
@@ -200,6 +236,9 @@ class TiledDataset:
         from vitscope.data.base import Batch
         from vitscope.data.transforms import as_float, normalize, resize
 
+        if self.patch is None:
+            raise InputError(f"dataset {self.name!r} is tiled per model (patch: model): read it through "
+                             "for_patch(the model's patch size)")
         tile = preprocessing.input_size
         ids = list(range(len(self))) if indices is None else list(indices)
         chunk: list[tuple[Any, TilePlan, torch.Tensor]] = []

@@ -146,3 +146,49 @@ def listed_without_cls(name: str) -> bool:
     listing = taps_snapshot().get(name, "").strip()
     return bool(listing) and "no CLS token" in listing.splitlines()[-1]
 
+
+
+def listed_family(name: str) -> str | None:
+    """The model family (vit, beit, eva) the shipped taps listing gives registry entry ``name`` (its first line,
+    ``ViTModel('name', family, ...)``), or None for a name it does not list."""
+    listing = taps_snapshot().get(name, "").strip()
+    m = re.match(r"ViTModel\('[^']*', (\w+),", listing)
+    return m.group(1) if m else None
+
+
+def fixed_size_reason(family: str | None, dynamic_img_size: bool | None = None, decoder: bool = False) -> str | None:
+    """Why a model of ``family`` takes its own input size only (the words `vitscope.models.adapter.ViTModel`'s
+    ``any_size`` explains), or None where it takes other sizes or that is not known: BEiT's relative position
+    bias, an Eva built without ``dynamic_img_size`` (False; None: not known), an MAE decoder's position
+    embedding (``decoder``)."""
+    if decoder:
+        return "its MAE decoder's position embedding is built for one token grid"
+    if family == "beit":
+        return "its relative position bias tables are built for one token window"
+    if family == "eva" and dynamic_img_size is False:
+        return "its rotary position embedding is built for one token grid (it was built without dynamic_img_size)"
+    return None
+
+
+def known_fixed_size(name: str, kwargs: dict | None = None, decoder: bool = False) -> str | None:
+    """`fixed_size_reason` for a study's model entry, known without torch: a registry entry's family from the
+    shipped taps listing (its ``dynamic_img_size`` from ``kwargs`` or the entry's), a timm BEiT name
+    (``beit_*``), ``decoder: true``; None where only the loaded model tells."""
+    kw = dict(kwargs or {})
+    name = str(name)
+    if name in REGISTRY:
+        family = listed_family(name)
+        dynamic = kw.get("dynamic_img_size", REGISTRY[name].model_kwargs.get("dynamic_img_size"))
+    else:
+        family = "beit" if name.partition(".")[0].startswith("beit") else None
+        dynamic = kw.get("dynamic_img_size")
+    return fixed_size_reason(family, None if dynamic is None else bool(dynamic), bool(decoder))
+
+
+def whole_frames_refused(model: str, dataset: str, why: str) -> str:
+    """The one sentence for a model that cannot take a dataset's whole frames (images at sizes other than its
+    input): the study's config check (before any model loads) and the load of a model (before any pass) say it
+    alike, naming the model, the dataset and the fix."""
+    return (f"model {model!r} cannot take the whole frames of dataset {dataset!r} (images of other sizes than its "
+            f"input): {why}; give the dataset the option tiling: true (its tiles are the model's input size) or "
+            "crop: center")

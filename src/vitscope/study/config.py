@@ -17,7 +17,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from vitscope.errors import ConfigError, VitscopeError, close_matches
-from vitscope.study.slots import DatasetConfig, check_dataset_formats, study_datasets  # also imported from here
+from vitscope.study.slots import (  # also imported from here
+    DatasetConfig,
+    analysis_models,
+    check_dataset_formats,
+    study_datasets,
+)
 
 DEVICE_TYPES = ("cpu", "cuda", "mps")  # where a study can run its models (torch knows more: meta, xla, ...)
 #: the forward passes' precisions a study may name (`vitscope.capture.engine.DTYPES` maps them to torch's; a test
@@ -46,8 +51,12 @@ class StudyConfig:
     models: list[ModelConfig] = field(default_factory=list)  # the models to compare (see ModelConfig)
     dataset: DatasetConfig | None = None   # shorthand for one dataset, named after its format
     datasets: dict[str, DatasetConfig] = field(default_factory=dict)  # named datasets (see DatasetConfig)
-    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> parameters; `dataset: NAME` picks
-    #                                       its dataset (`vitscope analyses` lists names and parameters)
+    analyses: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> params, `dataset`, `models`, `pairs`
+    #                                       (`vitscope analyses` lists names and parameters); besides its parameters
+    #                                       an entry takes the planner's keys: `dataset: NAME` picks its dataset,
+    #                                       `models: [LABEL, ...]` runs it on those models only (labels as `label`
+    #                                       or name; default every model; not for pair analyses), `pairs: [[A, B]]`
+    #                                       names a pair analysis's model pairs
     batch_size: int = 32                   # images per forward pass (and per id chunk: the unit of resume)
     device: str = "cpu"                    # cpu, cuda, cuda:1, ...
     dtype: str = "fp32"                    # fp32, bf16 or fp16 forward passes
@@ -286,15 +295,44 @@ def check(cfg: StudyConfig) -> None:
     from vitscope.study.slots import match_slots
 
     datasets = study_datasets(cfg)
+    labels = [m.label or m.name for m in cfg.models]
+    labels_final = all(m.ablate is None or m.label for m in cfg.models)
+    used: list[tuple[list[str], Any]] = []  # per analysis: its datasets and its models (None: every model)
     for name, params in cfg.analyses.items():
         try:
             check_study_analysis(name, params or {})
         except VitscopeError as e:
             raise ConfigError(f"analyses.{name}: {e}") from None
         needs, inputs = data_needs(name)
-        match_slots(name, needs, inputs, params or {}, datasets)  # the planner's matching, before torch
+        slots = match_slots(name, needs, inputs, params or {}, datasets)  # the planner's matching, before torch
+        given = (params or {}).get("models")
+        if labels_final:  # else ablated variants are named later: `make_plan` checks them then
+            given = analysis_models(name, given, labels)  # the labels, a checkpoint list's epochs included
+        used.append((list(slots.values()), given))
+    _check_whole_frames(cfg, used)
     _check_cls_views(cfg)
     check_published(cfg)
+
+
+def _check_whole_frames(cfg: StudyConfig, used: list[tuple[list[str], Any]]) -> None:
+    """A model known before torch to take its own input size only (BEiT's relative position bias; `known_fixed_size`)
+    that an analysis runs on (``used``: per analysis its datasets and its ``models``, None: all) with a dataset
+    whose images reach it whole (`whole_frames`): one sentence naming both and the fix, before any model loads
+    (else found at that model's first pass, after the other models' passes). Other models (timm names, files)
+    are checked when they load (`vitscope.study.passes.check_frames`)."""
+    from vitscope.data.catalog import whole_frames
+    from vitscope.models.names import known_fixed_size, whole_frames_refused
+
+    dcs = study_datasets(cfg)
+    for names, given in used:
+        frames = [n for n in names if whole_frames(dcs[n])]
+        wanted = {given} if isinstance(given, str) else None if given is None or isinstance(given, dict) \
+            or not hasattr(given, "__iter__") else {str(g) for g in given}  # a bad value: said by analysis_models
+        for m in cfg.models if frames else []:
+            label = m.label or str(m.name)
+            why = known_fixed_size(m.name, m.kwargs, m.decoder is True)
+            if why is not None and (wanted is None or label in wanted):
+                raise ConfigError(whole_frames_refused(label, frames[0], why))
 
 
 #: parameters that name one token view, which an analysis cannot do without (the lists of views, `views`, drop

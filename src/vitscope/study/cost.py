@@ -218,6 +218,8 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
             mkey = None
         todo = []
         for ap in single:
+            if not ap.runs_on(label):  # its `models` leave this one out
+                continue
             est.total += 1
             if mkey is not None and cache.finished(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)):
                 est.cached += 1
@@ -230,7 +232,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
         for d, v in passes:
             est.images[f"{d} {v}"] = n_of[d]
             est.forwards += len(sources[d].chunks)
-            est.forward_images += n_of[d]
+            est.forward_images += pass_images(sources[d], mc, builds)  # a tiled dataset: its tiles
         if not todo:
             continue
         stats = _statistics_images(mc, sources)  # an ablated variant's statistics pass, when it has one
@@ -254,7 +256,7 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
                 est.own[ap.name] = [x + y for x, y in zip(est.own.get(ap.name, [0, 0, 0]), counted, strict=True)]
         est.flops += stats * forward_flops(vm)
         for d, v in passes:
-            est.flops += n_of[d] * forward_flops(vm)
+            est.flops += pass_images(sources[d], mc, builds) * forward_flops(vm)
             taps: list[str] = []
             for ap in todo:
                 if (d, v) in ap.passes:
@@ -267,6 +269,19 @@ def estimate(cfg: Any, plan: Plan, sources: dict[str, Any], cache: Any, labels: 
     if wanted is None:  # a slice of the models runs no pair stage
         _pair_stages(est, cfg, plan, sources, cache, builds)
     return est
+
+
+def pass_images(src: Any, mc: Any, builds: dict[str, Any]) -> int:
+    """Images through the model in one pass of ``mc`` over ``src``'s chunks: its images, or for a tiled dataset
+    its tiles at the model's input and patch size (`TiledDataset.count_tiles`; a dataset tiled per model is cut
+    for each model's own patch size)."""
+    n = sum(len(c) for c in src.chunks)
+    count = getattr(src.dataset, "count_tiles", None)
+    if count is None:
+        return n
+    vm = architecture(mc, builds)
+    tile, patch = (None, None) if isinstance(vm, str) else (int(vm.img_size[0]), int(vm.patch_size))
+    return int(count([i for c in src.chunks for i in c], tile, patch))
 
 
 def data_sizes(name: str, plan: Plan, sources: dict[str, Any], cfg: Any) -> Any:

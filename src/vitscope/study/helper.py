@@ -50,6 +50,8 @@ MIN_IMAGES = 1000
 
 
 def _images_per_model(plan: Any, sources: dict[str, Any]) -> int:
+    """The images of the passes the single-model analyses make (on the model that runs all of them: an analysis's
+    `models` may leave some out of others' passes), to judge whether a helper pays."""
     passes = {p for ap in plan.analyses if not ap.pair for p in ap.passes}
     return sum(sum(len(c) for c in sources[d].chunks) for d, _view in passes)
 

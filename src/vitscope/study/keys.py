@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +57,15 @@ def source(name: str, dc: Any, cfg: StudyConfig, plan: Plan, dist: Dist) -> Sour
                   n_selected=len(ids), selected=list(ids), config=digest(asdict(dc)))
 
 
+def for_model(sources: dict[str, Source], patch: int) -> dict[str, Source]:
+    """``sources`` as one model reads them: a dataset tiled per model (``patch: model``) cut for its ``patch`` size
+    (`vitscope.data.tiling.TiledDataset.for_patch`), the others as they are. The chunks, selection and skip
+    lists stay the study's (shared, not copied): tiles are counted per item, so every patch size has the same
+    fixed id chunks, shards and resume points."""
+    return {name: replace(src, dataset=src.dataset.for_patch(patch))
+            if getattr(src.dataset, "per_model", False) is True else src for name, src in sources.items()}
+
+
 def check_batch_sizes(cfg: StudyConfig, plan: Plan, sources: dict[str, Source], world: int = 1) -> None:
     """Refuse, in one ConfigError sentence and before any model loads, a study with an analysis that needs at
     least ``min_batch`` images in every batch (stir's unbiased CKA: 4) whose selection leaves a batch with fewer,
@@ -83,8 +92,12 @@ def check_batch_sizes(cfg: StudyConfig, plan: Plan, sources: dict[str, Source], 
 def first_images(src: Source, pre: Any, batch_size: int) -> Callable[[int], Iterator[Any]]:
     """``n -> `` the clean batches of the first ``n`` selected images of ``src`` (every rank's selection, not
     this shard's: the same images on every rank), for `Analysis.prepare`."""
+    ds = src.dataset
+    if getattr(ds, "per_model", False) is True:  # tiled per model: cut for the patch size of the model ``pre`` is of
+        ds = ds.for_patch(int(pre.patch_size))
+
     def batches(n: int) -> Iterator[Any]:
-        for b in src.dataset.batches(batch_size, pre, indices=list(src.selected[:n])):
+        for b in ds.batches(batch_size, pre, indices=list(src.selected[:n])):
             b.dataset, b.view = src.name, CLEAN
             yield b
     return batches
@@ -230,11 +243,16 @@ def dataset_keys(ap: AnalysisPlan, sources: dict[str, Source], cfg: StudyConfig)
     """What decides each slot's pixels and batches: the dataset's spec, the ids selected, how images are resized
     (`vitscope.data.transforms.PIXELS_VERSION`: results computed from other pixels are not reused) and the
     batch size that cuts them into chunks (a forward's rounding depends on its batch: entries computed in other
-    batches would differ in the last bits, so a cache entry is bit for bit what this study would compute)."""
+    batches would differ in the last bits, so a cache entry is bit for bit what this study would compute).
+    A tiled dataset adds the patch size its tiles are cut for (``tile_patch``: an integer, or 'model' where each
+    model's own: that one is fixed by the model key every analysis key starts from, so models of other patch
+    sizes never share a state, and a resume reads the state of its own cut)."""
+    from vitscope.data.catalog import tile_patch
     from vitscope.data.transforms import PIXELS_VERSION
     from vitscope.study.config import study_datasets
 
     dcs = study_datasets(cfg)
     return {slot: {**asdict(dcs[name]), "selected": sources[name].selection if name in sources else None,
-                   "pixels": PIXELS_VERSION, "batch_size": cfg.batch_size}
+                   "pixels": PIXELS_VERSION, "batch_size": cfg.batch_size,
+                   **({"tile_patch": tp} if (tp := tile_patch(dcs[name])) is not None else {})}
             for slot, name in ap.slots.items()}

@@ -27,7 +27,7 @@ from vitscope.models.adapter import ModelInfo
 from vitscope.study.cache import Cache, digest
 from vitscope.study.config import StudyConfig
 from vitscope.study.distributed import Dist
-from vitscope.study.keys import Source, analysis_key, first_images, model_key
+from vitscope.study.keys import Source, analysis_key, first_images, for_model, model_key
 from vitscope.study.plan import AnalysisPlan
 from vitscope.study.pool import ModelPool
 
@@ -133,8 +133,9 @@ def _relate(analysis: Any, ap: AnalysisPlan, mc: Any, device: str) -> None:
 def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], sources: dict[str, Source],
               cache: Cache, dist: Dist, pool: ModelPool, on_batch: Callable[[str, int], None] | None,
               say_empty: bool = True) -> tuple[ModelInfo, list[Job], dict[str, Any]]:
-    """Every analysis of one model: read back where finished in the cache, else fed its passes, merged and
-    finalized (and cached). ``say_empty``: a table without rows is a ResultWarning with its reason (`explain`);
+    """Every analysis of ``plans`` that runs on this model (`AnalysisPlan.runs_on`, its ``models``): read back
+    where finished in the cache, else fed its passes, merged and finalized (and cached). ``say_empty``: a table
+    without rows is a ResultWarning with its reason (`explain`);
     the helper process leaves that to the study's process, which reads its models back."""
     from vitscope.models.registry import get_spec  # noqa: F401 - registry loaded before resolve_spec
 
@@ -142,6 +143,8 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
     shard = (dist.rank, dist.world)
     jobs = []
     for ap in plans:
+        if not ap.runs_on(label):  # its `models` leave this one out: no pass, entry, refusal or empty reason
+            continue
         akey = analysis_key(mkey, ap, sources, cfg)
         jobs.append(Job(ap, akey, cache.path(mkey, ap.name, akey), cache.path(mkey, ap.name, akey, shard)))
     info: ModelInfo | None = None
@@ -176,6 +179,8 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
     if todo:
         t0 = time.perf_counter()
         vm = pool.get(label)
+        check_frames(vm, todo, sources)
+        sources = for_model(sources, vm.patch_size)  # a dataset tiled per model: cut for this model's patch size
         info = vm.info()
         mmeta.update({"weights_digest": vm.weights_digest, "family": vm.family, "depth": vm.depth,
                       "heads": vm.num_heads, "grid": list(vm.grid_size), "patch": vm.patch_size,
@@ -249,6 +254,25 @@ def run_model(cfg: StudyConfig, mc: Any, label: str, plans: list[AnalysisPlan], 
         mmeta = {**mmeta, "timings": timings}
     assert info is not None or not jobs
     return info, jobs, mmeta  # type: ignore[return-value]
+
+
+def check_frames(vm: Any, jobs: list[Job], sources: dict[str, Source]) -> None:
+    """A loaded model that takes its own input size only (``any_size`` False: BEiT, an Eva without dynamic size,
+    an MAE decoder) refused, before any of its passes, where one of ``jobs`` reads a dataset of whole frames
+    (``framing.crop`` 'full'): the sentence the config check says where the registry entry tells
+    (`vitscope.models.names.whole_frames_refused`)."""
+    from vitscope.errors import ConfigError
+    from vitscope.models.names import fixed_size_reason, whole_frames_refused
+
+    if vm.any_size:
+        return
+    for job in jobs:
+        for name in dict.fromkeys(job.plan.slots.values()):
+            framing = getattr(sources[name].dataset, "framing", None)
+            if getattr(framing, "crop", None) == "full" and not getattr(sources[name].dataset, "letterbox", False):
+                dynamic = bool(getattr(vm.model, "dynamic_img_size", False))
+                why = fixed_size_reason(vm.family, dynamic, vm.decoder_from is not None) or "it takes one input size"
+                raise ConfigError(whole_frames_refused(vm.name, name, why))
 
 
 def explain(job: Job, model: str) -> None:

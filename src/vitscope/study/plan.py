@@ -6,6 +6,11 @@ Matching: an analysis declares what its main dataset must provide (``needs``) an
 otherwise it gets the first of the study's datasets that provides what it needs. A mismatch is one
 sentence naming what is missing and which configured or built-in datasets have it.
 
+Models: an analysis runs on every model of the study unless its entry names some (``models: [LABEL, ...]``, the
+labels as `label_of` gives them); then its passes, cache entries, estimate, table rows and cross-model stage are
+of those models alone, and the others never configure it (a readout one of them cannot give is no refusal).
+Pair analyses name theirs with ``pairs``.
+
 Passes: each analysis subscribes to (dataset, view) passes: its main dataset under every view it asks for
 (clean first), and its further inputs clean. The runner makes one forward pass per (model, dataset, view)
 that any unfinished analysis of that model needs, shared by all of them.
@@ -20,9 +25,9 @@ from typing import Any
 from vitscope.analyses import get_analysis
 from vitscope.data.views import CLEAN, check_view
 from vitscope.errors import ConfigError, close_matches
-from vitscope.study.slots import MAIN, check_dataset_formats, match_slots, study_datasets
+from vitscope.study.slots import MAIN, analysis_models, check_dataset_formats, match_slots, study_datasets
 
-PLANNER_KEYS = ("dataset", "pairs")  # analysis parameters the planner reads and strips (and `<slot>_dataset`)
+PLANNER_KEYS = ("dataset", "pairs", "models")  # analysis parameters the planner reads and strips (and `<slot>_dataset`)
 
 
 @dataclass
@@ -34,6 +39,11 @@ class AnalysisPlan:
     views: list[str]                       # view keys of the main dataset, clean first
     pair: bool = False
     pairs: list[tuple[str, str]] = field(default_factory=list)
+    models: list[str] | None = None        # the labels it runs on, in study order (None: every model)
+
+    def runs_on(self, label: str) -> bool:
+        """Whether this (single-model) analysis runs on the model labelled ``label``."""
+        return self.models is None or label in self.models
 
     @property
     def passes(self) -> list[tuple[str, str]]:
@@ -67,6 +77,10 @@ class Plan:
                     a = math.lcm(a, b)
         return a
 
+    def single_of(self, label: str) -> list[AnalysisPlan]:
+        """The single-model analyses that run on the model labelled ``label`` (its ``models``), in plan order."""
+        return [ap for ap in self.analyses if not ap.pair and ap.runs_on(label)]
+
 
 def _default(cls: type, name: str) -> Any:
     p = inspect.signature(cls.__init__).parameters.get(name)
@@ -93,10 +107,17 @@ def make_plan(cfg: Any) -> Plan:
         pairs: list[tuple[str, str]] = []
         if pair:
             pairs = _pairs(name, raw.pop("pairs", None), models, labels)
-        views = [check_view(v) for v in cls.views(raw)]
+        chosen = analysis_models(name, raw.pop("models", None), labels)
+        if pair and chosen is not None:
+            raise ConfigError(f"analyses.{name} compares model pairs: name them with `pairs: [[A, B]]`, not `models`")
+        main = datasets.get(slots.get(MAIN, ""))
+        if main is not None and main.name in getattr(cls, "corrupted_formats", ()):
+            views = [CLEAN]  # the images come corrupted (their own corruption and severity): nothing goes on top
+        else:
+            views = [check_view(v) for v in cls.views(raw)]
         if CLEAN not in views:
             views.insert(0, CLEAN)
-        plans.append(AnalysisPlan(name, cls, raw, slots, views, pair, pairs))
+        plans.append(AnalysisPlan(name, cls, raw, slots, views, pair, pairs, chosen))
     used = {d for ap in plans for d in ap.slots.values()}
     return Plan({n: d for n, d in datasets.items() if n in used}, plans, models)
 

@@ -101,7 +101,6 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
     if "sources" not in progress:
         return "no model had run yet, so nothing was computed"
     plan, sources, cache = progress["plan"], progress["sources"], progress["cache"]
-    single = [ap for ap in plan.analyses if not ap.pair]
     done, partial = [], []
     try:
         for mc in plan.models:
@@ -109,7 +108,7 @@ def _what_is_saved(cfg: StudyConfig, progress: dict[str, Any]) -> str:
             if not (cache.root / mkey).is_dir():  # nothing of it yet (and `cache.path` would create the folder)
                 continue
             paths = [(cache.path(mkey, ap.name, k), cache.path(mkey, ap.name, k, (0, 1)))
-                     for ap in single for k in [_analysis_key(mkey, ap, sources, cfg)]]
+                     for ap in plan.single_of(label_of(mc)) for k in [_analysis_key(mkey, ap, sources, cfg)]]
             if all(final.is_file() for final, _ in paths):
                 done.append(label_of(mc))
             elif any(final.is_file() or part.is_file() for final, part in paths):
@@ -272,7 +271,7 @@ def _run_study(cfg: StudyConfig, dist: Dist, out: Path, on_batch: Callable[[str,
         dist.barrier()
         return out
     n_jobs = sum(len(m["analyses_from_cache"]) for m in manifest["models"].values())
-    total = len(plan.models) * len(single)
+    total = sum(len(plan.single_of(label_of(m))) for m in plan.models)  # each analysis on its `models`
     manifest["analyses_read_from_cache"] = [n_jobs, total]
     # what the tables were computed from: the config, the models and every analysis's version (a new version
     # of an analysis makes the tables written by the old one stale, even when its states come from the cache)
@@ -326,7 +325,8 @@ def _start_helper(cfg: StudyConfig, plan: Plan, single: list[AnalysisPlan], sour
     pending = []
     for mc in plan.models:
         _spec, mkey = _model_key(mc, sources)
-        if any(not cache.path(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)).is_file() for ap in single):
+        if any(not cache.path(mkey, ap.name, _analysis_key(mkey, ap, sources, cfg)).is_file()
+               for ap in plan.single_of(label_of(mc))):
             pending.append(label_of(mc))
     labels = helpers.delegated(plan, sources, pending)
     if not labels:

@@ -117,3 +117,27 @@ def _who_has(needs: frozenset[str], datasets: Mapping[str, Any]) -> str:
         parts.append(f"configured datasets that have it: {', '.join(configured)} (name one with `dataset:`)")
     parts.append(f"formats that have it: {', '.join(builtin) or 'none'} (add one under `datasets:`)")
     return "; ".join(parts) + "."
+
+
+def analysis_models(analysis: str, given: Any, labels: list[str]) -> list[str] | None:
+    """The models ``analysis`` runs on (its planner key ``models``: a label or a list of labels; the label of a
+    ``checkpoints:`` list names all its epochs, ``<label>@<epoch>``) in the order of ``labels``, the study's; None where not given (every model). An unknown label, an empty list or anything
+    else is one ConfigError sentence with the closest labels, before any model loads (no torch needed)."""
+    if given is None:
+        return None
+    where = f"analyses.{analysis}.models"
+    names = [given] if isinstance(given, str) else given
+    if isinstance(names, dict) or not hasattr(names, "__iter__"):
+        raise ConfigError(f"{where} must be a list of model labels, not {given!r}")
+    names = list(names)
+    if not names:
+        raise ConfigError(f"{where} is empty: name at least one model, or leave the key out to run on every model")
+    chosen: set[str] = set()
+    for x in names:
+        epochs = [lab for lab in labels if isinstance(x, str) and lab.startswith(f"{x}@")]  # a checkpoints: list
+        if not isinstance(x, str) or (x not in labels and not epochs):
+            hint = close_matches(str(x), labels)
+            said = f"; did you mean {', '.join(hint)}?" if hint else f"; its models: {', '.join(labels)}"
+            raise ConfigError(f"{where}: no model labelled {x!r} in the study{said}")
+        chosen.update([x] if x in labels else epochs)
+    return [lab for lab in labels if lab in chosen]

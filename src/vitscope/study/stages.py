@@ -20,7 +20,7 @@ from vitscope.models.adapter import ModelInfo
 from vitscope.study.cache import Cache, digest
 from vitscope.study.config import StudyConfig
 from vitscope.study.distributed import Dist
-from vitscope.study.keys import Source, dataset_keys, pair_keys
+from vitscope.study.keys import Source, dataset_keys, for_model, pair_keys
 from vitscope.study.passes import (
     Job,
     device_of,
@@ -79,7 +79,7 @@ def run_pair(cfg: StudyConfig, ap: AnalysisPlan, a: str, b: str, infos: dict[str
                          f"vs {vm_b.img_size}, or preprocessing): pair analyses need models with the same input")
     job.analysis = make(vm_a.info(), vm_b.info())
     load_part(job, cache, sources, lambda: make(vm_a.info(), vm_b.info()))
-    src = sources[ap.slots["data"]]
+    src = for_model(sources, vm_a.patch_size)[ap.slots["data"]]  # one patch size: the inputs are equal
     key = pass_key((src.name, CLEAN))
     start = job.done.get(key, 0)
     last_save = time.monotonic()
