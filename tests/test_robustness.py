@@ -868,3 +868,28 @@ def test_a_head_stated_to_output_the_datasets_classes_is_read_as_they_are():
     an.datasets = {"data": "synthetic-shapes"}
     with pytest.raises(ConfigError, match="head gives 10 logits for its 12 classes"):
         an.configure({"data": list(SyntheticShapes().classes)})
+
+
+def test_pre_corrupted_images_are_not_corrupted_again(tmp_path):
+    """On a dataset of pre-corrupted images (format ``corrupted``) the corruptions analysis plans the clean view
+    only: each image is scored under its own corruption, no generated corruption goes on top."""
+    from vitscope.study.config import load_config
+    from vitscope.study.plan import make_plan
+
+    root = tmp_path / "cifar10-c"
+    root.mkdir()
+    np.save(root / "gaussian_noise.npy", np.zeros((10, 32, 32, 3), np.uint8))
+    np.save(root / "labels.npy", np.arange(10) % 10)
+    (tmp_path / "s.yaml").write_text(f"""
+models: [{{name: vit_small_patch16_224, pretrained: false, kwargs: {{img_size: 32, patch_size: 8, embed_dim: 48,
+          depth: 2, num_heads: 3, num_classes: 10}}}}]
+datasets:
+  c: {{name: corrupted, root: {root}}}
+  clean: {{name: synthetic-shapes, n_images: 8}}
+analyses:
+  corruptions: {{dataset: c, readout: head, head_classes: cifar10, severities: [1, 3], corruptions: [gaussian_noise, contrast]}}
+""")
+    plan = make_plan(load_config(tmp_path / "s.yaml"))
+    assert [ap.views for ap in plan.analyses] == [["clean"]]
+    (tmp_path / "s.yaml").write_text((tmp_path / "s.yaml").read_text().replace("dataset: c,", "dataset: clean,"))
+    assert len(make_plan(load_config(tmp_path / "s.yaml")).analyses[0].views) == 1 + 2 * 2  # generated there

@@ -243,13 +243,20 @@ class Corruptions(_ViewAccuracy):
     ('noise', 'blur', 'weather', 'digital', 'held-out') or 'common' (the 15 of ImageNet-C), ``severities``: of 1..5.
     ``backend``: 'auto' (torch versions where they exist, else the imagecorruptions-imaug package), 'native',
     'package'. ``table``: the constants, 'imagenet' (ImageNet-C's, made for 224-px images) or 'cifar'
-    (CIFAR-10-C's, made for 32-px images; the native corruptions only)."""
+    (CIFAR-10-C's, made for 32-px images; the native corruptions only). On a dataset of pre-corrupted images
+    (format ``corrupted``: the CIFAR-10-C / CIFAR-100-C / ImageNet-C files), each image is scored by the head under
+    its own corruption and severity, and nothing is generated on top: ``corruptions`` and ``severities`` do not
+    apply there (the dataset's options pick the corruptions and levels it reads)."""
+
+    #: formats whose images come perturbed (`vitscope.data.formats.robustness.CorruptedFolder`: each image's
+    #: corruption and severity in the batch): the study passes them as they are, in the clean view only
+    corrupted_formats: tuple[str, ...] = ("corrupted",)
 
     name = "corruptions"
     description = "accuracy under ImageNet-C / CIFAR-10-C corruptions at severities 1-5, mean corruption accuracy"
-    state_version = 5  # 5: every accuracy and the mca with its 95 % interval (value_lo, value_hi, stderr), mca rows
-    # with n_images; 4: the head's decisions as tallies (`R.accuracy_tally`); 3: no relative drop from a readout
-    # at chance (reason)
+    state_version = 6  # 6: a pre-corrupted dataset in its clean view only (no corruption generated on top); 5: every
+    # accuracy and the mca with its 95 % interval (value_lo, value_hi, stderr), mca rows with n_images; 4: the head's
+    # decisions as tallies (`R.accuracy_tally`); 3: no relative drop from a readout at chance (reason)
 
     def __init__(self, vm: Any, corruptions: Any = "common", severities: Sequence[Severity] = P.SEVERITIES,
                  backend: str = "auto", table: str = "imagenet", **kw: Any):
