@@ -329,6 +329,10 @@ def test_an_image_without_annotations_gives_no_image_level_row(tmp_path):
     vm = tiny("vit", depth=2)
     a = get_analysis("semantics")(vm, layers=[1], views=["cls", "object"], ks=(2,), probe=False, kmeans=False)
     stream(vm, batches, [a], progress=False)
+    assert len(a.tables["cls"]) == 6  # kept while streaming (no per-batch filter), dropped when finalized
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a.finalize()
     cls_ids = a.tables["cls"].column("ids").tolist()
     assert len(cls_ids) == 5 and int(batches[0].index[batches[0].labels < 0]) not in cls_ids
     assert (a.tables["cls"].column("labels") >= 0).all() and (a.tables["object"].column("labels") >= 0).all()

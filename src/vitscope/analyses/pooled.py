@@ -124,6 +124,19 @@ class PooledTable:
             self.append([other.layer(j) for j in range(other.num_layers)],
                         *(other.column(c) for c in _COLUMNS))
 
+    def labelled(self) -> PooledTable:
+        """The rows with a class (label >= 0; -1 marks an image without one, e.g. a COCO image without annotations):
+        this table where every row has one, else a copy of those rows (read once, when the table is finalized:
+        a per-batch filter would make every update wait for the device)."""
+        keep = self.column("labels") >= 0
+        if bool(keep.all()):
+            return self
+        t = PooledTable(self.num_layers)
+        if keep.any():
+            t.append_host([self.layer(j)[keep] for j in range(self.num_layers)],
+                          *(self.column(c)[keep] for c in _COLUMNS))
+        return t
+
     def state_dict(self) -> dict[str, Any]:
         return {"layers": [self.layer(j) for j in range(self.num_layers)],
                 **{c: self.column(c) for c in _COLUMNS}}

@@ -212,12 +212,9 @@ class Semantics(Analysis):
                     inst = instances.get(v)
                     region_labels = (inst[image, region] if inst is not None
                                      else labels[image] if v == "object" else region)
-                    known = region_labels >= 0  # -1: no class (e.g. a COCO image without annotations)
-                    self.tables[v].append_host([r[valid][known] for r in rows], ids[image][known],
-                                               region_labels[known], is_test[image][known])
+                    self.tables[v].append_host([r[valid] for r in rows], ids[image], region_labels, is_test[image])
                 else:
-                    known = labels >= 0
-                    self.tables[v].append_host([r[known] for r in rows], ids[known], labels[known], is_test[known])
+                    self.tables[v].append_host(rows, ids, labels, is_test)
         self.n_images += take
 
     def merge(self, other: Analysis) -> None:
@@ -311,6 +308,7 @@ class Semantics(Analysis):
                             num_classes=int(y.max()) + 1, where=where, device=feats[0].device, **self.probe_kw)
 
     def finalize(self) -> pd.DataFrame:
+        self.tables = {v: t.labelled() for v, t in self.tables.items()}  # rows labelled -1 have no class
         largest = max((len(t) * t.layer(0).shape[-1] for t in self.tables.values() if len(t)), default=0)
         with few_threads(largest):  # probes and k-means of a few hundred rows: one thread, none spinning
             return self._finalize()
