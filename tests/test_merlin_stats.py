@@ -225,7 +225,7 @@ def test_the_robustness_target_comes_from_the_corruptions_table(run4):
         tables.append((type("C", (), {"datasets": {"data": "cifar100c"}})(), t))
     mine = [copy.copy(a) for a in runs]
     for a in mine:
-        a.robustness_dataset = "cifar100c"
+        a.robustness_data = "cifar100c"
     df = Stir.cross(mine, inputs={"corruptions": tables})
     got = df[df.metric == "dynamics:robustness_accuracy"].sort_values("epoch").value.to_numpy(float)
     assert np.allclose(got, want)
@@ -237,8 +237,8 @@ def test_the_robustness_target_comes_from_the_corruptions_table(run4):
     assert math.isclose(row.value.item(), scipy.stats.pearsonr(series, want)[0], rel_tol=1e-9)
     # a dataset no corruptions analysis ran on: said, and no target
     for a in mine:
-        a.robustness_dataset = "elsewhere"
-    with pytest.warns(Warning, match="robustness_dataset 'elsewhere'"):
+        a.robustness_data = "elsewhere"
+    with pytest.warns(Warning, match="robustness_data 'elsewhere'"):
         df = Stir.cross(mine, inputs={"corruptions": tables})
     assert df[df.metric == "dynamics:robustness_accuracy"].value.isna().all()
 
@@ -305,7 +305,8 @@ def test_a_100_way_head_is_accepted_and_a_wrong_one_refused():
         a.datasets = {"data": "cifar100c"}
         a.configure({"data": list(CIFAR100_CLASSES)})
         assert a.use_head and a.head_space == "cifar100"
-        with pytest.raises(ConfigError, match=r"^[^.]*cifar1000[^.]*; choose imagenet-1k, cifar10, cifar100, none$"):
+        with pytest.raises(ConfigError,
+                           match=r"^[^.]*cifar1000[^.]*; choose imagenet-1k, cifar10, cifar100, dataset, none$"):
             cls(vm, head_classes="cifar1000", **kw)
         with pytest.raises(ConfigError, match="needs a head of 10 logits"):
             cls(vm, head_classes="cifar10", **kw)

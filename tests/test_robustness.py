@@ -887,7 +887,8 @@ datasets:
   c: {{name: corrupted, root: {root}}}
   clean: {{name: synthetic-shapes, n_images: 8}}
 analyses:
-  corruptions: {{dataset: c, readout: head, head_classes: cifar10, severities: [1, 3], corruptions: [gaussian_noise, contrast]}}
+  corruptions: {{dataset: c, readout: head, head_classes: cifar10, severities: [1, 3],
+                corruptions: [gaussian_noise, contrast]}}
 """)
     plan = make_plan(load_config(tmp_path / "s.yaml"))
     assert [ap.views for ap in plan.analyses] == [["clean"]]

@@ -222,3 +222,10 @@ def test_a_loaded_model_of_one_input_size_is_refused_at_load_with_the_same_sente
     check_frames(tiny("vit"), [job], sources)  # a ViT takes any size
     cropped = {"frames": Source("frames", SimpleNamespace(framing=Framing("center")), [[0]], "")}
     check_frames(vm, [job], cropped)
+    from vitscope.data import SyntheticVideos
+    from vitscope.data.tiling import TiledDataset
+
+    videos = SyntheticVideos(n_videos=1, n_frames=2, seed=0, size=64)
+    videos.framing = Framing("full")  # whole frames, as DAVIS's: what the tiles are cut from
+    tiled = {"frames": Source("frames", TiledDataset(videos, scale=2, patch=8), [[0]], "")}
+    check_frames(vm, [job], tiled)  # tiles are the model's input size: the base's framing does not count

@@ -35,7 +35,7 @@ Over a fine-tuning run's checkpoints (the cross-model stage, `dynamics`): ``dyna
 aggregate hypothesis with the target; columns p, p_bonferroni, family, quantity, aggregate, layer_set, layers,
 hypotheses, paper) and ``pearson_up_to_epoch`` (Fig. 14: r of the paper's hypothesis with the target over the
 epochs up to ``epoch``; column p). The target (column ``target``) is ``robustness_accuracy`` -- the mean head
-accuracy over every corruption and severity of the ``corruptions`` analysis's table, when ``robustness_dataset``
+accuracy over every corruption and severity of the ``corruptions`` analysis's table, when ``robustness_data``
 names the dataset that analysis ran on (e.g. CIFAR-10-C / CIFAR-100-C in the ``corrupted`` format) -- else
 ``corrupted_accuracy``, B's accuracy on the corruptions generated on the STIR images.
 Every row carries the settings it was computed with (iterations, step_size, repeats, images, cka_estimator).
@@ -172,18 +172,18 @@ class Stir(PairAnalysis):
                  view: str = "all", match_view: str = "all", init: str = "noise", seed: int = 0,
                  max_rows: Count | None = None, corruptions: Any = "default",
                  cka_estimator: str = "minibatch_unbiased", head_classes: str | None = None,
-                 robustness_dataset: str | None = None, cka_layers: Sequence[int] | None = None, **params: Any):
+                 robustness_data: str | None = None, cka_layers: Sequence[int] | None = None, **params: Any):
         params.pop("pairs", None)  # which pairs: the planner's business
         if params:
             raise VitscopeError(f"stir: unknown parameter(s) {', '.join(sorted(params))}; it takes layers, tap, "
                                 "iterations, step_size, repeats, view, match_view, init, seed, max_rows, corruptions, "
-                                "cka_estimator, head_classes, robustness_dataset, cka_layers")
+                                "cka_estimator, head_classes, robustness_data, cka_layers")
         self.cka_estimator = M.check_cka_estimator(cka_estimator)
         from vitscope.analyses.robustness import check_head_classes
 
         check_head_classes("stir", head_classes)
         self.head_classes = head_classes
-        self.robustness_dataset = None if robustness_dataset in (None, "", "none") else str(robustness_dataset)
+        self.robustness_data = None if robustness_data in (None, "", "none") else str(robustness_data)
         super().__init__(info_a, info_b)
         if info_a.depth != info_b.depth:
             raise VitscopeError(f"stir: {info_a.name} has {info_a.depth} blocks and {info_b.name} {info_b.depth}; "
@@ -563,7 +563,7 @@ class Stir(PairAnalysis):
     def cross(cls, analyses: list, inputs: dict[str, list[tuple[Any, pd.DataFrame]]] | None = None
               ) -> pd.DataFrame | None:
         """The dynamics of every fine-tuning run (two or more checkpoints); ``inputs``: the ``corruptions``
-        analysis's (analysis, table) per model, read when ``robustness_dataset`` names its dataset."""
+        analysis's (analysis, table) per model, read when ``robustness_data`` names its dataset."""
         runs: dict[tuple[str, str], list] = {}
         for a in analyses:
             if getattr(a, "epoch", None) is None:
@@ -598,21 +598,21 @@ def _span(blocks: Any) -> str:
 def robustness_target(analyses: Sequence[Stir], inputs: dict[str, list[tuple[Any, pd.DataFrame]]] | None
                       ) -> dict[str, float] | None:
     """Per model label, the mean head accuracy over every (corruption, severity) of the ``corruptions`` analysis
-    run on the dataset ``robustness_dataset`` names (the mean accuracy on the corrupted test sets, as Merlin et al.
+    run on the dataset ``robustness_data`` names (the mean accuracy on the corrupted test sets, as Merlin et al.
     Sec. 4.4 average CIFAR-10-C / CIFAR-100-C); None when no stir names one. A dataset the corruptions analysis
     did not run on, or a model without head rows there, is a ResultWarning (its epochs then have no target)."""
     import warnings
 
     from vitscope.errors import ResultWarning
 
-    wanted = {a.robustness_dataset for a in analyses if getattr(a, "robustness_dataset", None)}
+    wanted = {a.robustness_data for a in analyses if getattr(a, "robustness_data", None)}
     if not wanted:
         return None
     name = sorted(wanted)[0]
     got = [(x, f) for x, f in (inputs or {}).get("corruptions", []) if (getattr(x, "datasets", None) or {})
            .get("data") == name and f is not None and len(f)]
     if not got:
-        warnings.warn(f"stir: robustness_dataset {name!r} is not the dataset of a corruptions analysis in this "
+        warnings.warn(f"stir: robustness_data {name!r} is not the dataset of a corruptions analysis in this "
                       "study; add `corruptions: {dataset: " + name + ", head_classes: ...}` to its analyses",
                       ResultWarning, stacklevel=2)
         return {}

@@ -266,10 +266,15 @@ def check_frames(vm: Any, jobs: list[Job], sources: dict[str, Source]) -> None:
 
     if vm.any_size:
         return
+    from vitscope.data.tiling import TiledDataset
+
     for job in jobs:
         for name in dict.fromkeys(job.plan.slots.values()):
-            framing = getattr(sources[name].dataset, "framing", None)
-            if getattr(framing, "crop", None) == "full" and not getattr(sources[name].dataset, "letterbox", False):
+            ds = sources[name].dataset
+            if isinstance(ds, TiledDataset):  # tiles are the model's input size (the base's framing is not)
+                continue
+            framing = getattr(ds, "framing", None)
+            if getattr(framing, "crop", None) == "full" and not getattr(ds, "letterbox", False):
                 dynamic = bool(getattr(vm.model, "dynamic_img_size", False))
                 why = fixed_size_reason(vm.family, dynamic, vm.decoder_from is not None) or "it takes one input size"
                 raise ConfigError(whole_frames_refused(vm.name, name, why))

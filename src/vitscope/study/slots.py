@@ -121,8 +121,9 @@ def _who_has(needs: frozenset[str], datasets: Mapping[str, Any]) -> str:
 
 def analysis_models(analysis: str, given: Any, labels: list[str]) -> list[str] | None:
     """The models ``analysis`` runs on (its planner key ``models``: a label or a list of labels; the label of a
-    ``checkpoints:`` list names all its epochs, ``<label>@<epoch>``) in the order of ``labels``, the study's; None where not given (every model). An unknown label, an empty list or anything
-    else is one ConfigError sentence with the closest labels, before any model loads (no torch needed)."""
+    ``checkpoints:`` list names all its epochs, ``<label>@<epoch>``) in the order of ``labels``, the study's; None
+    where not given (every model). An unknown label, an empty list or anything else is one ConfigError sentence
+    with the closest labels, before any model loads (no torch needed)."""
     if given is None:
         return None
     where = f"analyses.{analysis}.models"

@@ -262,7 +262,7 @@ class Corruptions(_ViewAccuracy):
                  backend: str = "auto", table: str = "imagenet", **kw: Any):
         super().__init__(vm, **kw)
         self.params = {"corruptions": corruptions, "severities": severities, "backend": backend, "table": table}
-        type(self).views(self.params)
+        type(self)._names_and_severities(self.params)  # the backend is checked where corruptions are generated
 
     def probe_possible(self) -> tuple[bool, str]:
         if str(self.datasets.get("data") or "").startswith("corrupted"):
@@ -286,13 +286,24 @@ class Corruptions(_ViewAccuracy):
         return list(dict.fromkeys(out))
 
     @classmethod
-    def views(cls, params: dict) -> list[str]:
+    def _names_and_severities(cls, params: dict) -> tuple[list[str], list[int]]:
+        """The corruption names and severities ``params`` ask for; one ConfigError sentence for a bad one."""
         try:
             names = cls.corruption_names(params.get("corruptions", "common"))
             sev = [int(s) for s in params.get("severities", P.SEVERITIES)]
             for s, raw in zip(sev, params.get("severities", P.SEVERITIES), strict=True):
                 if s != raw or not 1 <= s <= 5:
                     raise ConfigError(f"corruptions: severity {raw!r} does not exist; severities are 1..5")
+        except ConfigError:
+            raise
+        except Exception as e:  # VitscopeError from perturb: same sentence, config-time type
+            raise ConfigError(f"corruptions: {e}") from e
+        return names, sev
+
+    @classmethod
+    def views(cls, params: dict) -> list[str]:
+        names, sev = cls._names_and_severities(params)
+        try:
             backend, table = params.get("backend", "auto"), params.get("table", "imagenet")
             P.check_backend(names, backend, table)
         except ConfigError:
