@@ -18,12 +18,7 @@ SMALL = dict(img_size=16, patch_size=4, embed_dim=48, depth=3, num_heads=3, num_
 KW = dict(iterations=4, layers=[0, 2], corruptions=["gaussian_noise:3", "contrast:5"])
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (conftest)
 
 
 def model(seed: int, **kw) -> vs.ViTModel:

@@ -47,12 +47,7 @@ def drop_channel(vm: vs.ViTModel, c: int = 2) -> vs.ViTModel:
     return vm
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (conftest)
 
 
 # -- inversion ------------------------------------------------------------------------------------------------

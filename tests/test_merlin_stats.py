@@ -22,12 +22,7 @@ from vitscope.metrics import invariance as M
 SMALL = dict(img_size=16, patch_size=4, embed_dim=48, depth=3, num_heads=3, num_classes=4)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: one torch thread (conftest)
 
 
 # -- the hypothesis search, on a synthetic table ---------------------------------------------------------------

@@ -534,7 +534,8 @@ def test_a_checkpoints_spec_metadata_is_one_sentence_and_never_a_hub_lookup(tmp_
 
 
 @pytest.mark.parametrize("labels,images,needle", [
-    (np.arange(4) + 7, np.zeros((20, 4, 4, 3), np.uint8), "must hold class ids 0..9"),
+    (np.arange(4) + 98, np.zeros((20, 4, 4, 3), np.uint8), "must hold class ids 0..99"),  # above CIFAR-100's
+    (np.arange(4) - 1, np.zeros((20, 4, 4, 3), np.uint8), "must hold class ids 0..9"),  # a negative id
     (np.zeros(4, np.int64), np.array([None] * 20, dtype=object), "not a plain .npy array"),
 ])
 def test_cifar10c_arrays_that_are_not_plain_numbers_or_labels_out_of_range_are_one_sentence(tmp_path, labels, images,
