@@ -203,8 +203,10 @@ print(json.dumps(said))
 SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 FAULTS = (*SIGNALS, "SIGKILL", "worker", "helper", "cache-disk", "output-disk")
 POINTS = ("pass", "cross", "report")
-#: one case per fault in CI; the rest of the matrix with -m slow
-FAST = {("SIGINT", "report"), ("SIGTERM", "pass"), ("SIGHUP", "cross"), ("SIGKILL", "pass"), ("worker", "pass"),
+#: one case per fault in CI; the rest of the matrix with -m slow. The report point is slow only: its fault fires in
+#: the first process that draws a figure, and the helper process (spawned, without the fault) may draw them all on a
+#: loaded machine, so in a full suite the case can end with no fault at all
+FAST = {("SIGINT", "cross"), ("SIGTERM", "pass"), ("SIGHUP", "cross"), ("SIGKILL", "pass"), ("worker", "pass"),
         ("helper", "pass"), ("cache-disk", "pass"), ("output-disk", "cross")}
 
 
