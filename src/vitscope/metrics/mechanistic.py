@@ -201,14 +201,11 @@ def top1_f1(pred_a: Tensor, pred_b: Tensor) -> float:
     and MoCo v3): macro-averaged over the classes either model predicts (scikit-learn's ``f1_score(average=
     "macro")``), per class ``2 |A = c and B = c| / (|A = c| + |B = c|)``, which swapping A and B leaves unchanged.
     NaN without images."""
-    a, b = pred_a.long().cpu(), pred_b.long().cpu()
-    if not len(a):
+    from sklearn.metrics import f1_score
+
+    if not len(pred_a):
         return float("nan")
-    n = int(max(int(a.max()), int(b.max()))) + 1
-    both = torch.bincount(a[a == b], minlength=n).double()
-    count = torch.bincount(a, minlength=n).double() + torch.bincount(b, minlength=n).double()
-    seen = count > 0
-    return float((2 * both[seen] / count[seen]).mean())
+    return float(f1_score(pred_a.long().cpu().numpy(), pred_b.long().cpu().numpy(), average="macro"))
 
 
 def top1_f1_replicates(pred_a: Tensor, pred_b: Tensor, groups: int) -> list[float]:
