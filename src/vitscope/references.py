@@ -98,6 +98,7 @@ ANALYSIS_REFERENCES: dict[str, list[str]] = {
     "cls_attention_maps": ["walmer2023"],
     "aligned_attention_maps": ["walmer2023"],
     "query_attention_maps": ["park2023", "wang_clmm"],
+    "attention_explorer": ["walmer2023", "abnar2020"],
     "saliency_iou": ["walmer2023"],
     "cka": ["shekhar2022", "nguyen2021", "kornblith2019", "walmer2023", "merlin2023"],
     "residual_cka": ["walmer2023"],

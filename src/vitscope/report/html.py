@@ -18,6 +18,7 @@ import pandas as pd
 
 from vitscope.files import write_atomic
 from vitscope.references import REFERENCES, SHORT
+from vitscope.report import interactive
 from vitscope.report.run import BEST_LAYERS, Run, load_run
 from vitscope.report.summary import Study, summarize
 from vitscope.study.rundir import BEST_LAYERS_TABLE
@@ -29,7 +30,7 @@ _CSS = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto
 line-height:1.4}h1{font-size:1.6em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2.2em}
 figure{display:inline-block;margin:.6em;vertical-align:top;max-width:100%}
 figure img{max-width:100%}figcaption{font-size:.85em;color:#555;max-width:34em}
-table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
+table{border-collapse:collapse;font-size:.85em;margin:.5em 0;display:block;overflow-x:auto;max-width:100%}
 td,th{border:1px solid #ddd;padding:.25em .5em;text-align:left}
 th{background:#f6f6f6}code{background:#f4f4f4;padding:0 .2em}.muted{color:#777;font-size:.9em}
 .caveat{border-left:3px solid #d98c00;padding-left:.6em}.empty{border-left:3px solid #d98c00;padding-left:.6em}
@@ -38,11 +39,25 @@ ul.summary li{margin:.3em 0}.flag{background:#fff3cd;color:#7a5b00;border-radius
 font-size:.85em;white-space:nowrap}ul.refs{font-size:.9em}"""
 
 
+PALETTE_ABOVE = 150_000
+"""A figure whose PNG is larger than this many bytes (the mosaics of maps) is embedded with a 256-colour palette
+(median cut, no dithering: 2-3x smaller, no visible change; `--export` writes full colour): the page stays within
+its size budget with the explorer's maps in it."""
+
+
 def _png(fig: plt.Figure) -> str:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    return base64.b64encode(buf.getvalue()).decode()
+    data = buf.getvalue()
+    if len(data) > PALETTE_ABOVE:
+        from PIL import Image
+
+        image = Image.open(io.BytesIO(data)).convert("RGB")
+        small = io.BytesIO()
+        image.quantize(256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE).save(small, format="png")
+        data = min(data, small.getvalue(), key=len)
+    return base64.b64encode(data).decode()
 
 
 def _esc(x: object) -> str:
@@ -302,6 +317,32 @@ def _empty_lines(empty: list[tuple[str, str]]) -> list[str]:
     return [f"<p class='empty'>no rows for {_esc(model)}: {_esc(reason)}</p>" for model, reason in empty]
 
 
+_EXPLORER_TEXT = (
+    "<p>Where every head of every model looks, for the kept images and any query token: hover a patch of an "
+    "image (click to pin it), choose the block with the slider and a head or the mean of the heads; the query "
+    "can also be the CLS token, a register or an attention pool's query. Beside each map: the rollout of the "
+    "same query up to the block (heads averaged, Abnar and Zuidema 2020), and the head's type from "
+    "<code>aligned_attention_maps</code> where the study ran it. Colour: each map scaled to its own maximum (said "
+    "under it). The maps are the study's own attention taps, every row stored as 8-bit codes of its maximum "
+    "(error at most 1/510 of the row's maximum).</p><div id='vs-explorer' class='vs-js'></div><noscript><p "
+    "class='empty'>The explorer needs scripts; the maps of single images are drawn as figures under "
+    "cls_attention_maps and query_attention_maps.</p></noscript>")
+
+
+def _page_data(run: Run) -> dict:
+    """What the page's scripts read (`vitscope.report.interactive`): the models (colours as in the figures), the
+    charts per analysis and the explorer's maps."""
+    from matplotlib.colors import to_hex
+
+    from vitscope.report.figures._common import model_color
+
+    models = run.models or sorted({str(m) for t in run.tables.values() if "model" in t for m in t["model"].dropna()})
+    with run.figure_context():
+        colors = {m: to_hex(model_color(m, models)) for m in models}
+    return {"models": interactive.model_meta(models, run.untrained, run.families, colors),
+            "charts": interactive.charts(run.tables, models), "explorer": interactive.explorer(run.tables, models)}
+
+
 def write_report(run_dir: str | Path) -> Path:
     from vitscope.analyses import ANALYSES
 
@@ -314,16 +355,19 @@ def write_report(run_dir: str | Path) -> Path:
                           for name, d in datasets.items()) or "?"
     names = list(run.tables)
     nav = ["summary", "models", *run.sections(), "references"]
+    page = _page_data(run)
     parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
              f"<meta name='viewport' content='width=device-width, initial-scale=1'><title>vitscope report: "
-             f"{_esc(run_dir.name)}</title><style>{_CSS}</style></head><body>",
+             f"{_esc(run_dir.name)}</title><style>{_CSS}\n{interactive.asset('vendor/uPlot.min.css')}\n"
+             f"{interactive.asset('assets/interactive.css')}</style></head><body>",
              f"<h1>vitscope report: {_esc(run_dir.name)}</h1>",
              f"<p>{len(models)} model(s) on {data_text}; "
              f"{len(names)} analyses; {manifest.get('seconds', '?')} s; "
              f"vitscope {_esc(manifest.get('versions', {}).get('vitscope', '?'))}, "
              f"torch {_esc(manifest.get('versions', {}).get('torch', '?'))}, "
              f"timm {_esc(manifest.get('versions', {}).get('timm', '?'))}.</p>",
-             "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>"]
+             "<nav>" + "".join(f"<a href='#{_esc(n)}'>{_esc(n)}</a>" for n in nav) + "</nav>",
+             "<div id='vs-models' class='vs-js'></div>"]
     parts += _summary(run)
     parts += _published(run)
     if models:
@@ -362,11 +406,21 @@ def write_report(run_dir: str | Path) -> Path:
         if name not in run.tables:  # no rows for any model: its section says why, and nothing else
             continue
         df = run.tables[name]
+        if name == interactive.EXPLORER:
+            parts.append(_EXPLORER_TEXT if page["explorer"] else "")
+            parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
+                         f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>.</p>")
+            continue
         own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
         parts.append(_table(own(df) if callable(own) else key_numbers(df)))
+        if page["charts"].get(name):
+            parts.append(f"<div class='vs-charts vs-js' data-analysis='{_esc(name)}'></div>")
         for title, png in drawn[name]:
-            parts.append(f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
-                         f"<figcaption>{_esc(title)}</figcaption></figure>")
+            figure = (f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
+                      f"<figcaption>{_esc(title)}</figcaption></figure>")
+            # a figure an interactive chart shows the data of stays for readers with scripts off
+            shown = page["charts"].get(name) and interactive.replaced(name, title)
+            parts.append(f"<noscript>{figure}</noscript>" if shown else figure)
         # drawn from exactly the bytes whose digest is here (results_digest)
         parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
                      f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>; "
@@ -374,7 +428,9 @@ def write_report(run_dir: str | Path) -> Path:
                      "paper with <code>vitscope report RUN_DIR --export DIR --format pdf</code>.</p>")
     parts.append("<h2 id='references'>References</h2><ul class='refs'>"
                  + "".join(f"<li><b>{_esc(SHORT[k])}</b>: {_esc(v)}</li>" for k, v in REFERENCES.items()) + "</ul>")
-    parts.append("</body></html>")
+    parts.append(f"<script type='application/json' id='vs-data'>{interactive.to_json(page)}</script>"
+                 f"<script>{interactive.asset('vendor/uPlot.iife.min.js')}</script>"
+                 f"<script>{interactive.asset('assets/interactive.js')}</script></body></html>")
     out = run_dir / "report.html"
     write_atomic(out, lambda f: f.write("\n".join(parts).encode("utf-8")))
     return out

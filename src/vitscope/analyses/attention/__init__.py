@@ -37,6 +37,10 @@ analysis                   metrics (extra columns)
 ``query_attention_maps``   ``query_attention`` per (image, query, layer, head, grid cell) and
                            ``query_attention_mean`` (mean over heads, ``head`` missing) (``query``, ``query_row``,
                            ``query_col``, ``row``, ``col``, ``image``, ``n_images``), for ``keep_images`` images
+``attention_explorer``     ``attention`` and ``rollout`` per (image, layer), ``pool_attention`` per image: every
+                           query's row, 8-bit codes and float32 scales as bytes (``codes``, ``scales``, ``heads``,
+                           ``tokens``, ``grid_rows``, ``grid_cols``, ``prefix_tokens``, ``cls_token``), for
+                           ``keep_images`` images (the report's attention explorer)
 =========================  ===================================================================================
 
 Means over images carry their spread: ``stderr`` is the standard error of the mean over images (sample
@@ -66,12 +70,14 @@ from vitscope.analyses.attention.maps import AlignedAttentionMaps, CLSAttentionM
 from vitscope.analyses.attention.maps import _cell_columns, _png_bytes  # noqa: F401 - kept importable from here, as before
 from vitscope.analyses.attention.saliency import SaliencyIoU
 from vitscope.analyses.attention.query_maps import QueryAttentionMaps
+from vitscope.analyses.attention.explorer import AttentionExplorer
 # isort: on
 
 __all__ = [
     "HEAD_TYPES",
     "AlignedAttentionMaps",
     "AttentionDistance",
+    "AttentionExplorer",
     "AttentionNMI",
     "CLSAttentionMaps",
     "QueryAttentionMaps",
