@@ -271,11 +271,12 @@
     if (!decoded.has(key)) decoded.set(key, { codes: bytes(pair[0]), scales: floats(pair[1]) });
     return decoded.get(key);
   }
-  function row(q, heads, T, head, query) {
-    /* one query's attention over all T keys: one head, or the mean of the heads */
+  function row(q, heads, Q, T, head, query) {
+    /* one query's attention over all T keys (codes laid out heads x Q queries x T keys): one head, or the mean
+       of the heads */
     const out = new Float64Array(T), hs = head === "mean" ? [...Array(heads).keys()] : [head];
     for (const h of hs) {
-      const s = q.scales[h * T + query], base = (h * T + query) * T;
+      const s = q.scales[h * Q + query], base = (h * Q + query) * T;
       for (let k = 0; k < T; k++) out[k] += (q.codes[base + k] / 255) * s;
     }
     if (hs.length > 1) for (let k = 0; k < T; k++) out[k] /= hs.length;
@@ -356,6 +357,9 @@
       if (q.kind === "reg") return q.k < regs ? { t: (m.cls ? 1 : 0) + q.k } : { why: `no register ${q.k}` };
       return { why: "pool" };
     }
+    function prefixName(m, k) {
+      return m.cls && k === 0 ? "CLS" : `register ${k - (m.cls ? 1 : 0)}`;
+    }
     function paint(canvas, img, grid, values, cell) {
       const ctx = canvas.getContext("2d"), W = canvas.width, H = canvas.height, [gr, gc] = grid;
       ctx.imageSmoothingEnabled = false;
@@ -398,7 +402,7 @@
           if (!im.pool) { text = "no attention pool: its head reads " + (m.cls ? "the CLS token" : "the patch mean"); }
           else {
             const [c, s, ph, pq] = im.pool, qq = quantised(`${n}/${st.image}/pool`, [c, s]);
-            const full = row(qq, ph, T, head === "mean" ? "mean" : Math.min(head, ph - 1), 0);
+            const full = row(qq, ph, pq, T, head === "mean" ? "mean" : Math.min(head, ph - 1), 0);
             values = Array.from(full.slice(m.prefix));
             text = `the pool's query over the last block's tokens${pq > 1 ? " (its first query)" : ""}`;
           }
@@ -406,12 +410,12 @@
           text = tok.why;
         } else {
           const qa = quantised(`${n}/${st.image}/a${block}`, im.attention[String(block)]);
-          const full = row(qa, heads, T, head, tok.t);
+          const full = row(qa, heads, T, T, head, tok.t);
           values = Array.from(full.slice(m.prefix));
           prefixVals = Array.from(full.slice(0, m.prefix));
           const type = head === "mean" ? "" : m.types[`${block},${head}`];
           text = `block ${block}, ${head === "mean" ? "mean of heads" : "head " + head}` + (type ? ` (${type})` : "") +
-            ` · max ${fmt(Math.max(...values))}` + (m.prefix ? ` · to the prefix tokens ${prefixVals.map(fmt).join(", ")}` : "");
+            ` · max ${fmt(Math.max(...values))}` + (m.prefix ? " · to " + prefixVals.map((v, k) => `${prefixName(m, k)} ${fmt(v)}`).join(", ") : "");
         }
         if (notes.length) text += ` (${notes.join("; ")})`;
         P.text.textContent = text;
@@ -427,9 +431,9 @@
         let rv = null;
         if (!tok.why && im.rollout[String(block)]) {
           const qr = quantised(`${n}/${st.image}/r${block}`, im.rollout[String(block)]);
-          rv = Array.from(row(qr, 1, T, 0, tok.t).slice(m.prefix));
+          rv = Array.from(row(qr, 1, T, T, 0, tok.t).slice(m.prefix));
         }
-        paint(P.roll, P.img, m.grid, rv, null);
+        paint(P.roll, P.img, m.grid, rv, tok && tok.r != null ? tok : null);
       }
     }
     VS.explorerRender = render;
