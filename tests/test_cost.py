@@ -229,6 +229,7 @@ CASES = [
     Case("attention_nmi", study("attention_nmi")),
     Case("cls_attention_maps", study("cls_attention_maps", "{keep_images: 1}")),
     Case("query_attention_maps", study("query_attention_maps", "{keep_images: 2, queries: [centre, [0, 1]]}")),
+    Case("attention_explorer", study("attention_explorer", "{keep_images: 2}")),
     Case("aligned_attention_maps", study("aligned_attention_maps")),
     Case("block_updates", study("block_updates", "{keep_images: 1}")),
     Case("saliency_iou", study("saliency_iou")),

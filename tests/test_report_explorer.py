@@ -20,7 +20,8 @@ from study_fixtures import TWO_TINY_MODELS
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 DRIVER = shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None, reason="chromium and chromedriver are not installed")
+pytestmark = pytest.mark.skipif(CHROMIUM is None or DRIVER is None,
+                                reason="chromium and chromedriver are not installed")
 
 TWO_MODELS_STUDY = TWO_TINY_MODELS + """\
 dataset: {name: synthetic-shapes, n_images: 12}

@@ -162,28 +162,35 @@ def curves(table: pd.DataFrame, spec: Curves, models: list[str]) -> list[dict[st
     return panels
 
 
-def cka_grids(table: pd.DataFrame) -> list[dict[str, Any]]:
-    """The CKA table's block-by-block matrices per token view and model pair (both orders can be read from one:
-    the page transposes): ``[{view, pairs: [{a, b, layers_a, layers_b, value, lo, hi}]}]``, ``value[i][j]`` =
-    CKA(a's block layers_a[i], b's block layers_b[j])."""
-    d = table[table["metric"] == "cka_minibatch"] if "metric" in table.columns else table.iloc[:0]
-    if d.empty or "model_b" not in d.columns:
+def grids(table: pd.DataFrame, metrics: Iterable[str] | None = ("cka_minibatch",)) -> list[dict[str, Any]]:
+    """Block-by-block matrices per (measure, token view) and model pair, for the rows of ``metrics`` (None: every
+    metric with a ``layer_b``); one order of a pair serves both (the page transposes):
+    ``[{view, range, pairs: [{a, b, layers_a, layers_b, value, lo, hi}]}]``, ``value[i][j]`` = the measure between
+    a's block layers_a[i] and b's block layers_b[j]; ``range`` the colour scale's ends ([0, 1] for CKA, else the
+    measure's smallest and largest value in the table)."""
+    if not {"metric", "model_b", "layer", "layer_b"} <= set(table.columns):
+        return []
+    d = table if metrics is None else table[table["metric"].isin(list(metrics))]
+    d = d.assign(layer=pd.to_numeric(d["layer"], errors="coerce"), layer_b=pd.to_numeric(d["layer_b"], errors="coerce"),
+                 value=pd.to_numeric(d["value"], errors="coerce"))
+    d = d[d["model_b"].notna() & d["layer"].notna() & d["layer_b"].notna()]
+    if d.empty:
         return []
     lo, hi = _interval(d)
-    d = d.assign(_lo=lo, _hi=hi, layer=pd.to_numeric(d["layer"], errors="coerce"),
-                 layer_b=pd.to_numeric(d["layer_b"], errors="coerce"))
+    d = d.assign(_lo=lo, _hi=hi, _view=d["token_view"].fillna("") if "token_view" in d.columns else "")
     out = []
-    for view, v in d.groupby(d["token_view"].fillna("") if "token_view" in d.columns else np.zeros(len(d)),
-                             sort=False):
+    for (metric, view), v in d.groupby(["metric", "_view"], sort=False):
         pairs = []
         for (a, b), g in v.groupby(["model", "model_b"], sort=False):
-            la, lb = sorted(g["layer"].dropna().unique()), sorted(g["layer_b"].dropna().unique())
-            grids = {k: g.pivot_table(index="layer", columns="layer_b", values=c, aggfunc="mean").reindex(
+            la, lb = sorted(g["layer"].unique()), sorted(g["layer_b"].unique())
+            mats = {k: g.pivot_table(index="layer", columns="layer_b", values=c, aggfunc="mean").reindex(
                 index=la, columns=lb) for k, c in (("value", "value"), ("lo", "_lo"), ("hi", "_hi"))}
             pairs.append({"a": str(a), "b": str(b), "layers_a": [_num(x) for x in la],
                           "layers_b": [_num(x) for x in lb],
-                          **{k: [[_num(x) for x in row] for row in m.to_numpy()] for k, m in grids.items()}})
-        out.append({"view": str(view), "pairs": pairs})
+                          **{k: [[_num(x) for x in row] for row in m.to_numpy()] for k, m in mats.items()}})
+        label = " · ".join(str(x) for x in ((metric if metrics is None else None), view or None) if x) or "all"
+        span = [0.0, 1.0] if str(metric).startswith("cka") else [_num(v["value"].min()), _num(v["value"].max())]
+        out.append({"view": label, "range": span, "pairs": pairs})
     return out
 
 
@@ -191,7 +198,7 @@ def cka_diagonal(table: pd.DataFrame, models: list[str]) -> list[dict[str, Any]]
     """CKA between the same block of two models, as curves: one panel per (reference model, token view), a
     series per other model (blocks both have), with the rows' intervals."""
     panels = []
-    for grid in cka_grids(table):
+    for grid in grids(table):
         pairs = {(p["a"], p["b"]): p for p in grid["pairs"]}
         present = [m for m in models if any(m in k for k in pairs)]
         for ref in present:
@@ -233,10 +240,14 @@ def charts(tables: dict[str, pd.DataFrame], models: list[str]) -> dict[str, list
         diag = cka_diagonal(tables["cka"], models)
         if diag:
             out.setdefault("cka", []).append({"title": "CKA between the same block of two models", "panels": diag})
-        grids = cka_grids(tables["cka"])
-        if grids:
-            out.setdefault("cka", []).append({"title": "CKA between every pair of blocks of two models",
-                                               "grids": grids})
+        cka = grids(tables["cka"])
+        if cka:
+            out.setdefault("cka", []).append({"title": "CKA between every pair of blocks of two models", "grids": cka})
+    if "similarity" in tables:
+        measures = grids(tables["similarity"], None)
+        if measures:
+            out.setdefault("similarity", []).append(
+                {"title": "Each measure between every pair of blocks of two models", "grids": measures})
     n = 0
     for charts_ in out.values():
         for c in charts_:
@@ -267,14 +278,21 @@ def explorer(tables: dict[str, pd.DataFrame], models: list[str]) -> dict[str, An
     if t is None or t.empty:
         return None
     types = _head_types(tables.get("aligned_attention_maps"))
-    out: dict[str, Any] = {"models": {}}
-    for model in [m for m in models if m in set(t["model"])] + sorted(set(t["model"]) - set(models)):
+    order = [m for m in models if m in set(t["model"])] + sorted(set(t["model"]) - set(models))
+    shown = _within_budget(t, order)
+    out: dict[str, Any] = {"models": {}, "left_out": {}}
+    for model in order:
         g = t[t["model"] == model]
         first = g.iloc[0]
         entry: dict[str, Any] = {
             "grid": [int(first["grid_rows"]), int(first["grid_cols"])], "prefix": int(first["prefix_tokens"]),
             "cls": bool(first["cls_token"]), "images": {}, "types": types.get(str(model), {})}
-        for image, gi in g.groupby("image", sort=True):
+        kept = sorted(int(i) for i in g["image"].dropna().unique())
+        if len(shown[model]) < len(kept):
+            out["left_out"][str(model)] = len(kept) - len(shown[model])
+        if not shown[model]:
+            continue
+        for image, gi in g[g["image"].isin(shown[model])].groupby("image", sort=True):
             img: dict[str, Any] = {"attention": {}, "rollout": {}}
             for r in gi.itertuples(index=False):
                 if r.metric == "input_image":
@@ -290,6 +308,29 @@ def explorer(tables: dict[str, pd.DataFrame], models: list[str]) -> dict[str, An
         entry["layers"] = sorted({int(k) for im in entry["images"].values() for k in im["attention"]})
         out["models"][str(model)] = entry
     return out
+
+
+PAGE_BUDGET = 8_000_000
+"""Bytes of quantised maps the page carries at most (about 10.7 MB as base64): images are taken in order, the
+first kept image of every model, then the second, ...; the rest stay in the table (the page says how many)."""
+
+
+def _within_budget(t: pd.DataFrame, models: list[str]) -> dict[str, list[int]]:
+    """``{model: [image]}`` of the kept images whose maps fit `PAGE_BUDGET`, image-major."""
+    sizes = {}
+    for (model, image), g in t[t["codes"].notna()].groupby(["model", "image"]):
+        sizes[(model, int(image))] = int(sum(len(c) for c in g["codes"]) + sum(len(c) for c in g["scales"]))
+    images = {m: sorted(i for mm, i in sizes if mm == m) for m in models}
+    shown: dict[str, list[int]] = {m: [] for m in models}
+    total = 0
+    for rank in range(max((len(v) for v in images.values()), default=0)):
+        for m in models:
+            if rank < len(images[m]) and len(shown[m]) == rank:  # a model's images stay in order
+                size = sizes[(m, images[m][rank])]
+                if total + size <= PAGE_BUDGET:
+                    shown[m].append(images[m][rank])
+                    total += size
+    return shown
 
 
 def _head_types(table: pd.DataFrame | None) -> dict[str, dict[str, str]]:

@@ -213,14 +213,14 @@
     head.append(" A ", selA, " B ", selB, views.length > 1 ? " view " : "", views.length > 1 ? selV : null);
     const canvas = el("canvas", { width: "320", height: "320", class: "vs-heat" });
     const tip = el("div", { class: "vs-tip muted", text: "hover a cell for its CKA and 95 % interval" });
-    box.append(head, el("div", {}, canvas, el("div", { class: "muted", text: "rows: A's blocks (0 at the bottom), columns: B's; colour 0 (dark) to 1 (bright)" })), tip);
+    box.append(head, el("div", {}, canvas, el("div", { class: "muted vs-heat-note" })), tip);
     host.append(box);
     const entry = { id: chart.id, canvas, cells: null };
     function pair() {
       const g = views[Number(selV.value) || 0], a = selA.value, b = selB.value;
       for (const p of g.pairs) {
-        if (p.a === a && p.b === b) return { la: p.layers_a, lb: p.layers_b, get: (k, i, j) => p[k][i][j] };
-        if (p.a === b && p.b === a) return { la: p.layers_b, lb: p.layers_a, get: (k, i, j) => p[k][j][i] };
+        if (p.a === a && p.b === b) return { la: p.layers_a, lb: p.layers_b, range: g.range, get: (k, i, j) => p[k][i][j] };
+        if (p.a === b && p.b === a) return { la: p.layers_b, lb: p.layers_a, range: g.range, get: (k, i, j) => p[k][j][i] };
       }
       return null;
     }
@@ -228,11 +228,13 @@
       const ctx = canvas.getContext("2d"), p = pair();
       ctx.clearRect(0, 0, canvas.width, canvas.height);
       entry.cells = p;
-      if (!p) { ctx.fillText("no CKA rows for this pair", 10, 20); return; }
+      if (!p) { ctx.fillText("no rows for this pair", 10, 20); return; }
+      box.querySelector(".vs-heat-note").textContent = `rows: ${selA.value}'s blocks (0 at the bottom), columns: ` +
+        `${selB.value}'s; colour ${fmt(p.range[0])} (dark) to ${fmt(p.range[1])} (bright)`;
       const w = canvas.width / p.lb.length, h = canvas.height / p.la.length;
       p.la.forEach((_, i) => p.lb.forEach((_, j) => {
-        const v = p.get("value", i, j);
-        const [r, g, b] = v == null ? [220, 220, 220] : colour(v);
+        const v = p.get("value", i, j), span = p.range[1] - p.range[0] || 1;
+        const [r, g, b] = v == null ? [220, 220, 220] : colour((v - p.range[0]) / span);
         ctx.fillStyle = `rgb(${r},${g},${b})`;
         ctx.fillRect(j * w, canvas.height - (i + 1) * h, Math.ceil(w), Math.ceil(h));
       }));
@@ -287,6 +289,13 @@
     const EX = DATA.explorer;
     if (!host || !EX) return;
     const names = Object.keys(EX.models);
+    const left = Object.entries(EX.left_out || {});
+    if (left.length) {
+      host.append(el("p", { class: "muted vs-ex-left", text: "Not in the page, to keep it within its size budget: " +
+        left.map(([m, k]) => `${k} kept image${k > 1 ? "s" : ""} of ${m}`).join(", ") +
+        " (every map is in results/attention_explorer.parquet; fewer layers or images fit more)." }));
+    }
+    if (!names.length) return;
     const images = [...new Set(names.flatMap((n) => Object.keys(EX.models[n].images)))].sort((a, b) => a - b);
     const maxLayers = Math.max(...names.map((n) => EX.models[n].layers.length));
     const maxHeads = Math.max(...names.flatMap((n) => Object.values(EX.models[n].images).map((im) => im.heads || 1)));
