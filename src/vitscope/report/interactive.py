@@ -138,27 +138,36 @@ def curves(table: pd.DataFrame, spec: Curves, models: list[str]) -> list[dict[st
     if spec.metrics:  # the spec's metric order first
         rank = {m: i for i, m in enumerate(spec.metrics)}
         order.sort(key=lambda k: rank.get(k[0], len(rank)))
+    kid, uniq = pd.factorize(d["_key"])
+    d = d.assign(_kid=kid)
+    # one aggregation for every panel, model and layer (per-group pandas calls cost seconds on a study's tables)
+    agg = d.groupby(["_kid", "model", "layer"], sort=True).agg(
+        v=("value", "mean"), n=("value", "size"), vmin=("value", "min"), vmax=("value", "max"),
+        lo=("_lo", "first"), hi=("_hi", "first")).reset_index()
+    several = agg["n"] > 1
+    agg.loc[several, "lo"], agg.loc[several, "hi"] = agg.loc[several, "vmin"], agg.loc[several, "vmax"]
+    index = {key: i for i, key in enumerate(uniq)}
+    by_key = dict(tuple(agg.groupby("_kid", sort=False)))
+    rows_by_key = dict(tuple(d.groupby("_kid", sort=False)))
     panels = []
     for key in order:
-        p = d[d["_key"] == key]
-        xs = sorted(p["layer"].unique())
+        k = index[key]
+        sub = by_key[k]
+        xs = sorted(sub["layer"].unique())
+        at = {(r.model, r.layer): r for r in sub.itertuples(index=False)}
+        present = set(sub["model"])
         series: dict[str, dict[str, list[float | None]]] = {}
-        averaged = 0
-        for model in [m for m in models if m in set(p["model"])] + sorted(set(p["model"]) - set(models)):
-            g = p[p["model"] == model].groupby("layer")
-            agg = g.agg(v=("value", "mean"), n=("value", "size"), vmin=("value", "min"), vmax=("value", "max"),
-                        lo=("_lo", "first"), hi=("_hi", "first"))
-            several = agg["n"] > 1
-            averaged = max(averaged, int(agg["n"].max()))
-            agg.loc[several, "lo"], agg.loc[several, "hi"] = agg.loc[several, "vmin"], agg.loc[several, "vmax"]
-            agg = agg.reindex(xs)
-            series[str(model)] = {"y": [_num(v) for v in agg["v"]], "lo": [_num(v) for v in agg["lo"]],
-                                  "hi": [_num(v) for v in agg["hi"]],
-                                  "n": [0 if pd.isna(v) else int(v) for v in agg["n"]]}
+        for model in [m for m in models if m in present] + sorted(present - set(models)):
+            got = [at.get((model, x)) for x in xs]
+            series[str(model)] = {"y": [_num(r.v) if r else None for r in got],
+                                  "lo": [_num(r.lo) if r else None for r in got],
+                                  "hi": [_num(r.hi) if r else None for r in got],
+                                  "n": [int(r.n) if r else 0 for r in got]}
+        averaged = int(sub["n"].max())
         note = (f"each point is the mean of up to {averaged} rows of the table (e.g. heads); its band is their range, "
                 "not an interval" if averaged > 1 else "bands: 95 % intervals")
         panels.append({"label": _facet_label(key, facets), "x": [_num(x) for x in xs], "series": series,
-                       "chance": _chance(table, p, str(key[0]), facets, key), "note": note})
+                       "chance": _chance(table, rows_by_key[k], str(key[0]), facets, key), "note": note})
     return panels
 
 
@@ -178,16 +187,20 @@ def grids(table: pd.DataFrame, metrics: Iterable[str] | None = ("cka_minibatch",
         return []
     lo, hi = _interval(d)
     d = d.assign(_lo=lo, _hi=hi, _view=d["token_view"].fillna("") if "token_view" in d.columns else "")
+    cells = d.groupby(["metric", "_view", "model", "model_b", "layer", "layer_b"], sort=False).agg(
+        value=("value", "mean"), lo=("_lo", "mean"), hi=("_hi", "mean")).reset_index()
     out = []
-    for (metric, view), v in d.groupby(["metric", "_view"], sort=False):
+    for (metric, view), v in cells.groupby(["metric", "_view"], sort=False):  # one pass over the cells
         pairs = []
         for (a, b), g in v.groupby(["model", "model_b"], sort=False):
             la, lb = sorted(g["layer"].unique()), sorted(g["layer_b"].unique())
-            mats = {k: g.pivot_table(index="layer", columns="layer_b", values=c, aggfunc="mean").reindex(
-                index=la, columns=lb) for k, c in (("value", "value"), ("lo", "_lo"), ("hi", "_hi"))}
+            ia, ib = {x: i for i, x in enumerate(la)}, {x: j for j, x in enumerate(lb)}
+            mats = {k: [[None] * len(lb) for _ in la] for k in ("value", "lo", "hi")}
+            for r in g.itertuples(index=False):
+                for k in mats:
+                    mats[k][ia[r.layer]][ib[r.layer_b]] = _num(getattr(r, k))
             pairs.append({"a": str(a), "b": str(b), "layers_a": [_num(x) for x in la],
-                          "layers_b": [_num(x) for x in lb],
-                          **{k: [[_num(x) for x in row] for row in m.to_numpy()] for k, m in mats.items()}})
+                          "layers_b": [_num(x) for x in lb], **mats})
         label = " · ".join(str(x) for x in ((metric if metrics is None else None), view or None) if x) or "all"
         span = [0.0, 1.0] if str(metric).startswith("cka") else [_num(v["value"].min()), _num(v["value"].max())]
         out.append({"view": label, "range": span, "pairs": pairs})
