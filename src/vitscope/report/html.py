@@ -325,8 +325,8 @@ _EXPLORER_TEXT = (
     "<code>aligned_attention_maps</code> where the study ran it. Colour: each map scaled to its own maximum (said "
     "under it). The maps are the study's own attention taps, every row stored as 8-bit codes of its maximum "
     "(error at most 1/510 of the row's maximum).</p><div id='vs-explorer' class='vs-js'></div><noscript><p "
-    "class='empty'>The explorer needs scripts; the maps of single images are drawn as figures under "
-    "cls_attention_maps and query_attention_maps.</p></noscript>")
+    "class='empty'>The explorer needs scripts; below, the centre and corner patches' maps of its first "
+    "image.</p></noscript>")
 
 
 def _page_data(run: Run) -> dict:
@@ -406,8 +406,10 @@ def write_report(run_dir: str | Path) -> Path:
         if name not in run.tables:  # no rows for any model: its section says why, and nothing else
             continue
         df = run.tables[name]
-        if name == interactive.EXPLORER:
+        if name == interactive.EXPLORER:  # the explorer, and its figure for readers with scripts off
             parts.append(_EXPLORER_TEXT if page["explorer"] else "")
+            parts += [f"<noscript><figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
+                      f"<figcaption>{_esc(title)}</figcaption></figure></noscript>" for title, png in drawn[name]]
             parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
                          f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>.</p>")
             continue

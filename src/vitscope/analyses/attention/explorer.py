@@ -95,7 +95,6 @@ class AttentionExplorer(_KeptMaps):
 
     name = "attention_explorer"
     state_version = 1
-    in_default_study = False  # a study asks for it: megabytes per image and model
     description = "every query's attention and rollout per block and head for a few images, 8-bit, for the explorer"
 
     def __init__(self, vm: Any, layers: Any = None, keep_images: NonNegative = 2):

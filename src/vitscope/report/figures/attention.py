@@ -516,7 +516,7 @@ def query_attention_maps(df: pd.DataFrame, max_images: int = 4, max_blocks: int 
                       [f"image {image_id}", *(f"block {layer}" for layer in layers)], fontsize=7)
         ax.xaxis.set_ticks_position("top")
         ax.set_yticks([r * step + (side - 1) / 2 for r in range(len(rows))],
-                      [f"{model_label(m, lines=True)}\nquery {q}" for m, q in rows], fontsize=6)
+                      [f"{model_label(m, lines=True)}" + (f"\nquery {q}" if q else "") for m, q in rows], fontsize=6)
         ax.set_xlim(-0.5, mosaic.shape[1] - 0.5)
         ax.set_ylim(mosaic.shape[0] - 0.5, -0.5)
         ax.tick_params(length=0)
@@ -530,6 +530,36 @@ def query_attention_maps(df: pd.DataFrame, max_images: int = 4, max_blocks: int 
     return out
 
 
+def attention_explorer(df: pd.DataFrame) -> Figures:
+    """The explorer's static stand-in (for readers with scripts off and for ``--export``): the first kept image's
+    centre and top-left patches as the queries, their attention (mean of heads) at every block, drawn as
+    `query_attention_maps` draws its queries, from the explorer's 8-bit rows
+    (`vitscope.analyses.attention.explorer.dequantise_rows`)."""
+    from vitscope.analyses.attention.explorer import dequantise_rows
+
+    need = {"codes", "scales", "image", "png", "grid_rows", "grid_cols", "prefix_tokens"}
+    if not need <= set(df.columns):
+        return []
+    images = df[(df.metric == "input_image") & df["png"].notna()]
+    attn = df[(df.metric == "attention") & df["codes"].notna()]
+    if images.empty or attn.empty:
+        return []
+    first = int(images["image"].min())
+    rows = []
+    for r in attn[attn.image == first].itertuples(index=False):
+        H, T, R, C, P = int(r.heads), int(r.tokens), int(r.grid_rows), int(r.grid_cols), int(r.prefix_tokens)
+        a = dequantise_rows(np.frombuffer(r.codes, np.uint8).reshape(H, T, T),
+                            np.frombuffer(r.scales, "<f4").reshape(H, T))
+        for name, (qr, qc) in (("centre", (R // 2, C // 2)), ("corner", (0, 0))):
+            grid = a[:, P + qr * C + qc, P:].mean(0).reshape(R, C)
+            rows += [{"model": r.model, "metric": "query_attention_mean", "image": first, "layer": int(r.layer),
+                      "query": name, "query_row": qr, "query_col": qc, "row": i, "col": j,
+                      "value": float(grid[i, j])} for i in range(R) for j in range(C)]
+    shown = pd.concat([images[images.image == first].assign(query=None), pd.DataFrame(rows)], ignore_index=True)
+    return [(f"Attention explorer, drawn once (the page's explorer shows any patch, head and block): "
+             f"{caption[0].lower()}{caption[1:]}", fig) for caption, fig in query_attention_maps(shown, max_images=1)]
+
+
 FIGURES = {
     "attention_distance": attention_distance,
     "attention_nmi": attention_nmi,
@@ -537,4 +567,5 @@ FIGURES = {
     "cls_attention_maps": cls_attention_maps,
     "aligned_attention_maps": aligned_attention_maps,
     "query_attention_maps": query_attention_maps,
+    "attention_explorer": attention_explorer,
 }
