@@ -75,6 +75,23 @@ def run_study_text(tmp_path: Any, text: str) -> tuple[dict[str, Any], list[str]]
             [str(w.message) for w in caught])
 
 
+def shapes_batches(vm: Any, n: int = 5, bs: int = 2, indices: list[int] | None = None) -> list[Any]:
+    """``n`` generated shapes (seed 3) in batches of ``bs`` for ``vm`` (or the images of ``indices``, in that order)."""
+    from vitscope.data import SyntheticShapes
+
+    return list(SyntheticShapes(n=n, seed=3).batches(bs, vm.preprocessing, indices=indices))
+
+
+def run_analysis(name: str, vm: Any, batches: list[Any], **params: Any) -> Analysis:
+    """Analysis ``name`` with ``params`` streamed over ``batches`` (one pass, no progress bar)."""
+    from vitscope.analyses import get_analysis
+    from vitscope.capture import stream
+
+    a = get_analysis(name)(vm, **params)
+    stream(vm, batches, [a], progress=False)
+    return a
+
+
 def one_line_error(capsys, argv: list[str]) -> str:
     """The command fails with exit status 2 and one line on stderr, no traceback; returns that line."""
     from vitscope.cli import main

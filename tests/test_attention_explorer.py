@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from study_fixtures import run_analysis, shapes_batches
 
 import vitscope as vs
 from conftest import TINY, tiny
@@ -17,7 +18,6 @@ from vitscope.analyses import get_analysis
 from vitscope.analyses.attention.explorer import quantise_rows
 from vitscope.analyses.base import validate_params
 from vitscope.capture import stream
-from vitscope.data import SyntheticShapes
 from vitscope.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -34,14 +34,11 @@ def _model(**kw) -> vs.ViTModel:
     return vm
 
 
-def _batches(vm, n=5, bs=2, indices=None):
-    return list(SyntheticShapes(n=n, seed=3).batches(bs, vm.preprocessing, indices=indices))
+_batches = shapes_batches
 
 
 def _run(vm, batches, **params):
-    a = get_analysis(NAME)(vm, **params)
-    stream(vm, batches, [a], progress=False)
-    return a
+    return run_analysis(NAME, vm, batches, **params)
 
 
 def _raw(vm, batches, taps):

@@ -9,13 +9,12 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
+from study_fixtures import run_analysis, shapes_batches
 
 import vitscope as vs
 from conftest import TINY, tiny
 from vitscope.analyses import get_analysis
 from vitscope.analyses.base import validate_params
-from vitscope.capture import stream
-from vitscope.data import SyntheticShapes
 from vitscope.errors import ConfigError
 from vitscope.report.figures import FIGURES
 
@@ -30,14 +29,11 @@ def _no_cls(**kw):
                          global_pool="avg", **{**TINY, **kw})
 
 
-def _batches(vm, n=5, bs=2, indices=None):
-    return list(SyntheticShapes(n=n, seed=3).batches(bs, vm.preprocessing, indices=indices))
+_batches = shapes_batches
 
 
 def _run(vm, batches, **params):
-    a = get_analysis(NAME)(vm, **params)
-    stream(vm, batches, [a], progress=False)
-    return a
+    return run_analysis(NAME, vm, batches, **params)
 
 
 def _ref_map(attn, b, hd, token, p, grid):
