@@ -92,6 +92,19 @@ def run_analysis(name: str, vm: Any, batches: list[Any], **params: Any) -> Analy
     return a
 
 
+def fed_by_hand(name: str, vm: Any, batches: list[Any], **params: Any) -> Analysis:
+    """Analysis ``name`` updated batch by batch from `vitscope.Capture` (no stream: the batches in the given order,
+    as a shard or a resumed run may see them)."""
+    import vitscope as vs
+    from vitscope.analyses import get_analysis
+
+    a = get_analysis(name)(vm, **params)
+    for b in batches:
+        with vs.Capture(vm, a.required_taps()) as cap:
+            a.update(cap(b.images), b)
+    return a
+
+
 def one_line_error(capsys, argv: list[str]) -> str:
     """The command fails with exit status 2 and one line on stderr, no traceback; returns that line."""
     from vitscope.cli import main

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from study_fixtures import run_analysis, shapes_batches
+from study_fixtures import fed_by_hand, run_analysis, shapes_batches
 
 import vitscope as vs
 from conftest import TINY, tiny
@@ -142,11 +142,7 @@ def test_attention_and_rollout_decode_to_the_raw_taps(layers):
 
 
 def _fed(vm, batches, **params):
-    a = get_analysis(NAME)(vm, **params)
-    for b in batches:
-        with vs.Capture(vm, a.required_taps()) as cap:
-            a.update(cap(b.images), b)
-    return a
+    return fed_by_hand(NAME, vm, batches, **params)
 
 
 def test_kept_images_merge_and_resume_equal_one_pass():

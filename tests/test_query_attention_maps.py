@@ -9,7 +9,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 import torch
-from study_fixtures import run_analysis, shapes_batches
+from study_fixtures import fed_by_hand, run_analysis, shapes_batches
 
 import vitscope as vs
 from conftest import TINY, tiny
@@ -160,11 +160,7 @@ def test_parameters_are_checked_without_a_model():
 
 
 def _fed(vm, batches, **params):
-    a = get_analysis(NAME)(vm, **params)
-    for b in batches:
-        with vs.Capture(vm, a.required_taps()) as cap:
-            a.update(cap(b.images), b)
-    return a
+    return fed_by_hand(NAME, vm, batches, **params)
 
 
 def _same(a: pd.DataFrame, b: pd.DataFrame) -> None:
