@@ -390,6 +390,7 @@ def _one_line_result_warnings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    command_line = argv is None  # the `vitscope` command itself (tests and callers pass their arguments)
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     for i in range(len(argv) - 1):  # `--models -1/2`: argparse would take -1/2 for an option and say nothing useful
@@ -422,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
         if _stopped_by:
             said = said.replace("interrupted", f"interrupted by {signal.Signals(_stopped_by[-1]).name}", 1)
         print(f"vitscope: {said}", file=sys.stderr)
+        if command_line:  # what is left is the interpreter's exit: a second Ctrl-C ends it at once, silently
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
         return 128 + (_stopped_by[-1] if _stopped_by else signal.SIGINT)
     except BrokenPipeError:  # `vitscope datasets | head`: the reader left; say nothing, as `cat` does
         devnull = os.open(os.devnull, os.O_WRONLY)

@@ -22,7 +22,7 @@ from vitscope.report import interactive
 from vitscope.report.run import BEST_LAYERS, Run, load_run
 from vitscope.report.summary import Study, summarize
 from vitscope.study.rundir import BEST_LAYERS_TABLE
-from vitscope.threads import die_with_parent, single_threaded
+from vitscope.threads import exit_with_parent, single_threaded
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +261,17 @@ def _draw(run: Run, name: str) -> list[tuple[str, str]]:
 _FORKED_RUN: Run | None = None  # the run a forked drawing process inherits
 
 
+def _drawing_process() -> None:
+    """A drawing process dies with the study (`vitscope.threads.exit_with_parent`) and leaves Ctrl-C to it: it
+    ignores SIGINT and finishes the figure in hand while the study stops the pool. Dying at once would break the
+    pool, whose manager thread then prints a traceback beside the study's one line (CPython 3.11 sets an
+    exception on the futures that ``map`` had just cancelled)."""
+    import signal
+
+    exit_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _draw_forked(name: str) -> list[tuple[str, str]]:
     assert _FORKED_RUN is not None
     return _draw(_FORKED_RUN, name)
@@ -290,13 +301,22 @@ def _draw_all(run: Run, names: list[str]) -> dict[str, list[tuple[str, str]]]:
     _FORKED_RUN = run
     # the largest tables first (their figures take longest): no process is left drawing a big one alone at the end
     order = sorted(names, key=lambda n: -len(run.tables.get(n, ())))
+    before = set(mp.active_children())  # a study's helper is not ours to stop
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=_drawing_process)
     try:
-        with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork"), initializer=die_with_parent) as pool:
-            drawn = dict(zip(order, pool.map(_draw_forked, order), strict=True))
+        futures = [pool.submit(_draw_forked, n) for n in order]  # not `map`: it cancels futures when interrupted
+        drawn = dict(zip(order, (f.result() for f in futures), strict=True))
+        pool.shutdown()
         return {n: drawn[n] for n in names}
     except BrokenProcessPool:  # a drawing process was killed (e.g. out of memory): draw here instead
         log.warning("a process drawing the report's figures ended abruptly; drawing them in this process")
+        pool.shutdown(wait=False)
         return {n: _draw(run, n) for n in names}
+    except BaseException:  # Ctrl-C: the drawing processes stop now, not after the figures in hand
+        for p in set(mp.active_children()) - before:
+            p.kill()
+        pool.shutdown(wait=False)
+        raise
     finally:
         _FORKED_RUN = None
 
