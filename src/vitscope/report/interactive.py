@@ -39,6 +39,7 @@ class Curves:
     pattern: str = ""
     facets: tuple[str, ...] = ("metric", "token_view")
     replaces: tuple[str, ...] = ()
+    reference: str = "chance"  # what the table's *_chance rows are for this analysis
 
 
 CURVES: tuple[Curves, ...] = (
@@ -46,13 +47,14 @@ CURVES: tuple[Curves, ...] = (
            ("distance",), replaces=("Attention distance per head and layer",)),
     Curves("attention_nmi", "Attention collapse: NMI between queries and keys per block", pattern=".*",
            replaces=("Attention collapse: NMI",)),
-    Curves("saliency_iou", "Attention-saliency IoU per block", pattern=".*", replaces=("Attention-saliency IoU",)),
+    Curves("saliency_iou", "Attention-saliency IoU per block", pattern=".*", facets=("metric", "query"),
+           replaces=("Attention-saliency IoU",)),
     Curves("semantics", "Which block knows the class: k-NN, probe and k-means per block",
            pattern=r"^(knn\d+_top\d+|probe_top1|kmeans_(purity|nmi|ari))$", replaces=("Which layer knows the class",)),
     Curves("propagation", "Video mask propagation (J, F, J&F) per block", ("JF", "J", "F"),
            replaces=("Video mask propagation per layer",)),
     Curves("correspondence", "Keypoint correspondence per block", pattern=r"^(?!video_|pair_).*(?<!_chance)$",
-           replaces=("Keypoint correspondence per layer",)),
+           facets=("metric", "token_view", "category"), replaces=("Keypoint correspondence per layer",)),
     Curves("retrieval", "Instance retrieval per block", pattern=r"^(?!query_).*(?<!_chance)$",
            replaces=("Instance retrieval per layer",)),
     Curves("band_noise", "Probe accuracy under frequency-band noise per block", ("accuracy", "drop"),
@@ -60,8 +62,15 @@ CURVES: tuple[Curves, ...] = (
     Curves("corruptions", "Probe accuracy under corruptions per block", ("accuracy", "relative_drop"),
            facets=("metric", "corruption", "severity", "readout")),
     Curves("diversity", "Representation diversity inside self-attention per block", pattern=".*"),
-    Curves("svd_volume", "Volume of the tokens per block", pattern=".*"),
-    Curves("fourier", "High-frequency amplitude per block", pattern=r"^(?!.*log_amplitude).*$"),
+    Curves("svd_volume", "Volume of the tokens per block", ("token_log_volume", "image_log_volume"),
+           reference="isotropic Gaussian features (the most their variance fills)"),
+    Curves("fourier", "High-frequency amplitude per block", ("high_freq_delta_log_amp",),
+           reference="white-noise tokens"),
+    Curves("block_updates", "Attention and MLP updates per block, and how far tokens move in unison",
+           ("attn_share", "mlp_share", "attn_update", "mlp_update", "displacement", "unison_cosine", "unison_share")),
+    Curves("high_norm_tokens", "High-norm tokens per block",
+           ("outliers_per_image", "images_with_outliers", "cls_attention_absorbed", "knn_accuracy", "patch_variance"),
+           facets=("metric", "token_view", "tokens")),
 )
 CKA_REPLACES = ("CKA between the taps of every pair of models",)
 
@@ -167,7 +176,8 @@ def curves(table: pd.DataFrame, spec: Curves, models: list[str]) -> list[dict[st
         note = (f"each point is the mean of up to {averaged} rows of the table (e.g. heads); its band is their range, "
                 "not an interval" if averaged > 1 else "bands: 95 % intervals")
         panels.append({"label": _facet_label(key, facets), "x": [_num(x) for x in xs], "series": series,
-                       "chance": _chance(table, rows_by_key[k], str(key[0]), facets, key), "note": note})
+                       "chance": _chance(table, rows_by_key[k], str(key[0]), facets, key), "note": note,
+                       "reference": spec.reference})
     return panels
 
 

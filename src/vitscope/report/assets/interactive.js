@@ -124,7 +124,7 @@
       select.addEventListener("change", () => draw(Number(select.value)));
       head.append(" ", select);
     }
-    const zoom = el("button", { type: "button", class: "vs-zoom" }, "zoom to chance / untrained");
+    const zoom = el("button", { type: "button", class: "vs-zoom" }, "zoom to the reference / untrained");
     const reset = el("button", { type: "button", class: "vs-reset" }, "reset zoom");
     head.append(" ", zoom, " ", reset);
     box.append(head, plot, note);
@@ -152,7 +152,7 @@
       });
       if (panel.chance != null) {
         data.push(panel.x.map(() => panel.chance));
-        series.push({ label: "chance", stroke: "#000000", dash: [3, 3], width: 1, points: { show: false },
+        series.push({ label: panel.reference || "chance", stroke: "#000000", dash: [3, 3], width: 1, points: { show: false },
           value: () => fmt(panel.chance) });
       }
       const width = Math.max(320, Math.min(760, host.clientWidth - 10 || 640));
@@ -174,8 +174,8 @@
       entry.names = names;
       const range = bandRange(panel);
       zoom.disabled = !range;
-      zoom.title = range ? "" : "this chart has no chance level and no untrained model";
-      note.textContent = panel.note + (panel.chance != null ? "; dashed black: chance" : "") +
+      zoom.title = range ? "" : "this chart has no reference level and no untrained model";
+      note.textContent = panel.note + (panel.chance != null ? `; dashed black: ${panel.reference || "chance"}` : "") +
         (names.some((n) => META[n] && META[n].untrained) ? "; grey, dashed: untrained" : "") +
         ". Click a legend entry to hide a model on every chart; drag to zoom, double-click to zoom out.";
     }
