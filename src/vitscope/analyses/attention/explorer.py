@@ -107,9 +107,6 @@ class AttentionExplorer(_KeptMaps):
         self.has_pool = bool(getattr(vm, "has_attention_pool", False))  # a ModelInfo (cached state): from the state
         self.kept_index = torch.zeros(0, dtype=torch.long)
         self.kept = self._empty_buffers()
-        pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
-        self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
-        self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
 
     def _empty_buffers(self) -> dict[str, torch.Tensor]:
         """Buffers of no image (their trailing shapes are set by the first images kept)."""

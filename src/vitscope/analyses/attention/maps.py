@@ -53,7 +53,14 @@ def _cell_columns(values: torch.Tensor, layers: Sequence[int], names: tuple[str,
 class _KeptMaps(_LayerAttention):
     """Maps of a few kept images (``kept_index``, ``kept_maps``, ``kept_pixels``): those with the ``keep_images``
     smallest dataset indices, whatever the order batches or shards arrive in, with the images as the model saw
-    them. Set ``pixel_mean``/``pixel_std`` (the model's normalisation, None where unknown) in ``__init__``."""
+    them, un-normalised with ``pixel_mean``/``pixel_std`` (the model's normalisation, None where unknown: a cached
+    state's model info has none)."""
+
+    def __init__(self, vm: Any, layers: Any = None):
+        super().__init__(vm, layers)
+        pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
+        self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
+        self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
 
     def _pixels(self, images: torch.Tensor) -> torch.Tensor:
         """``(B, 3, H, W)`` model inputs -> uint8 images as the model saw them (on their device): normalisation
@@ -116,9 +123,6 @@ class CLSAttentionMaps(_KeptMaps):
         self.kept_index = torch.zeros(0, dtype=torch.long)
         self.kept_maps = torch.zeros(0, L, H, h, w, dtype=torch.float32)
         self.kept_pixels = torch.zeros(0, 3, 1, 1, dtype=torch.uint8)
-        pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
-        self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
-        self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
 
     def required_taps(self) -> list[str]:
         return super().required_taps() if self.has_cls_token else []

@@ -123,9 +123,6 @@ class QueryAttentionMaps(_KeptMaps):
         self.kept_index = torch.zeros(0, dtype=torch.long)
         self.kept_maps = torch.zeros(0, Q, L, H, *self.grid_size, dtype=torch.float32)
         self.kept_pixels = torch.zeros(0, 3, 1, 1, dtype=torch.uint8)
-        pre = getattr(vm, "preprocessing", None)  # a loaded model has it; a ModelInfo (cached state) does not
-        self.pixel_mean = tuple(float(x) for x in pre.mean) if pre is not None else None
-        self.pixel_std = tuple(float(x) for x in pre.std) if pre is not None else None
 
     def _parse(self, queries: Any) -> list[Query]:
         """The queries, parsed and checked against the model (a CLS query needs a CLS token; no query twice)."""
