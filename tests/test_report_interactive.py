@@ -65,7 +65,7 @@ def test_cka_diagonal_reads_both_orders_of_a_pair():
                 rows.append({"model": a, "model_b": b, "metric": "cka_minibatch", "layer": i, "layer_b": j,
                              "token_view": "gap", "value": v, "value_lo": v - 0.05, "value_hi": v + 0.05})
     t = pd.DataFrame(rows)
-    panels = {p["label"]: p for p in I.cka_diagonal(t, ["m1", "m2", "m3"])}
+    panels = {p["label"]: p for p in I.cka_diagonal(I.grids(t), ["m1", "m2", "m3"])}
     vs_m1 = panels["vs m1 · gap"]
     for other in ("m2", "m3"):
         pair = t[((t.model == "m1") & (t.model_b == other)) | ((t.model == other) & (t.model_b == "m1"))]

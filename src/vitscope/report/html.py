@@ -426,22 +426,19 @@ def write_report(run_dir: str | Path) -> Path:
         if name not in run.tables:  # no rows for any model: its section says why, and nothing else
             continue
         df = run.tables[name]
-        if name == interactive.EXPLORER:  # the explorer, and its figure for readers with scripts off
+        explorer = name == interactive.EXPLORER  # its section is the explorer (its table holds bytes, no numbers)
+        if explorer:
             parts.append(_EXPLORER_TEXT if page["explorer"] else "")
-            parts += [f"<noscript><figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
-                      f"<figcaption>{_esc(title)}</figcaption></figure></noscript>" for title, png in drawn[name]]
-            parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"
-                         f"All {len(df)} rows: <code>pandas.read_parquet('results/{_esc(name)}.parquet')</code>.</p>")
-            continue
-        own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic table)
-        parts.append(_table(own(df) if callable(own) else key_numbers(df)))
+        else:
+            own = getattr(cls, "key_numbers", None)  # an analysis may say which numbers matter (else the generic)
+            parts.append(_table(own(df) if callable(own) else key_numbers(df)))
         if page["charts"].get(name):
             parts.append(f"<div class='vs-charts vs-js' data-analysis='{_esc(name)}'></div>")
         for title, png in drawn[name]:
             figure = (f"<figure><img alt='{_esc(title)}' src='data:image/png;base64,{png}'>"
                       f"<figcaption>{_esc(title)}</figcaption></figure>")
-            # a figure an interactive chart shows the data of stays for readers with scripts off
-            shown = page["charts"].get(name) and interactive.replaced(name, title)
+            # a figure the page's explorer or an interactive chart shows the data of stays for readers with scripts off
+            shown = (explorer and page["explorer"]) or (page["charts"].get(name) and interactive.replaced(name, title))
             parts.append(f"<noscript>{figure}</noscript>" if shown else figure)
         # drawn from exactly the bytes whose digest is here (results_digest)
         parts.append(f"<p class='muted' data-table='{_esc(name)}' data-sha256='{run.digests[name]}'>"

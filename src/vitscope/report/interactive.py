@@ -217,11 +217,11 @@ def grids(table: pd.DataFrame, metrics: Iterable[str] | None = ("cka_minibatch",
     return out
 
 
-def cka_diagonal(table: pd.DataFrame, models: list[str]) -> list[dict[str, Any]]:
-    """CKA between the same block of two models, as curves: one panel per (reference model, token view), a
-    series per other model (blocks both have), with the rows' intervals."""
+def cka_diagonal(cka: list[dict[str, Any]], models: list[str]) -> list[dict[str, Any]]:
+    """CKA between the same block of two models, as curves, read off the CKA `grids`: one panel per (reference
+    model, token view), a series per other model (blocks both have), with the rows' intervals."""
     panels = []
-    for grid in grids(table):
+    for grid in cka:
         pairs = {(p["a"], p["b"]): p for p in grid["pairs"]}
         present = [m for m in models if any(m in k for k in pairs)]
         for ref in present:
@@ -260,10 +260,10 @@ def charts(tables: dict[str, pd.DataFrame], models: list[str]) -> dict[str, list
             if panels:
                 out.setdefault(spec.analysis, []).append({"title": spec.title, "panels": panels})
     if "cka" in tables:
-        diag = cka_diagonal(tables["cka"], models)
+        cka = grids(tables["cka"])
+        diag = cka_diagonal(cka, models)
         if diag:
             out.setdefault("cka", []).append({"title": "CKA between the same block of two models", "panels": diag})
-        cka = grids(tables["cka"])
         if cka:
             out.setdefault("cka", []).append({"title": "CKA between every pair of blocks of two models", "grids": cka})
     if "similarity" in tables:
